@@ -1,0 +1,145 @@
+"""The block manager: physical KV-cache blocks, block tables and the prefix cache.
+
+- ``free``: the free-block queue, least recently used first. Blocks whose contents are still
+  in the prefix cache stay here (they count as free) until they are reused: taking one for a
+  new purpose *evicts* it from the cache.
+- Each request's ``block_ids`` is its block table (logical block i -> physical block).
+- Reference counts let requests share prefix blocks.
+- Prefix caching: a full block's hash chains its parent's hash and its token ids, so a hash
+  names the whole prefix up to that block. Hits are verified against the stored tokens.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.hooks import Hooks
+from engine.request import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] | None = None  # the tokens behind `hash`, to verify hits
+
+
+def hash_block(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hooks: Hooks | None = None):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> physical block id
+        self.hooks = hooks or Hooks()
+        self.step: int | None = None  # set by the scheduler, for trace events
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def _block_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+        """Extend the request's hash chain to its first num_full_blocks blocks."""
+        bs, hashes, toks = self.block_size, req.block_hashes, req.all_token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(toks[i * bs:(i + 1) * bs])))
+        return hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """The longest chain of cached blocks that prefixes this request's tokens.
+
+        At most num_tokens - 1 tokens can hit: the last token is always computed, because
+        its logits are needed to sample the next one.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits = []
+        for i, h in enumerate(self._block_hashes(req, (req.num_tokens - 1) // bs)):
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].token_ids != tuple(req.all_token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(bid)
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += len(hits) * bs
+        if self.hooks.active: self.hooks.emit("block_manager", "cache_hit" if hits else "cache_miss", request_id=req.request_id, step=self.step, block_ids=hits, hit_tokens=len(hits) * bs, query_tokens=req.num_tokens)
+        return hits
+
+    # ---- allocation ---------------------------------------------------------------------
+    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        need = self.blocks_needed(req.num_computed_tokens + len(computed_blocks) * self.block_size
+                                  + num_new_tokens) - len(req.block_ids) - len(computed_blocks)
+        reused_free = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        return need <= self.num_free_blocks - reused_free
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Make room for num_new_tokens more tokens of req (after its computed ones and any
+        prefix-cache hits). Returns False, changing nothing, if there are not enough blocks."""
+        if not self.can_allocate(req, num_new_tokens, computed_blocks):
+            return False
+        for bid in computed_blocks:  # prefix-cache hits: share the block
+            block = self.blocks[bid]
+            if block.ref_cnt == 0:
+                del self.free[bid]
+            block.ref_cnt += 1
+            req.block_ids.append(bid)
+        total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        new = [self._take_free_block() for _ in range(self.blocks_needed(total) - len(req.block_ids))]
+        req.block_ids.extend(new)
+        if new and self.hooks.active: self.hooks.emit("block_manager", "allocate", request_id=req.request_id, step=self.step, block_ids=new, block_table=list(req.block_ids))
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req, total // self.block_size)
+        return True
+
+    def _take_free_block(self) -> int:
+        bid, _ = self.free.popitem(last=False)  # least recently used
+        block = self.blocks[bid]
+        if block.hash is not None:  # its old contents leave the prefix cache now
+            if self.cached.get(block.hash) == bid:
+                del self.cached[block.hash]
+            if self.hooks.active: self.hooks.emit("block_manager", "evict", step=self.step, block_ids=[bid])
+            block.hash = block.token_ids = None
+        block.ref_cnt = 1
+        return bid
+
+    def _cache_full_blocks(self, req: Request, num_full: int) -> None:
+        """Register the request's full blocks (their K/V are written this step) in the cache."""
+        bs = self.block_size
+        for i, h in enumerate(self._block_hashes(req, num_full)):
+            block = self.blocks[req.block_ids[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = h, tuple(req.all_token_ids[i * bs:(i + 1) * bs])
+                self.cached.setdefault(h, block.block_id)
+
+    def free_request(self, req: Request) -> None:
+        """Drop the request's references. Freed blocks join the queue tail-first, so a
+        request's last blocks are reused before its (more shareable) first ones; blocks with
+        no cached contents go to the front, to be reused before any cached block."""
+        freed = []
+        for bid in reversed(req.block_ids):
+            block = self.blocks[bid]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free[bid] = None
+                if block.hash is None:
+                    self.free.move_to_end(bid, last=False)
+                freed.append(bid)
+        if self.hooks.active: self.hooks.emit("block_manager", "free", request_id=req.request_id, step=self.step, block_ids=freed)
+        req.block_ids = []
+
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks

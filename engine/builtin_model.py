@@ -1,0 +1,131 @@
+"""The built-in offline model ``tiny-gpt2``.
+
+A real GPT-2-architecture checkpoint (4 layers, 128 wide, 4 heads) with deterministic
+weights from a fixed seed, written once in Hugging Face format (config.json,
+model.safetensors, tokenizer.json) to a cache directory, and then loaded through exactly
+the same loader as downloaded checkpoints. Hugging Face transformers loads it too, which is
+how the tests compare outputs.
+
+Its tokenizer is byte-level: token id b (0..255) is the byte b, and 256 is <|endoftext|>.
+Any text round-trips, and one character can take several tokens (UTF-8).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+NAME = "tiny-gpt2"
+SEED = 1234
+CONFIG = dict(
+    model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=257, n_positions=512,
+    n_embd=128, n_layer=4, n_head=4, n_inner=None, activation_function="gelu_new",
+    layer_norm_epsilon=1e-5, initializer_range=0.02, bos_token_id=256, eos_token_id=256,
+    tie_word_embeddings=True, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+    reorder_and_upcast_attn=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+)
+VERSION = "1"  # bump when CONFIG, SEED or the init changes, so stale caches are rebuilt
+
+
+def cache_root() -> Path:
+    base = os.environ.get("VLLM_TRACE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm-trace")
+    return Path(base)
+
+
+def builtin_path() -> Path:
+    """Directory of the built-in checkpoint, writing it first if needed."""
+    path = cache_root() / f"{NAME}-v{VERSION}"
+    if not (path / "model.safetensors").exists():
+        _write(path)
+    return path
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED)
+    d, v, p, L = CONFIG["n_embd"], CONFIG["vocab_size"], CONFIG["n_positions"], CONFIG["n_layer"]
+
+    def normal(*shape, std=0.02):
+        return torch.randn(*shape, generator=g) * std
+
+    # Larger than GPT-2's init: at 0.02 an untrained model repeats one token forever; at these
+    # scales greedy outputs vary, which makes the engine's tests sharper. Rows of bytes that are
+    # not printable ASCII are shrunk so the (tied) LM head mostly emits readable characters.
+    wte = normal(v, d, std=0.5)
+    printable = torch.zeros(v, dtype=torch.bool)
+    printable[32:127] = True
+    wte[~printable] *= 0.2
+    w = {"transformer.wte.weight": wte, "transformer.wpe.weight": normal(p, d, std=0.05)}
+    for i in range(L):
+        pre = f"transformer.h.{i}."
+        w |= {
+            pre + "ln_1.weight": 1 + normal(d, std=0.1), pre + "ln_1.bias": normal(d),
+            pre + "attn.c_attn.weight": normal(d, 3 * d, std=0.5), pre + "attn.c_attn.bias": normal(3 * d),
+            pre + "attn.c_proj.weight": normal(d, d, std=0.05), pre + "attn.c_proj.bias": normal(d),
+            pre + "ln_2.weight": 1 + normal(d, std=0.1), pre + "ln_2.bias": normal(d),
+            pre + "mlp.c_fc.weight": normal(d, 4 * d, std=0.2), pre + "mlp.c_fc.bias": normal(4 * d),
+            pre + "mlp.c_proj.weight": normal(4 * d, d, std=0.05), pre + "mlp.c_proj.bias": normal(d),
+        }
+    w |= {"transformer.ln_f.weight": 1 + normal(d, std=0.1), "transformer.ln_f.bias": normal(d)}
+    return w
+
+
+def _tokenizer_json() -> dict:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    # ByteLevel maps each byte to a printable character; ordering the vocab by byte value
+    # makes token id == byte value.
+    alphabet = ByteLevel.alphabet()
+    byte_to_char = _bytes_to_unicode()
+    assert set(byte_to_char.values()) == set(alphabet)
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    vocab["<|endoftext|>"] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    return json.loads(tok.to_str())
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable-character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _write(path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
+        save_file({k: t.contiguous() for k, t in _weights().items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "tokenizer.json").write_text(json.dumps(_tokenizer_json()))
+        (tmp / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+            "eos_token": "<|endoftext|>", "unk_token": None, "model_max_length": CONFIG["n_positions"],
+            "clean_up_tokenization_spaces": False,
+        }))
+        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": 256}))
+        (tmp / "README.md").write_text(__doc__)
+        try:
+            tmp.rename(path)  # atomic: a concurrent writer either wins or finds it done
+        except OSError:
+            if not (path / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

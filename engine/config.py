@@ -1,0 +1,81 @@
+"""Engine configuration as dataclasses, validated on construction with messages that name
+the parameter and its allowed range."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range."""
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+ATTENTION_BACKENDS = ("torch", "triton")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class ModelConfig:
+    model: str = "tiny-gpt2"
+    dtype: str | None = None  # None: float32 on CPU, float16 on CUDA
+    device: str | None = None  # None: cuda if available else cpu
+    max_model_len: int | None = None  # None: the checkpoint's n_positions
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and self.model != "", "model must be a non-empty name or path")
+        _check(self.dtype is None or self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.max_model_len is None or self.max_model_len >= 1,
+               f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # exact number of blocks; overrides the memory budget
+    kv_cache_memory: int | None = None  # bytes for K and V of all layers (CPU default: 256 MiB)
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the process may use
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.block_size, int) and self.block_size >= 1 and
+               self.block_size & (self.block_size - 1) == 0,
+               f"block_size must be a power of two >= 1, got {self.block_size}")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+               f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+               f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0,
+               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str | None = None  # None: triton on CUDA, torch on CPU (measured faster)
+
+    def __post_init__(self) -> None:
+        _check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
+               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+        return asdict(self)

@@ -1,0 +1,50 @@
+"""The engine's observation points: a tiny hook API the tracer subscribes to.
+
+Engine code writes one line per trace point::
+
+    if self.hooks.active: self.hooks.emit("scheduler", "SCHEDULED", request_id=rid, step=s, tokens=n)
+
+so the cost when nobody listens is one attribute check. ``gate`` is where a step controller
+may hold the engine (between steps, between schedule and execute, before a kernel launch).
+The engine knows nothing of who listens.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+# kinds of event
+INSTANT, BEGIN, END, COUNTER, SNAPSHOT = "instant", "begin", "end", "counter", "snapshot"
+
+Listener = Callable[[str, str, str, "str | None", "int | None", dict], None]
+Gate = Callable[[str, dict], None]
+
+
+class Hooks:
+    def __init__(self) -> None:
+        self.active = False  # True while anyone listens or gates
+        self._listeners: list[Listener] = []
+        self._gates: list[Gate] = []
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """listener(layer, name, kind, request_id, step, attrs). Returns an unsubscribe function."""
+        self._listeners.append(listener)
+        self._update()
+        return lambda: (self._listeners.remove(listener), self._update())
+
+    def add_gate(self, gate: Gate) -> Callable[[], None]:
+        """gate(point, info) is called at each control point and may block."""
+        self._gates.append(gate)
+        self._update()
+        return lambda: (self._gates.remove(gate), self._update())
+
+    def _update(self) -> None:
+        self.active = bool(self._listeners or self._gates)
+
+    def emit(self, layer: str, name: str, kind: str = INSTANT, request_id: str | None = None,
+             step: int | None = None, **attrs: Any) -> None:
+        for listener in self._listeners:
+            listener(layer, name, kind, request_id, step, attrs)
+
+    def gate(self, point: str, **info: Any) -> None:
+        for g in self._gates:
+            g(point, info)

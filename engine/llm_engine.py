@@ -1,0 +1,280 @@
+"""LLMEngine: requests in, one step at a time, outputs out.
+
+    step() = schedule -> execute (model runner + sampler) -> postprocess (append tokens,
+             detokenize, stop checks, free finished requests)
+"""
+from __future__ import annotations
+
+import random
+import time
+from itertools import count
+
+import torch
+
+from engine import model_loader
+from engine.attention import AttentionBackend, default_backend
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.hooks import BEGIN, END, SNAPSHOT, Hooks
+from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
+from engine.model import GPT2Model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import SamplerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, hooks: Hooks | None = None):
+        self.config = config
+        self.hooks = hooks or Hooks()
+        self.startup: list[tuple[str, float, dict]] = []  # (stage, seconds, details)
+        mc, cc = config.model, config.cache
+        self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = DTYPES[mc.dtype or ("float16" if self.device.type == "cuda" else "float32")]
+        self.attention_backend = config.attention_backend or default_backend(self.device)
+
+        with self._stage("resolve_model", model=mc.model):
+            self.model_path = model_loader.resolve(mc.model)
+            model_loader.check_checkpoint(self.model_path)
+            self.model_config = model_loader.read_config(self.model_path)
+        self.max_model_len = mc.max_model_len or self.model_config.n_positions
+        if self.max_model_len > self.model_config.n_positions:
+            raise ValueError(f"max_model_len must be <= {self.model_config.n_positions} (the model's "
+                             f"n_positions), got {self.max_model_len}")
+        with self._stage("tokenizer_load", path=str(self.model_path)) as info:
+            self.tokenizer = load_tokenizer(self.model_path)
+            info["vocab_size"] = len(self.tokenizer)
+        self.eos_token_id = self.model_config.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = self.tokenizer.eos_token_id
+
+        with self._stage("model_load", path=str(self.model_path)) as info:
+            torch.manual_seed(mc.seed)
+            self.backend = AttentionBackend(self.attention_backend)
+            self.model = GPT2Model(self.model_config, self.backend)
+            self.model.load_hf_weights(model_loader.load_state_dict(self.model_path))
+            self.model.to(device=self.device, dtype=self.dtype).eval()
+            info["bytes"] = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            info["params"] = sum(p.numel() for p in self.model.parameters())
+
+        with self._stage("kv_cache_alloc") as info:
+            num_blocks, why = num_blocks_for(cc, self.model_config, self.dtype, self.device)
+            self.kv_caches = allocate_kv_cache(num_blocks, cc.block_size, self.model_config, self.dtype, self.device)
+            per_block = bytes_per_block(self.model_config, cc.block_size, self.dtype)
+            info |= dict(num_blocks=num_blocks, block_size=cc.block_size, bytes=num_blocks * per_block,
+                         bytes_per_block=per_block, reason=why)
+
+        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.hooks)
+        self.model_runner = ModelRunner(self.model, self.kv_caches, cc.block_size, self.device, self.hooks)
+        self.requests: dict[str, Request] = {}
+        self.step_count = 0
+        self._ids = count()
+        self._rng = random.Random(mc.seed)
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> Request:
+        """Validate, tokenize and queue a request. Raises ValueError before changing any state."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt, request_id)
+        max_tokens = self._check_lengths(ids, params)
+        req = Request(request_id, text, ids, params, self.eos_token_id, max_tokens,
+                      arrival_time=arrival_time or time.monotonic())
+        req.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
+                                                      else self._rng.getrandbits(63))
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        if self.hooks.active: self.hooks.emit("engine", "QUEUED", request_id=request_id, step=self.step_count, num_prompt_tokens=len(ids), max_tokens=max_tokens, params=vars(params))
+        return req
+
+    def _tokenize(self, prompt, request_id: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt must have 'prompt_token_ids'")
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+            if self.hooks.active: self.hooks.emit("tokenizer", "encode", request_id=request_id, step=self.step_count, token_ids=ids, pieces=[self.tokenizer.decode([t]) for t in ids])
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or {{'prompt_token_ids': [...]}}, "
+                             f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}]")
+        return text, ids
+
+    def _check_lengths(self, ids: list[int], params: SamplingParams) -> int:
+        n, limit = len(ids), self.max_model_len
+        if n >= limit:
+            raise ValueError(f"prompt is {n} tokens; max_model_len is {limit}, so it must be at most "
+                             f"{limit - 1} tokens to leave room for one generated token")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise ValueError(f"max_tokens={max_tokens} plus the prompt's {n} tokens exceeds max_model_len={limit}; "
+                             f"max_tokens must be <= {limit - n}")
+        bm = self.block_manager
+        if bm.blocks_needed(n + max_tokens) > bm.num_blocks:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {bm.blocks_needed(n + max_tokens)} KV-cache "
+                f"blocks of {bm.block_size} tokens but the cache has only {bm.num_blocks}; it could never finish. "
+                f"Lower max_tokens or enlarge the cache (num_kv_blocks / kv_cache_memory)")
+        if n > self.config.scheduler.max_num_batched_tokens and not self.config.scheduler.enable_chunked_prefill:
+            raise ValueError(f"prompt is {n} tokens, more than max_num_batched_tokens="
+                             f"{self.config.scheduler.max_num_batched_tokens}, and chunked prefill is off")
+        return max_tokens
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks. Unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.status.finished:
+            return
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        if self.hooks.active: self.hooks.emit("engine", "ABORTED", request_id=request_id, step=self.step_count)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self.hooks.active: self.hooks.gate("step", step=self.step_count)
+        sched = self.scheduler.schedule(self.step_count)
+        if self.hooks.active: self._trace_schedule(sched)
+        sampled = self.model_runner.execute(sched) if not sched.is_empty else None
+        return self._postprocess(sched, sampled)
+
+    def _postprocess(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
+        outputs, now = [], time.monotonic()
+        for i, s in enumerate(sched.scheduled):
+            req = s.request
+            req.first_scheduled_time = req.first_scheduled_time or now
+            req.num_computed_tokens += s.num_tokens
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # one chunk of a longer prefill: its sampled token is discarded
+            tok = sampled.token_ids[i]
+            req.append_token(tok)
+            req.first_token_time = req.first_token_time or now
+            if sampled.logprobs[i] is not None:
+                req.logprobs.append(self._logprobs(sampled.logprobs[i], tok, sampled.ranks[i]))
+            piece = req.detokenizer.add(tok)
+            req.output_text = req.detokenizer.text
+            status = self._check_stop(req, tok)
+            if self.hooks.active: self.hooks.emit("detokenizer", "NEW_TOKENS", request_id=req.request_id, step=sched.step, token_ids=[tok], text=piece)
+            if status is not None:
+                req.finished_time = now
+                self.scheduler.finish(req, status)
+                self.requests.pop(req.request_id, None)
+                if self.hooks.active: self.hooks.emit("engine", "FINISHED", request_id=req.request_id, step=sched.step, finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens, text=req.output_text)
+            outputs.append(self._output(req))
+        if self.hooks.active: self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), **vars(self.stats()))
+        self.step_count += 1
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and tok == req.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in p.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+            for stop in p.stop_strs:
+                # only the tail can hold a new match: what was checked before had none
+                at = req.output_text.find(stop, max(0, len(req.output_text) - len(stop) - 64))
+                if at >= 0:
+                    req.stop_reason = stop
+                    req.output_text = req.output_text[:at + (len(stop) if p.include_stop_str_in_output else 0)]
+                    return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _logprobs(self, entry: dict[int, float], sampled: int, rank: int) -> dict[int, Logprob]:
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        out = {t: Logprob(lp, i + 1, self.tokenizer.decode([t])) for i, (t, lp) in enumerate(ranked)}
+        out[sampled].rank = rank
+        return out
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids),
+                                      list(req.logprobs) if req.params.logprobs is not None else None,
+                                      req.finish_reason, req.stop_reason)],
+            finished=req.status.finished, num_cached_tokens=req.num_cached_tokens,
+            metrics=dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+                         first_token_time=req.first_token_time, finished_time=req.finished_time,
+                         num_preemptions=req.num_preemptions),
+        )
+
+    # ---- observation --------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            step=self.step_count, num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, kv_cache_usage=bm.usage(),
+        )
+
+    def snapshot(self, sched: SchedulerOutput | None = None) -> dict:
+        """The engine's visible state, as plain data (taken at schedule time when traced)."""
+        def req_state(r: Request) -> dict:
+            return dict(request_id=r.request_id, status=r.status.value, num_computed_tokens=r.num_computed_tokens,
+                        num_tokens=r.num_tokens, num_prompt_tokens=r.num_prompt_tokens,
+                        num_output_tokens=r.num_output_tokens, block_table=list(r.block_ids),
+                        num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions)
+
+        snap = dict(waiting=[req_state(r) for r in self.scheduler.waiting],
+                    running=[req_state(r) for r in self.scheduler.running], stats=vars(self.stats()))
+        if sched is not None:
+            snap |= dict(
+                step=sched.step, token_budget=sched.token_budget, num_scheduled_tokens=sched.num_scheduled_tokens,
+                scheduled=[dict(request_id=s.request.request_id, num_tokens=s.num_tokens,
+                                num_computed_before=s.num_computed_before,
+                                kind="prefill" if s.is_prefill else "decode") for s in sched.scheduled],
+                admitted=sched.admitted, preempted=sched.preempted, waiting_reasons=sched.waiting_reasons)
+        return snap
+
+    def _trace_schedule(self, sched: SchedulerOutput) -> None:
+        h = self.hooks
+        h.emit("engine", "step", BEGIN, step=sched.step)
+        for rid in sched.admitted:
+            h.emit("scheduler", "SCHEDULED", request_id=rid, step=sched.step)
+        h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **self.snapshot(sched))
+        h.gate("execute", step=sched.step)
+
+    def _stage(self, name: str, **details):
+        return _Stage(self, name, details)
+
+
+class _Stage:
+    """Times one startup stage, records it, and traces it as a span."""
+
+    def __init__(self, engine: LLMEngine, name: str, details: dict):
+        self.engine, self.name, self.details = engine, name, details
+
+    def __enter__(self) -> dict:
+        self.t0 = time.perf_counter()
+        if self.engine.hooks.active: self.engine.hooks.emit("engine", self.name, BEGIN, **self.details)
+        return self.details
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        seconds = time.perf_counter() - self.t0
+        if exc_type is None:
+            self.engine.startup.append((self.name, seconds, self.details))
+        if self.engine.hooks.active: self.engine.hooks.emit("engine", self.name, END, seconds=seconds, ok=exc_type is None, **self.details)

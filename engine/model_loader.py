@@ -1,0 +1,126 @@
+"""Find a GPT-2-family checkpoint and load its weights by name.
+
+A model name resolves, in order: the built-in ``tiny-gpt2``; a local directory; the Hugging
+Face cache; the Hugging Face hub (download). Every checkpoint, the built-in one included,
+goes through ``load_checkpoint``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import builtin_model
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "tokenizer*", "vocab.json",
+                "merges.txt", "special_tokens_map.json"]
+
+
+class ModelNotFoundError(ValueError):
+    """The model name or path could not be resolved to a checkpoint."""
+
+
+class NotAGPT2CheckpointError(ValueError):
+    """The directory exists but is not a GPT-2-architecture checkpoint."""
+
+
+@dataclass
+class GPT2Config:
+    vocab_size: int
+    n_positions: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_inner: int
+    layer_norm_epsilon: float
+    eos_token_id: int | None
+    scale_attn_by_inverse_layer_idx: bool = False
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def resolve(model: str) -> Path:
+    """Model name or path -> local checkpoint directory."""
+    if model == builtin_model.NAME:
+        return builtin_model.builtin_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise NotAGPT2CheckpointError(f"model {model!r} is a file; give a checkpoint directory")
+        return path
+    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
+        raise ModelNotFoundError(f"model path {model!r} does not exist. "
+                                 f"Try the built-in offline model: --model {builtin_model.NAME}")
+    return _from_hub(model)
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    tried = [f"local directory ./{repo_id} (not found)"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - any failure means "not cached"; we say so below
+        tried.append(f"Hugging Face cache ({type(e).__name__})")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # noqa: BLE001
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        tried.append(f"Hugging Face hub download ({type(e).__name__}: {reason[:160]})")
+    raise ModelNotFoundError(
+        f"could not load model {repo_id!r}. Tried: " + "; ".join(tried)
+        + f". If you are offline, use the built-in model: {builtin_model.NAME}")
+
+
+def read_config(path: Path) -> GPT2Config:
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise NotAGPT2CheckpointError(f"{path} is not a model checkpoint: it has no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise NotAGPT2CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    arch = raw.get("model_type")
+    if arch != "gpt2":
+        raise NotAGPT2CheckpointError(
+            f"{path} holds a {arch!r} model; vllm-trace runs GPT-2-architecture checkpoints (model_type 'gpt2')")
+    if raw.get("reorder_and_upcast_attn"):
+        raise NotAGPT2CheckpointError(f"{path}: reorder_and_upcast_attn=True is not supported")
+    if raw.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise NotAGPT2CheckpointError(f"{path}: activation {raw['activation_function']!r} is not supported")
+    if not raw.get("scale_attn_weights", True):
+        raise NotAGPT2CheckpointError(f"{path}: scale_attn_weights=False is not supported")
+    n_embd = raw["n_embd"]
+    return GPT2Config(
+        vocab_size=raw["vocab_size"], n_positions=raw["n_positions"], n_embd=n_embd,
+        n_layer=raw["n_layer"], n_head=raw["n_head"], n_inner=raw.get("n_inner") or 4 * n_embd,
+        layer_norm_epsilon=raw.get("layer_norm_epsilon", 1e-5), eos_token_id=raw.get("eos_token_id"),
+        scale_attn_by_inverse_layer_idx=bool(raw.get("scale_attn_by_inverse_layer_idx", False)),
+    )
+
+
+def check_checkpoint(path: Path) -> None:
+    read_config(path)
+    if not any((path / f).exists() for f in WEIGHT_FILES) and not list(path.glob("model-*.safetensors")):
+        raise NotAGPT2CheckpointError(f"{path} has no weights (looked for {', '.join(WEIGHT_FILES)})")
+    if not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise NotAGPT2CheckpointError(f"{path} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All weights of the checkpoint with the ``transformer.`` prefix removed."""
+    files = sorted(path.glob("model*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    if files:
+        from safetensors.torch import load_file
+        for f in files:
+            state.update(load_file(str(f)))
+    else:
+        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    return {k.removeprefix("transformer."): v for k, v in state.items()}

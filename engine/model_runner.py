@@ -1,0 +1,75 @@
+"""The model runner: one flattened batch per step -> one forward pass -> sampled tokens.
+
+All scheduled tokens of all requests are concatenated (no padding). For each token we
+know its position and its slot in the paged cache (slot = physical block * block_size +
+offset, looked up in the request's block table). Only each request's last position is
+projected to logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.hooks import Hooks
+from engine.model import GPT2Model
+from engine.sampler import Sampler, SamplerOutput
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # last scheduled position of each request
+
+
+class ModelRunner:
+    def __init__(self, model: GPT2Model, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        self.hooks = hooks or Hooks()
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
+        bs = self.block_size
+        input_ids, positions, slots, seq_lens, qsl = [], [], [], [], [0]
+        for s in sched.scheduled:
+            start, end = s.num_computed_before, s.num_computed_before + s.num_tokens
+            table = s.request.block_ids
+            input_ids += s.request.all_token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + s.num_tokens)
+        width = max(len(s.request.block_ids) for s in sched.scheduled)
+        tables = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in sched.scheduled]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_query_len=max(s.num_tokens for s in sched.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        if self.hooks.active: self.hooks.emit("model_runner", "batch", step=sched.step, input_ids=input_ids, positions=positions, slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl, block_tables=tables, request_ids=[s.request.request_id for s in sched.scheduled])
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(qsl[1:], dtype=torch.long, device=dev) - 1,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        inp = self.prepare_inputs(sched)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        out = self.sampler(logits, [s.request for s in sched.scheduled])
+        if self.hooks.active: self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=[s.request.request_id for s in sched.scheduled])
+        return out

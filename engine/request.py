@@ -1,0 +1,82 @@
+"""A request as the engine sees it: tokens, progress, blocks and status."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "WAITING"
+    RUNNING = "RUNNING"
+    PREEMPTED = "PREEMPTED"  # back in waiting; its blocks were freed, it will be recomputed
+    FINISHED_STOPPED = "FINISHED_STOPPED"
+    FINISHED_LENGTH = "FINISHED_LENGTH"
+    FINISHED_ABORTED = "FINISHED_ABORTED"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None
+    max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
+        self.block_ids: list[int] = []  # the block table: logical block i -> physical block
+        self.block_hashes: list[int] = []  # hash of each full block, a chain over the tokens
+        self.num_preemptions = 0
+        self.logprobs: list[dict[int, float]] = []
+        self.output_text = ""
+        self.detokenizer = None  # set by the engine
+        self.stop_reason: int | str | None = None
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still computing tokens it did not sample itself: its prompt, or, after a
+        preemption, its prompt and everything generated so far."""
+        return self.num_tokens - self.num_computed_tokens > 1 or not self.output_token_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASON.get(self.status)

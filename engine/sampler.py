@@ -1,0 +1,87 @@
+"""The sampler: logits of each request's last position -> its next token.
+
+Order, as in vLLM: logprobs of the raw model output (if asked) → penalties (repetition,
+presence, frequency) → greedy argmax when temperature is 0, otherwise temperature → top-k →
+top-p → min-p → draw. Each request draws from its own seeded generator, so its tokens do
+not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per request: token id -> logprob (top-N + sampled)
+    ranks: list[int | None]  # rank of the sampled token in the raw distribution (1 = top)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        want = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[want], dim=-1) if want else None
+
+        logits = self._apply_penalties(logits, requests)
+        token_ids = logits.argmax(dim=-1).tolist()  # the greedy answer, overwritten below if sampling
+        for i, req in enumerate(requests):
+            if not req.params.greedy:
+                token_ids[i] = self._sample(logits[i], req)
+
+        logprobs: list[dict[int, float] | None] = [None] * len(requests)
+        ranks: list[int | None] = [None] * len(requests)
+        for row, i in enumerate(want):
+            lp = raw_logprobs[row]
+            tok = token_ids[i]
+            top = torch.topk(lp, requests[i].params.logprobs)
+            entry = dict(zip(top.indices.tolist(), top.values.tolist()))
+            entry[tok] = float(lp[tok])
+            logprobs[i] = entry
+            ranks[i] = int((lp > lp[tok]).sum()) + 1
+        return SamplerOutput(token_ids, logprobs, ranks)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0
+                or r.params.presence_penalty or r.params.frequency_penalty]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i in rows:
+            p, row = requests[i].params, logits[i]
+            out = torch.tensor(requests[i].output_token_ids, dtype=torch.long)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+            if p.repetition_penalty != 1.0:  # prompt and output tokens, as in vLLM / HF
+                seen = torch.zeros(vocab, dtype=torch.bool)
+                seen[torch.tensor(requests[i].all_token_ids, dtype=torch.long)] = True
+                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row = torch.where(seen, penalised, row)
+            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
+            logits[i] = row
+        return logits
+
+    @staticmethod
+    def _sample(row: torch.Tensor, req: Request) -> int:
+        p = req.params
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(descending=True)
+            # keep the smallest set whose mass reaches top_p (always at least the top token)
+            drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+            probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) is a draw from p, and
+        # it uses exactly one draw of the request's own generator per token.
+        e = torch.empty_like(probs).exponential_(generator=req.generator)
+        return int((probs / e).argmax())

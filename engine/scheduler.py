@@ -1,0 +1,135 @@
+"""The scheduler (vLLM v1): decides, each step, which requests run and how many tokens each.
+
+There is no separate prefill phase: every request just has ``num_computed_tokens`` out of
+``num_tokens``, and a step gives it some of the difference. Running requests go first
+(a decode needs 1 token, an unfinished chunked prefill the rest of its prompt), then waiting
+requests are admitted in arrival order while the token budget, ``max_num_seqs`` and free
+blocks allow. A long prompt is split across steps (chunked prefill). When blocks run out,
+the most recently admitted running request is preempted: its blocks are freed and it goes
+back to the front of ``waiting`` to be recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.hooks import Hooks
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed for it this step
+    num_computed_before: int  # where this step's tokens start
+    is_prefill: bool
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    waiting_reasons: dict[str, str] = field(default_factory=dict)  # request id -> why not admitted
+    token_budget: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, hooks: Hooks | None = None):
+        self.config = config
+        self.block_manager = block_manager
+        self.hooks = hooks or Hooks()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, step: int) -> SchedulerOutput:
+        self.block_manager.step = step
+        out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+
+        # 1. Running requests first, in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(req, n):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim, out, reason=f"no free blocks for {req.request_id}")
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, req.is_prefill))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted
+
+        # 2. Then admit waiting requests, first come first served.
+        reason = "preemption this step" if out.preempted else None
+        while reason is None and self.waiting:
+            if budget <= 0:
+                reason = "token budget used up"
+            elif len(self.running) >= self.config.max_num_seqs:
+                reason = "max_num_seqs reached"
+            else:
+                reason = self._try_admit(self.waiting[0], budget, out)
+                if reason is None:
+                    budget -= out.scheduled[-1].num_tokens
+        if reason is not None:
+            out.waiting_reasons = {r.request_id: reason for r in self.waiting}
+        return out
+
+    def _try_admit(self, req: Request, budget: int, out: SchedulerOutput) -> str | None:
+        """Admit the head of `waiting`, or return why not."""
+        computed = self.block_manager.get_computed_blocks(req)
+        num_cached = len(computed) * self.block_manager.block_size
+        n = req.num_tokens - num_cached
+        if n > budget and not self.config.enable_chunked_prefill:
+            return "token budget too small for the whole prompt (chunked prefill off)"
+        n = min(n, budget)
+        if not self.block_manager.allocate_slots(req, n, computed):
+            return "not enough free KV-cache blocks"
+        self.waiting.popleft()
+        req.num_computed_tokens = req.num_cached_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.admitted.append(req.request_id)
+        out.scheduled.append(ScheduledRequest(req, n, num_cached, req.is_prefill))
+        return None
+
+    def _preempt(self, req: Request, out: SchedulerOutput, reason: str) -> None:
+        self.block_manager.free_request(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0  # recompute: prompt and generated tokens are prefilled again
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+        if self.hooks.active: self.hooks.emit("scheduler", "PREEMPTED", request_id=req.request_id, step=out.step, reason=reason)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a finished (or aborted) request and free its blocks."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free_request(req)
