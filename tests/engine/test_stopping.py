@@ -1,0 +1,46 @@
+from engine import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer
+
+
+def _greedy(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(temperature=0, **kw), use_tqdm=False)[0].outputs[0]
+
+
+def test_max_tokens_gives_length(llm):
+    out = _greedy(llm, "Hello", max_tokens=7, ignore_eos=True)
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_stop_string_is_excluded_and_reported(llm):
+    full = _greedy(llm, "Hello", max_tokens=20, ignore_eos=True)
+    stop = full.text[5:7]
+    out = _greedy(llm, "Hello", max_tokens=20, ignore_eos=True, stop=[stop])
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:full.text.find(stop)]
+    assert stop not in out.text
+
+
+def test_stop_token_ids_and_eos(llm):
+    full = _greedy(llm, "Hello", max_tokens=20, ignore_eos=True)
+    target = full.token_ids[4]
+    out = _greedy(llm, "Hello", max_tokens=20, stop_token_ids=[target])
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    assert out.token_ids == full.token_ids[:full.token_ids.index(target) + 1]
+    # EOS stops unless ignored: a prompt whose greedy continuation hits EOS is rare in the
+    # tiny model, so check the rule on the engine's own eos id through stop handling
+    eos = llm.llm_engine.eos_token_id
+    req = llm.llm_engine.add_request("eos-check", "Hi", SamplingParams(temperature=0, max_tokens=5))
+    req.append_token(eos)
+    assert llm.llm_engine._check_stop(req, eos).name == "FINISHED_STOPPED"
+    llm.llm_engine.abort_request("eos-check")
+
+
+def test_incremental_detokenizer_never_splits_a_character(llm):
+    tok = llm.get_tokenizer()
+    text = "naïve 🙂 café — 日本"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, tok.encode("x"))
+    pieces = [detok.add(t) for t in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert len(ids) > len(text)  # several tokens per character really happened
