@@ -88,19 +88,20 @@ class BlockManager:
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for num_new_tokens more tokens of req (after its computed ones and any
         prefix-cache hits). Returns False, changing nothing, if there are not enough blocks."""
-        if not self.can_allocate(req, num_new_tokens, computed_blocks):
-            return False
-        for bid in computed_blocks:  # prefix-cache hits: share the block
-            block = self.blocks[bid]
-            if block.ref_cnt == 0:
-                del self.free[bid]
-            block.ref_cnt += 1
-            req.block_ids.append(bid)
         total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        new = [self._take_free_block() for _ in range(self.blocks_needed(total) - len(req.block_ids))]
-        req.block_ids.extend(new)
-        if new and self.hooks.active: self.hooks.emit("block_manager", "allocate", request_id=req.request_id, step=self.step, block_ids=new, block_table=list(req.block_ids))
-        if self.enable_prefix_caching:
+        if computed_blocks or self.blocks_needed(total) > len(req.block_ids):  # else: fits in its blocks
+            if not self.can_allocate(req, num_new_tokens, computed_blocks):
+                return False
+            for bid in computed_blocks:  # prefix-cache hits: share the block
+                block = self.blocks[bid]
+                if block.ref_cnt == 0:
+                    del self.free[bid]
+                block.ref_cnt += 1
+                req.block_ids.append(bid)
+            new = [self._take_free_block() for _ in range(self.blocks_needed(total) - len(req.block_ids))]
+            req.block_ids.extend(new)
+            if new and self.hooks.active: self.hooks.emit("block_manager", "allocate", request_id=req.request_id, step=self.step, block_ids=new, block_table=list(req.block_ids))
+        if self.enable_prefix_caching and total // self.block_size > req.num_cached_blocks:
             self._cache_full_blocks(req, total // self.block_size)
         return True
 
@@ -117,12 +118,13 @@ class BlockManager:
 
     def _cache_full_blocks(self, req: Request, num_full: int) -> None:
         """Register the request's full blocks (their K/V are written this step) in the cache."""
-        bs = self.block_size
-        for i, h in enumerate(self._block_hashes(req, num_full)):
-            block = self.blocks[req.block_ids[i]]
+        bs, hashes = self.block_size, self._block_hashes(req, num_full)
+        for i in range(req.num_cached_blocks, num_full):
+            h, block = hashes[i], self.blocks[req.block_ids[i]]
             if block.hash is None:
                 block.hash, block.token_ids = h, tuple(req.all_token_ids[i * bs:(i + 1) * bs])
                 self.cached.setdefault(h, block.block_id)
+        req.num_cached_blocks = num_full
 
     def free_request(self, req: Request) -> None:
         """Drop the request's references. Freed blocks join the queue tail-first, so a
@@ -139,6 +141,7 @@ class BlockManager:
                 freed.append(bid)
         if self.hooks.active: self.hooks.emit("block_manager", "free", request_id=req.request_id, step=self.step, block_ids=freed)
         req.block_ids = []
+        req.num_cached_blocks = 0
 
     def usage(self) -> float:
         """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""

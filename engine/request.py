@@ -46,6 +46,7 @@ class Request:
         self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
         self.block_ids: list[int] = []  # the block table: logical block i -> physical block
         self.block_hashes: list[int] = []  # hash of each full block, a chain over the tokens
+        self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_preemptions = 0
         self.logprobs: list[dict[int, float]] = []
         self.output_text = ""

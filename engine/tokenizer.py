@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
@@ -18,27 +19,18 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text without ever splitting a character.
 
     Decoding token by token breaks multi-byte UTF-8 characters (one emoji can span several
-    byte-level tokens) and word-piece spacing, so, like vLLM, we decode a short window of
-    recent tokens and only emit text once it no longer ends in the replacement char U+FFFD.
+    byte-level tokens), so a token may complete no text yet. The `tokenizers` library's
+    DecodeStream keeps the undecided tokens and returns text only once it is whole.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-6:])  # a little context, for tokenizers that need it
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.backend = tokenizer.backend_tokenizer
+        # a few prompt tokens as context, for tokenizers whose spacing depends on the left
+        self.stream = DecodeStream(ids=list(prompt_ids[-4:]), skip_special_tokens=skip_special_tokens)
         self.text = ""
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
-        self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += new
-            return new
-        return ""
+        piece = self.stream.step(self.backend, token_id) or ""
+        self.text += piece
+        return piece
