@@ -1,0 +1,124 @@
+"""Launch configurations: one place that decides tile sizes and programs-per-launch, with reasons.
+
+The interpreter and a GPU want opposite things. A GPU runs thousands of programs in parallel, so
+we want many small programs (one KV head each, small tiles) and, for short decode batches, extra
+programs from splitting the KV sequence. The interpreter runs programs one after another and
+every Triton operation costs a fixed Python/numpy overhead regardless of the tensor size, so we
+want few, fat programs: all KV heads of a request in one program and a KV tile that covers the
+whole context in one loop iteration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels._env import INTERPRETED
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two that divides n and is <= cap."""
+    d = 1
+    while n % (d * 2) == 0 and d * 2 <= cap:
+        d *= 2
+    return d
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_q: int  # query tokens per program
+    block_m: int  # rows per program = block_q * q heads per program, padded to a power of two
+    tile_n: int  # KV tokens per loop iteration (tile_n / block_size block-table entries at once)
+    heads_per_program: int  # KV heads per program (their GQA query heads come along)
+    num_segments: int = 1  # > 1: split-KV (flash-decoding), a third grid axis plus a reduce
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    tokens_per_program: int
+    block_hd: int  # flattened (head, dim) elements per program
+    num_warps: int = 4
+
+
+def _device_info(device: torch.device | str | None) -> tuple[str, int]:
+    """('interpreter', 1) or ('cuda', number of SMs)."""
+    if INTERPRETED or device is None or torch.device(device).type != "cuda":
+        return "interpreter", 1
+    return "cuda", torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_config(
+    *,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    max_query_len: int,
+    max_seq_len: int,
+    device: torch.device | str | None = None,
+) -> tuple[AttentionConfig, str]:
+    """Pick the attention launch configuration; returns (config, human-readable reason)."""
+    group = num_q_heads // num_kv_heads
+    head_pad = next_pow2(head_size)
+    kind, sms = _device_info(device)
+    if kind == "interpreter":
+        # Cost is per operation per program: fold every KV head (up to a 1024-wide row) into
+        # one program and make the tile span the longest context, so a decode step is one
+        # program per request with a single loop iteration.
+        hp = _pow2_divisor(num_kv_heads, max(1, 1024 // head_pad))
+        gh = hp * group
+        block_q = min(next_pow2(max_query_len), max(1, 256 // next_pow2(gh)))
+        tile_n = max(block_size, min(256, next_pow2(max_seq_len)))
+        cfg = AttentionConfig(block_q, next_pow2(block_q * gh), tile_n, hp, 1, 1, 1)
+        return cfg, (
+            f"interpreter: programs run serially at a fixed cost per op, so few fat programs: "
+            f"{hp} KV head(s) x {block_q} query token(s) per program, {tile_n}-token KV tile "
+            f"({tile_n // block_size} block-table entries per iteration); never split KV"
+        )
+    # GPU, vLLM-style: one KV head per program with its GQA query heads stacked into >= 16 rows
+    # (tl.dot's minimum), and a KV tile sized to keep registers in budget.
+    block_m = 16 if group <= 16 else next_pow2(group)
+    block_q = max(1, block_m // group)
+    tile_n = 32 if head_pad > 128 else 64
+    reason = (
+        f"cuda ({sms} SMs): 1 KV head x {block_q} query token(s) per program ({block_m} rows), "
+        f"{tile_n}-token KV tile"
+    )
+    segments = 1
+    if max_query_len == 1:
+        # Split-KV rule: a decode-only batch whose programs cannot fill the GPU gets its KV
+        # sequence cut into segments, as many as fill ~2 waves of SMs while leaving each
+        # segment at least 4 tiles (below that the reduce costs more than it saves).
+        programs = num_seqs * num_kv_heads
+        fill = -(-2 * sms // programs)
+        segments = max(1, min(16, fill, max_seq_len // (4 * tile_n)))
+        if segments > 1:
+            reason += f"; split-KV into {segments} segments: decode-only batch has only {programs} programs"
+        elif fill <= 1:
+            reason += f"; no split: {programs} decode programs already fill the GPU"
+        else:
+            reason += f"; no split: contexts < {8 * tile_n} tokens are too short to split"
+    else:
+        reason += "; no split: batch has prefill rows"
+    return AttentionConfig(block_q, block_m, tile_n, 1, segments, 4, 2), reason
+
+
+def choose_cache_config(
+    *, num_tokens: int, num_kv_heads: int, head_size: int, device: torch.device | str | None = None
+) -> tuple[CacheConfig, str]:
+    """Pick the cache-write launch configuration; returns (config, reason)."""
+    hd = next_pow2(num_kv_heads * head_size)
+    if _device_info(device)[0] == "interpreter":
+        tokens = min(next_pow2(num_tokens), max(1, 16384 // hd))
+        return CacheConfig(tokens, hd, 1), (
+            f"interpreter: {tokens} tokens x all {num_kv_heads} heads per program (fixed cost per op)"
+        )
+    block_hd = min(hd, 1024)
+    return CacheConfig(1, block_hd, 4), f"cuda: one token per program, {block_hd} (head, dim) elements per program"

@@ -1,0 +1,285 @@
+"""Unified paged attention (Triton): one kernel for prefill, decode and mixed batches (vLLM v1).
+
+Queries are the flattened new tokens of all requests; keys and values come from the paged cache
+through each request's block table (this step's tokens were written there first). The grid is
+(query blocks, KV-head groups[, KV segments]):
+
+* A query block is BLOCK_Q consecutive query tokens of one request. Request r's blocks are
+  numbered from ``qsl[r] // BLOCK_Q + r`` (the ``+ r`` absorbs each request's partial last block),
+  so a program finds its request by binary search over query_start_loc, with no host-side map.
+* A program handles HEADS_PER_PROG KV heads and their GQA query heads. Its BLOCK_M rows are
+  (query token, query head) pairs; its columns are (KV head, dim) pairs, HEAD_PAD per head. The
+  query tile is block-diagonal (row r only fills its own KV head's columns), so ONE 2-D dot
+  against a [heads * HEAD_PAD, TILE_N] key tile scores every row against its own head. With one
+  head per program (the GPU config) this is exactly the usual flash-attention tile.
+* Each loop iteration gathers TILE_N keys, i.e. TILE_N / BLOCK_SIZE block-table entries, and
+  runs an fp32 online softmax with the causal mask ``key_pos <= context_len + query_index``.
+* Split-KV (flash-decoding): a third grid axis cuts the tiles into segments; each program writes
+  its unnormalised accumulator, running max and exp-sum, and a reduce kernel merges them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import instrument
+from kernels.config import AttentionConfig, choose_config, next_pow2
+
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp(_NEG - _NEG) is 1, not nan
+
+
+@triton.jit
+def _find_request(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    """Last request r whose first query block (qsl[r] // BLOCK_Q + r) is <= q_block."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_Q
+        if BLOCK_Q > 1:
+            first += mid
+        if first <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attention_kernel(
+    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale, num_seqs, num_q_heads, tiles_per_segment,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head0 = tl.program_id(1) * HEADS_PER_PROG
+    req = _find_request(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    first_block = q_start // BLOCK_Q
+    if BLOCK_Q > 1:
+        first_block += req
+    local = q_block - first_block
+    if local * BLOCK_Q >= q_len:
+        return  # the grid is an upper bound on query blocks; this one is past its request
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len
+
+    QH: tl.constexpr = HEADS_PER_PROG * GROUP  # query heads per program
+    WIDTH: tl.constexpr = HEADS_PER_PROG * HEAD_PAD
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = local * BLOCK_Q + rows // QH  # query index within the request
+    row_head = rows % QH  # query head, relative to kv_head0 * GROUP
+    row_ok = (rows < BLOCK_Q * QH) & (q_idx < q_len)
+    cols = tl.arange(0, WIDTH)
+    col_head = cols // HEAD_PAD  # KV head, relative to kv_head0
+    dim = cols % HEAD_PAD
+    col_ok = dim < HEAD_SIZE
+    mine = (row_head // GROUP)[:, None] == col_head[None, :]
+    mine = mine & row_ok[:, None] & col_ok[None, :]
+
+    tok = (q_start + q_idx).to(tl.int64)
+    q_head = kv_head0 * GROUP + row_head
+    q = tl.load(query_ptr + tok[:, None] * stride_qt + q_head[:, None] * stride_qh + dim[None, :], mask=mine, other=0.0)
+    q = q.to(key_cache_ptr.dtype.element_ty)
+
+    # Keys past the last row's causal limit are never needed by this program.
+    kv_len = ctx_len + tl.minimum((local + 1) * BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    if NUM_SEGMENTS > 1:
+        seg = tl.program_id(2)
+        tile_lo = seg * tiles_per_segment
+        tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    q_pos = ctx_len + q_idx  # absolute position of each row
+    offs_n = tl.arange(0, TILE_N)
+    k_cols = (kv_head0 + col_head) * stride_kh + dim
+    v_cols = (kv_head0 + col_head) * stride_vh + dim
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, WIDTH], tl.float32)
+    for t in range(tile_lo, tile_hi):
+        k_pos = t * TILE_N + offs_n
+        k_ok = k_pos < kv_len
+        # Gather TILE_N / BLOCK_SIZE block-table entries at once (one per key, repeated).
+        phys = tl.load(block_tables_ptr + req * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        k_slot = phys * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks
+        v_slot = phys * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs
+        kv_mask = k_ok[None, :] & col_ok[:, None]
+        k = tl.load(key_cache_ptr + k_slot[None, :] + k_cols[:, None], mask=kv_mask, other=0.0)  # [WIDTH, TILE_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N], fp32
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + v_slot[:, None] + v_cols[None, :], mask=tl.trans(kv_mask), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Off-diagonal columns of acc mix in other heads' values; the `mine` mask drops them.
+    if NUM_SEGMENTS > 1:
+        part = (tok * num_q_heads + q_head) * NUM_SEGMENTS + tl.program_id(2)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dim[None, :], acc, mask=mine)
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + q_head[:, None] * stride_oh + dim[None, :], o, mask=mine)
+
+
+@triton.jit
+def _reduce_segments_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    num_q_heads, stride_ot, stride_oh,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, HEADS_BLOCK: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, SEG_PAD: tl.constexpr,
+):
+    """out = sum_s acc_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s."""
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
+    segs = tl.arange(0, SEG_PAD)
+    dim = tl.arange(0, HEAD_PAD)
+    ok = (heads < num_q_heads)[:, None] & (segs < NUM_SEGMENTS)[None, :]
+    part = (tok * num_q_heads + heads)[:, None] * NUM_SEGMENTS + segs[None, :]  # [HEADS_BLOCK, SEG_PAD]
+    m = tl.load(part_max_ptr + part, mask=ok, other=_NEG)
+    l = tl.load(part_sum_ptr + part, mask=ok, other=0.0)
+    w = tl.exp(m - tl.max(m, 1)[:, None])
+    denom = tl.sum(l * w, 1)
+    # Padding dims were never written (torch.empty): mask them so garbage cannot become nan.
+    acc_ok = ok[:, :, None] & (dim < HEAD_SIZE)[None, None, :]
+    acc = tl.load(part_acc_ptr + part[:, :, None] * HEAD_PAD + dim[None, None, :], mask=acc_ok, other=0.0)
+    o = tl.sum(acc * w[:, :, None], 1) / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    dst = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + dim[None, :]
+    tl.store(dst, o, mask=(heads < num_q_heads)[:, None] & (dim < HEAD_SIZE)[None, :])
+
+
+def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Grid axis 0: an upper bound on sum_r cdiv(query_len_r, block_q) needing no device data."""
+    return num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+
+
+def unified_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`kernels.reference.unified_attention_ref` (same semantics).
+
+    Pass max_query_len / max_seq_len when known: computing them reads device memory (a sync).
+    ``config`` overrides :func:`kernels.config.choose_config` (tests use it to force split-KV).
+    """
+    num_tokens, num_q_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    for t in (query, key_cache, value_cache):
+        assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.stride(-1) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    reason = "caller-supplied config"
+    if config is None:
+        config, reason = choose_config(
+            num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+            block_size=block_size, max_query_len=max_query_len, max_seq_len=max_seq_len, device=query.device,
+        )
+    group = num_q_heads // num_kv_heads
+    hp = config.heads_per_program
+    assert num_kv_heads % hp == 0 and config.block_m >= config.block_q * hp * group
+    head_pad = next_pow2(head_size)
+    segments = config.num_segments
+    tiles_per_segment = triton.cdiv(triton.cdiv(max_seq_len, config.tile_n), segments)
+    if segments > 1:
+        part_acc = torch.empty(num_tokens, num_q_heads, segments, head_pad, dtype=torch.float32, device=query.device)
+        part_max = torch.empty(num_tokens, num_q_heads, segments, dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused: the NUM_SEGMENTS == 1 branch is compiled out
+    grid = (num_query_blocks(num_tokens, num_seqs, config.block_q), num_kv_heads // hp, segments)
+    fp32 = key_cache.dtype == torch.float32
+    args = dict(
+        out_ptr=out, query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+        block_tables_ptr=block_tables, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
+        part_acc_ptr=part_acc, part_max_ptr=part_max, part_sum_ptr=part_sum,
+        scale=scale, num_seqs=num_seqs, num_q_heads=num_q_heads, tiles_per_segment=tiles_per_segment,
+        stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
+        stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
+        stride_bt=block_tables.stride(0),
+    )
+    meta = dict(
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, GROUP=group, HEADS_PER_PROG=hp, BLOCK_SIZE=block_size,
+        BLOCK_Q=config.block_q, BLOCK_M=config.block_m, TILE_N=config.tile_n, NUM_SEGMENTS=segments,
+        # fp32 caches: tl.dot would otherwise round inputs to tf32 on GPUs (~1e-3 relative error).
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    instrument.launch(
+        "unified_attention" if segments == 1 else "unified_attention_split_kv",
+        _attention_kernel, grid, args, meta, reason=reason, access=_access_map,
+        access_args=(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size),
+    )
+    if segments > 1:
+        heads_block = min(next_pow2(num_q_heads), 16)
+        instrument.launch(
+            "reduce_segments", _reduce_segments_kernel, (num_tokens, triton.cdiv(num_q_heads, heads_block)),
+            dict(out_ptr=out, part_acc_ptr=part_acc, part_max_ptr=part_max, part_sum_ptr=part_sum,
+                 num_q_heads=num_q_heads, stride_ot=out.stride(0), stride_oh=out.stride(1)),
+            dict(HEAD_SIZE=head_size, HEAD_PAD=head_pad, HEADS_BLOCK=heads_block,
+                 NUM_SEGMENTS=segments, SEG_PAD=next_pow2(segments), num_warps=4),
+            reason=f"merge {segments} KV segments per (token, head)",
+        )
+    return out
+
+
+def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size):
+    """Replay the kernel's program -> work mapping on the host (see the module docstring)."""
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    bq, hp, tile, nseg = config.block_q, config.heads_per_program, config.tile_n, config.num_segments
+    tiles_per_segment = triton.cdiv(triton.cdiv(max(lens), tile), nseg)
+    out = []
+    for r, seq_len in enumerate(lens):
+        q_len = qsl[r + 1] - qsl[r]
+        first = qsl[r] // bq + (r if bq > 1 else 0)
+        for local in range(triton.cdiv(q_len, bq)):
+            rows = (qsl[r] + local * bq, qsl[r] + min((local + 1) * bq, q_len))
+            kv_len = seq_len - q_len + min((local + 1) * bq, q_len)
+            tiles = triton.cdiv(kv_len, tile)
+            for seg in range(nseg):
+                lo = seg * tiles_per_segment if nseg > 1 else 0
+                hi = min(lo + tiles_per_segment, tiles) if nseg > 1 else tiles
+                pos = (min(lo * tile, kv_len), min(hi * tile, kv_len))
+                logical = range(pos[0] // block_size, triton.cdiv(pos[1], block_size))
+                blocks = tuple(int(block_tables[r, b]) for b in logical)
+                for y in range(num_kv_heads // hp):
+                    out.append(instrument.ProgramAccess(
+                        (first + local, y, seg), r, rows, tuple(range(y * hp, (y + 1) * hp)), blocks,
+                        kv_positions=pos, segment=seg if nseg > 1 else None,
+                    ))
+    return out
