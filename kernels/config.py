@@ -30,10 +30,17 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    block_q: int  # query tokens per program
-    block_m: int  # rows per program = block_q * q heads per program, padded to a power of two
-    tile_n: int  # KV tokens per loop iteration (tile_n / block_size block-table entries at once)
-    heads_per_program: int  # KV heads per program (their GQA query heads come along)
+    """Meta-parameters of the attention kernel (see kernels/unified_attention.py).
+
+    A program handles ``q_blocks_per_program`` query blocks of ``block_q`` tokens each, for
+    ``heads_per_program`` KV heads and all their GQA query heads, so it has
+    q_blocks_per_program * block_q * next_pow2(heads_per_program * group) rows.
+    """
+
+    block_q: int  # query tokens per query block (a query block never spans two requests)
+    q_blocks_per_program: int  # query blocks stacked into one program (>1 only when interpreted)
+    tile_n: int  # KV tokens per loop iteration: tile_n / block_size block-table entries at once
+    heads_per_program: int  # KV heads per program
     num_segments: int = 1  # > 1: split-KV (flash-decoding), a third grid axis plus a reduce
     num_warps: int = 4
     num_stages: int = 2
@@ -53,8 +60,18 @@ def _device_info(device: torch.device | str | None) -> tuple[str, int]:
     return "cuda", torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Upper bound on sum_r cdiv(query_len_r, block_q) that needs no device data.
+
+    Request r's query blocks are numbered from qsl[r] // block_q + r (the + r absorbs each
+    request's partial last block); with block_q == 1 blocks are tokens and no slack is needed.
+    """
+    return num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+
+
 def choose_config(
     *,
+    num_tokens: int,
     num_seqs: int,
     num_q_heads: int,
     num_kv_heads: int,
@@ -69,28 +86,28 @@ def choose_config(
     head_pad = next_pow2(head_size)
     kind, sms = _device_info(device)
     if kind == "interpreter":
-        # Cost is per operation per program: fold every KV head (up to a 1024-wide row) into
-        # one program and make the tile span the longest context, so a decode step is one
-        # program per request with a single loop iteration.
+        # Cost is per operation per program, nearly independent of tile sizes: fold every KV
+        # head (rows up to 1024 wide), many query blocks (up to 256 rows) and a KV tile spanning
+        # the longest context (up to 256 keys) into each program. A decode step of a small
+        # batch becomes a single program with a single loop iteration.
         hp = _pow2_divisor(num_kv_heads, max(1, 1024 // head_pad))
-        gh = hp * group
-        block_q = min(next_pow2(max_query_len), max(1, 256 // next_pow2(gh)))
-        tile_n = max(block_size, min(256, next_pow2(max_seq_len)))
-        cfg = AttentionConfig(block_q, next_pow2(block_q * gh), tile_n, hp, 1, 1, 1)
+        qh_pad = next_pow2(hp * group)
+        block_q = min(next_pow2(max_query_len), max(1, 256 // qh_pad))
+        tile_n = max(16, min(256, next_pow2(max_seq_len)))
+        nqb = num_query_blocks(num_tokens, num_seqs, block_q)
+        qbp = max(1, min(next_pow2(nqb), 256 // (block_q * qh_pad), 2048 // tile_n))
+        cfg = AttentionConfig(block_q, qbp, tile_n, hp, 1, 1, 1)
         return cfg, (
-            f"interpreter: programs run serially at a fixed cost per op, so few fat programs: "
-            f"{hp} KV head(s) x {block_q} query token(s) per program, {tile_n}-token KV tile "
-            f"({tile_n // block_size} block-table entries per iteration); never split KV"
+            f"interpreter: programs run one after another at a fixed cost per op, so few fat "
+            f"programs: {qbp} query block(s) x {block_q} token(s) x {hp} KV head(s) per program, "
+            f"{tile_n}-token KV tile ({max(1, tile_n // block_size)} block-table entries per iteration); "
+            f"never split KV (more programs only add cost)"
         )
-    # GPU, vLLM-style: one KV head per program with its GQA query heads stacked into >= 16 rows
-    # (tl.dot's minimum), and a KV tile sized to keep registers in budget.
-    block_m = 16 if group <= 16 else next_pow2(group)
-    block_q = max(1, block_m // group)
+    # GPU, vLLM-style: one KV head and one query block per program, with the GQA query heads
+    # stacked so a program has >= 16 rows (tl.dot's minimum); KV tile sized for registers.
+    block_q = max(1, 16 // next_pow2(group))
     tile_n = 32 if head_pad > 128 else 64
-    reason = (
-        f"cuda ({sms} SMs): 1 KV head x {block_q} query token(s) per program ({block_m} rows), "
-        f"{tile_n}-token KV tile"
-    )
+    reason = f"cuda ({sms} SMs): 1 KV head x {block_q} query token(s) per program, {tile_n}-token KV tile"
     segments = 1
     if max_query_len == 1:
         # Split-KV rule: a decode-only batch whose programs cannot fill the GPU gets its KV
@@ -107,7 +124,7 @@ def choose_config(
             reason += f"; no split: contexts < {8 * tile_n} tokens are too short to split"
     else:
         reason += "; no split: batch has prefill rows"
-    return AttentionConfig(block_q, block_m, tile_n, 1, segments, 4, 2), reason
+    return AttentionConfig(block_q, 1, tile_n, 1, segments, 4, 2), reason
 
 
 def choose_cache_config(

@@ -24,7 +24,7 @@ import torch
 
 @dataclass(frozen=True)
 class ProgramAccess:
-    """What one program instance touches, derived from host-side metadata."""
+    """What one program instance touches for one unit of its work, from host-side metadata."""
 
     pid: tuple[int, int, int]
     request: int | None  # None for kernels that are not per request (the cache write)
@@ -48,14 +48,17 @@ class LaunchRecord:
     _access_fn: Callable[[], list[ProgramAccess]] | None = field(default=None, repr=False, compare=False)
 
     @functools.cached_property
-    def access_map(self) -> dict[tuple[int, int, int], ProgramAccess]:
-        """pid -> ProgramAccess for every program that does work (idle programs are absent).
+    def access_map(self) -> dict[tuple[int, int, int], tuple[ProgramAccess, ...]]:
+        """pid -> what the program touches, one entry per unit of work it handles.
 
-        Computed on first access from a snapshot of the metadata taken at launch time.
+        A GPU attention program handles one query block of one request; an interpreted one may
+        stack several query blocks (of different requests). Programs with nothing to do are
+        absent. Computed on first access, from a snapshot of the metadata taken at launch time.
         """
-        if self._access_fn is None:
-            return {}
-        return {a.pid: a for a in self._access_fn()}
+        out: dict[tuple[int, int, int], tuple[ProgramAccess, ...]] = {}
+        for a in self._access_fn() if self._access_fn is not None else ():
+            out[a.pid] = out.get(a.pid, ()) + (a,)
+        return out
 
 
 @dataclass

@@ -22,16 +22,17 @@ def _reshape_and_cache_kernel(
     NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TOKENS: tl.constexpr, BLOCK_HD: tl.constexpr,
 ):
-    toks = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-    cols = tl.program_id(1) * BLOCK_HD + tl.arange(0, BLOCK_HD)
+    # int64 index math: slot * stride can overflow int32 for big caches, and the interpreter
+    # skips its costly int32 overflow checks.
+    toks = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_HD + tl.arange(0, BLOCK_HD)
     head = cols // HEAD_SIZE
     dim = cols % HEAD_SIZE
-    # int64: slot * stride can overflow int32 for large caches.
     slot = tl.load(slot_mapping_ptr + toks, mask=toks < num_tokens, other=-1).to(tl.int64)
     ok = (slot >= 0)[:, None] & (cols < NUM_HEADS * HEAD_SIZE)[None, :]
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
-    t = toks.to(tl.int64)[:, None]
+    t = toks[:, None]
     k = tl.load(key_ptr + t * stride_kt + head[None, :] * stride_kh + dim[None, :], mask=ok)
     v = tl.load(value_ptr + t * stride_vt + head[None, :] * stride_vh + dim[None, :], mask=ok)
     # tl.store casts to the cache's element type, as the reference's .to(cache.dtype) does.

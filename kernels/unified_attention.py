@@ -24,106 +24,95 @@ import triton
 import triton.language as tl
 
 from kernels import instrument
-from kernels.config import AttentionConfig, choose_config, next_pow2
+from kernels.config import AttentionConfig, choose_config, next_pow2, num_query_blocks
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp(_NEG - _NEG) is 1, not nan
 
 
 @triton.jit
-def _find_request(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
-    """Last request r whose first query block (qsl[r] // BLOCK_Q + r) is <= q_block."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = tl.load(qsl_ptr + mid) // BLOCK_Q
-        if BLOCK_Q > 1:
-            first += mid
-        if first <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
 def _attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale, num_seqs, num_q_heads, tiles_per_segment,
+    qb_req_ptr, qb_start_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale, num_q_blocks, num_q_heads, tiles_per_segment,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QH_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, Q_BLOCKS: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    kv_head0 = tl.program_id(1) * HEADS_PER_PROG
-    req = _find_request(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    first_block = q_start // BLOCK_Q
-    if BLOCK_Q > 1:
-        first_block += req
-    local = q_block - first_block
-    if local * BLOCK_Q >= q_len:
-        return  # the grid is an upper bound on query blocks; this one is past its request
-    seq_len = tl.load(seq_lens_ptr + req)
-    ctx_len = seq_len - q_len
-
-    QH: tl.constexpr = HEADS_PER_PROG * GROUP  # query heads per program
+    # Index math is int64: no overflow for big caches, and the interpreter skips its (costly)
+    # int32 overflow checks.
+    BLOCK_M: tl.constexpr = Q_BLOCKS * BLOCK_Q * QH_PAD
     WIDTH: tl.constexpr = HEADS_PER_PROG * HEAD_PAD
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = local * BLOCK_Q + rows // QH  # query index within the request
-    row_head = rows % QH  # query head, relative to kv_head0 * GROUP
-    row_ok = (rows < BLOCK_Q * QH) & (q_idx < q_len)
-    cols = tl.arange(0, WIDTH)
-    col_head = cols // HEAD_PAD  # KV head, relative to kv_head0
+    QH: tl.constexpr = HEADS_PER_PROG * GROUP  # query heads per program (QH_PAD: next power of 2)
+    qb0 = tl.program_id(0).to(tl.int64) * Q_BLOCKS
+    kv_head0 = tl.program_id(1).to(tl.int64) * HEADS_PER_PROG
+
+    # Rows are (query block, token in block, query head); columns of q/k/v are (KV head, dim).
+    rows = tl.arange(0, BLOCK_M).to(tl.int64)
+    row_qb = qb0 + rows // (BLOCK_Q * QH_PAD)
+    row_head = rows % QH_PAD
+    row_req = tl.load(qb_req_ptr + row_qb, mask=row_qb < num_q_blocks, other=-1)
+    has_req = row_req >= 0  # idle query blocks map to request -1 (see _query_block_map)
+    tok = tl.load(qb_start_ptr + row_qb, mask=has_req, other=0) + (rows // QH_PAD) % BLOCK_Q
+    q_end = tl.load(query_start_loc_ptr + row_req + 1, mask=has_req, other=0)
+    q_pos = tok + tl.load(seq_lens_ptr + row_req, mask=has_req, other=0) - q_end  # absolute position
+    row_ok = (tok < q_end) & (row_head < QH)
+    cols = tl.arange(0, WIDTH).to(tl.int64)
+    col_head = cols // HEAD_PAD
     dim = cols % HEAD_PAD
     col_ok = dim < HEAD_SIZE
-    mine = (row_head // GROUP)[:, None] == col_head[None, :]
-    mine = mine & row_ok[:, None] & col_ok[None, :]
-
-    tok = (q_start + q_idx).to(tl.int64)
+    # Block-diagonal: row r holds its query only in its own KV head's columns, so one dot
+    # scores every row against its own head.
+    mine = ((row_head // GROUP)[:, None] == col_head[None, :]) & row_ok[:, None] & col_ok[None, :]
     q_head = kv_head0 * GROUP + row_head
     q = tl.load(query_ptr + tok[:, None] * stride_qt + q_head[:, None] * stride_qh + dim[None, :], mask=mine, other=0.0)
     q = q.to(key_cache_ptr.dtype.element_ty)
 
-    # Keys past the last row's causal limit are never needed by this program.
-    kv_len = ctx_len + tl.minimum((local + 1) * BLOCK_Q, q_len)
-    num_tiles = tl.cdiv(kv_len, TILE_N)
+    # Score columns are (query block, key in tile): each query block of the program gathers its
+    # own request's keys, and a row only sees the columns of its own query block.
+    offs_n = tl.arange(0, Q_BLOCKS * TILE_N).to(tl.int64)
+    col_qb = qb0 + offs_n // TILE_N
+    col_req = tl.load(qb_req_ptr + col_qb, mask=col_qb < num_q_blocks, other=-1)
+    col_has = col_req >= 0
+    col_end = tl.load(query_start_loc_ptr + col_req + 1, mask=col_has, other=0)
+    col_start = tl.load(qb_start_ptr + col_qb, mask=col_has, other=0)
+    # Keys past the causal limit of the query block's last row are never needed.
+    kv_len = tl.minimum(col_start + BLOCK_Q, col_end) + tl.load(seq_lens_ptr + col_req, mask=col_has, other=0) - col_end
+    same_qb = (rows // (BLOCK_Q * QH_PAD))[:, None] == (offs_n // TILE_N)[None, :]
+    bt_row = block_tables_ptr + col_req * stride_bt
+    num_tiles = (tl.max(kv_len, 0) + TILE_N - 1) // TILE_N
     if NUM_SEGMENTS > 1:
-        seg = tl.program_id(2)
-        tile_lo = seg * tiles_per_segment
+        tile_lo = tl.program_id(2) * tiles_per_segment
         tile_hi = tl.minimum(tile_lo + tiles_per_segment, num_tiles)
     else:
         tile_lo = 0
         tile_hi = num_tiles
 
-    q_pos = ctx_len + q_idx  # absolute position of each row
-    offs_n = tl.arange(0, TILE_N)
     k_cols = (kv_head0 + col_head) * stride_kh + dim
     v_cols = (kv_head0 + col_head) * stride_vh + dim
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, WIDTH], tl.float32)
+    in_tile = offs_n % TILE_N
     for t in range(tile_lo, tile_hi):
-        k_pos = t * TILE_N + offs_n
+        k_pos = t * TILE_N + in_tile
         k_ok = k_pos < kv_len
-        # Gather TILE_N / BLOCK_SIZE block-table entries at once (one per key, repeated).
-        phys = tl.load(block_tables_ptr + req * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        k_slot = phys * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks
-        v_slot = phys * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs
+        # One block-table entry per key: the tile covers TILE_N / BLOCK_SIZE entries at once.
+        phys = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        in_block = k_pos % BLOCK_SIZE
         kv_mask = k_ok[None, :] & col_ok[:, None]
-        k = tl.load(key_cache_ptr + k_slot[None, :] + k_cols[:, None], mask=kv_mask, other=0.0)  # [WIDTH, TILE_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N], fp32
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        k_ptrs = key_cache_ptr + (phys * stride_kb + in_block * stride_ks)[None, :] + k_cols[:, None]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [WIDTH, Q_BLOCKS * TILE_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # fp32
+        visible = same_qb & (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + v_slot[:, None] + v_cols[None, :], mask=tl.trans(kv_mask), other=0.0)
+        v_ptrs = value_cache_ptr + (phys * stride_vb + in_block * stride_vs)[:, None] + v_cols[None, :]
+        v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -164,9 +153,22 @@ def _reduce_segments_kernel(
     tl.store(dst, o, mask=(heads < num_q_heads)[:, None] & (dim < HEAD_SIZE)[None, :])
 
 
-def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
-    """Grid axis 0: an upper bound on sum_r cdiv(query_len_r, block_q) needing no device data."""
-    return num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+def _query_block_map(query_start_loc: torch.Tensor, num_q_blocks: int, block_q: int):
+    """Query block -> (request, first token row), or request -1 for idle blocks.
+
+    Computed on the device with a searchsorted over each request's first block number, so no
+    host sync; the kernel then needs one load per lane instead of a binary search (which costs
+    dozens of operations per program under the interpreter).
+    """
+    qsl = query_start_loc.long()
+    starts, ends = qsl[:-1], qsl[1:]
+    first = starts // block_q
+    if block_q > 1:
+        first = first + torch.arange(len(starts), device=qsl.device)
+    qb = torch.arange(num_q_blocks, device=qsl.device)
+    req = (torch.searchsorted(first, qb, right=True) - 1).clamp_(min=0)
+    start = starts[req] + (qb - first[req]) * block_q
+    return torch.where(start < ends[req], req, -1), start
 
 
 def unified_attention(
@@ -206,14 +208,16 @@ def unified_attention(
     reason = "caller-supplied config"
     if config is None:
         config, reason = choose_config(
-            num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-            block_size=block_size, max_query_len=max_query_len, max_seq_len=max_seq_len, device=query.device,
+            num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            head_size=head_size, block_size=block_size, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            device=query.device,
         )
     group = num_q_heads // num_kv_heads
-    hp = config.heads_per_program
-    assert num_kv_heads % hp == 0 and config.block_m >= config.block_q * hp * group
+    hp, segments = config.heads_per_program, config.num_segments
+    assert num_kv_heads % hp == 0, "heads_per_program must divide the number of KV heads"
     head_pad = next_pow2(head_size)
-    segments = config.num_segments
+    num_q_blocks = num_query_blocks(num_tokens, num_seqs, config.block_q)
+    qb_req, qb_start = _query_block_map(query_start_loc, num_q_blocks, config.block_q)
     tiles_per_segment = triton.cdiv(triton.cdiv(max_seq_len, config.tile_n), segments)
     if segments > 1:
         part_acc = torch.empty(num_tokens, num_q_heads, segments, head_pad, dtype=torch.float32, device=query.device)
@@ -221,29 +225,29 @@ def unified_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused: the NUM_SEGMENTS == 1 branch is compiled out
-    grid = (num_query_blocks(num_tokens, num_seqs, config.block_q), num_kv_heads // hp, segments)
-    fp32 = key_cache.dtype == torch.float32
+    grid = (triton.cdiv(num_q_blocks, config.q_blocks_per_program), num_kv_heads // hp, segments)
     args = dict(
         out_ptr=out, query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
         block_tables_ptr=block_tables, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
-        part_acc_ptr=part_acc, part_max_ptr=part_max, part_sum_ptr=part_sum,
-        scale=scale, num_seqs=num_seqs, num_q_heads=num_q_heads, tiles_per_segment=tiles_per_segment,
+        qb_req_ptr=qb_req, qb_start_ptr=qb_start, part_acc_ptr=part_acc, part_max_ptr=part_max, part_sum_ptr=part_sum,
+        scale=scale, num_q_blocks=num_q_blocks, num_q_heads=num_q_heads, tiles_per_segment=tiles_per_segment,
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
         stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
         stride_bt=block_tables.stride(0),
     )
     meta = dict(
-        HEAD_SIZE=head_size, HEAD_PAD=head_pad, GROUP=group, HEADS_PER_PROG=hp, BLOCK_SIZE=block_size,
-        BLOCK_Q=config.block_q, BLOCK_M=config.block_m, TILE_N=config.tile_n, NUM_SEGMENTS=segments,
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, GROUP=group, HEADS_PER_PROG=hp, QH_PAD=next_pow2(hp * group),
+        BLOCK_SIZE=block_size, BLOCK_Q=config.block_q, Q_BLOCKS=config.q_blocks_per_program,
+        TILE_N=config.tile_n, NUM_SEGMENTS=segments,
         # fp32 caches: tl.dot would otherwise round inputs to tf32 on GPUs (~1e-3 relative error).
-        DOT_PRECISION="ieee" if fp32 else "tf32",
+        DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     instrument.launch(
         "unified_attention" if segments == 1 else "unified_attention_split_kv",
         _attention_kernel, grid, args, meta, reason=reason, access=_access_map,
-        access_args=(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size),
+        access_args=(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens),
     )
     if segments > 1:
         heads_block = min(next_pow2(num_q_heads), 16)
@@ -258,28 +262,34 @@ def unified_attention(
     return out
 
 
-def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size):
-    """Replay the kernel's program -> work mapping on the host (see the module docstring)."""
+def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens):
+    """Replay the kernel's program -> work mapping on the host, from the launch's metadata."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    bq, hp, tile, nseg = config.block_q, config.heads_per_program, config.tile_n, config.num_segments
+    bq, qbp, hp, tile = config.block_q, config.q_blocks_per_program, config.heads_per_program, config.tile_n
+    nseg = config.num_segments
     tiles_per_segment = triton.cdiv(triton.cdiv(max(lens), tile), nseg)
-    out = []
+    # Query blocks of each program, as (request, [first row, end row), keys needed).
+    work: dict[int, list[tuple[int, int, int, int]]] = {}
     for r, seq_len in enumerate(lens):
         q_len = qsl[r + 1] - qsl[r]
         first = qsl[r] // bq + (r if bq > 1 else 0)
         for local in range(triton.cdiv(q_len, bq)):
-            rows = (qsl[r] + local * bq, qsl[r] + min((local + 1) * bq, q_len))
-            kv_len = seq_len - q_len + min((local + 1) * bq, q_len)
-            tiles = triton.cdiv(kv_len, tile)
-            for seg in range(nseg):
-                lo = seg * tiles_per_segment if nseg > 1 else 0
-                hi = min(lo + tiles_per_segment, tiles) if nseg > 1 else tiles
+            end = min((local + 1) * bq, q_len)
+            work.setdefault((first + local) // qbp, []).append((r, qsl[r] + local * bq, qsl[r] + end, seq_len - q_len + end))
+    out = []
+    for x, blocks_of_program in sorted(work.items()):
+        # A program runs as many tiles as its longest query block needs.
+        tiles = triton.cdiv(max(kv for *_, kv in blocks_of_program), tile)
+        for seg in range(nseg):
+            lo = seg * tiles_per_segment if nseg > 1 else 0
+            hi = min(lo + tiles_per_segment, tiles) if nseg > 1 else tiles
+            for r, row0, row1, kv_len in blocks_of_program:
                 pos = (min(lo * tile, kv_len), min(hi * tile, kv_len))
                 logical = range(pos[0] // block_size, triton.cdiv(pos[1], block_size))
                 blocks = tuple(int(block_tables[r, b]) for b in logical)
                 for y in range(num_kv_heads // hp):
                     out.append(instrument.ProgramAccess(
-                        (first + local, y, seg), r, rows, tuple(range(y * hp, (y + 1) * hp)), blocks,
+                        (x, y, seg), r, (row0, row1), tuple(range(y * hp, (y + 1) * hp)), blocks,
                         kv_positions=pos, segment=seg if nseg > 1 else None,
                     ))
     return out
