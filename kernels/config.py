@@ -53,11 +53,14 @@ class CacheConfig:
     num_warps: int = 4
 
 
-def _device_info(device: torch.device | str | None) -> tuple[str, int]:
-    """('interpreter', 1) or ('cuda', number of SMs)."""
-    if INTERPRETED or device is None or torch.device(device).type != "cuda":
-        return "interpreter", 1
-    return "cuda", torch.cuda.get_device_properties(device).multi_processor_count
+def _target(device: torch.device | str | None, target: str | None, num_sms: int | None) -> tuple[str, int]:
+    """('interpreter', 1) or ('cuda', number of SMs); explicit arguments win (for tests, what-ifs)."""
+    if target is None:
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        target = "cuda" if on_cuda and not INTERPRETED else "interpreter"
+    if target == "cuda" and num_sms is None:
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return target, num_sms or 1
 
 
 def num_query_blocks(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -80,11 +83,16 @@ def choose_config(
     max_query_len: int,
     max_seq_len: int,
     device: torch.device | str | None = None,
+    target: str | None = None,
+    num_sms: int | None = None,
 ) -> tuple[AttentionConfig, str]:
-    """Pick the attention launch configuration; returns (config, human-readable reason)."""
+    """Pick the attention launch configuration; returns (config, human-readable reason).
+
+    ``target`` ("interpreter" or "cuda") and ``num_sms`` default to what ``device`` implies.
+    """
     group = num_q_heads // num_kv_heads
     head_pad = next_pow2(head_size)
-    kind, sms = _device_info(device)
+    kind, sms = _target(device, target, num_sms)
     if kind == "interpreter":
         # Cost is per operation per program, nearly independent of tile sizes: fold every KV
         # head (rows up to 1024 wide), many query blocks (up to 256 rows) and a KV tile spanning
@@ -128,11 +136,16 @@ def choose_config(
 
 
 def choose_cache_config(
-    *, num_tokens: int, num_kv_heads: int, head_size: int, device: torch.device | str | None = None
+    *,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_size: int,
+    device: torch.device | str | None = None,
+    target: str | None = None,
 ) -> tuple[CacheConfig, str]:
     """Pick the cache-write launch configuration; returns (config, reason)."""
     hd = next_pow2(num_kv_heads * head_size)
-    if _device_info(device)[0] == "interpreter":
+    if _target(device, target, 1)[0] == "interpreter":
         tokens = min(next_pow2(num_tokens), max(1, 16384 // hd))
         return CacheConfig(tokens, hd, 1), (
             f"interpreter: {tokens} tokens x all {num_kv_heads} heads per program (fixed cost per op)"
