@@ -1,11 +1,11 @@
 """Launch configurations: one place that decides tile sizes and programs-per-launch, with reasons.
 
 The interpreter and a GPU want opposite things. A GPU runs thousands of programs in parallel, so
-we want many small programs (one KV head each, small tiles) and, for short decode batches, extra
-programs from splitting the KV sequence. The interpreter runs programs one after another and
-every Triton operation costs a fixed Python/numpy overhead regardless of the tensor size, so we
-want few, fat programs: all KV heads of a request in one program and a KV tile that covers the
-whole context in one loop iteration.
+we want many small programs (one KV head and one query block each, small tiles) and, for short
+decode batches, extra programs from splitting the KV sequence. The interpreter runs programs one
+after another and every Triton operation costs ~0.1 ms of Python regardless of the tensor size,
+so we want few, fat programs: all KV heads, many query blocks (of different requests) and a KV
+tile covering the whole context, i.e. one program and one loop iteration for a small decode step.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class AttentionConfig:
     tile_n: int  # KV tokens per loop iteration: tile_n / block_size block-table entries at once
     heads_per_program: int  # KV heads per program
     num_segments: int = 1  # > 1: split-KV (flash-decoding), a third grid axis plus a reduce
+    reduce_heads_per_program: int = 1  # query heads per program of the split-KV reduce
     num_warps: int = 4
     num_stages: int = 2
 
@@ -104,7 +105,7 @@ def choose_config(
         tile_n = max(16, min(256, next_pow2(max_seq_len)))
         nqb = num_query_blocks(num_tokens, num_seqs, block_q)
         qbp = max(1, min(next_pow2(nqb), 256 // (block_q * qh_pad), 2048 // tile_n))
-        cfg = AttentionConfig(block_q, qbp, tile_n, hp, 1, 1, 1)
+        cfg = AttentionConfig(block_q, qbp, tile_n, hp, 1, next_pow2(num_q_heads), 1, 1)
         return cfg, (
             f"interpreter: programs run one after another at a fixed cost per op, so few fat "
             f"programs: {qbp} query block(s) x {block_q} token(s) x {hp} KV head(s) per program, "
@@ -132,7 +133,7 @@ def choose_config(
             reason += f"; no split: contexts < {8 * tile_n} tokens are too short to split"
     else:
         reason += "; no split: batch has prefill rows"
-    return AttentionConfig(block_q, 1, tile_n, 1, segments, 4, 2), reason
+    return AttentionConfig(block_q, 1, tile_n, 1, segments, 1, 4, 2), reason
 
 
 def choose_cache_config(

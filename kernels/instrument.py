@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from kernels._env import INTERPRETED
+
 
 @dataclass(frozen=True)
 class ProgramAccess:
@@ -130,7 +132,7 @@ def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, acc
         if f.before_launch is not None:
             f.before_launch(name, grid, dict(meta))
     tensors = {k: v for k, v in args.items() if isinstance(v, torch.Tensor)}
-    on_gpu = any(t.is_cuda for t in tensors.values()) and not _interpreted()
+    on_gpu = not INTERPRETED and any(t.is_cuda for t in tensors.values())
     if on_gpu:
         # Events measure the kernel, not the Python launch overhead; syncing is the price of
         # observing, and is only paid when someone observes.
@@ -162,8 +164,3 @@ def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, acc
     for f in frames:
         f.on_launch(record)
 
-
-def _interpreted() -> bool:
-    from kernels._env import INTERPRETED
-
-    return INTERPRETED

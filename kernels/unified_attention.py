@@ -1,19 +1,22 @@
 """Unified paged attention (Triton): one kernel for prefill, decode and mixed batches (vLLM v1).
 
 Queries are the flattened new tokens of all requests; keys and values come from the paged cache
-through each request's block table (this step's tokens were written there first). The grid is
-(query blocks, KV-head groups[, KV segments]):
+through each request's block table (this step's tokens were written there first).
 
-* A query block is BLOCK_Q consecutive query tokens of one request. Request r's blocks are
-  numbered from ``qsl[r] // BLOCK_Q + r`` (the ``+ r`` absorbs each request's partial last block),
-  so a program finds its request by binary search over query_start_loc, with no host-side map.
-* A program handles HEADS_PER_PROG KV heads and their GQA query heads. Its BLOCK_M rows are
-  (query token, query head) pairs; its columns are (KV head, dim) pairs, HEAD_PAD per head. The
-  query tile is block-diagonal (row r only fills its own KV head's columns), so ONE 2-D dot
-  against a [heads * HEAD_PAD, TILE_N] key tile scores every row against its own head. With one
-  head per program (the GPU config) this is exactly the usual flash-attention tile.
-* Each loop iteration gathers TILE_N keys, i.e. TILE_N / BLOCK_SIZE block-table entries, and
-  runs an fp32 online softmax with the causal mask ``key_pos <= context_len + query_index``.
+* Query blocks: BLOCK_Q consecutive query tokens of one request. Request r's blocks are numbered
+  from ``qsl[r] // BLOCK_Q + r`` (the ``+ r`` absorbs each request's partial last block), so the
+  grid size needs no device data. A small device-side map (one searchsorted) gives each block
+  its request and first token row.
+* Grid (query-block groups, KV-head groups[, KV segments]). A program handles Q_BLOCKS query
+  blocks and HEADS_PER_PROG KV heads with all their GQA query heads. Its rows are (query block,
+  token, query head); the columns of its q/k/v tiles are (KV head, dim), HEAD_PAD per head; its
+  score columns are (query block, key in tile). Masks keep each row to its own head's columns
+  and its own query block's keys ("block-diagonal"), so plain 2-D dots do all the work. The GPU
+  config uses one head and one query block (the usual flash-attention tile); the interpreter
+  stacks many, because there every operation costs the same regardless of tile size.
+* Each loop iteration gathers TILE_N keys per query block (TILE_N / BLOCK_SIZE block-table
+  entries at once) and runs an fp32 online softmax under the causal mask
+  ``key_pos <= context_len + query_index``.
 * Split-KV (flash-decoding): a third grid axis cuts the tiles into segments; each program writes
   its unnormalised accumulator, running max and exp-sum, and a reduce kernel merges them.
 """
@@ -215,7 +218,7 @@ def unified_attention(
     group = num_q_heads // num_kv_heads
     hp, segments = config.heads_per_program, config.num_segments
     assert num_kv_heads % hp == 0, "heads_per_program must divide the number of KV heads"
-    head_pad = next_pow2(head_size)
+    head_pad = max(16, next_pow2(head_size))  # >= 16: tl.dot's minimum inner size on GPUs
     num_q_blocks = num_query_blocks(num_tokens, num_seqs, config.block_q)
     qb_req, qb_start = _query_block_map(query_start_loc, num_q_blocks, config.block_q)
     tiles_per_segment = triton.cdiv(triton.cdiv(max_seq_len, config.tile_n), segments)
@@ -250,7 +253,7 @@ def unified_attention(
         access_args=(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens),
     )
     if segments > 1:
-        heads_block = min(next_pow2(num_q_heads), 16)
+        heads_block = config.reduce_heads_per_program
         instrument.launch(
             "reduce_segments", _reduce_segments_kernel, (num_tokens, triton.cdiv(num_q_heads, heads_block)),
             dict(out_ptr=out, part_acc_ptr=part_acc, part_max_ptr=part_max, part_sum_ptr=part_sum,
