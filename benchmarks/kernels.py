@@ -146,16 +146,17 @@ def bench_wrapper_overhead():
         def __getitem__(self, grid):
             return lambda **kw: None
 
-    k, n, grid, args, meta = NoOp(), 200_000, (1,), {"a": 1}, {"B": 2}
-    t0 = time.perf_counter()
-    for _ in range(n):
-        k[grid](**args, **meta)
-    direct = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(n):
-        instrument.launch("noop", k, grid, args, meta)
-    wrapped = time.perf_counter() - t0
-    return (wrapped - direct) / n
+    k, n, grid, args, meta = NoOp(), 50_000, (1,), {"a": 1}, {"B": 2}
+
+    def direct():
+        for _ in range(n):
+            k[grid](**args, **meta)
+
+    def wrapped():
+        for _ in range(n):
+            instrument.launch("noop", k, grid, args, meta)
+
+    return (timeit(wrapped, 7) - timeit(direct, 7)) / n
 
 
 def fmt_ms(s):

@@ -20,6 +20,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def head_tile(head_size: int) -> int:
+    """Columns per head in the kernels' tiles: a power of two (Triton tiles must be), >= 16
+    (tl.dot's minimum on GPUs); e.g. 80 -> 128, with the padding masked off."""
+    return max(16, next_pow2(head_size))
+
+
 def _pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two that divides n and is <= cap."""
     d = 1
@@ -92,7 +98,7 @@ def choose_config(
     ``target`` ("interpreter" or "cuda") and ``num_sms`` default to what ``device`` implies.
     """
     group = num_q_heads // num_kv_heads
-    head_pad = next_pow2(head_size)
+    head_pad = head_tile(head_size)
     kind, sms = _target(device, target, num_sms)
     if kind == "interpreter":
         # Cost is per operation per program, nearly independent of tile sizes: fold every KV

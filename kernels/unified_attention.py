@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import instrument
-from kernels.config import AttentionConfig, choose_config, next_pow2, num_query_blocks
+from kernels.config import AttentionConfig, choose_config, head_tile, next_pow2, num_query_blocks
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp(_NEG - _NEG) is 1, not nan
 
@@ -218,7 +218,7 @@ def unified_attention(
     group = num_q_heads // num_kv_heads
     hp, segments = config.heads_per_program, config.num_segments
     assert num_kv_heads % hp == 0, "heads_per_program must divide the number of KV heads"
-    head_pad = max(16, next_pow2(head_size))  # >= 16: tl.dot's minimum inner size on GPUs
+    head_pad = head_tile(head_size)
     num_q_blocks = num_query_blocks(num_tokens, num_seqs, config.block_q)
     qb_req, qb_start = _query_block_map(query_start_loc, num_q_blocks, config.block_q)
     tiles_per_segment = triton.cdiv(triton.cdiv(max_seq_len, config.tile_n), segments)
