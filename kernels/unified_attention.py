@@ -197,8 +197,8 @@ def unified_attention(
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    for t in (query, key_cache, value_cache):
-        assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    for t in (query, key_cache, value_cache, block_tables):
+        assert t.stride(-1) == 1, "the last dimension must be contiguous"
     if out is None:
         out = torch.empty_like(query)
     assert out.stride(-1) == 1

@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from kernel_batches import make_batch
 
@@ -90,3 +92,25 @@ def test_chunked_prefill_after_cache_write_end_to_end():
     out = unified_attention(query, b.key_cache, b.value_cache, qsl, b.seq_lens, b.block_tables, b.scale)
     n = int(qsl[-1])  # the padding row is not part of any request
     torch.testing.assert_close(out[:n], ref[:n], atol=1e-3, rtol=0)
+
+
+@st.composite
+def _random_batches(draw):
+    n = draw(st.integers(1, 4))
+    q_lens = draw(st.lists(st.integers(1, 9), min_size=n, max_size=n))
+    contexts = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
+    q_heads, kv_heads = draw(st.sampled_from([(2, 2), (4, 2), (4, 1), (6, 2)]))  # incl. GQA 3 (not a power of 2)
+    head_size = draw(st.sampled_from([16, 48]))
+    block_size = draw(st.sampled_from([8, 16, 32]))
+    config = draw(st.sampled_from(list(CONFIGS)))
+    seed = draw(st.integers(0, 2**16))
+    return q_lens, [q + c for q, c in zip(q_lens, contexts)], q_heads, kv_heads, head_size, block_size, config, seed
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(_random_batches())
+def test_attention_matches_reference_on_random_batches(params):
+    q_lens, seq_lens, qh, kvh, d, bs, config, seed = params
+    b = make_batch(q_lens, seq_lens, q_heads=qh, kv_heads=kvh, head_size=d, block_size=bs, seed=seed)
+    out = unified_attention(*b.args(), config=CONFIGS[config])
+    torch.testing.assert_close(out, unified_attention_ref(*b.args()), atol=1e-3, rtol=0)
