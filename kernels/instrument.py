@@ -39,6 +39,13 @@ class ProgramAccess:
 
 @dataclass
 class LaunchRecord:
+    """One kernel launch, as seen by observers.
+
+    ``duration_ns`` is measured with CUDA events on the GPU (kernel time; the first launch of a
+    new specialisation also includes Triton's JIT compile) and with the wall clock around the
+    whole interpreted launch on the CPU; ``timing`` says which.
+    """
+
     name: str
     grid: tuple[int, ...]
     meta: dict[str, Any]  # constexpr meta-parameters, num_warps, num_stages
@@ -83,6 +90,8 @@ def observe(
     before_launch: Callable[[str, tuple, dict], None] | None = None,
     **tags: Any,
 ) -> Iterator[None]:
+    """Call ``on_launch(record)`` after, and ``before_launch(name, grid, meta)`` before, each
+    launch made by this thread inside the block; ``tags`` are copied into every record."""
     outer = _state.frames
     inherited = dict(outer[-1].tags) if outer else {}
     _state.frames = outer + (_Frame(on_launch, before_launch, {**inherited, **tags}),)
