@@ -20,6 +20,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def check_dtypes(*tensors: torch.Tensor) -> None:
+    """The interpreter computes with numpy, which has no bfloat16: it would return garbage."""
+    if INTERPRETED and any(t.dtype == torch.bfloat16 for t in tensors):
+        raise TypeError("the Triton interpreter has no bfloat16: use float16/float32, or the torch backend")
+
+
 def head_tile(head_size: int) -> int:
     """Columns per head in the kernels' tiles: a power of two (Triton tiles must be), >= 16
     (tl.dot's minimum on GPUs); e.g. 80 -> 128, with the padding masked off."""

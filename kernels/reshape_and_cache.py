@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels import instrument
-from kernels.config import CacheConfig, choose_cache_config
+from kernels.config import CacheConfig, check_dtypes, choose_cache_config
 
 
 @triton.jit
@@ -56,6 +56,7 @@ def reshape_and_cache(
     block_size = key_cache.shape[1]
     for t in (key, value, key_cache, value_cache):
         assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    check_dtypes(key, value, key_cache, value_cache)
     if num_tokens == 0:
         return
     reason = "caller-supplied config"

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import instrument
-from kernels.config import AttentionConfig, choose_config, head_tile, next_pow2, num_query_blocks
+from kernels.config import AttentionConfig, check_dtypes, choose_config, head_tile, next_pow2, num_query_blocks
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp(_NEG - _NEG) is 1, not nan
 
@@ -199,6 +199,7 @@ def unified_attention(
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     for t in (query, key_cache, value_cache, block_tables):
         assert t.stride(-1) == 1, "the last dimension must be contiguous"
+    check_dtypes(query, key_cache, value_cache)
     if out is None:
         out = torch.empty_like(query)
     assert out.stride(-1) == 1

@@ -1,10 +1,11 @@
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 from kernel_batches import make_batch
 
-from kernels import AttentionConfig, reshape_and_cache, reshape_and_cache_ref, unified_attention, unified_attention_ref
+from kernels import (INTERPRETED, AttentionConfig, reshape_and_cache, reshape_and_cache_ref, unified_attention,
+                     unified_attention_ref)
 
 # (query_lens, seq_lens, q_heads, kv_heads, head_size, block_size). Each line covers several
 # items: seq_len == query_len is a fresh prompt, seq_len > query_len a cached prefix.
@@ -114,3 +115,10 @@ def test_attention_matches_reference_on_random_batches(params):
     b = make_batch(q_lens, seq_lens, q_heads=qh, kv_heads=kvh, head_size=d, block_size=bs, seed=seed)
     out = unified_attention(*b.args(), config=CONFIGS[config])
     torch.testing.assert_close(out, unified_attention_ref(*b.args()), atol=1e-3, rtol=0)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="only the interpreter lacks bfloat16")
+def test_interpreter_rejects_bfloat16_instead_of_returning_garbage():
+    b = make_batch([1], [9], q_heads=2, kv_heads=2, head_size=16, block_size=8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16"):
+        unified_attention(*b.args())
