@@ -110,6 +110,9 @@ def bench_shape(name, query_lens, seq_lens, reps):
         attn()
     row = dict(name=name, grid=rec[0].grid, attn=timeit(attn, reps), attn_ref=timeit(attn_ref, reps),
                write=timeit(write, reps), write_ref=timeit(write_ref, reps), bw="n/a", reason=rec[0].reason)
+    if DEVICE == "cpu":
+        # CPU time of the interpreted launches: what they cost without other processes around.
+        row["bw"] = f"{fmt_ms(timeit(attn, reps, cpu_time=True))} / {fmt_ms(timeit(write, reps, cpu_time=True))}"
     if DEVICE == "cuda" and max(query_lens) == 1:
         # Decode reads every context key and value once; query and output are negligible.
         bytes_read = 2 * sum(seq_lens) * HEADS * HEAD_SIZE * b["kc"].element_size()
@@ -182,7 +185,8 @@ def main():
         f"Device: **{device_name()}**; model shape: {HEADS} heads x {HEAD_SIZE}, block size {BLOCK}, "
         f"{'fp16' if DEVICE == 'cuda' else 'fp32'}. Times are the fastest of {args.reps} runs, in ms per launch; {args.threads} torch thread(s).",
         "",
-        "| batch | grid | attention (Triton) | attention (ref) | cache write (Triton) | cache write (ref) | decode bandwidth |",
+        "| batch | grid | attention (Triton) | attention (ref) | cache write (Triton) | cache write (ref) | "
+        + ("decode bandwidth |" if DEVICE == "cuda" else "Triton attention / cache write, process CPU time |"),
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
