@@ -9,6 +9,7 @@ step (4 layers x (cache write + attention)). Sized to finish in well under 2 min
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402  (sets TRITON_INTERPRET before triton decorates anything)
+import triton  # noqa: E402
 from kernels import instrument  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not kernels.INTERPRETED else "cpu"
@@ -46,7 +48,9 @@ if DEVICE == "cuda":  # sizes where bandwidth, not launch overhead, is measured
 def device_name() -> str:
     if DEVICE == "cuda":
         return torch.cuda.get_device_name()
-    return f"CPU, Triton {__import__('triton').__version__} interpreter, {torch.get_num_threads()} threads"
+    load = os.getloadavg()[0]
+    return (f"CPU ({os.cpu_count()} cores, load average {load:.1f} when the run started: wall-clock "
+            f"times are inflated by other processes, CPU times are not), Triton {triton.__version__} interpreter")
 
 
 def timeit(fn, reps: int, cpu_time: bool = False) -> float:
@@ -177,12 +181,13 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
+    device = device_name()
     rows = [bench_shape(*s, args.reps) for s in SHAPES]
     step, step_cpu, step_ref = bench_step(args.reps)
     overhead = bench_wrapper_overhead()
 
     lines = [
-        f"Device: **{device_name()}**; model shape: {HEADS} heads x {HEAD_SIZE}, block size {BLOCK}, "
+        f"Device: **{device}**; model shape: {HEADS} heads x {HEAD_SIZE}, block size {BLOCK}, "
         f"{'fp16' if DEVICE == 'cuda' else 'fp32'}. Times are the fastest of {args.reps} runs, in ms per launch; {args.threads} torch thread(s).",
         "",
         "| batch | grid | attention (Triton) | attention (ref) | cache write (Triton) | cache write (ref) | "
