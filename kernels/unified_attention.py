@@ -268,7 +268,7 @@ def unified_attention(
 
 def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens):
     """Replay the kernel's program -> work mapping on the host, from the launch's metadata."""
-    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    qsl, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()  # one copy each
     bq, qbp, hp, tile = config.block_q, config.q_blocks_per_program, config.heads_per_program, config.tile_n
     nseg = config.num_segments
     tiles_per_segment = triton.cdiv(triton.cdiv(max(lens), tile), nseg)
@@ -290,7 +290,7 @@ def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, b
             for r, row0, row1, kv_len in blocks_of_program:
                 pos = (min(lo * tile, kv_len), min(hi * tile, kv_len))
                 logical = range(pos[0] // block_size, triton.cdiv(pos[1], block_size))
-                blocks = tuple(int(block_tables[r, b]) for b in logical)
+                blocks = tuple(tables[r][b] for b in logical)
                 for y in range(num_kv_heads // hp):
                     out.append(instrument.ProgramAccess(
                         (x, y, seg), r, (row0, row1), tuple(range(y * hp, (y + 1) * hp)), blocks,
