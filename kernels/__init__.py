@@ -1,7 +1,24 @@
 """Paged-attention kernels (Triton) with PyTorch references and launch instrumentation.
 
-This package knows nothing of the engine.
+This package knows nothing of the engine. ``kernels._env`` is imported first: it turns on the
+Triton interpreter when there is no GPU, which must happen before any kernel is decorated.
 """
+from kernels._env import INTERPRETED  # noqa: I001  (must come first)
+from kernels import instrument
+from kernels.config import AttentionConfig, CacheConfig, choose_cache_config, choose_config
 from kernels.reference import reshape_and_cache_ref, unified_attention_ref
+from kernels.reshape_and_cache import reshape_and_cache
+from kernels.unified_attention import unified_attention
 
-__all__ = ["reshape_and_cache_ref", "unified_attention_ref"]
+__all__ = [
+    "INTERPRETED",
+    "AttentionConfig",
+    "CacheConfig",
+    "choose_cache_config",
+    "choose_config",
+    "instrument",
+    "reshape_and_cache",
+    "reshape_and_cache_ref",
+    "unified_attention",
+    "unified_attention_ref",
+]

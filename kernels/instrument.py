@@ -1,0 +1,175 @@
+"""Launch instrumentation: every kernel launch goes through :func:`launch`.
+
+Usage (thread-local, so engines in different threads never see each other's launches)::
+
+    with instrument.observe(on_launch, before_launch=None, step=7):
+        instrument.set_tags(layer=3)
+        ...kernel calls...          # on_launch(LaunchRecord) after each launch
+
+Observers nest: an inner ``observe`` sees the outer tags plus its own, every active observer
+receives every record, and leaving a block restores the tags that were in force before it.
+When nobody observes, :func:`launch` costs one thread-local attribute check.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from kernels._env import INTERPRETED
+
+
+@dataclass(frozen=True)
+class ProgramAccess:
+    """What one program instance touches for one unit of its work, from host-side metadata."""
+
+    pid: tuple[int, int, int]
+    request: int | None  # None for kernels that are not per request (the cache write)
+    rows: tuple[int, int]  # [start, end) rows of the flattened token dimension
+    kv_heads: tuple[int, ...]
+    blocks: tuple[int, ...]  # physical cache blocks, in the order the program walks them
+    kv_positions: tuple[int, int] | None = None  # [start, end) key positions read (attention)
+    segment: int | None = None  # KV segment (split-KV attention only)
+
+
+@dataclass
+class LaunchRecord:
+    """One kernel launch, as seen by observers.
+
+    ``duration_ns`` is measured with CUDA events on the GPU (kernel time; the first launch of a
+    new specialisation also includes Triton's JIT compile) and with the wall clock around the
+    whole interpreted launch on the CPU; ``timing`` says which.
+    """
+
+    name: str
+    grid: tuple[int, ...]
+    meta: dict[str, Any]  # constexpr meta-parameters, num_warps, num_stages
+    args: dict[str, tuple[tuple[int, ...], str]]  # tensor argument -> (shape, dtype)
+    tags: dict[str, Any]
+    duration_ns: int
+    timing: str  # "cuda_event" or "wall_clock"
+    reason: str  # why this config was chosen
+    _access_fn: Callable[[], list[ProgramAccess]] | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def access_map(self) -> dict[tuple[int, int, int], tuple[ProgramAccess, ...]]:
+        """pid -> what the program touches, one entry per unit of work it handles.
+
+        A GPU attention program handles one query block of one request; an interpreted one may
+        stack several query blocks (of different requests). Programs with nothing to do are
+        absent. Computed on first access, from a snapshot of the metadata taken at launch time.
+        """
+        out: dict[tuple[int, int, int], tuple[ProgramAccess, ...]] = {}
+        for a in self._access_fn() if self._access_fn is not None else ():
+            out[a.pid] = out.get(a.pid, ()) + (a,)
+        return out
+
+
+@dataclass
+class _Frame:
+    on_launch: Callable[[LaunchRecord], None]
+    before_launch: Callable[[str, tuple, dict], None] | None
+    tags: dict[str, Any]
+
+
+class _State(threading.local):
+    frames: tuple[_Frame, ...] = ()  # class default: a fresh thread starts unobserved
+
+
+_state = _State()
+
+
+@contextlib.contextmanager
+def observe(
+    on_launch: Callable[[LaunchRecord], None],
+    before_launch: Callable[[str, tuple, dict], None] | None = None,
+    **tags: Any,
+) -> Iterator[None]:
+    """Call ``on_launch(record)`` after, and ``before_launch(name, grid, meta)`` before, each
+    launch made by this thread inside the block; ``tags`` are copied into every record."""
+    outer = _state.frames
+    inherited = dict(outer[-1].tags) if outer else {}
+    _state.frames = outer + (_Frame(on_launch, before_launch, {**inherited, **tags}),)
+    try:
+        yield
+    finally:
+        _state.frames = outer
+
+
+def set_tags(**tags: Any) -> None:
+    """Update the tags of the innermost ``observe`` block (no-op when nobody observes)."""
+    if _state.frames:
+        _state.frames[-1].tags.update(tags)
+
+
+def current_tags() -> dict[str, Any]:
+    return dict(_state.frames[-1].tags) if _state.frames else {}
+
+
+def launch(
+    name: str,
+    kernel: Any,
+    grid: tuple[int, ...],
+    args: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    reason: str = "",
+    access: Callable[..., list[ProgramAccess]] | None = None,
+    access_args: tuple = (),
+) -> None:
+    """Launch ``kernel[grid](**args, **meta)``, recording it if anyone observes.
+
+    ``access(*access_args)`` computes the per-program access map; tensors in ``access_args`` are
+    cloned at launch time (the engine reuses its metadata buffers) but the map itself is only
+    computed if someone reads ``record.access_map``.
+    """
+    frames = _state.frames
+    if not frames:
+        kernel[grid](**args, **meta)
+        return
+    _observed_launch(frames, name, kernel, grid, args, meta, reason, access, access_args)
+
+
+def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, access_args):
+    grid = tuple(int(g) for g in grid)
+    for f in frames:
+        if f.before_launch is not None:
+            f.before_launch(name, grid, dict(meta))
+    tensors = {k: v for k, v in args.items() if isinstance(v, torch.Tensor)}
+    on_gpu = not INTERPRETED and any(t.is_cuda for t in tensors.values())
+    if on_gpu:
+        # Events measure the kernel, not the Python launch overhead; syncing is the price of
+        # observing, and is only paid when someone observes.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        kernel[grid](**args, **meta)
+        end.record()
+        end.synchronize()
+        duration_ns, timing = int(start.elapsed_time(end) * 1e6), "cuda_event"
+    else:
+        t0 = time.perf_counter_ns()
+        kernel[grid](**args, **meta)
+        duration_ns, timing = time.perf_counter_ns() - t0, "wall_clock"
+    access_fn = None
+    if access is not None:
+        snap = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in access_args)
+        access_fn = functools.partial(access, *snap)
+    record = LaunchRecord(
+        name=name,
+        grid=grid,
+        meta=dict(meta),
+        args={k.removesuffix("_ptr"): (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()},
+        tags=dict(frames[-1].tags),
+        duration_ns=duration_ns,
+        timing=timing,
+        reason=reason,
+        _access_fn=access_fn,
+    )
+    for f in frames:
+        f.on_launch(record)
+

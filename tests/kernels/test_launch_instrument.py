@@ -1,0 +1,154 @@
+import threading
+
+import torch
+from kernel_batches import make_batch
+
+from kernels import (AttentionConfig, choose_config, instrument, reshape_and_cache, unified_attention,
+                     unified_attention_ref)
+
+GPU_SHAPED = AttentionConfig(block_q=4, q_blocks_per_program=1, tile_n=16, heads_per_program=1)
+
+
+def _known_batch():
+    # Query rows: request 0 -> [0, 1), request 1 -> [1, 7) after an 8-token prefix, request 2 -> [7, 10).
+    return make_batch([1, 6, 3], [9, 14, 3], q_heads=4, kv_heads=2, head_size=32, block_size=4, seed=5)
+
+
+def _record_launches(fn, **tags):
+    records = []
+    with instrument.observe(records.append, **tags):
+        fn()
+    return records
+
+
+def test_recorded_grid_equals_hand_computed_grid():
+    b = _known_batch()
+    (rec,) = _record_launches(lambda: unified_attention(*b.args(), config=GPU_SHAPED))
+    # Request r's query blocks start at qsl[r] // 4 + r: 0, 1//4 + 1 = 1, 7//4 + 2 = 3, and the
+    # grid bound is num_tokens // 4 + num_seqs = 10 // 4 + 3 = 5 (block 4 is idle); 2 KV heads.
+    assert rec.name == "unified_attention"
+    assert rec.grid == (5, 2, 1)
+    assert rec.meta["BLOCK_Q"] == 4 and rec.meta["HEADS_PER_PROG"] == 1 and rec.meta["TILE_N"] == 16
+    assert rec.args["query"] == ((10, 4, 32), "float32")
+    assert rec.args["block_tables"][1] == "int32"
+    assert rec.reason == "caller-supplied config"
+    assert rec.timing == "wall_clock" and rec.duration_ns > 0
+
+
+def test_interpreter_decode_batch_is_one_program():
+    # The model's decode step: 8 requests x 4 heads x 64-token contexts -> a single fat program.
+    b = make_batch([1] * 8, [64] * 8, q_heads=4, kv_heads=4, head_size=32, block_size=16)
+    (rec,) = _record_launches(lambda: unified_attention(*b.args()))
+    cfg, reason = choose_config(num_tokens=8, num_seqs=8, num_q_heads=4, num_kv_heads=4, head_size=32,
+                                block_size=16, max_query_len=1, max_seq_len=64, target="interpreter")
+    assert rec.grid == (1, 1, 1)
+    assert rec.reason == reason and cfg.q_blocks_per_program == 8 and cfg.heads_per_program == 4
+    assert sorted(a.request for a in rec.access_map[(0, 0, 0)]) == list(range(8))
+
+
+def test_access_map_lists_the_physical_blocks_of_a_program():
+    b = _known_batch()
+    bt = b.block_tables
+    (rec,) = _record_launches(lambda: unified_attention(*b.args(), config=GPU_SHAPED))
+    # Program (2, 1): request 1's second query block (rows 5, 6) on KV head 1. Its last row sits
+    # at position 8 + 5 = 13, so it reads keys 0..13: logical blocks 0..3 of request 1.
+    (acc,) = rec.access_map[(2, 1, 0)]
+    assert (acc.request, acc.rows, acc.kv_heads, acc.kv_positions) == (1, (5, 7), (1,), (0, 14))
+    assert acc.blocks == tuple(bt[1, :4].tolist())
+    # Its first query block (rows 1..4) stops at key 11: three blocks.
+    assert rec.access_map[(1, 0, 0)][0].blocks == tuple(bt[1, :3].tolist())
+    assert (4, 0, 0) not in rec.access_map  # the idle block does no work
+    # Snapshot: rewriting the metadata after the launch does not change the record.
+    bt.fill_(-5)
+    assert rec.access_map[(2, 1, 0)][0].blocks == acc.blocks
+
+
+def test_access_map_covers_every_block_the_kernel_reads():
+    # Poison every cache block that no program claims to read: the output must not change.
+    b = make_batch([1, 5, 1], [40, 21, 7], q_heads=2, kv_heads=2, head_size=32, block_size=8, seed=6)
+    split = AttentionConfig(block_q=2, q_blocks_per_program=1, tile_n=16, heads_per_program=1, num_segments=2)
+    for config in (None, GPU_SHAPED, split):
+        k, v = b.key_cache.clone(), b.value_cache.clone()
+        rec = _record_launches(lambda: unified_attention(*b.args(), config=config))[0]
+        claimed = {blk for accs in rec.access_map.values() for a in accs for blk in a.blocks}
+        unclaimed = [i for i in range(k.shape[0]) if i not in claimed]
+        k[unclaimed] = float("nan")
+        v[unclaimed] = float("nan")
+        out = unified_attention(b.query, k, v, *b.args()[3:], config=config)
+        torch.testing.assert_close(out, unified_attention_ref(*b.args()), atol=1e-3, rtol=0)
+
+
+def test_split_kv_access_map_has_segments():
+    b = make_batch([1], [40], q_heads=2, kv_heads=2, head_size=32, block_size=16, seed=7)
+    cfg = AttentionConfig(block_q=1, q_blocks_per_program=1, tile_n=16, heads_per_program=2, num_segments=3)
+    attn, reduce = _record_launches(lambda: unified_attention(*b.args(), config=cfg))
+    assert (attn.name, attn.grid, reduce.name) == ("unified_attention_split_kv", (1, 1, 3), "reduce_segments")
+    # 3 tiles of 16 keys, one per segment; segment 1 reads keys [16, 32) = logical block 1.
+    (seg1,) = attn.access_map[(0, 0, 1)]
+    assert (seg1.segment, seg1.kv_positions, seg1.blocks) == (1, (16, 32), (int(b.block_tables[0, 1]),))
+
+
+def test_cache_write_record_and_access_map():
+    key = torch.randn(3, 2, 32)
+    cache = torch.zeros(4, 8, 2, 32)
+    slots = torch.tensor([17, -1, 3])
+    (rec,) = _record_launches(lambda: reshape_and_cache(key, key, cache, cache.clone(), slots), step=1)
+    assert rec.name == "reshape_and_cache" and rec.grid == (1, 1) and rec.tags == {"step": 1}
+    (acc,) = rec.access_map[(0, 0, 0)]
+    assert acc.blocks == (2, 0) and acc.rows == (0, 3) and acc.kv_heads == (0, 1)
+
+
+def test_before_launch_runs_before_each_launch():
+    key = torch.ones(1, 1, 16)
+    cache = torch.zeros(2, 8, 1, 16)
+    events = []
+
+    def before(name, grid, meta):
+        # The hook runs before the kernel: the cache is still untouched.
+        events.append(("before", name, grid, float(cache.sum()), meta["TOKENS"]))
+
+    with instrument.observe(lambda r: events.append(("after", r.name, r.grid, float(cache.sum()), None)), before):
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0]))
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([9]))
+    assert [(e[0], e[3]) for e in events] == [("before", 0.0), ("after", 16.0), ("before", 16.0), ("after", 32.0)]
+    assert events[0][1:3] == ("reshape_and_cache", (1, 1)) and events[0][4] == 1
+
+
+def test_observe_nests_and_restores_tags():
+    key = torch.ones(1, 1, 16)
+    cache = torch.zeros(2, 8, 1, 16)
+
+    def write():
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0]))
+
+    outer, inner = [], []
+    instrument.set_tags(ignored=True)  # nobody observes: a no-op
+    with instrument.observe(outer.append, step=1):
+        instrument.set_tags(layer=0)
+        write()
+        with instrument.observe(inner.append, phase="attn"):
+            assert instrument.current_tags() == {"step": 1, "layer": 0, "phase": "attn"}
+            instrument.set_tags(layer=5)
+            write()
+        write()  # back in the outer block: its tags are as they were
+    write()  # nobody observes
+    assert [r.tags for r in outer] == [
+        {"step": 1, "layer": 0},
+        {"step": 1, "layer": 5, "phase": "attn"},
+        {"step": 1, "layer": 0},
+    ]
+    assert [r.tags for r in inner] == [{"step": 1, "layer": 5, "phase": "attn"}]
+    assert instrument.current_tags() == {}
+
+
+def test_observation_is_thread_local():
+    key = torch.ones(1, 1, 16)
+    cache = torch.zeros(2, 8, 1, 16)
+    seen = []
+    with instrument.observe(seen.append, who="main"):
+        t = threading.Thread(target=lambda: reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([1])))
+        t.start()
+        t.join()
+        assert seen == []  # the other thread's launch was not observed here
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([2]))
+    assert [r.tags for r in seen] == [{"who": "main"}]
