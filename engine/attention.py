@@ -23,27 +23,31 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    name: str
+    """Cache write + attention, through the kernels' launch wrapper so every call can be
+    observed (Triton launches with their grids; the PyTorch references as plain calls)."""
 
     def __init__(self, name: str):
-        self.name = name
-        if name == "torch":
-            from kernels.reference import reshape_and_cache_ref, unified_attention_ref
-            self._write, self._attend = reshape_and_cache_ref, unified_attention_ref
-        elif name == "triton":
-            import kernels
-            self._write, self._attend = kernels.reshape_and_cache, kernels.unified_attention
-        else:
+        if name not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
+        self.name = name
+        import kernels  # turns on Triton's interpreter when there is no GPU
+        self._kernels = kernels
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self._write(k, v, key_cache, value_cache, meta.slot_mapping)
+        kn = self._kernels
         if self.name == "triton":
-            return self._attend(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                meta.block_tables, scale, max_query_len=meta.max_query_len,
-                                max_seq_len=meta.max_seq_len)
-        return self._attend(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                            meta.block_tables, scale)
+            kn.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            return kn.unified_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
+                                        meta.block_tables, scale, max_query_len=meta.max_query_len,
+                                        max_seq_len=meta.max_seq_len)
+        call = kn.instrument.call
+        call("reshape_and_cache_ref", kn.reshape_and_cache_ref, dict(
+            key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping),
+            reason="attention_backend=torch: PyTorch reference")
+        return call("unified_attention_ref", kn.unified_attention_ref, dict(
+            query=q, key_cache=key_cache, value_cache=value_cache, query_start_loc=meta.query_start_loc,
+            seq_lens=meta.seq_lens, block_tables=meta.block_tables, scale=scale),
+            reason="attention_backend=torch: PyTorch reference")
 
 
 def default_backend(device: torch.device) -> str:

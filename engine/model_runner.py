@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kernels import instrument
 
 from engine.attention import AttentionMetadata
 from engine.hooks import Hooks
@@ -65,11 +66,25 @@ class ModelRunner:
             logits_indices=torch.tensor(qsl[1:], dtype=torch.long, device=dev) - 1,
         )
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         inp = self.prepare_inputs(sched)
+        if not self.hooks.active:
+            return self._run(sched, inp)
+        with instrument.observe(self._on_launch, self._before_launch, step=sched.step):
+            return self._run(sched, inp)
+
+    @torch.inference_mode()
+    def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput:
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         out = self.sampler(logits, [s.request for s in sched.scheduled])
         if self.hooks.active: self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=[s.request.request_id for s in sched.scheduled])
         return out
+
+    def _before_launch(self, name: str, grid: tuple, meta: dict) -> None:
+        tags = instrument.current_tags()
+        self.hooks.gate("kernel", name=name, grid=grid, step=tags.get("step"), layer_idx=tags.get("layer"))
+
+    def _on_launch(self, rec: instrument.LaunchRecord) -> None:
+        # `launch` is the record itself (not JSON): live viewers read its lazy access map
+        self.hooks.emit("kernel", rec.name, step=rec.tags.get("step"), layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args={k: [list(s), d] for k, (s, d) in rec.args.items()}, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, launch=rec)

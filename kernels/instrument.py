@@ -159,6 +159,28 @@ def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, acc
     if access is not None:
         snap = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in access_args)
         access_fn = functools.partial(access, *snap)
+    _publish(frames, name, grid, meta, tensors, duration_ns, timing, reason, access_fn)
+
+
+def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str = "") -> Any:
+    """Run a PyTorch function that stands in for a kernel (the reference backend), recorded
+    like a launch when anyone observes: no grid (PyTorch picks its own), wall-clock time."""
+    frames = _state.frames
+    if not frames:
+        return fn(**args)
+    for f in frames:
+        if f.before_launch is not None:
+            f.before_launch(name, (), {})
+    tensors = {k: v for k, v in args.items() if isinstance(v, torch.Tensor)}
+    t0 = time.perf_counter_ns()
+    out = fn(**args)
+    if any(t.is_cuda for t in tensors.values()):
+        torch.cuda.synchronize()
+    _publish(frames, name, (), {}, tensors, time.perf_counter_ns() - t0, "wall_clock", reason, None)
+    return out
+
+
+def _publish(frames, name, grid, meta, tensors, duration_ns, timing, reason, access_fn) -> None:
     record = LaunchRecord(
         name=name,
         grid=grid,
@@ -172,4 +194,3 @@ def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, acc
     )
     for f in frames:
         f.on_launch(record)
-

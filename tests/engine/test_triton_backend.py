@@ -1,0 +1,60 @@
+"""The engine on our Triton kernels (interpreted on the CPU) gives the same greedy tokens as
+the PyTorch backend and as transformers, through preemption, chunked prefill and prefix
+caching; and every launch is observable through the engine's hooks."""
+import pytest
+
+from engine import LLM, Hooks, SamplingParams
+from engine.builtin_model import builtin_path
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_hf_equivalence import _prompts
+
+MAX_NEW = 10
+PROMPTS = _prompts(shared_prefix=16, n=8)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return hf_greedy(str(builtin_path()), PROMPTS, MAX_NEW)
+
+
+def _generate(backend: str, **kw):
+    llm = LLM("tiny-gpt2", attention_backend=backend, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    stats = llm.llm_engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+@pytest.mark.parametrize("kw, check", [
+    (dict(), None),
+    (dict(num_kv_blocks=10, block_size=8), "num_preemptions"),
+    (dict(max_num_batched_tokens=16, block_size=32), None),
+    (dict(block_size=8, num_kv_blocks=64), "prefix_cache_hits"),
+], ids=["default", "preemption", "chunked-prefill", "prefix-caching"])
+def test_triton_equals_torch_and_transformers(kw, check, expected):
+    got, stats = _generate("triton", **kw)
+    assert got == expected
+    if check:
+        assert getattr(stats, check) > 0
+    torch_got, _ = _generate("torch", **kw)
+    assert torch_got == got
+
+
+def test_kernel_launches_reach_the_hooks():
+    hooks, events, gates = Hooks(), [], []
+    hooks.subscribe(lambda layer, name, kind, rid, step, attrs: events.append((layer, name, step, attrs)))
+    hooks.add_gate(lambda point, info: gates.append((point, info)))
+    llm = LLM("tiny-gpt2", attention_backend="triton", num_kv_blocks=32, hooks=hooks)
+    llm.generate(["abc", "hello"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    kernels = [e for e in events if e[0] == "kernel"]
+    n_layers = 4
+    # two steps (prefill, decode), each layer: one cache write and one attention launch
+    assert [(e[1], e[2], e[3]["layer_idx"]) for e in kernels] == [
+        (name, step, layer) for step in (0, 1) for layer in range(n_layers)
+        for name in ("reshape_and_cache", "unified_attention")]
+    first_attention = kernels[1][3]
+    assert len(first_attention["grid"]) == 3 and first_attention["duration_ns"] > 0
+    access = first_attention["launch"].access_map
+    assert {a.request for accesses in access.values() for a in accesses} == {0, 1}
+    assert [g for g in gates if g[0] == "kernel"][0][1]["name"] == "reshape_and_cache"
