@@ -20,6 +20,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks]
     max_query_len: int
     max_seq_len: int
+    plan: object = None  # backend-specific indexing computed once per step (see prepare)
 
 
 class AttentionBackend:
@@ -32,6 +33,12 @@ class AttentionBackend:
         self.name = name
         import kernels  # turns on Triton's interpreter when there is no GPU
         self._kernels = kernels
+
+    def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
+        """Once per step, before the layers: work every layer would otherwise repeat."""
+        if self.name == "torch":
+            meta.plan = self._kernels.reference.plan_attention(meta.query_start_loc, meta.seq_lens,
+                                                               meta.block_tables, block_size)
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kn = self._kernels
@@ -46,7 +53,7 @@ class AttentionBackend:
             reason="attention_backend=torch: PyTorch reference")
         return call("unified_attention_ref", kn.unified_attention_ref, dict(
             query=q, key_cache=key_cache, value_cache=value_cache, query_start_loc=meta.query_start_loc,
-            seq_lens=meta.seq_lens, block_tables=meta.block_tables, scale=scale),
+            seq_lens=meta.seq_lens, block_tables=meta.block_tables, scale=scale, plan=meta.plan),
             reason="attention_backend=torch: PyTorch reference")
 
 

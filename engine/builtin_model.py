@@ -28,7 +28,7 @@ CONFIG = dict(
     tie_word_embeddings=True, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
     reorder_and_upcast_attn=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
 )
-VERSION = "1"  # bump when CONFIG, SEED or the init changes, so stale caches are rebuilt
+VERSION = "2"  # bump when CONFIG, SEED or the init changes, so stale caches are rebuilt
 
 
 def cache_root() -> Path:

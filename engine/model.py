@@ -65,6 +65,7 @@ class GPT2Model(nn.Module):
     def __init__(self, cfg: GPT2Config, backend: AttentionBackend):
         super().__init__()
         self.cfg = cfg
+        self.backend = backend
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg, i, backend) for i in range(cfg.n_layer))

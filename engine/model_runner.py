@@ -58,6 +58,7 @@ class ModelRunner:
             max_query_len=max(s.num_tokens for s in sched.scheduled),
             max_seq_len=max(seq_lens),
         )
+        self.model.backend.prepare(meta, bs)
         if self.hooks.active: self.hooks.emit("model_runner", "batch", step=sched.step, input_ids=input_ids, positions=positions, slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl, block_tables=tables, request_ids=[s.request.request_id for s in sched.scheduled])
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),

@@ -14,6 +14,8 @@ Layouts (vLLM v1):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -36,11 +38,40 @@ def reshape_and_cache_ref(
     value_cache.view(num_blocks * block_size, *value_cache.shape[2:]).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[num_blocks, bs, H, D] + the request's blocks -> its first seq_len slots [seq_len, H, D]."""
-    block_size = cache.shape[1]
-    n = (seq_len + block_size - 1) // block_size
-    return cache[block_table[:n].long()].flatten(0, 1)[:seq_len]
+@dataclass
+class AttentionPlan:
+    """Host-side indexing for one batch, shared by every layer of a step (same metadata)."""
+
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    decode_rows: torch.Tensor | None  # query rows of the requests with one new token
+    decode_slots: torch.Tensor | None  # [n_decode * max_len] cache slots, padded with slot 0
+    decode_mask: torch.Tensor | None  # [n_decode, max_len] True where the key exists
+    prefill: list[tuple[int, int, torch.Tensor]]  # (first row, last row + 1, slots of its context)
+
+
+def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   block_size: int) -> AttentionPlan:
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    tables = block_tables.long().cpu()
+    decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+    rows = slots = mask = None
+    if decode:
+        max_len = max(lens[i] for i in decode)
+        pos = torch.arange(max_len)
+        idx = torch.tensor(decode)
+        seq = torch.tensor([lens[i] for i in decode])
+        mask = pos[None, :] < seq[:, None]
+        slots = (tables[idx][:, pos // block_size] * block_size + pos % block_size).masked_fill(~mask, 0)
+        dev = block_tables.device
+        rows, slots, mask = torch.tensor([qsl[i] for i in decode], device=dev), slots.flatten().to(dev), mask.to(dev)
+    prefill = []
+    for i in range(len(lens)):
+        if qsl[i + 1] - qsl[i] > 1:
+            pos = torch.arange(lens[i])
+            prefill.append((qsl[i], qsl[i + 1],
+                            (tables[i, pos // block_size] * block_size + pos % block_size).to(block_tables.device)))
+    return AttentionPlan(qsl, lens, rows, slots, mask, prefill)
 
 
 def unified_attention_ref(
@@ -52,66 +83,48 @@ def unified_attention_ref(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole (paged) context.
 
     Query row i of request r sits at absolute position ``context_len + i`` where
     ``context_len = seq_len - query_len``; it sees keys at positions ``<= context_len + i``.
-    Softmax is computed in fp32.
+    Softmax is computed in fp32. ``plan`` (from ``plan_attention``) may be passed to reuse
+    the indexing across layers.
     """
     num_tokens, num_q_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     group = num_q_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    query_lens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+    if plan is None:
+        plan = plan_attention(query_start_loc, seq_lens, block_tables, block_size)
+    # The cache viewed as one row per slot: gathering slots is one index_select (several
+    # times faster than advanced indexing by block).
+    k_slots = key_cache.view(num_blocks * block_size, num_kv_heads, head_size)
+    v_slots = value_cache.view(num_blocks * block_size, num_kv_heads, head_size)
 
-    # Decode rows (one query token each) are batched into one padded matmul; prefill and
+    # Decode rows (one query token each) are batched into one padded attention; prefill and
     # mixed chunks are done one request at a time (their shapes differ).
-    decode = [i for i, q in enumerate(query_lens) if q == 1]
-    if decode:
-        _decode_batch(query, key_cache, value_cache, block_tables, qsl, lens, decode, scale, group, out)
-    for i, q_len in enumerate(query_lens):
-        if q_len <= 1:
-            continue
-        s, e, seq_len = qsl[i], qsl[i + 1], lens[i]
-        k = _gather(key_cache, block_tables[i], seq_len).float()
-        v = _gather(value_cache, block_tables[i], seq_len).float()
-        q = query[s:e].float()
+    if plan.decode_rows is not None:
+        n, max_len = plan.decode_mask.shape
+        k = k_slots.index_select(0, plan.decode_slots).view(n, max_len, num_kv_heads, head_size).float()
+        v = v_slots.index_select(0, plan.decode_slots).view(n, max_len, num_kv_heads, head_size).float()
         if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        ctx = seq_len - q_len
-        mask = torch.arange(seq_len)[None, :] <= (ctx + torch.arange(q_len))[:, None]
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-        )
+            query[plan.decode_rows].float().unsqueeze(2),  # [n, Hq, 1, D]
+            k.transpose(1, 2), v.transpose(1, 2),  # [n, Hq, L, D]
+            attn_mask=plan.decode_mask[:, None, None, :], scale=scale)
+        out[plan.decode_rows] = o.squeeze(2).to(out.dtype)
+    for s, e, slots in plan.prefill:
+        seq_len, q_len = slots.numel(), e - s
+        k, v = k_slots.index_select(0, slots).float(), v_slots.index_select(0, slots).float()
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        ctx = seq_len - q_len
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= (ctx + torch.arange(q_len, device=query.device))[:, None]
+        o = F.scaled_dot_product_attention(
+            query[s:e].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
         out[s:e] = o.transpose(0, 1).to(out.dtype)
     return out
-
-
-def _decode_batch(query, key_cache, value_cache, block_tables, qsl, lens, rows, scale, group, out):
-    block_size = key_cache.shape[1]
-    idx = torch.tensor(rows)
-    tok = torch.tensor([qsl[i] for i in rows])
-    seq = torch.tensor([lens[i] for i in rows])
-    max_len = int(seq.max())
-    n_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[idx, :n_blocks].long()
-    k = key_cache[tables].flatten(1, 2)[:, :max_len].float()  # [B, L, Hkv, D]
-    v = value_cache[tables].flatten(1, 2)[:, :max_len].float()
-    if group > 1:
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
-    q = query[tok].float()  # [B, Hq, D]
-    mask = torch.arange(max_len)[None, :] < seq[:, None]  # [B, L]
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, Hq, 1, D]
-        k.transpose(1, 2),  # [B, Hq, L, D]
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-    )
-    out[tok] = o.squeeze(2).to(out.dtype)
