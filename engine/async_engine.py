@@ -293,14 +293,15 @@ class AsyncLLMEngine:
             adds, self._pending = self._pending, deque()
             aborts, self._aborts = self._aborts, []
             parked = self._parked
+        settled = []
         for add in adds:
             try:
                 self.engine.add_request(add.request_id, add.prompt, add.params)
             except Exception as e:  # ValueError for bad input; anything else still goes back
-                _resolve(add.loop, add.accepted, e)
+                settled.append((add, e))
                 continue
             self._streams[add.request_id] = add
-            _resolve(add.loop, add.accepted, None)
+            settled.append((add, None))
         deferred = []
         for rid in aborts:
             req = self.engine.requests.get(rid)
@@ -316,6 +317,8 @@ class AsyncLLMEngine:
                 self._aborts[:0] = deferred
         if adds or aborts:
             self.stats = self.engine.stats()
+        for add, exc in settled:  # after the stats: a caller that sees its request queued sees it counted
+            _resolve(add.loop, add.accepted, exc)
 
     def _drain_while_parked(self) -> None:
         # Runs on the helper thread. If the engine left the gate meanwhile, this waits for
