@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 
-NUM_KV_BLOCKS = 96
+NUM_KV_BLOCKS = 48
 
 
 @pytest.fixture(scope="session", autouse=True)
