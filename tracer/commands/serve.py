@@ -137,6 +137,12 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             if self.started:
                 ready.set()
 
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets)
+            # uvicorn re-raises a caught Ctrl-C once it has shut down (exit 130 with a
+            # KeyboardInterrupt); ours was handled, requests drained: exit 0 instead
+            self._captured_signals.clear()
+
     config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.drain_timeout,
                             lifespan="on")
     server = Server(config)
