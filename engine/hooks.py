@@ -10,6 +10,7 @@ The engine knows nothing of who listens.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
 # kinds of event
@@ -24,6 +25,9 @@ class Hooks:
         self.active = False  # True while anyone listens or gates
         self._listeners: list[Listener] = []
         self._gates: list[Gate] = []
+        # Entered around every blocking gate call. AsyncLLMEngine sets it to release its
+        # engine lock, so requests can still be queued while a controller holds the engine.
+        self.gate_wait: Callable[[], AbstractContextManager] = nullcontext
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """listener(layer, name, kind, request_id, step, attrs). Returns an unsubscribe function."""
@@ -46,5 +50,8 @@ class Hooks:
             listener(layer, name, kind, request_id, step, attrs)
 
     def gate(self, point: str, **info: Any) -> None:
-        for g in self._gates:
-            g(point, info)
+        if not self._gates:
+            return
+        with self.gate_wait():
+            for g in self._gates:
+                g(point, info)

@@ -1,0 +1,54 @@
+"""The FastAPI app: ``build_app(async_engine, served_model_name, ...)``.
+
+Routes live in ``engine.server.routers``, one module per concern, and reach shared state
+through ``Depends(get_state)`` (``app.state.server``). Adding a router is one line::
+
+    app = build_app(engine, "tiny-gpt2", api_key=key, host=host)
+    app.state.trace = session                       # what the trace routes read
+    app.include_router(trace_router)                # its control routes use Depends(require_control)
+
+``require_control`` (engine.server.security) guards endpoints that change the engine's course:
+the API key when one is set, otherwise loopback-only.
+"""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from engine.async_engine import AsyncLLMEngine
+from engine.server.chat_template import DEFAULT_CHAT_TEMPLATE
+from engine.server.errors import install_error_handlers
+from engine.server.metrics import ServerMetrics
+from engine.server.routers import completions, health, metrics, models, tokenize
+from engine.server.routers.health import package_version
+from engine.server.state import ServerState
+
+ROUTERS = [completions.router, models.router, health.router, tokenize.router, metrics.router]
+
+
+def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, *,
+              host: str = "127.0.0.1", chat_template: str | None = None, shutdown_engine: bool = True) -> FastAPI:
+    """An OpenAI-compatible app serving `async_engine` as `served_model_name`.
+
+    The engine loop starts with the app (lifespan) and, with shutdown_engine, stops with it:
+    in-flight requests get the engine's drain_timeout to finish. `host` is the address the
+    server binds; it decides whether trace control is open without a key. `chat_template`
+    is Jinja source (see engine.server.chat_template; default: DEFAULT_CHAT_TEMPLATE).
+    """
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        if shutdown_engine:
+            await async_engine.shutdown()
+
+    app = FastAPI(title="vllm-trace", version=package_version(), lifespan=lifespan,
+                  description="OpenAI-compatible serving of a traced paged-attention engine.")
+    app.state.server = ServerState(engine=async_engine, model_name=served_model_name,
+                                   chat_template=chat_template or DEFAULT_CHAT_TEMPLATE, api_key=api_key, host=host,
+                                   metrics=ServerMetrics(async_engine, served_model_name))
+    install_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    return app

@@ -1,0 +1,39 @@
+"""What every route needs, kept on ``app.state.server`` and injected with ``Depends``."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from engine.async_engine import AsyncLLMEngine
+from engine.hooks import Hooks
+from engine.server.errors import APIError
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    model_name: str
+    chat_template: str
+    api_key: str | None = None
+    host: str = "127.0.0.1"  # the address the server binds; decides whether control is open
+    metrics: object | None = None  # engine.server.metrics.ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def hooks(self) -> Hooks:
+        return self.engine.hooks
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+StateDep = Annotated[ServerState, Depends(get_state)]

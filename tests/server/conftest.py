@@ -1,0 +1,99 @@
+"""One live server for the whole session: the real uvicorn on a free loopback port, in a
+thread, serving the built-in tiny-gpt2 with a small KV cache (so 64 concurrent requests
+also exercise preemption)."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+
+NUM_KV_BLOCKS = 48
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """The built-in model is written once per session into a temporary cache."""
+    old = os.environ.get("VLLM_TRACE_CACHE")
+    os.environ["VLLM_TRACE_CACHE"] = str(tmp_path_factory.mktemp("vllm-trace-cache"))
+    yield
+    if old is None:
+        os.environ.pop("VLLM_TRACE_CACHE", None)
+    else:
+        os.environ["VLLM_TRACE_CACHE"] = old
+
+
+class ThreadedServer(uvicorn.Server):
+    """uvicorn in a background thread; `ready` is set once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.ready.set()
+
+
+def start_server(app) -> tuple[ThreadedServer, threading.Thread, str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = ThreadedServer(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    if not server.ready.wait(60):
+        raise RuntimeError("the test server did not start")
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@dataclass
+class Live:
+    url: str
+    async_engine: object  # engine.async_engine.AsyncLLMEngine
+    model: str = "tiny-gpt2"
+
+    @property
+    def engine(self):
+        return self.async_engine.engine
+
+    def all_blocks_free(self) -> bool:
+        bm = self.engine.block_manager
+        return bm.num_free_blocks == bm.num_blocks and not self.engine.requests
+
+
+def make_engine(**kwargs):
+    from engine import LLM
+    from engine.async_engine import AsyncLLMEngine
+
+    return AsyncLLMEngine(LLM("tiny-gpt2", **kwargs).llm_engine)
+
+
+@pytest.fixture(scope="session")
+def live(model_cache):
+    from engine.server import build_app
+
+    async_engine = make_engine(num_kv_blocks=NUM_KV_BLOCKS)
+    server, thread, url = start_server(build_app(async_engine, "tiny-gpt2"))
+    yield Live(url, async_engine)
+    server.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture
+def client(live):
+    from openai import OpenAI
+
+    with OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def http(live):
+    import httpx
+
+    with httpx.Client(base_url=live.url, timeout=60) as c:
+        yield c

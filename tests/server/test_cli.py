@@ -1,0 +1,104 @@
+"""`vllm-trace send`, `bench` and `serve` as a user runs them."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tracer.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_send_prints_text_then_usage(live, capsys):
+    assert main(["send", "Hello", "--url", live.url, "--max-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and re.search(r"cmpl-\w+: \d+ prompt \+ 5 completion", err)
+    assert main(["send", "Hello", "--url", live.url, "--max-tokens", "5", "--stream"]) == 0
+    streamed, err = capsys.readouterr()
+    assert streamed == out and "5 completion" in err  # same greedy text, streamed
+    assert main(["send", "Hi", "--chat", "--stream", "--url", live.url, "--max-tokens", "3"]) == 0
+    assert re.search(r"chatcmpl-\w+: \d+ prompt \+ 3 completion", capsys.readouterr().err)
+
+
+def test_send_reports_server_errors_and_unreachable_servers(live, capsys):
+    assert main(["send", "x" * 600, "--url", live.url]) == 1
+    assert "max_model_len" in capsys.readouterr().err
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["send", "Hello", "--url", f"http://127.0.0.1:{port}"]) == 2
+    assert "cannot reach a server" in capsys.readouterr().err
+
+
+def test_bench_reports_and_writes_json(live, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--url", live.url, "--num-requests", "8", "--concurrency", "4", "--prompt-len", "4:12",
+            "--output-len", "6", "--json", str(path), "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for label in ("Mean TTFT (ms)", "Median ITL (ms)", "P99 E2E (ms)", "Output token throughput"):
+        assert label in out
+    result = json.loads(path.read_text())
+    assert result["completed"] == 8 and result["failed"] == 0 and result["total_output_tokens"] == 48
+    assert 0 < result["ttft"]["median_ms"] <= result["e2e"]["median_ms"]
+
+
+def test_bench_rejects_rate_and_concurrency_together(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--request-rate", "2", "--concurrency", "2"])
+
+
+def test_serve_help_is_grouped():
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for group in ("http server:", "engine:", "display:"):
+        assert group in text
+    for flag in ("--served-model-name", "--api-key", "--chat-template", "--max-num-seqs", "--no-tui",
+                 "--enable-prefix-caching", "--no-enable-prefix-caching", "--block-size", "--num-kv-blocks"):
+        assert flag in text
+
+
+def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path):
+    """The real command in a subprocess: stages, ready line, then SIGINT with a request in flight."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tracer.cli", "serve", "tiny-gpt2", "--port", "0", "--num-kv-blocks", "64",
+         "--served-model-name", "tiny", "--chat-template", str(template), "--no-tui"],
+        cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("Ready:"):
+                break
+        banner = "".join(lines)
+        for stage in ("args", "tokenizer_load", "model_load", "kv_cache_alloc", "http_ready"):
+            assert re.search(rf"^  {stage}\s+[\d.]+ ms", banner, re.M), banner
+        url = re.search(r"at (http://\S+)", lines[-1]).group(1)
+        assert "curl " + url + "/v1/completions" in next(proc.stderr)
+
+        import httpx
+        r = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+        assert r.json()["count"] == len("<user>Hi<assistant>")  # the --chat-template file is used
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 150, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            chunks = r.iter_lines()
+            assert next(chunks).startswith("data: ")  # generating: now Ctrl-C
+            proc.send_signal(signal.SIGINT)
+            rest = [json.loads(line[6:]) for line in chunks if line.startswith("data: {")]
+        assert rest[-1]["usage"]["completion_tokens"] == 150  # it was allowed to finish
+        assert proc.wait(60) == 0
+        assert "stopped cleanly" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
