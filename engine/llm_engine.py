@@ -34,6 +34,7 @@ class LLMEngine:
         self.config = config
         self.hooks = hooks or Hooks()
         self.startup: list[tuple[str, float, dict]] = []  # (stage, seconds, details)
+        if self.hooks.active: self.hooks.emit("engine", "config", model=config.model.model, config=config.to_dict())
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = DTYPES[mc.dtype or ("float16" if self.device.type == "cuda" else "float32")]
@@ -152,9 +153,11 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.hooks.active: self.hooks.gate("step", step=self.step_count)
+        if self.hooks.active: self.hooks.emit("engine", "step", BEGIN, step=self.step_count)
         sched = self.scheduler.schedule(self.step_count)
         if self.hooks.active: self._trace_schedule(sched)
         sampled = self.model_runner.execute(sched) if not sched.is_empty else None
+        if self.hooks.active: self.hooks.gate("postprocess", step=sched.step)
         return self._postprocess(sched, sampled)
 
     def _postprocess(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
@@ -180,7 +183,7 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
                 if self.hooks.active: self.hooks.emit("engine", "FINISHED", request_id=req.request_id, step=sched.step, finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens, text=req.output_text)
             outputs.append(self._output(req))
-        if self.hooks.active: self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), **vars(self.stats()))
+        if self.hooks.active: self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
         self.step_count += 1
         return outputs
 
@@ -252,10 +255,12 @@ class LLMEngine:
 
     def _trace_schedule(self, sched: SchedulerOutput) -> None:
         h = self.hooks
-        h.emit("engine", "step", BEGIN, step=sched.step)
         for rid in sched.admitted:
             h.emit("scheduler", "SCHEDULED", request_id=rid, step=sched.step)
-        h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **self.snapshot(sched))
+        snap = self.snapshot(sched)
+        del snap["step"]  # the event's own step field carries it
+        h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **snap)
+        h.emit("scheduler", "schedule", END, step=sched.step, num_scheduled_tokens=sched.num_scheduled_tokens)
         h.gate("execute", step=sched.step)
 
     def _stage(self, name: str, **details):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.hooks import Hooks
+from engine.hooks import BEGIN, Hooks
 from engine.request import Request, RequestStatus
 
 
@@ -62,6 +62,7 @@ class Scheduler:
 
     def schedule(self, step: int) -> SchedulerOutput:
         self.block_manager.step = step
+        if self.hooks.active: self.hooks.emit("scheduler", "schedule", BEGIN, step=step, num_waiting=len(self.waiting), num_running=len(self.running))
         out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens)
         budget = self.config.max_num_batched_tokens
 
