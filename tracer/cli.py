@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # One module per subcommand, in the order `--help` lists them.
-COMMANDS = ["generate"]
+COMMANDS = ["generate", "export"]
 
 
 class UserError(Exception):
