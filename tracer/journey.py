@@ -25,7 +25,7 @@ def request_events(events: list[Event], request_id: str) -> list[Event]:
     """The request's own events and the step-level events of the steps it was scheduled in."""
     steps = {s for s, ids in scheduled_in_steps(events).items() if request_id in ids}
     return [ev for ev in events if ev.request_id == request_id
-            or (ev.request_id is None and ev.step in steps and ev.layer != "engine")]
+            or (ev.request_id is None and ev.step in steps and ev.layer not in ("engine", "tracer"))]
 
 
 def layer_path(events: list[Event]) -> list[str]:
