@@ -7,9 +7,11 @@ the engine thread there (on a ``threading.Condition``) when it should stop:
     execute       after scheduling, before the forward    granularity "phase"  (step into)
     postprocess   after the forward, before tokens land   granularity "phase"
     kernel        before each kernel launch               granularity "kernel" (step kernel)
+    step_end      after a step's outputs                  only for breakpoints
 
 A finer granularity also stops at the coarser points, so "step kernel" still stops at the
-next phase when a step launches no kernel. Breakpoints and run-until match *events* (which
+next phase when a step launches no kernel. ``step_end`` exists so that a breakpoint hit late
+in a step (a request finishing) stops the engine in that step, even if it was the last one. Breakpoints and run-until match *events* (which
 may come from any thread: a request arriving over HTTP is not the engine thread), so a match
 only marks a hit and the engine stops at its next control point; a kernel-name breakpoint is
 also matched at the kernel gate itself, to stop before that launch. Adding requests is never
@@ -24,7 +26,7 @@ from engine.hooks import Hooks
 from tracer.conditions import Condition
 
 GRANULARITIES = {"step": 0, "phase": 1, "kernel": 2}
-POINT_LEVEL = {"step": 0, "execute": 1, "postprocess": 1, "kernel": 2}  # unknown points: finest
+POINT_LEVEL = {"step": 0, "execute": 1, "postprocess": 1, "kernel": 2, "step_end": 3}  # unknown: 2
 
 
 @dataclass
@@ -113,7 +115,9 @@ class StepController:
                 "until": str(self._until) if self._until else None, "pause_requested": self._pause is not None}
 
     def close(self) -> None:
-        """Detach from the engine and let it run freely."""
+        """Detach from the engine and let it run freely. Safe to call twice."""
+        if self._closed:
+            return
         self._unsubscribe()
         self._remove_gate()
         with self._cond:
@@ -134,8 +138,8 @@ class StepController:
             self._held = Stop(point, info.get("step"), reason, dict(info))
             gen = self._release_gen
             self._cond.notify_all()
-        attrs = {k: v for k, v in info.items() if k != "step"} | {"point": point, "reason": reason}
-        if self.hooks.active: self.hooks.emit("tracer", "paused", step=info.get("step"), **attrs)
+        details = {k: v for k, v in info.items() if k != "step"}  # nested: a kernel's info has a "name"
+        if self.hooks.active: self.hooks.emit("tracer", "paused", step=info.get("step"), point=point, reason=reason, info=details)
         with self._cond:
             self._cond.wait_for(lambda: self._release_gen != gen or self._closed)
         if self.hooks.active: self.hooks.emit("tracer", "resumed", step=info.get("step"), point=point)
