@@ -47,7 +47,12 @@ class Event:
                 "request_id": self.request_id, "step": self.step, "attrs": json_safe(self.attrs) if self.attrs else None}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        d = {"seq": self.seq, "ts_ns": self.ts_ns, "layer": self.layer, "name": self.name, "kind": self.kind,
+             "request_id": self.request_id, "step": self.step, "attrs": self.attrs or None}
+        try:  # fast path: engine attributes are almost always plain JSON data already (C encoder)
+            return _dumps(d)
+        except (TypeError, ValueError):  # a tensor, a dataclass, a NaN...: convert, then encode
+            return _dumps(self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict) -> "Event":
@@ -57,6 +62,10 @@ class Event:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.attrs.get(key, default) if self.attrs else default
+
+
+_encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_dumps = _encoder.encode
 
 
 def json_safe(x: Any) -> Any:

@@ -13,6 +13,7 @@ from engine.hooks import INSTANT
 from tracer.bus import EventBus
 from tracer.events import LAYERS, Event
 
+POLL_INTERVAL = 0.05  # seconds
 MAX_ITEMS = 8  # longer lists are shown as their first items and a count
 MAX_CHARS = 60
 BULKY = {"config", "waiting", "running", "scheduled", "pieces", "params"}  # summarised, not printed whole
@@ -74,23 +75,24 @@ class TraceLog:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._print(self._sub.pull(max_events=1024, timeout=0.5))
+        while not self._stop.wait(POLL_INTERVAL):  # polled, not woken per event (see recorder)
+            while self._print(self._sub.pull(max_events=1024)):
+                pass
 
-    def _print(self, pulled) -> None:
+    def _print(self, pulled) -> int:
         if pulled.missed:
             print(f"[TRACE] tracer events_lost count={pulled.missed}", file=self.stream)
         lines = [format_event(ev) for ev in pulled.events if self.layers is None or ev.layer in self.layers]
         if lines:
             self.stream.write("\n".join(lines) + "\n")
             self.stream.flush()
+        return len(pulled.events)
 
     def close(self) -> None:
         """Print what is left and stop."""
         if self._stop.is_set():
             return
         self._stop.set()
-        self.bus.wake_readers()
         self._thread.join(timeout=5)
         while self._sub.pending:
             self._print(self._sub.pull())
