@@ -131,6 +131,10 @@ def main() -> None:
         print(f"  on / off       = {med['on'] / med['off']:.3f}   (target >= 0.90)")
         print(f"  on+tui / off   = {med['on+tui'] / med['off']:.3f}")
         print(f"  off / bypassed = {med['off'] / med['bypassed']:.3f}   (target within 0.98 .. 1.02)")
+        # the same ratios within each repetition (runs minutes apart share less noise), then the median
+        paired = {f"{a}/{b}": statistics.median(x / y for x, y in zip(results[a], results[b]))
+                  for a, b in (("on", "off"), ("on+tui", "off"), ("off", "bypassed"))}
+        print("  median of per-repetition ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in paired.items()))
     print(f"no-loss check: {no_loss}")
 
 

@@ -153,7 +153,8 @@ def _step(s: TraceState, ev: Event) -> None:
     elif ev.kind == END:
         s.phase = "done"
         s.stats = _attrs(ev).get("stats", s.stats)
-        if s.snapshot is not None and s.snapshot_step == ev.step:  # what postprocess did: every scheduled token is now computed
+        # what postprocess did: every token scheduled this step is now computed
+        if s.snapshot is not None and s.snapshot_step == ev.step:
             for sch in s.snapshot.get("scheduled", []):
                 req = s.requests.get(sch["request_id"])
                 if req is not None and not req.status.startswith(FINISHED):
