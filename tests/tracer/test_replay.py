@@ -82,6 +82,7 @@ def test_replayed_text_and_final_state_match_the_engine(run):
         req = final.requests[out.request_id]
         assert req.text == out.outputs[0].text and req.output_token_ids == out.outputs[0].token_ids
         assert req.finish_reason == out.outputs[0].finish_reason
+        assert req.prompt_token_ids == out.prompt_token_ids and "".join(req.prompt_pieces) == out.prompt
     assert final.waiting == final.running == [] and sorted(final.finished) == sorted(o.request_id for o in outs)
     assert [s["stage"] for s in final.startup] == ["resolve_model", "tokenizer_load", "model_load", "kv_cache_alloc"]
     assert final.num_blocks == 14 and final.engine_config["cache"]["num_kv_blocks"] == 14
