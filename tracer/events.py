@@ -29,6 +29,9 @@ LAYERS = ("cli", "http", "api", "tokenizer", "engine", "scheduler", "block_manag
           "kernel", "sampler", "detokenizer", "tracer")
 KINDS = (INSTANT, BEGIN, END, COUNTER, SNAPSHOT)
 EVENT_KEYS = ("seq", "ts_ns", "layer", "name", "kind", "request_id", "step", "attrs")
+# Attributes that hand live objects to in-process viewers (a kernel event's LaunchRecord, whose
+# per-program access map is computed lazily): never serialised, never copied into exports.
+LIVE_ONLY_ATTRS = frozenset({"launch"})
 
 
 @dataclass(slots=True)
@@ -47,8 +50,11 @@ class Event:
                 "request_id": self.request_id, "step": self.step, "attrs": json_safe(self.attrs) if self.attrs else None}
 
     def to_json(self) -> str:
+        attrs = self.attrs or None
+        if attrs and not LIVE_ONLY_ATTRS.isdisjoint(attrs):
+            attrs = {k: v for k, v in attrs.items() if k not in LIVE_ONLY_ATTRS}
         d = {"seq": self.seq, "ts_ns": self.ts_ns, "layer": self.layer, "name": self.name, "kind": self.kind,
-             "request_id": self.request_id, "step": self.step, "attrs": self.attrs or None}
+             "request_id": self.request_id, "step": self.step, "attrs": attrs}
         try:  # fast path: engine attributes are almost always plain JSON data already (C encoder)
             return _dumps(d)
         except (TypeError, ValueError):  # a tensor, a dataclass, a NaN...: convert, then encode
@@ -71,13 +77,13 @@ _dumps = _encoder.encode
 def json_safe(x: Any) -> Any:
     """Plain JSON data from what engine code passes as attributes: tensors and numpy arrays
     become lists, tuples and sets lists, dataclasses dicts, enums their value, dict keys strings;
-    NaN and infinities (not JSON) become strings."""
+    NaN and infinities (not JSON) become strings; live-only attributes are left out."""
     if x is None or isinstance(x, (bool, int, str)):
         return x
     if isinstance(x, float):
         return x if math.isfinite(x) else str(x)
     if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items() if k not in LIVE_ONLY_ATTRS}
     if isinstance(x, (list, tuple, set, frozenset)):
         return [json_safe(v) for v in (sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x)]
     if isinstance(x, enum.Enum):

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from engine.hooks import BEGIN, END, SNAPSHOT
-from tracer.events import Event, read_trace
+from tracer.events import Event, json_safe, read_trace
 
 PID = 1
 STEPS_TID, KERNELS_TID = 1, 2
@@ -118,7 +118,7 @@ def to_chrome_trace(header: dict, events: list[Event]) -> dict:
                 ev.ts_ns - int(a.get("duration_ns") or 0)
             start = max(start, kernel_end)  # one launch after another on this track
             kernel_end = max(ev.ts_ns, start)
-            b.x(KERNELS_TID, ev.name, start, kernel_end, dict(a, step=ev.step), cat="kernel")
+            b.x(KERNELS_TID, ev.name, start, kernel_end, json_safe(dict(a, step=ev.step)), cat="kernel")
         # ---- any other layer's spans (startup stages, HTTP handlers, ...)
         elif ev.kind == BEGIN:
             open_spans[key] = ev

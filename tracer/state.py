@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from engine.hooks import BEGIN, END, SNAPSHOT
 from tracer.bus import EventBus
-from tracer.events import Event
+from tracer.events import Event, json_safe
 
 FINISHED = "FINISHED"
 
@@ -85,7 +85,8 @@ class TraceState:
         return req
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """Plain JSON data (what /trace/state serves); live-only objects are left out."""
+        d = json_safe(self)
         d["kv_cache_usage"] = self.kv_cache_usage
         return d
 

@@ -59,3 +59,15 @@ def test_read_trace_skips_torn_last_line_only(tmp_path):
     p.write_text(lines[1] + "\n")
     with pytest.raises(ValueError, match="header"):
         read_trace(p)
+
+
+class LaunchRecordLike:
+    def __init__(self):
+        self.access_map = {"huge": list(range(10))}
+
+
+def test_live_only_attributes_are_not_serialised():
+    ev = Event(1, 5, "kernel", "unified_attention", "instant", None, 0,
+               {"grid": [2, 4, 1], "duration_ns": 900, "launch": LaunchRecordLike()})
+    assert json.loads(ev.to_json())["attrs"] == {"grid": [2, 4, 1], "duration_ns": 900}
+    assert json_safe({"launch": object(), "x": 1}) == {"x": 1}

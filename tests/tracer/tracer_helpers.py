@@ -66,6 +66,6 @@ def simulate_kernel_events(engine):
         hooks.emit("kernel", "reshape_and_cache", step=step["now"], grid=[8], meta={"BLOCK": 16},
                    tags={"layer": i}, duration_ns=2000)
         hooks.emit("kernel", "unified_attention", step=step["now"], grid=[2, 4], meta={"BLOCK_M": 16},
-                   tags={"layer": i}, duration_ns=5000)
+                   tags={"layer": i}, duration_ns=5000, launch=object())  # a live record, as the integration passes
 
     engine.model.on_layer = on_layer
