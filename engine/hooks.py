@@ -31,15 +31,17 @@ class Hooks:
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """listener(layer, name, kind, request_id, step, attrs). Returns an unsubscribe function."""
-        self._listeners.append(listener)
+        # copy on write: the engine thread may be iterating the old list right now
+        self._listeners = [*self._listeners, listener]
         self._update()
-        return lambda: (self._listeners.remove(listener), self._update())
+        return lambda: (setattr(self, "_listeners", [x for x in self._listeners if x is not listener]),
+                        self._update())
 
     def add_gate(self, gate: Gate) -> Callable[[], None]:
         """gate(point, info) is called at each control point and may block."""
-        self._gates.append(gate)
+        self._gates = [*self._gates, gate]
         self._update()
-        return lambda: (self._gates.remove(gate), self._update())
+        return lambda: (setattr(self, "_gates", [x for x in self._gates if x is not gate]), self._update())
 
     def _update(self) -> None:
         self.active = bool(self._listeners or self._gates)

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # One module per subcommand, in the order `--help` lists them.
-COMMANDS = ["generate", "serve", "send", "bench"]
+COMMANDS = ["generate", "serve", "send", "bench", "export"]
 
 
 class UserError(Exception):

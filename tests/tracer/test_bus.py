@@ -1,0 +1,105 @@
+import threading
+
+from hypothesis import given, settings, strategies as st
+
+from engine.hooks import Hooks
+from tracer.bus import EventBus
+
+
+def test_attach_publishes_hook_events_with_increasing_seq():
+    hooks, bus = Hooks(), EventBus()
+    sub = bus.subscribe()
+    detach = bus.attach(hooks)
+    assert hooks.active
+    hooks.emit("engine", "QUEUED", request_id="1", step=0, num_prompt_tokens=3)
+    hooks.emit("engine", "step", "begin", step=0)
+    detach()
+    assert not hooks.active
+    hooks.emit("engine", "not seen")
+    got = sub.pull()
+    assert [e.seq for e in got.events] == [0, 1] and got.missed == 0
+    assert got.events[0].attrs == {"num_prompt_tokens": 3} and got.events[1].attrs is None
+    assert got.events[0].ts_ns <= got.events[1].ts_ns
+
+
+def test_slow_reader_is_told_how_many_it_missed():
+    bus = EventBus(capacity=8)
+    sub = bus.subscribe()
+    for i in range(20):
+        bus.publish("engine", f"e{i}")  # never blocks, though nobody reads
+    got = sub.pull()
+    assert got.missed == 12
+    assert [e.name for e in got.events] == [f"e{i}" for i in range(12, 20)]
+    assert sub.pull().events == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(1, 16), ops=st.lists(st.one_of(st.integers(1, 20), st.none()), max_size=30))
+def test_every_event_is_either_delivered_in_order_or_counted_missed(capacity, ops):
+    bus = EventBus(capacity=capacity)
+    sub = bus.subscribe()
+    seen, missed, published = [], 0, 0
+    for op in ops:
+        if op is None:
+            got = sub.pull(max_events=capacity)
+            seen += [e.seq for e in got.events]
+            missed += got.missed
+        else:
+            for _ in range(op):
+                bus.publish("engine", "x")
+                published += 1
+    got = sub.pull()
+    seen += [e.seq for e in got.events]
+    missed += got.missed
+    assert seen == sorted(seen) and len(set(seen)) == len(seen)
+    assert len(seen) + missed == published
+
+
+def test_concurrent_publishers_get_unique_contiguous_seqs():
+    bus = EventBus()
+    sub = bus.subscribe()
+    start = threading.Barrier(4)
+
+    def publish():
+        start.wait()
+        for _ in range(500):
+            bus.publish("http", "x")
+
+    threads = [threading.Thread(target=publish) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seqs = [e.seq for e in sub.pull().events]
+    assert seqs == list(range(2000))
+
+
+def test_reader_waits_for_the_next_event():
+    bus = EventBus()
+    sub = bus.subscribe()
+    t = threading.Thread(target=lambda: bus.publish("engine", "late"))
+    t.start()
+    got = sub.pull(timeout=10)  # returns when the event is published, not after the timeout
+    t.join()
+    got.events += sub.pull().events
+    assert [e.name for e in got.events] == ["late"]
+    assert sub.pull(timeout=0.01).events == []  # a timeout with nothing to read
+
+
+def test_wake_readers_interrupts_a_wait():
+    bus = EventBus()
+    sub = bus.subscribe()
+    waiting = threading.Event()
+    result = []
+
+    def reader():
+        waiting.set()
+        result.append(sub.pull(timeout=30))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    waiting.wait()
+    while t.is_alive():
+        bus.wake_readers()  # repeated: the reader may not be inside wait() yet
+        t.join(0.05)
+    assert result[0].events == []

@@ -1,0 +1,194 @@
+"""Pause / step / breakpoints, deterministic: the engine runs in a thread, the test waits on
+the controller's condition (wait_until_paused), never on time."""
+import threading
+
+import pytest
+
+from engine import LLM, Hooks, SamplingParams
+from tracer.conditions import on_arrive, on_finish, on_kernel, on_preempt, parse_condition
+from tracer.controller import StepController
+from tracer.session import TraceSession
+from tracer_helpers import EngineThread
+
+T = 30  # seconds; only reached if something is broken
+
+
+def make(start_paused=True, **llm_kwargs):
+    hooks = Hooks()
+    session = TraceSession(hooks, start_paused=start_paused)
+    llm_kwargs.setdefault("block_size", 4)
+    engine = LLM("tiny-gpt2", hooks=hooks, **llm_kwargs).llm_engine
+    return session, engine
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_start_paused_step_and_requests_arriving_while_paused():
+    session, engine = make()
+    ctl = session.controller
+    engine.add_request("a", "first prompt", greedy(6))
+    loop = EngineThread(engine).start()
+    try:
+        stop = ctl.wait_until_paused(T)
+        assert (stop.point, stop.step, stop.reason) == ("step", 0, "start paused")
+        engine.add_request("b", "arrives while paused", greedy(2))  # not gated
+        view = session.state.view()
+        assert view.waiting == ["a", "b"] and view.step is None
+        ctl.step()
+        stop = ctl.wait_until_paused(T)
+        assert (stop.point, stop.step) == ("step", 1)
+        view = session.state.view()
+        assert view.step == 0 and view.phase == "done" and view.running == ["a", "b"]
+        assert len(view.requests["a"].output_token_ids) == 1
+        assert view.paused_at == {"point": "step", "reason": "step step", "info": {}}
+        ctl.step(2)
+        assert ctl.wait_until_paused(T).step == 3
+        ctl.resume()
+        loop.join(T)
+    finally:
+        session.close()
+    assert engine.step_count == 6 and not engine.has_unfinished_requests()
+
+
+def test_step_into_phases():
+    session, engine = make()
+    ctl = session.controller
+    engine.add_request("a", "phases", greedy(2))
+    loop = EngineThread(engine).start()
+    try:
+        ctl.wait_until_paused(T)
+        seen = []
+        for _ in range(4):
+            ctl.step(1, "phase")
+            stop = ctl.wait_until_paused(T)
+            view = session.state.view()
+            seen.append((stop.point, stop.step, view.phase))
+        # at "execute" the schedule is decided (snapshot in view) but nothing has run yet
+        assert seen == [("execute", 0, "schedule"), ("postprocess", 0, "postprocess"), ("step", 1, "done"),
+                        ("execute", 1, "schedule")]
+        ctl.resume()
+        loop.join(T)
+    finally:
+        session.close()
+
+
+def test_breakpoint_on_finish_and_run_until_preempted():
+    session, engine = make(num_kv_blocks=6, max_num_batched_tokens=16)
+    ctl = session.controller
+    for i in range(3):
+        engine.add_request(str(i), f"prompt {i} is long", greedy(6 - i))
+    ctl.add_breakpoint(on_finish("2"))
+    loop = EngineThread(engine).start()
+    try:
+        ctl.wait_until_paused(T)
+        ctl.run_until(on_preempt())
+        stop = ctl.wait_until_paused(T)
+        assert stop.reason == "until preempt" and stop.point == "execute"  # right after the schedule that preempted
+        view = session.state.view()
+        preempted = view.snapshot["preempted"]
+        assert preempted and all(view.requests[r].status == "PREEMPTED" for r in preempted)
+        ctl.resume()
+        stop = ctl.wait_until_paused(T)
+        assert stop.reason == "breakpoint finish:2"
+        assert session.state.view().requests["2"].finish_reason == "length"
+        ctl.clear_breakpoints()
+        ctl.resume()
+        loop.join(T)
+    finally:
+        session.close()
+
+
+def test_pause_while_running_and_arrive_breakpoint():
+    session, engine = make(start_paused=False)
+    ctl = session.controller
+
+    def arrive_after_step_2(layer, name, kind, rid, step, attrs):
+        # on the engine thread, so the arrival cannot race the scheduler
+        if (layer, name, kind, step) == ("engine", "step", "end", 2):
+            engine.add_request("b", "late", greedy(1))
+
+    session.hooks.subscribe(arrive_after_step_2)
+    engine.add_request("a", "runs", greedy(40))
+    ctl.add_breakpoint(on_arrive())
+    loop = EngineThread(engine).start()
+    try:
+        stop = ctl.wait_until_paused(T)  # at the first control point after the arrival
+        assert (stop.reason, stop.point, stop.step) == ("breakpoint arrive", "step_end", 2)
+        assert session.state.view().waiting == ["b"]
+        ctl.remove_breakpoint(on_arrive())
+        ctl.resume()
+        ctl.pause()
+        stop = ctl.wait_until_paused(T)
+        assert stop.point == "step" and stop.reason == "pause"
+        assert ctl.status()["paused"] and ctl.status()["breakpoints"] == []
+    finally:
+        session.close()  # releases the engine
+    loop.join(T)
+    assert not engine.has_unfinished_requests()
+
+
+class FakeKernelEngine:
+    """Steps with a kernel gate before each launch, as the kernels integration provides."""
+
+    KERNELS = ["reshape_and_cache", "unified_attention"] * 2
+
+    def __init__(self, hooks, steps):
+        self.hooks, self.steps = hooks, steps
+
+    def run(self):
+        for s in range(self.steps):
+            self.hooks.gate("step", step=s)
+            self.hooks.gate("execute", step=s)
+            for layer, name in enumerate(self.KERNELS):
+                self.hooks.gate("kernel", step=s, name=name, layer=layer // 2)
+                self.hooks.emit("kernel", name, step=s, grid=[4, 1], duration_ns=100)
+            self.hooks.gate("postprocess", step=s)
+
+
+def test_step_kernel_and_kernel_breakpoint():
+    hooks = Hooks()
+    ctl = StepController(hooks, start_paused=True)
+    fake = FakeKernelEngine(hooks, steps=2)
+    t = threading.Thread(target=fake.run, daemon=True)
+    t.start()
+    try:
+        assert ctl.wait_until_paused(T).point == "step"
+        stops = []
+        for _ in range(6):
+            ctl.step(1, "kernel")
+            s = ctl.wait_until_paused(T)
+            stops.append((s.point, s.info.get("name"), s.info.get("layer")))
+        assert stops == [("execute", None, None), ("kernel", "reshape_and_cache", 0), ("kernel", "unified_attention", 0),
+                         ("kernel", "reshape_and_cache", 1), ("kernel", "unified_attention", 1), ("postprocess", None, None)]
+        ctl.add_breakpoint(on_kernel("unified_attention"))
+        ctl.resume()
+        s = ctl.wait_until_paused(T)  # before the launch, in the next step
+        assert (s.point, s.step, s.info["name"], s.reason) == ("kernel", 1, "unified_attention",
+                                                              "breakpoint kernel:unified_attention")
+        ctl.resume()
+        assert ctl.wait_until_paused(T).info["layer"] == 1  # the next unified_attention, not the same one twice
+        ctl.close()
+        t.join(T)
+        assert not t.is_alive()
+    finally:
+        ctl.close()
+
+
+def test_bad_commands_and_condition_text():
+    ctl = StepController(Hooks())
+    with pytest.raises(ValueError, match="granularity"):
+        ctl.step(1, "token")
+    with pytest.raises(ValueError):
+        ctl.step(0)
+    assert ctl.wait_until_paused(0.01) is None
+    assert parse_condition("finish:3") == on_finish("3")
+    assert parse_condition("kernel:unified_attention").matches("kernel", "unified_attention", None)
+    assert parse_condition("layer:sampler").matches("sampler", "sampled", None)
+    assert parse_condition("request:7").matches("detokenizer", "NEW_TOKENS", "7")
+    assert not parse_condition("finish").matches("engine", "QUEUED", "1")
+    assert parse_condition("finish").matches("engine", "ABORTED", "1")
+    for bad in ("nope", "layer:gpu", "event:x"):
+        with pytest.raises(ValueError):
+            parse_condition(bad)

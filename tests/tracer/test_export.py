@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+from chrome_check import check_chrome_trace
+from engine import LLM, Hooks, SamplingParams
+from tracer.cli import main
+from tracer.events import read_trace
+from tracer.export import to_chrome_trace
+from tracer.session import TraceSession
+from tracer_helpers import simulate_kernel_events
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    path = tmp_path_factory.mktemp("export") / "trace.jsonl"
+    hooks = Hooks()
+    with TraceSession(hooks, trace_file=path, control=False, model="tiny-gpt2"):
+        llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=10, max_num_batched_tokens=64)
+        simulate_kernel_events(llm.llm_engine)
+        llm.generate(["one two three four five", "six seven", "eight nine ten eleven twelve"],
+                     SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    return path
+
+
+def test_perfetto_export_is_structurally_valid(trace):
+    chrome = to_chrome_trace(*read_trace(trace))
+    assert check_chrome_trace(chrome) == []
+    evs = chrome["traceEvents"]
+    names = {(e["ph"], e["name"]) for e in evs}
+    # one async track per request with its phases, preemption included
+    assert {("b", f"request {r}") for r in "012"} <= names
+    assert {("b", "queued"), ("b", "prefill"), ("b", "decode")} <= names
+    assert any(e["ph"] == "b" and e["name"] == "queued" and e["args"].get("preempted") for e in evs)
+    steps = [e for e in evs if e["ph"] == "X" and e["name"].startswith("step ")]
+    _, events = read_trace(trace)
+    assert len(steps) == sum(e.name == "step" and e.kind == "end" for e in events)
+    assert steps[0]["args"]["batch"]["input_ids"] and steps[0]["args"]["scheduled"]
+    assert {"schedule", "execute", "postprocess"} <= {e["name"] for e in evs if e["ph"] == "X"}
+    assert {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= \
+        {e["name"] for e in evs if e["ph"] == "C"}
+    kernels = [e for e in evs if e["ph"] == "X" and e["cat"] == "kernel"]
+    assert kernels and all("grid" in k["args"] and "launch" not in k["args"] for k in kernels)
+    assert any(k["name"] == "reshape_and_cache" and k["args"]["grid"] == [8] and k["dur"] == 2.0 for k in kernels)
+    threads = {e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"engine steps", "kernels", "engine spans"} <= threads
+    assert any(e["name"] == "process_name" and e["args"]["name"] == "vllm-trace tiny-gpt2" for e in evs)
+
+
+def test_checker_catches_broken_traces():
+    ok = {"ph": "b", "name": "request 1", "ts": 1.0, "pid": 1, "tid": 1, "cat": "request", "id": "1"}
+    assert check_chrome_trace({"traceEvents": [ok]}) == ["async track ('async', 1, 'request', '1'): never closed ['request 1']"]
+    wrong_e = dict(ok, ph="e", name="prefill", ts=2.0)
+    assert "does not close" in check_chrome_trace({"traceEvents": [ok, wrong_e]})[0]
+    back = dict(ok, ph="e", ts=0.5)
+    assert "goes back" in check_chrome_trace({"traceEvents": [ok, back]})[0]
+    x = {"ph": "X", "name": "a", "ts": 0, "dur": 10, "pid": 1, "tid": 1}
+    assert "overlaps" in check_chrome_trace({"traceEvents": [x, dict(x, ts=5)]})[0]
+    assert "missing" in check_chrome_trace({"traceEvents": [{"ph": "X", "name": "a", "ts": 0}]})[0]
+
+
+def test_export_command(trace, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert main(["export", str(trace), "--format", "perfetto", "-o", str(out)]) == 0
+    assert check_chrome_trace(json.loads(out.read_text())) == []
+    assert "ui.perfetto.dev" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "missing.jsonl"), "-o", str(out)]) == 2

@@ -1,0 +1,116 @@
+"""The event bus: a bounded ring buffer between the engine (publisher) and its viewers.
+
+Publishing never waits for a reader: it takes a short lock, stores the event and moves on.
+Readers pull with their own cursor; one that falls more than ``capacity`` events behind
+does not slow the engine, it is told exactly how many events it missed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.hooks import INSTANT, Hooks
+from tracer.events import Event
+
+DEFAULT_CAPACITY = 1 << 16
+
+
+@dataclass
+class Pulled:
+    events: list[Event] = field(default_factory=list)
+    missed: int = 0  # events that were overwritten before this reader got them
+
+
+class EventBus:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, clock: Callable[[], int] = time.perf_counter_ns):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.clock = clock
+        self.start_ns = clock()  # ts_ns of an event counts from here
+        self.wall_clock_start_ns = time.time_ns()
+        self._ring: list[Event | None] = [None] * capacity
+        self._next_seq = 0
+        self._cond = threading.Condition(threading.Lock())
+        self.closed = False
+        self._wake_gen = 0
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    def publish(self, layer: str, name: str, kind: str = INSTANT, request_id: str | None = None,
+                step: int | None = None, attrs: dict | None = None) -> Event:
+        ts = self.clock() - self.start_ns
+        with self._cond:
+            ev = Event(self._next_seq, ts, layer, name, kind, request_id, step, attrs or None)
+            self._ring[ev.seq % self.capacity] = ev
+            self._next_seq += 1
+            self._cond.notify_all()
+        return ev
+
+    def attach(self, hooks: Hooks) -> Callable[[], None]:
+        """Publish everything the engine emits on these hooks. Returns a detach function."""
+        return hooks.subscribe(self.publish)
+
+    def subscribe(self, from_start: bool = False) -> "Subscription":
+        """A reader starting at the next event (or at the oldest one still held)."""
+        with self._cond:
+            start = max(0, self._next_seq - self.capacity) if from_start else self._next_seq
+        return Subscription(self, start)
+
+    def read(self, cursor: int, max_events: int | None = None) -> tuple[list[Event], int, int]:
+        """(events from seq `cursor` on, how many before them were lost, the next cursor)."""
+        with self._cond:
+            return self._read_locked(cursor, max_events)
+
+    def _read_locked(self, cursor: int, max_events: int | None) -> tuple[list[Event], int, int]:
+        oldest = max(0, self._next_seq - self.capacity)
+        missed = max(0, oldest - cursor)
+        cursor = max(cursor, oldest)
+        end = self._next_seq if max_events is None else min(self._next_seq, cursor + max_events)
+        ring, cap = self._ring, self.capacity
+        return [ring[i % cap] for i in range(cursor, end)], missed, end
+
+    def wait(self, cursor: int, timeout: float | None = None) -> bool:
+        """Block until there is an event at or after `cursor` (True), or timeout, close or
+        wake_readers() (False)."""
+        with self._cond:
+            gen = self._wake_gen
+            self._cond.wait_for(lambda: self._next_seq > cursor or self.closed or self._wake_gen != gen, timeout)
+            return self._next_seq > cursor
+
+    def wake_readers(self) -> None:
+        """Make every wait() return now (a reader that is shutting down uses this)."""
+        with self._cond:
+            self._wake_gen += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake every waiting reader; what is buffered can still be read."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class Subscription:
+    """One reader's cursor into the bus."""
+
+    def __init__(self, bus: EventBus, cursor: int):
+        self.bus = bus
+        self.cursor = cursor
+        self.missed = 0  # total over this reader's life
+
+    def pull(self, max_events: int | None = None, timeout: float | None = 0) -> Pulled:
+        """The events since the last pull. With a timeout, wait up to that long for at least one."""
+        if timeout != 0 and self.bus.next_seq <= self.cursor:
+            self.bus.wait(self.cursor, timeout)
+        events, missed, self.cursor = self.bus.read(self.cursor, max_events)
+        self.missed += missed
+        return Pulled(events, missed)
+
+    @property
+    def pending(self) -> int:
+        return self.bus.next_seq - self.cursor

@@ -1,0 +1,80 @@
+"""Conditions on events, for breakpoints and run-until.
+
+A ``Condition`` matches an event by layer, name and request id, and a kernel launch by its
+kernel name. The same condition is written as text in the TUI and over HTTP:
+
+    arrive[:ID]   finish[:ID]   preempt[:ID]   request:ID   layer:LAYER   kernel:NAME   event:LAYER.NAME
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tracer.events import LAYERS
+
+
+@dataclass(frozen=True)
+class Condition:
+    layer: str | None = None
+    name: str | None = None  # an event name, or for layer "kernel" the kernel's name
+    names: tuple[str, ...] = ()  # alternatives to `name` (FINISHED or ABORTED)
+    request_id: str | None = None
+    label: str = ""
+
+    def matches(self, layer: str, name: str, request_id: str | None) -> bool:
+        if self.layer is not None and layer != self.layer:
+            return False
+        if self.name is not None and name != self.name and name not in self.names:
+            return False
+        return self.request_id is None or request_id == self.request_id
+
+    def __str__(self) -> str:
+        return self.label or f"{self.layer or '*'}.{self.name or '*'}" + (f":{self.request_id}" if self.request_id else "")
+
+
+def on_arrive(request_id: str | None = None) -> Condition:
+    return Condition("engine", "QUEUED", request_id=request_id, label=_label("arrive", request_id))
+
+
+def on_finish(request_id: str | None = None) -> Condition:
+    return Condition("engine", "FINISHED", ("ABORTED",), request_id, _label("finish", request_id))
+
+
+def on_preempt(request_id: str | None = None) -> Condition:
+    return Condition("scheduler", "PREEMPTED", request_id=request_id, label=_label("preempt", request_id))
+
+
+def on_request(request_id: str) -> Condition:
+    return Condition(request_id=request_id, label=f"request:{request_id}")
+
+
+def on_layer(layer: str) -> Condition:
+    if layer not in LAYERS:
+        raise ValueError(f"unknown layer {layer!r}; layers are {', '.join(LAYERS)}")
+    return Condition(layer, label=f"layer:{layer}")
+
+
+def on_kernel(name: str | None = None) -> Condition:
+    return Condition("kernel", name, label=_label("kernel", name))
+
+
+def on_event(layer: str, name: str) -> Condition:
+    return Condition(layer, name, label=f"event:{layer}.{name}")
+
+
+def _label(kind: str, arg: str | None) -> str:
+    return kind if arg is None else f"{kind}:{arg}"
+
+
+def parse_condition(text: str) -> Condition:
+    """'finish:3' -> on_finish('3'), etc. (see the module docstring)."""
+    kind, _, arg = text.strip().partition(":")
+    arg = arg or None
+    simple = {"arrive": on_arrive, "finish": on_finish, "preempt": on_preempt, "kernel": on_kernel}
+    if kind in simple:
+        return simple[kind](arg)
+    if kind in ("request", "layer") and arg:
+        return on_request(arg) if kind == "request" else on_layer(arg)
+    if kind == "event" and arg and "." in arg:
+        return on_event(*arg.split(".", 1))
+    raise ValueError(f"bad condition {text!r}: use arrive[:ID], finish[:ID], preempt[:ID], request:ID, "
+                     f"layer:LAYER, kernel:NAME or event:LAYER.NAME")

@@ -1,0 +1,183 @@
+"""The step controller: pause the engine like a debugger pauses a program.
+
+The engine calls ``hooks.gate(point, **info)`` at its control points; the controller blocks
+the engine thread there (on a ``threading.Condition``) when it should stop:
+
+    step          before each engine step                 granularity "step"   (step over)
+    execute       after scheduling, before the forward    granularity "phase"  (step into)
+    postprocess   after the forward, before tokens land   granularity "phase"
+    kernel        before each kernel launch               granularity "kernel" (step kernel)
+    step_end      after a step's outputs                  only for breakpoints
+
+A finer granularity also stops at the coarser points, so "step kernel" still stops at the
+next phase when a step launches no kernel. ``step_end`` exists so that a breakpoint hit late
+in a step (a request finishing) stops the engine in that step, even if it was the last one. Breakpoints and run-until match *events* (which
+may come from any thread: a request arriving over HTTP is not the engine thread), so a match
+only marks a hit and the engine stops at its next control point; a kernel-name breakpoint is
+also matched at the kernel gate itself, to stop before that launch. Adding requests is never
+gated: while the engine is held, new requests still arrive and wait.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from engine.hooks import Hooks
+from tracer.conditions import Condition
+
+GRANULARITIES = {"step": 0, "phase": 1, "kernel": 2}
+POINT_LEVEL = {"step": 0, "execute": 1, "postprocess": 1, "kernel": 2, "step_end": 3}  # unknown: 2
+
+
+@dataclass
+class Stop:
+    """Where and why the engine is held."""
+    point: str
+    step: int | None
+    reason: str
+    info: dict = field(default_factory=dict)
+
+
+class StepController:
+    def __init__(self, hooks: Hooks, start_paused: bool = False):
+        self.hooks = hooks
+        self._cond = threading.Condition()
+        self._pause = "start paused" if start_paused else None  # stop at the next step boundary
+        self._countdown, self._granularity = 0, "step"  # an active step(n) command
+        self._breakpoints: tuple[Condition, ...] = ()
+        self._until: Condition | None = None
+        self._hit: str | None = None  # a matched condition, waiting for the next control point
+        self._held: Stop | None = None
+        self._release_gen = 0  # bumped on every release, so a held gate knows it may go
+        self._kernel_gates = False  # seen a kernel gate: kernel conditions are matched there
+        self._closed = False
+        self._unsubscribe = hooks.subscribe(self._on_event)
+        self._remove_gate = hooks.add_gate(self._gate)
+
+    # ---- commands (any thread) -----------------------------------------------------------
+    def pause(self, reason: str = "pause") -> None:
+        """Stop at the next step boundary."""
+        with self._cond:
+            self._pause = reason
+
+    def resume(self) -> None:
+        with self._cond:
+            self._pause, self._countdown = None, 0
+            self._release()
+
+    def step(self, n: int = 1, granularity: str = "step") -> None:
+        """Run until n more control points of this granularity have been reached, then stop."""
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        with self._cond:
+            self._pause, self._countdown, self._granularity = None, n, granularity
+            self._release()
+
+    def run_until(self, condition: Condition) -> None:
+        """Run until an event matches the condition (once), then stop."""
+        with self._cond:
+            self._pause, self._countdown, self._until = None, 0, condition
+            self._release()
+
+    def add_breakpoint(self, condition: Condition) -> None:
+        with self._cond:
+            self._breakpoints += (condition,)
+
+    def remove_breakpoint(self, condition: Condition) -> None:
+        with self._cond:
+            self._breakpoints = tuple(b for b in self._breakpoints if b != condition)
+
+    def clear_breakpoints(self) -> None:
+        with self._cond:
+            self._breakpoints = ()
+
+    @property
+    def breakpoints(self) -> tuple[Condition, ...]:
+        return self._breakpoints
+
+    @property
+    def held(self) -> Stop | None:
+        """Where the engine is held now, or None while it runs."""
+        return self._held
+
+    def wait_until_paused(self, timeout: float | None = None) -> Stop | None:
+        """Block until the engine is held; returns where (None on timeout)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._held is not None or self._closed, timeout)
+            return self._held
+
+    def status(self) -> dict:
+        held = self._held
+        return {"paused": held is not None, "point": held and held.point, "step": held and held.step,
+                "reason": held and held.reason, "breakpoints": [str(b) for b in self._breakpoints],
+                "until": str(self._until) if self._until else None, "pause_requested": self._pause is not None}
+
+    def close(self) -> None:
+        """Detach from the engine and let it run freely. Safe to call twice."""
+        if self._closed:
+            return
+        self._unsubscribe()
+        self._remove_gate()
+        with self._cond:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:  # holding self._cond
+        self._held = None
+        self._release_gen += 1
+        self._cond.notify_all()
+
+    # ---- the engine side -----------------------------------------------------------------
+    def _gate(self, point: str, info: dict) -> None:
+        with self._cond:
+            reason = None if self._closed else self._stop_reason(point, info)
+            if reason is None:
+                return
+            self._held = Stop(point, info.get("step"), reason, dict(info))
+            gen = self._release_gen
+            self._cond.notify_all()
+        details = {k: v for k, v in info.items() if k != "step"}  # nested: a kernel's info has a "name"
+        if self.hooks.active: self.hooks.emit("tracer", "paused", step=info.get("step"), point=point, reason=reason, info=details)
+        with self._cond:
+            self._cond.wait_for(lambda: self._release_gen != gen or self._closed)
+        if self.hooks.active: self.hooks.emit("tracer", "resumed", step=info.get("step"), point=point)
+
+    def _stop_reason(self, point: str, info: dict) -> str | None:  # holding self._cond
+        level = POINT_LEVEL.get(point, 2)
+        if point == "kernel":
+            self._kernel_gates = True
+            reason = self._match(("kernel", info.get("name", ""), None))
+            if reason:
+                return reason
+        if self._hit is not None:
+            reason, self._hit = self._hit, None
+            return reason
+        if self._pause is not None and level == 0:
+            reason, self._pause = self._pause, None
+            return reason
+        if self._countdown and level <= GRANULARITIES[self._granularity]:
+            self._countdown -= 1
+            if self._countdown == 0:
+                return f"step {self._granularity}"
+        return None
+
+    def _on_event(self, layer: str, name: str, kind: str, request_id, step, attrs) -> None:
+        if not (self._breakpoints or self._until) or layer == "tracer":
+            return
+        if layer == "kernel" and self._kernel_gates:
+            return  # already matched before the launch, at its gate
+        with self._cond:
+            reason = self._match((layer, name, request_id))
+            if reason:
+                self._hit = reason
+
+    def _match(self, event: tuple[str, str, str | None]) -> str | None:  # holding self._cond
+        if self._until is not None and self._until.matches(*event):
+            until, self._until = self._until, None
+            return f"until {until}"
+        for bp in self._breakpoints:
+            if bp.matches(*event):
+                return f"breakpoint {bp}"
+        return None

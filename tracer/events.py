@@ -1,0 +1,139 @@
+"""The one event model of the tracer, and its JSON-lines form.
+
+Every layer, from the HTTP server down to a kernel launch, produces the same ``Event``. A trace
+file is one header line (schema version, model, engine config, wall-clock start) followed by
+one event per line with exactly the keys in ``EVENT_KEYS``.
+
+``ts_ns`` is ``time.perf_counter_ns()`` minus the trace's start (so 0 is the start of the
+trace); the header's ``wall_clock_start_ns`` turns it into wall-clock time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from engine.hooks import BEGIN, COUNTER, END, INSTANT, SNAPSHOT
+
+SCHEMA = "vllm-trace"
+SCHEMA_VERSION = 1
+
+# The modules a request passes through, outermost first. "tracer" is the tracer's own voice
+# (controller pauses, events a subscriber missed).
+LAYERS = ("cli", "http", "api", "tokenizer", "engine", "scheduler", "block_manager", "model_runner",
+          "kernel", "sampler", "detokenizer", "tracer")
+KINDS = (INSTANT, BEGIN, END, COUNTER, SNAPSHOT)
+EVENT_KEYS = ("seq", "ts_ns", "layer", "name", "kind", "request_id", "step", "attrs")
+# Attributes that hand live objects to in-process viewers (a kernel event's LaunchRecord, whose
+# per-program access map is computed lazily): never serialised, never copied into exports.
+LIVE_ONLY_ATTRS = frozenset({"launch"})
+
+
+@dataclass(slots=True)
+class Event:
+    seq: int
+    ts_ns: int
+    layer: str
+    name: str
+    kind: str = INSTANT
+    request_id: str | None = None
+    step: int | None = None
+    attrs: dict | None = None
+
+    def to_dict(self) -> dict:
+        return {"seq": self.seq, "ts_ns": self.ts_ns, "layer": self.layer, "name": self.name, "kind": self.kind,
+                "request_id": self.request_id, "step": self.step, "attrs": json_safe(self.attrs) if self.attrs else None}
+
+    def to_json(self) -> str:
+        attrs = self.attrs or None
+        if attrs and not LIVE_ONLY_ATTRS.isdisjoint(attrs):
+            attrs = {k: v for k, v in attrs.items() if k not in LIVE_ONLY_ATTRS}
+        d = {"seq": self.seq, "ts_ns": self.ts_ns, "layer": self.layer, "name": self.name, "kind": self.kind,
+             "request_id": self.request_id, "step": self.step, "attrs": attrs}
+        try:  # fast path: engine attributes are almost always plain JSON data already (C encoder)
+            return _dumps(d)
+        except (TypeError, ValueError):  # a tensor, a dataclass, a NaN...: convert, then encode
+            return _dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Event":
+        if set(d) != set(EVENT_KEYS):
+            raise ValueError(f"an event has exactly the keys {EVENT_KEYS}, got {sorted(d)}")
+        return cls(d["seq"], d["ts_ns"], d["layer"], d["name"], d["kind"], d["request_id"], d["step"], d["attrs"])
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.attrs.get(key, default) if self.attrs else default
+
+
+_encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_dumps = _encoder.encode
+
+
+def json_safe(x: Any) -> Any:
+    """Plain JSON data from what engine code passes as attributes: tensors and numpy arrays
+    become lists, tuples and sets lists, dataclasses dicts, enums their value, dict keys strings;
+    NaN and infinities (not JSON) become strings; live-only attributes are left out."""
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else str(x)
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items() if k not in LIVE_ONLY_ATTRS}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [json_safe(v) for v in (sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x)]
+    if isinstance(x, enum.Enum):
+        return json_safe(x.value)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: json_safe(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if hasattr(x, "tolist"):  # torch tensors, numpy arrays and scalars
+        return json_safe(x.tolist())
+    if isinstance(x, (Path, bytes)):
+        return str(x) if isinstance(x, Path) else x.decode("utf-8", "replace")
+    if hasattr(x, "__dict__"):
+        return {k: json_safe(v) for k, v in vars(x).items() if not k.startswith("_")}
+    return repr(x)
+
+
+def make_header(model: str | None = None, engine_config: dict | None = None, *, start_perf_ns: int,
+                wall_clock_start_ns: int | None = None, **extra: Any) -> dict:
+    wall = time.time_ns() if wall_clock_start_ns is None else wall_clock_start_ns
+    return {"schema": SCHEMA, "version": SCHEMA_VERSION, "model": model, "engine_config": json_safe(engine_config),
+            "wall_clock_start_ns": wall,
+            "wall_clock_start": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall / 1e9)) + "Z",
+            "perf_counter_start_ns": start_perf_ns, "layers": list(LAYERS), **json_safe(extra)}
+
+
+def is_header(d: dict) -> bool:
+    return d.get("schema") == SCHEMA
+
+
+def iter_lines(path: str | Path) -> Iterator[dict]:
+    """Parsed lines of a trace file. A torn last line (the process died mid-write) is skipped;
+    a bad line anywhere else is an error."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                return
+            raise ValueError(f"{path}:{i + 1}: not a JSON line")
+
+
+def read_trace(path: str | Path) -> tuple[dict, list[Event]]:
+    """(header, events) of a trace file."""
+    lines = iter_lines(path)
+    header = next(lines, None)
+    if header is None or not is_header(header):
+        raise ValueError(f"{path}: not a vllm-trace file (the first line must be its header)")
+    if header.get("version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: trace schema version {header.get('version')}, this tracer reads {SCHEMA_VERSION}")
+    return header, [Event.from_dict(d) for d in lines]

@@ -1,0 +1,61 @@
+"""One call to wire the tracer to an engine's hooks (for the server, the TUI and lessons).
+
+    hooks = Hooks()
+    with TraceSession(hooks, trace_file="run.jsonl", start_paused=True) as tracing:
+        llm = LLM("tiny-gpt2", hooks=hooks)     # startup stages are traced too
+        ...                                       # tracing.controller.step(), tracing.state.view()
+
+Create the session before the engine, so the engine's startup is in the trace.
+"""
+from __future__ import annotations
+
+import atexit
+from pathlib import Path
+from typing import Iterable, TextIO
+
+from engine.hooks import Hooks
+from tracer.bus import DEFAULT_CAPACITY, EventBus
+from tracer.controller import StepController
+from tracer.recorder import Recorder
+from tracer.state import LiveState
+from tracer.tracelog import TraceLog
+
+
+class TraceSession:
+    def __init__(self, hooks: Hooks, trace_file: str | Path | None = None, trace_log: TextIO | bool | None = None,
+                 layers: Iterable[str] | None = None, start_paused: bool = False, control: bool = True,
+                 model: str | None = None, engine_config: dict | None = None, capacity: int = DEFAULT_CAPACITY):
+        """trace_file: record JSON lines there. trace_log: print [TRACE] lines (True: to stderr,
+        or a stream), only `layers` if given. control: attach a StepController (`start_paused`
+        holds the engine before its first step)."""
+        self.hooks = hooks
+        self.bus = EventBus(capacity)
+        self._detach = self.bus.attach(hooks)
+        self.state = LiveState(self.bus)
+        self.recorder = Recorder(self.bus, trace_file, model, engine_config) if trace_file else None
+        self.trace_log = None
+        if trace_log:
+            self.trace_log = TraceLog(self.bus, None if trace_log is True else trace_log, layers)
+        self.controller = StepController(hooks, start_paused) if control or start_paused else None
+        self._closed = False
+        atexit.register(self.close)  # Ctrl-C or exit without close(): the trace file is still complete
+
+    def close(self) -> None:
+        """Let the engine run free, stop listening, finish the trace file. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self.controller is not None:
+            self.controller.close()
+        self._detach()
+        for sink in (self.recorder, self.trace_log):
+            if sink is not None:
+                sink.close()
+        self.bus.close()
+
+    def __enter__(self) -> "TraceSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

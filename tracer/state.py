@@ -1,0 +1,341 @@
+"""The engine's visible state, rebuilt from events by one fold function.
+
+``fold(state, event)`` is the only place that knows how an event changes what a viewer sees.
+Replay (from a trace file, forward and backward) and ``LiveState`` (from the bus, for the TUI
+and ``/trace/state``) both use it, so they cannot drift apart.
+
+The engine's schedule snapshot is the source of truth: at every step it *replaces* the queues,
+block tables and token counts (they are the engine's own structures, copied at schedule time).
+Between snapshots the fold applies what happened since: arrivals (also while paused), tokens,
+finishes, frees, so the view is current at every event, not just once a step.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass, field
+
+from engine.hooks import BEGIN, END, SNAPSHOT
+from tracer.bus import EventBus
+from tracer.events import Event, json_safe
+
+FINISHED = "FINISHED"
+
+
+@dataclass
+class RequestView:
+    request_id: str
+    status: str = "WAITING"  # WAITING, RUNNING, PREEMPTED, FINISHED_STOPPED / _LENGTH / _ABORTED
+    num_prompt_tokens: int = 0
+    num_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    max_tokens: int | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_pieces: list[str] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # generated text so far
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    preempt_reason: str | None = None
+    waiting_reason: str | None = None  # why the scheduler did not admit it this step
+    arrival_step: int | None = None
+    finished_step: int | None = None
+    layers: list[str] = field(default_factory=list)  # the layers it has passed through, in order
+
+    def copy(self) -> "RequestView":
+        c = copy.copy(self)
+        for name in ("prompt_token_ids", "prompt_pieces", "output_token_ids", "block_table", "layers"):
+            setattr(c, name, list(getattr(self, name)))
+        return c
+
+
+@dataclass
+class TraceState:
+    step: int | None = None  # the step in progress (or last finished)
+    phase: str = "idle"  # startup, idle, schedule, execute, postprocess, done (the step has ended)
+    requests: dict[str, RequestView] = field(default_factory=dict)
+    waiting: list[str] = field(default_factory=list)
+    running: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # in finish order
+    snapshot: dict | None = None  # the latest schedule snapshot, exactly as recorded
+    snapshot_step: int | None = None
+    batch: dict | None = None  # this step's flattened model input
+    kernels: list[dict] = field(default_factory=list)  # this step's kernel launches (name, grid, ...)
+    sampled: dict | None = None  # this step's sampled token ids
+    stats: dict = field(default_factory=dict)  # latest EngineStats
+    num_blocks: int | None = None
+    startup: list[dict] = field(default_factory=list)  # finished startup stages
+    engine_config: dict | None = None
+    paused_at: dict | None = None  # where the step controller holds the engine, if it does
+    num_events: int = 0
+    events_missed: int = 0
+    last_seq: int | None = None
+
+    @property
+    def kv_cache_usage(self) -> float:
+        total = self.stats.get("num_total_blocks") or self.num_blocks
+        return 1.0 - self.stats["num_free_blocks"] / total if total and "num_free_blocks" in self.stats else 0.0
+
+    def request(self, request_id: str) -> RequestView:
+        req = self.requests.get(request_id)
+        if req is None:
+            req = self.requests[request_id] = RequestView(request_id)
+        return req
+
+    def to_dict(self) -> dict:
+        """Plain JSON data (what /trace/state serves); live-only objects are left out."""
+        d = json_safe(self)
+        d["kv_cache_usage"] = self.kv_cache_usage
+        return d
+
+    def clone(self) -> "TraceState":
+        """An independent copy. Cheaper than deepcopy (a TUI clones ten times a second): the
+        dicts that come from events (snapshot, batch, ...) are shared, since fold never changes
+        an event's attributes; everything fold does change is copied."""
+        c = copy.copy(self)
+        c.requests = {rid: r.copy() for rid, r in self.requests.items()}
+        c.waiting, c.running, c.finished = list(self.waiting), list(self.running), list(self.finished)
+        c.kernels, c.startup, c.stats = list(self.kernels), list(self.startup), dict(self.stats)
+        return c
+
+
+def fold(state: TraceState, ev: Event) -> TraceState:
+    """Apply one event to the state (in place) and return it."""
+    state.num_events += 1
+    state.last_seq = ev.seq
+    if ev.request_id is not None:
+        req = state.request(ev.request_id)
+        if not req.layers or req.layers[-1] != ev.layer:
+            req.layers.append(ev.layer)
+    handler = _HANDLERS.get((ev.layer, ev.name)) or _LAYER_HANDLERS.get(ev.layer)
+    if handler is not None:
+        handler(state, ev)
+    return state
+
+
+def _attrs(ev: Event) -> dict:
+    return ev.attrs or {}
+
+
+# ---- engine -------------------------------------------------------------------------------
+def _config(s: TraceState, ev: Event) -> None:
+    s.engine_config = _attrs(ev).get("config")
+    s.phase = "startup"
+
+
+def _startup_stage(s: TraceState, ev: Event) -> None:
+    if ev.kind == END:
+        a = _attrs(ev)
+        s.startup.append({"stage": ev.name, **a})
+        if ev.name == "kv_cache_alloc" and "num_blocks" in a:
+            s.num_blocks = a["num_blocks"]
+
+
+def _queued(s: TraceState, ev: Event) -> None:
+    a, req = _attrs(ev), s.request(ev.request_id)
+    req.status = "WAITING"
+    req.num_prompt_tokens = req.num_tokens = a.get("num_prompt_tokens", 0)
+    req.max_tokens = a.get("max_tokens")
+    req.arrival_step = ev.step
+    if ev.request_id not in s.waiting:
+        s.waiting.append(ev.request_id)
+
+
+def _encoded(s: TraceState, ev: Event) -> None:
+    a, req = _attrs(ev), s.request(ev.request_id)
+    req.prompt_token_ids, req.prompt_pieces = list(a.get("token_ids", [])), list(a.get("pieces", []))
+
+
+def _finished(s: TraceState, ev: Event) -> None:
+    a, rid = _attrs(ev), ev.request_id
+    req = s.request(rid)
+    if ev.name == "ABORTED":
+        req.status, req.finish_reason = "FINISHED_ABORTED", "abort"
+    else:
+        req.finish_reason = a.get("finish_reason")
+        req.status = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH"}.get(req.finish_reason, FINISHED)
+        req.text = a.get("text", req.text)  # authoritative: a stop string may have cut the tail
+    req.finished_step = ev.step
+    req.block_table = []
+    for q in (s.waiting, s.running):
+        if rid in q:
+            q.remove(rid)
+    s.finished.append(rid)
+
+
+def _step(s: TraceState, ev: Event) -> None:
+    if ev.kind == BEGIN:
+        s.step, s.phase = ev.step, "schedule"
+        s.batch, s.kernels, s.sampled = None, [], None
+    elif ev.kind == END:
+        s.phase = "done"
+        s.stats = _attrs(ev).get("stats", s.stats)
+        # what postprocess did: every token scheduled this step is now computed
+        if s.snapshot is not None and s.snapshot_step == ev.step:
+            for sch in s.snapshot.get("scheduled", []):
+                req = s.requests.get(sch["request_id"])
+                if req is not None and not req.status.startswith(FINISHED):
+                    req.num_computed_tokens = sch["num_computed_before"] + sch["num_tokens"]
+
+
+def _engine(s: TraceState, ev: Event) -> None:
+    if ev.kind in (BEGIN, END):
+        _startup_stage(s, ev)
+
+
+# ---- scheduler ----------------------------------------------------------------------------
+def _scheduled(s: TraceState, ev: Event) -> None:
+    rid, req = ev.request_id, s.request(ev.request_id)
+    req.status, req.waiting_reason, req.preempt_reason = "RUNNING", None, None
+    if rid in s.waiting:
+        s.waiting.remove(rid)
+    if rid not in s.running:
+        s.running.append(rid)
+
+
+def _preempted(s: TraceState, ev: Event) -> None:
+    rid, req = ev.request_id, s.request(ev.request_id)
+    req.status, req.preempt_reason = "PREEMPTED", _attrs(ev).get("reason")
+    req.num_computed_tokens, req.block_table = 0, []
+    req.num_preemptions += 1
+    if rid in s.running:
+        s.running.remove(rid)
+    if rid not in s.waiting:
+        s.waiting.insert(0, rid)
+
+
+def _snapshot(s: TraceState, ev: Event) -> None:
+    """The engine's own queues at schedule time replace the folded ones."""
+    snap = _attrs(ev)
+    s.snapshot, s.snapshot_step = snap, ev.step
+    s.stats = snap.get("stats", s.stats)
+    for queue_name in ("waiting", "running"):
+        ids = []
+        for r in snap.get(queue_name, []):
+            req = s.request(r["request_id"])
+            req.status = r["status"]
+            req.num_computed_tokens, req.num_tokens = r["num_computed_tokens"], r["num_tokens"]
+            req.num_prompt_tokens, req.num_cached_tokens = r["num_prompt_tokens"], r["num_cached_tokens"]
+            req.num_preemptions, req.block_table = r["num_preemptions"], list(r["block_table"])
+            ids.append(r["request_id"])
+        setattr(s, queue_name, ids)
+    reasons = snap.get("waiting_reasons", {})
+    for rid in s.waiting:
+        s.requests[rid].waiting_reason = reasons.get(rid)
+
+
+def _schedule_span(s: TraceState, ev: Event) -> None:
+    if ev.kind == SNAPSHOT:
+        _snapshot(s, ev)
+    elif ev.kind == BEGIN:
+        s.phase = "schedule"
+
+
+# ---- block manager, model runner, kernels, sampler, detokenizer ---------------------------
+def _block_manager(s: TraceState, ev: Event) -> None:
+    a = _attrs(ev)
+    if ev.request_id is None:
+        return
+    req = s.request(ev.request_id)
+    if ev.name == "allocate":
+        req.block_table = list(a.get("block_table", req.block_table))
+    elif ev.name == "free":
+        req.block_table = []
+    elif ev.name == "cache_hit":
+        req.num_cached_tokens = a.get("hit_tokens", 0)
+
+
+def _batch(s: TraceState, ev: Event) -> None:
+    s.batch, s.phase = _attrs(ev), "execute"
+
+
+def _kernel(s: TraceState, ev: Event) -> None:
+    if ev.kind != BEGIN:  # a launch is one instant, or a begin/end pair counted once, at its end
+        s.kernels.append({"name": ev.name, **_attrs(ev)})
+    s.phase = "execute"
+
+
+def _sampled(s: TraceState, ev: Event) -> None:
+    s.sampled, s.phase = _attrs(ev), "postprocess"
+
+
+def _new_tokens(s: TraceState, ev: Event) -> None:
+    a, req = _attrs(ev), s.request(ev.request_id)
+    toks = a.get("token_ids", [])
+    req.output_token_ids.extend(toks)
+    req.num_tokens += len(toks)
+    req.text += a.get("text", "")
+
+
+# ---- the tracer itself --------------------------------------------------------------------
+def _tracer(s: TraceState, ev: Event) -> None:
+    if ev.name == "paused":
+        s.paused_at = _attrs(ev)
+    elif ev.name == "resumed":
+        s.paused_at = None
+    elif ev.name == "events_lost":
+        s.events_missed += _attrs(ev).get("count", 0)
+
+
+_HANDLERS = {
+    ("engine", "config"): _config,
+    ("tokenizer", "encode"): _encoded,
+    ("engine", "QUEUED"): _queued,
+    ("engine", "FINISHED"): _finished,
+    ("engine", "ABORTED"): _finished,
+    ("engine", "step"): _step,
+    ("scheduler", "SCHEDULED"): _scheduled,
+    ("scheduler", "PREEMPTED"): _preempted,
+    ("scheduler", "schedule"): _schedule_span,
+    ("model_runner", "batch"): _batch,
+    ("sampler", "sampled"): _sampled,
+    ("detokenizer", "NEW_TOKENS"): _new_tokens,
+}
+_LAYER_HANDLERS = {
+    "engine": _engine,
+    "block_manager": _block_manager,
+    "kernel": _kernel,
+    "tracer": _tracer,
+}
+
+
+def snapshot_view(state: TraceState) -> dict:
+    """The schedule snapshot as it would be recorded, rebuilt from the folded state (for
+    checking the fold against the engine, and for viewers that want the snapshot's shape)."""
+    def req_state(rid: str) -> dict:
+        r = state.requests[rid]
+        return dict(request_id=rid, status=r.status, num_computed_tokens=r.num_computed_tokens,
+                    num_tokens=r.num_tokens, num_prompt_tokens=r.num_prompt_tokens,
+                    num_output_tokens=len(r.output_token_ids), block_table=list(r.block_table),
+                    num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions)
+    return dict(waiting=[req_state(r) for r in state.waiting], running=[req_state(r) for r in state.running])
+
+
+class LiveState:
+    """The state, kept current from the bus by a reader that folds what it pulls.
+
+    ``update()`` folds everything published since the last call (a TUI calls it on its
+    refresh timer; ``/trace/state`` before answering). ``view()`` returns a copy that is safe
+    to read while the engine keeps running.
+    """
+
+    def __init__(self, bus: EventBus, from_start: bool = True):
+        self._sub = bus.subscribe(from_start=from_start)
+        self._lock = threading.Lock()
+        self.state = TraceState()
+
+    def update(self, max_events: int | None = None) -> int:
+        """Fold the pending events; returns how many."""
+        with self._lock:
+            pulled = self._sub.pull(max_events)
+            self.state.events_missed += pulled.missed
+            for ev in pulled.events:
+                fold(self.state, ev)
+            return len(pulled.events)
+
+    def view(self) -> TraceState:
+        self.update()
+        with self._lock:
+            return self.state.clone()
