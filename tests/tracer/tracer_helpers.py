@@ -48,24 +48,3 @@ class EngineThread:
         assert not self.thread.is_alive(), "engine thread did not finish"
         if self.error:
             raise self.error
-
-
-def simulate_kernel_events(engine):
-    """Stand-in for the kernels integration (wired at merge): a `kernel` event per attention
-    layer, emitted on the engine thread during the forward pass through the model's per-layer
-    callback, with the attributes a LaunchRecord carries."""
-    hooks, step = engine.hooks, {"now": None}
-
-    def track_step(layer, name, kind, rid, s, attrs):
-        if (layer, name, kind) == ("engine", "step", "begin"):
-            step["now"] = s
-
-    hooks.subscribe(track_step)
-
-    def on_layer(i):
-        hooks.emit("kernel", "reshape_and_cache", step=step["now"], grid=[8], meta={"BLOCK": 16},
-                   tags={"layer": i}, duration_ns=2000)
-        hooks.emit("kernel", "unified_attention", step=step["now"], grid=[2, 4], meta={"BLOCK_M": 16},
-                   tags={"layer": i}, duration_ns=5000, launch=object())  # a live record, as the integration passes
-
-    engine.model.on_layer = on_layer
