@@ -49,7 +49,8 @@ def register(sub) -> None:
                    help="uvicorn's log level; 'info' logs every request (default warning)")
     t = p.add_argument_group("display")
     t.add_argument("--no-tui", action="store_true",
-                   help="headless: print startup and logs only (currently the only mode; the TUI will be the default)")
+                   help="headless: print startup and logs only (default: the TUI, once HTTP is ready; "
+                        "`vllm-trace attach` opens it on a headless server)")
     add_engine_args(p)
     p.set_defaults(handler=run)
 
@@ -83,12 +84,12 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_engine(args: argparse.Namespace):
+def build_engine(args: argparse.Namespace, hooks=None):
     """The engine, printing its stages live (a listener attached for startup only)."""
     from engine import LLM, Hooks
     from engine.hooks import END
 
-    hooks = Hooks()
+    hooks = hooks or Hooks()
 
     def on_event(layer, name, kind, request_id, step, attrs) -> None:
         if layer == "engine" and kind == END and "seconds" in attrs:
@@ -121,7 +122,12 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     from engine.server.chat_template import load_chat_template
     from engine.server.security import control_refusal
 
-    engine = build_engine(args)
+    tui_session = None
+    if not args.no_tui:  # the TUI's tracer, attached before the engine so its startup is traced
+        from engine import Hooks
+        from tracer.session import TraceSession
+        tui_session = TraceSession(Hooks(), model=args.model)
+    engine = build_engine(args, tui_session and tui_session.hooks)
     name = args.served_model_name or args.model
     template = load_chat_template(args.chat_template, engine.tokenizer)
     async_engine = AsyncLLMEngine(engine, drain_timeout=args.drain_timeout)
@@ -156,15 +162,24 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     _stage("http_ready", time.perf_counter() - t_http, "uvicorn + engine loop")
     if hooks.active: hooks.emit("cli", "serve", BEGIN, model=args.model, served_model_name=name, host=args.host, port=sock.getsockname()[1])
     _banner(args, name, sock.getsockname()[1], control_refusal(args.host, args.api_key))
-    await serving
+    if tui_session is None:
+        await serving
+    else:
+        from tracer.tui.serve import run_tui
+        await run_tui(server, serving, tui_session, async_engine, name, _url(args.host, sock.getsockname()[1]),
+                      args.api_key)
+        tui_session.close()
     if hooks.active: hooks.emit("cli", "serve", END)
     print("vllm-trace serve: stopped cleanly", file=sys.stderr)
     return 0
 
 
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _banner(args: argparse.Namespace, name: str, port: int, refusal: str | None) -> None:
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    url = f"http://{host}:{port}"
+    url = _url(args.host, port)
     body = json.dumps({"model": name, "prompt": "Hello, my name is", "max_tokens": 16})
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     print(f"\nReady: {name} at {url} (OpenAI API under {url}/v1; Ctrl-C to stop)", file=sys.stderr)
