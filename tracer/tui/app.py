@@ -13,6 +13,7 @@ from typing import Iterable
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, TabbedContent, TabPane
 
@@ -66,6 +67,7 @@ class TraceApp(App):
         self.stepping = False
         self.ticks = 0  # refreshes done (the overhead benchmark counts them)
         self.frame: Frame | None = None
+        self._timer = None
         self._initial_pane = initial_pane or ("requests" if source.info.mode == "replay" else "startup")
 
     # ---- layout ----------------------------------------------------------------------------
@@ -85,14 +87,21 @@ class TraceApp(App):
                 yield KernelsPanel()
             with TabPane("Log", id="log"):
                 yield LogPanel()
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
+        # Kept, not queried per refresh: queries run against the active screen (a modal one,
+        # the palette) and would not find the panels there.
+        self.header = self.query_one(StatusHeader)
+        self.panes = self.query_one(TabbedContent)
+        self.log_panel = self.query_one(LogPanel)
         self.tick()
-        self.set_interval(1 / self.refresh_hz, self.tick)
+        self._timer = self.set_interval(1 / self.refresh_hz, self.tick)
 
     def on_resize(self) -> None:
-        self.query_one("#requests-detail").display = self.size.width >= WIDE
+        wide = self.size.width >= WIDE
+        self.screen_stack[0].query_one("#requests-detail").display = wide
+        self.screen_stack[0].query_one(StepPanel).set_class(not wide, "-narrow")
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """Hide what the source cannot do (no engine to step in a replay, no time travel live)."""
@@ -104,14 +113,22 @@ class TraceApp(App):
 
     # ---- the refresh -----------------------------------------------------------------------
     def tick(self) -> None:
+        if not self.is_running:
+            return
+        try:
+            self._refresh()
+        except NoMatches:  # only while tearing down (widgets removed under a last timer tick)
+            if self.panes.is_attached:
+                raise
+
+    def _refresh(self) -> None:
         state = self.source.refresh()
         controller = self.source.controller()
         if controller.get("paused"):
             self.stepping = False
         self.frame = frame = Frame.of(state, controller, self.source.now_ns(), self.selected)
-        self.query_one(StatusHeader).show(frame, self.stepping)
-        log = self.query_one(LogPanel)
-        log.feed(self.source.take_events())
+        self.header.show(frame, self.stepping)
+        self.log_panel.feed(self.source.take_events())
         if isinstance(self.screen, RequestScreen):
             self.screen.show(frame)
         else:
@@ -119,8 +136,7 @@ class TraceApp(App):
         self.ticks += 1
 
     def active_panel(self):
-        pane = self.query_one(TabbedContent).active_pane
-        return pane.children[0]
+        return self.panes.active_pane.children[0]
 
     def on_tabbed_content_tab_activated(self) -> None:
         if self.frame is not None:
@@ -170,13 +186,13 @@ class TraceApp(App):
         self.push_screen(HelpScreen())
 
     def action_show_pane(self, pane: str) -> None:
-        self.query_one(TabbedContent).active = pane
+        self.panes.active = pane
 
     def action_filter(self) -> None:
         panel = self.active_panel()
         if not hasattr(panel, "open_filter"):
             self.action_show_pane("log")
-            panel = self.query_one(LogPanel)
+            panel = self.log_panel
         panel.open_filter()
 
     async def action_send_test_request(self) -> None:
@@ -207,6 +223,7 @@ class TraceApp(App):
             self.exit()
 
     async def on_unmount(self) -> None:
+        self._timer.stop()
         await self.source.close()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:

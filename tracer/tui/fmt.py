@@ -48,19 +48,19 @@ def fmt_bytes(n: int | None) -> str:
     return str(n)
 
 
-def sparkline(values, width: int = 16) -> str:
-    """The last `width` values as block characters, scaled to their own maximum."""
+def sparkline(values, width: int = 16, top: float | None = None) -> str:
+    """The last `width` values as block characters, scaled to `top` (default: their maximum)."""
     values = list(values)[-width:]
     if not values:
         return ""
-    top = max(values) or 1
+    top = top or max(values) or 1
     return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in values)
 
 
 def status_text(status: str) -> Text:
-    style = {"WAITING": "yellow", "RUNNING": "green", "PREEMPTED": "bold red"}.get(status, "dim")
-    return Text(status.removeprefix("FINISHED_").lower() if status.startswith("FINISHED") else status.lower(),
-                style=style)
+    style = {"WAITING": "yellow", "RUNNING": "green", "PREEMPTED": "bold red", "FINISHED_ABORTED": "red"}.get(status, "dim")
+    label = "aborted" if status == "FINISHED_ABORTED" else "finished" if status.startswith("FINISHED") else status.lower()
+    return Text(label, style=style)
 
 
 def shorten(s: str, n: int) -> str:

@@ -39,6 +39,8 @@ class BreakpointsScreen(ModalScreen):
         opts = self.query_one(OptionList)
         opts.clear_options()
         opts.add_options([Option(b, id=b) for b in bps] or [Option("(none)", disabled=True)])
+        if bps:
+            opts.highlighted = 0
 
     async def on_input_submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()

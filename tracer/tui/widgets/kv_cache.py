@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Sparkline, Static
+from textual.widgets import Static
 
+from tracer.tui.fmt import sparkline
 from tracer.tui.frame import Frame
 
 LABEL = 6  # "12345 " block id at the start of each row
@@ -61,7 +62,6 @@ def draw_blocks(frame: Frame, num_blocks: int, width: int, min_rows: int) -> Tex
 class KVCachePanel(Vertical):
     def compose(self):
         yield Static(id="kv-summary")
-        yield Sparkline([0.0], id="kv-sparkline", summary_function=max)
         with VerticalScroll(id="kv-grid-scroll"):
             yield Static(id="kv-grid")
 
@@ -86,11 +86,11 @@ class KVCachePanel(Vertical):
         summary = Text.assemble(
             ("KV cache ", "bold"), ("█" * filled, "green" if usage < 0.8 else "red"), ("░" * (bar_w - filled), "dim"),
             f" {usage:6.1%}  {used}/{total} blocks used · {shared} shared · {len(s.cached_free)} cached-free",
+            ("\nper step ", "dim"), (sparkline(s.kv_usage_history, max(10, width - 12), top=1.0), "green"),
             ("\n█ owned  ▓ shared prefix  ░ cached, free  · free", "dim"),
             ("   (select a request to highlight its blocks)" if frame.selected is None
              else f"   highlighted: request {frame.selected}", "dim"))
         self.query_one("#kv-summary", Static).update(summary)
-        self.query_one("#kv-sparkline", Sparkline).data = list(s.kv_usage_history) or [0.0]
         if total:
             rows = max(4, (self.size.height or 20) - 6)
             self.query_one("#kv-grid", Static).update(draw_blocks(frame, total, width, rows))

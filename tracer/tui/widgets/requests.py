@@ -7,13 +7,16 @@ from rich.text import Text
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Input
+from textual.widgets.data_table import ColumnKey
 
 from tracer.tui.fmt import fmt_age, shorten, status_text
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.request_detail import RequestDetail
 
 MAX_FINISHED = 100  # the most recent; the trace file keeps them all
-COLUMNS = [("id", 14), ("state", 9), ("prompt", 9), ("output", 9), ("age", 6), ("why waiting / finish", 34)]
+# vLLM-style ids (cmpl-<16 hex>) fit whole: the id is what a user greps the log for.
+COLUMNS = [("id", 23), ("state", 8), ("prompt", 7), ("output", 7), ("age", 5), ("why waiting / finish", 40)]
+WHY = 5  # the last column; it takes what the terminal has left
 
 
 def request_rows(frame: Frame, text_filter: str = "") -> list[tuple[str, tuple]]:
@@ -36,8 +39,8 @@ def request_rows(frame: Frame, text_filter: str = "") -> list[tuple[str, tuple]]
             why = r.finish_reason or ""
         else:
             why = ""
-        rows.append((rid, (Text("■ ", frame.color(rid)) + Text(shorten(rid, 12)), status_text(r.status), prompt, out,
-                           fmt_age(frame.age(rid)), shorten(why, 34))))
+        rows.append((rid, (Text("■ ", frame.color(rid)) + Text(shorten(rid, 21)), status_text(r.status), prompt, out,
+                           fmt_age(frame.age(rid)), shorten(why, 40))))
     return rows
 
 
@@ -62,6 +65,16 @@ class RequestsPanel(Vertical):
         self.query_one("#requests-filter").display = False
         self._keys: list[str] = []
         self._cells: dict[str, tuple] = {}
+        self._fitted = 0
+
+    def _fit_last_column(self, table: DataTable) -> None:
+        """The reason column takes the width the fixed ones leave (2 cells of padding each)."""
+        if table.size.width == self._fitted:
+            return
+        self._fitted = table.size.width
+        fixed = sum(w + 2 for _, w in COLUMNS[:WHY]) + 3
+        table.columns[ColumnKey(COLUMNS[WHY][0])].width = max(12, table.size.width - fixed)
+        table.refresh()
 
     def open_filter(self) -> None:
         f = self.query_one("#requests-filter", Input)
@@ -78,6 +91,7 @@ class RequestsPanel(Vertical):
 
     def show(self, frame: Frame) -> None:
         table = self.query_one(DataTable)
+        self._fit_last_column(table)
         rows = request_rows(frame, self.query_one("#requests-filter", Input).value.strip().lower())
         keys = [k for k, _ in rows]
         if keys != self._keys:  # a request moved between queues: rebuild, keeping the cursor on it
