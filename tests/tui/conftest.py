@@ -63,3 +63,9 @@ def live(model_cache):
     yield Live(session, engine, source, TraceApp(source, initial_pane="requests"))
     session.close()
     engine.stop(drain_timeout=0)
+
+
+@pytest.fixture(scope="session")
+def recorded_trace(model_cache, tmp_path_factory):
+    from tests.tui.recorded import record
+    return record(tmp_path_factory.mktemp("recorded") / "trace.jsonl")

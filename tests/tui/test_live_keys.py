@@ -16,18 +16,14 @@ from tracer.tui.widgets.kernels import KernelsPanel
 from tracer.tui.widgets.log import LogPanel
 from tracer.tui.widgets.request_detail import RequestDetail
 
+from tests.tui.helpers import shown
+
 pytestmark = pytest.mark.asyncio
 
 
 def cells(app, request_id: str) -> list[str]:
     table = app.query_one("#requests-table")
     return [str(getattr(c, "plain", c)) for c in table.get_row(request_id)]
-
-
-def shown(widget) -> str:
-    """The text a widget draws (its whole content, also the part scrolled out of view)."""
-    from textual.geometry import Region
-    return "\n".join(s.text for s in widget.render_lines(Region(0, 0, widget.size.width, widget.size.height)))
 
 
 def header(app) -> str:

@@ -31,6 +31,8 @@ def fmt_age(ns: int | None) -> str:
     if ns is None or ns < 0:
         return "-"
     s = ns / 1e9
+    if s < 1:
+        return f"{ns / 1e6:.0f}ms"
     if s < 10:
         return f"{s:.1f}s"
     if s < 60:

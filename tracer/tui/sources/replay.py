@@ -22,11 +22,14 @@ class ReplaySource(Source):
     def __init__(self, replay: Replay, path: str | Path = "trace"):
         self.replay = replay
         self.path = str(path)
-        cfg = replay.header.get("engine_config") or {}
+        # the engine's own config event is the authority (a header may carry none)
+        cfg = next((ev.attrs.get("config") for ev in replay.events[:50]
+                    if ev.layer == "engine" and ev.name == "config" and ev.attrs), None)
+        cfg = cfg or replay.header.get("engine_config") or {}
         model_cfg = cfg.get("model") or {}
         self.info = SourceInfo("replay", model=replay.header.get("model") or model_cfg.get("model") or "?",
-                               device=model_cfg.get("device") or "?", backend=cfg.get("attention_backend") or "?",
-                               url=self.path)
+                               device=model_cfg.get("device") or "auto", backend=cfg.get("attention_backend") or "auto",
+                               url=Path(self.path).name)
         self._logged = 0  # events the Log has been given
         self._reset = False
         # open at the first step, so the first thing a user sees is a step, and → moves on

@@ -32,7 +32,9 @@ class StatusHeader(Static):
     def show(self, frame: Frame, stepping: bool = False) -> None:
         s, c, info = frame.state, frame.controller, self.info
         label, style = engine_mode(frame, stepping, info.mode)
-        t = Text.assemble((" vllm-trace ", "bold reverse"), " ", (info.model, "bold"), f" · {info.device} · {info.backend} ")
+        wide = self.size.width >= 100
+        t = Text.assemble((" vllm-trace " if wide else "", "bold reverse"), " ", (info.model, "bold"),
+                          f" · {info.device} · {info.backend} ")
         t.append(f" {label} ", style)
         step = "-" if s.step is None else str(s.step)
         t.append(f" step {step}", "bold")
@@ -40,10 +42,10 @@ class StatusHeader(Static):
         if where:
             t.append(f" ({where})", "dim")
         if info.mode == "replay" and c.get("last_step") is not None:
-            t.append(f" of {c['first_step']}..{c['last_step']}", "dim")
+            t.append(f"/{c['first_step']}..{c['last_step']}", "dim")
         t.append(f"  W{len(s.waiting)} R{len(s.running)} F{len(s.finished)}", "")
         if info.url:
-            t.append("  " + ("trace " if info.mode == "replay" else "") + info.url, "underline" if info.mode != "replay" else "")
+            t.append("  " + info.url, "underline" if info.mode != "replay" else "")
         if c.get("paused") and c.get("reason"):
             t.append(f"\n held at {c.get('point')}: {c.get('reason')}", "yellow")
         elif c.get("pause_requested"):

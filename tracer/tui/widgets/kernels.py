@@ -19,6 +19,7 @@ from textual.widgets import DataTable, Static
 from tracer.tui.fmt import fmt_ns, shorten, sparkline
 from tracer.tui.frame import Frame
 
+COLUMNS = [("#", 2), ("layer", 5), ("kernel", 19), ("grid", 7), ("time", 9), ("per step", 12), ("meta", 30)]
 META_SHOWN = ("BLOCK_Q", "Q_BLOCKS", "TILE_N", "HEADS_PER_PROG", "NUM_SEGMENTS", "TOKENS", "BLOCK_HD", "num_warps")
 
 
@@ -119,8 +120,7 @@ class KernelsPanel(Vertical):
     def compose(self):
         yield Static(id="kernels-head")
         table = DataTable(id="kernels-table", cursor_type="row", zebra_stripes=True)
-        for name, width in [("#", 3), ("layer", 5), ("kernel", 22), ("grid", 11), ("meta", 30), ("time", 9),
-                            ("per step", 16)]:
+        for name, width in COLUMNS:
             table.add_column(name, key=name, width=width)
         yield table
         with VerticalScroll(id="kernels-programs"):
@@ -149,9 +149,9 @@ class KernelsPanel(Vertical):
         table.clear()
         for i, k in enumerate(s.kernels):
             grid = "×".join(map(str, k.get("grid") or [])) or "-"
-            table.add_row(str(i), str(k.get("layer_idx", "")), shorten(k["name"], 22), grid,
-                          shorten(short_meta(k.get("meta") or {}), 30), fmt_ns(k.get("duration_ns")),
-                          sparkline(s.kernel_history.get(k["name"], []), 16), key=str(i))
+            table.add_row(str(i), str(k.get("layer_idx", "")), shorten(k["name"], 19), grid,
+                          fmt_ns(k.get("duration_ns")), sparkline(s.kernel_history.get(k["name"], []), 12),
+                          short_meta(k.get("meta") or {}), key=str(i))
         if s.kernels:
             table.move_cursor(row=min(row, len(s.kernels) - 1), animate=False)
         self._show_programs()

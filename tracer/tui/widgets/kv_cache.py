@@ -81,11 +81,11 @@ class KVCachePanel(Vertical):
         owners = block_owners(frame)
         shared = sum(1 for w in owners.values() if len(w) > 1)
         usage = used / total if total else 0.0
-        bar_w = max(10, min(40, width - 60))
+        bar_w = max(10, min(40, width - 56))
         filled = round(usage * bar_w)
         summary = Text.assemble(
             ("KV cache ", "bold"), ("█" * filled, "green" if usage < 0.8 else "red"), ("░" * (bar_w - filled), "dim"),
-            f" {usage:6.1%}  {used}/{total} blocks used · {shared} shared · {len(s.cached_free)} cached-free",
+            f" {usage:5.1%} {used}/{total} used · {shared} shared · {len(s.cached_free)} cached",
             ("\nper step ", "dim"), (sparkline(s.kv_usage_history, max(10, width - 12), top=1.0), "green"),
             ("\n█ owned  ▓ shared prefix  ░ cached, free  · free", "dim"),
             ("   (select a request to highlight its blocks)" if frame.selected is None

@@ -14,9 +14,9 @@ from tracer.tui.frame import Frame
 from tracer.tui.widgets.request_detail import RequestDetail
 
 MAX_FINISHED = 100  # the most recent; the trace file keeps them all
-# vLLM-style ids (cmpl-<16 hex>) fit whole: the id is what a user greps the log for.
-COLUMNS = [("id", 23), ("state", 8), ("prompt", 7), ("output", 7), ("age", 5), ("why waiting / finish", 40)]
-WHY = 5  # the last column; it takes what the terminal has left
+COLUMNS = [("id", 23), ("state", 9), ("prompt", 7), ("output", 6), ("age", 5), ("why waiting / finish", 40)]
+ID, WHY = 0, 5  # sized to fit: the id column to the longest id shown, the reason to what is left
+MAX_ID = 21  # vLLM-style ids (cmpl-<16 hex>) fit whole: the id is what a user greps the log for
 
 
 def request_rows(frame: Frame, text_filter: str = "") -> list[tuple[str, tuple]]:
@@ -39,7 +39,7 @@ def request_rows(frame: Frame, text_filter: str = "") -> list[tuple[str, tuple]]
             why = r.finish_reason or ""
         else:
             why = ""
-        rows.append((rid, (Text("■ ", frame.color(rid)) + Text(shorten(rid, 21)), status_text(r.status), prompt, out,
+        rows.append((rid, (Text("■ ", frame.color(rid)) + Text(shorten(rid, MAX_ID)), status_text(r.status), prompt, out,
                            fmt_age(frame.age(rid)), shorten(why, 40))))
     return rows
 
@@ -65,14 +65,17 @@ class RequestsPanel(Vertical):
         self.query_one("#requests-filter").display = False
         self._keys: list[str] = []
         self._cells: dict[str, tuple] = {}
-        self._fitted = 0
+        self._fitted = (0, 0)
 
-    def _fit_last_column(self, table: DataTable) -> None:
-        """The reason column takes the width the fixed ones leave (2 cells of padding each)."""
-        if table.size.width == self._fitted:
+    def _fit_columns(self, table: DataTable, keys: list[str]) -> None:
+        """The id column as wide as the longest id shown, the reason column what is left
+        (each column has one cell of padding on either side)."""
+        id_width = min(MAX_ID, max((len(k) for k in keys), default=4)) + 2
+        if (table.size.width, id_width) == self._fitted:
             return
-        self._fitted = table.size.width
-        fixed = sum(w + 2 for _, w in COLUMNS[:WHY]) + 3
+        self._fitted = (table.size.width, id_width)
+        table.columns[ColumnKey(COLUMNS[ID][0])].width = id_width
+        fixed = id_width + sum(w for _, w in COLUMNS[ID + 1:WHY]) + 2 * WHY + 3
         table.columns[ColumnKey(COLUMNS[WHY][0])].width = max(12, table.size.width - fixed)
         table.refresh()
 
@@ -91,9 +94,9 @@ class RequestsPanel(Vertical):
 
     def show(self, frame: Frame) -> None:
         table = self.query_one(DataTable)
-        self._fit_last_column(table)
         rows = request_rows(frame, self.query_one("#requests-filter", Input).value.strip().lower())
         keys = [k for k, _ in rows]
+        self._fit_columns(table, keys)
         if keys != self._keys:  # a request moved between queues: rebuild, keeping the cursor on it
             current = self._keys[table.cursor_row] if self._keys and table.cursor_row < len(self._keys) else None
             table.clear()
