@@ -22,8 +22,9 @@ pytestmark = pytest.mark.asyncio
 
 
 def cells(app, request_id: str) -> list[str]:
-    table = app.query_one("#requests-table")
-    return [str(getattr(c, "plain", c)) for c in table.get_row(request_id)]
+    """The Requests panel's row for a request, as drawn, cell by cell."""
+    rows = app.query_one("#requests-table")
+    return [text.strip() for text, _style in rows.texts[rows.keys.index(request_id)]]
 
 
 def header(app) -> str:
@@ -143,7 +144,7 @@ async def test_enter_opens_the_request_with_its_tokens_timeline_and_blocks(live)
         await pilot.press("enter")  # the cursor is on the first row: r0, running
         assert isinstance(live.app.screen, RequestScreen)
         await live.settle(pilot)
-        text = shown(live.app.screen.query_one(RequestDetail).query_one("#detail-body"))
+        text = live.app.screen.query_one(RequestDetail).text
         assert "request r0" in text and "H72" in text  # 'H' is token 72
         assert "QUEUED" in text and "SCHEDULED" in text and "tokens 0..10 (11)" in text
         assert "0→0  1→1  2→2" in text and "last block: 3/4 slots used" in text

@@ -43,7 +43,7 @@ def test_request_detail(snap_compare, recorded_trace, size):
     async def open_preempted(pilot):
         table = pilot.app.query_one("#requests-table")
         table.focus()
-        table.move_cursor(row=table.get_row_index("req-3"))
+        table.move_cursor(row=table.keys.index("req-3"))
         await pilot.press("enter")
     assert snap_compare(app_at(recorded_trace, "requests"), terminal_size=size, run_before=open_preempted)
 

@@ -40,6 +40,14 @@ def fmt_age(ns: int | None) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
+def fmt_age_coarse(ns: int | None) -> str:
+    """Whole seconds: a list of many requests then changes once a second, not every refresh."""
+    if ns is None or ns < 0:
+        return "-"
+    s = int(ns // 1_000_000_000)
+    return "<1s" if s < 1 else f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s"
+
+
 def fmt_bytes(n: int | None) -> str:
     if n is None:
         return "-"

@@ -17,5 +17,9 @@ class RequestScreen(ModalScreen):
     def compose(self):
         yield RequestDetail(self.request_id, id="request-screen-detail")
 
+    def on_mount(self) -> None:
+        if self.app.frame is not None:  # at once, not at the next refresh
+            self.show(self.app.frame)
+
     def show(self, frame) -> None:
         self.query_one(RequestDetail).show(frame)

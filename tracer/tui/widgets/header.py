@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from rich.text import Text
-from textual.widgets import Static
+from textual.widget import Widget
 
 from tracer.tui.frame import Frame
 from tracer.tui.sources.base import SourceInfo
@@ -22,12 +22,19 @@ def engine_mode(frame: Frame, stepping: bool, mode: str) -> tuple[str, str]:
     return "RUNNING", "bold black on green"
 
 
-class StatusHeader(Static):
-    """model · device · backend │ STATE step N (phase) │ URL"""
+class StatusHeader(Widget):
+    """model · device · backend │ STATE step N (phase) │ URL
+
+    A plain widget rather than a Static: it changes at every step, and Static.update asks for
+    a layout pass each time; this one has a fixed height and only repaints itself."""
 
     def __init__(self, info: SourceInfo, **kwargs):
         super().__init__(**kwargs)
         self.info = info
+        self._text = Text("")
+
+    def render(self) -> Text:
+        return self._text
 
     def show(self, frame: Frame, stepping: bool = False) -> None:
         s, c, info = frame.state, frame.controller, self.info
@@ -52,4 +59,6 @@ class StatusHeader(Static):
             t.append("\n will hold before the next step", "yellow")
         elif s.events_missed:
             t.append(f"\n {s.events_missed} events missed (the viewer fell behind)", "red")
-        self.update(t)
+        if t != self._text:
+            self._text = t
+            self.refresh()

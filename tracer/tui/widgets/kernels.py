@@ -14,10 +14,11 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
-from tracer.tui.fmt import fmt_ns, shorten, sparkline
+from tracer.tui.fmt import fmt_ns, sparkline
 from tracer.tui.frame import Frame
+from tracer.tui.widgets.rows import RowList, cells_text
 
 COLUMNS = [("#", 2), ("layer", 5), ("kernel", 19), ("grid", 7), ("time", 9), ("per step", 12), ("meta", 30)]
 META_SHOWN = ("BLOCK_Q", "Q_BLOCKS", "TILE_N", "HEADS_PER_PROG", "NUM_SEGMENTS", "TOKENS", "BLOCK_HD", "num_warps")
@@ -119,10 +120,7 @@ def program_text(grid: ProgramGrid) -> Text:
 class KernelsPanel(Vertical):
     def compose(self):
         yield Static(id="kernels-head")
-        table = DataTable(id="kernels-table", cursor_type="row", zebra_stripes=True)
-        for name, width in COLUMNS:
-            table.add_column(name, key=name, width=width)
-        yield table
+        yield RowList(id="kernels-table")
         with VerticalScroll(id="kernels-programs"):
             yield ProgramGrid(id="program-grid")
             yield Static(id="program-access")
@@ -144,30 +142,30 @@ class KernelsPanel(Vertical):
             head.append(f"   held before the next launch: {info.get('name', '?')} grid {info.get('grid', [])}"
                         f" layer {info.get('layer_idx', '?')}", "yellow")
         self.query_one("#kernels-head", Static).update(head)
-        table = self.query_one(DataTable)
-        row = table.cursor_row
-        table.clear()
+        widths = [w for _, w in COLUMNS]
+        widths[-1] = max(10, (self.size.width or 80) - sum(widths[:-1]) - 2 * len(widths) - 2)
+        rows = []
         for i, k in enumerate(s.kernels):
             grid = "×".join(map(str, k.get("grid") or [])) or "-"
-            table.add_row(str(i), str(k.get("layer_idx", "")), shorten(k["name"], 19), grid,
-                          fmt_ns(k.get("duration_ns")), sparkline(s.kernel_history.get(k["name"], []), 12),
-                          short_meta(k.get("meta") or {}), key=str(i))
-        if s.kernels:
-            table.move_cursor(row=min(row, len(s.kernels) - 1), animate=False)
+            rows.append((str(i), cells_text([str(i), str(k.get("layer_idx", "")), k["name"], grid,
+                                             fmt_ns(k.get("duration_ns")),
+                                             sparkline(s.kernel_history.get(k["name"], []), 12),
+                                             short_meta(k.get("meta") or {})], widths)))
+        self.query_one(RowList).set_rows(cells_text([n for n, _ in COLUMNS], widths), rows)
         self._show_programs()
 
-    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+    def on_row_list_highlighted(self, event: RowList.Highlighted) -> None:
         self._show_programs()
 
     def _show_programs(self) -> None:
         frame, grid = self._frame, self.query_one(ProgramGrid)
-        table = self.query_one(DataTable)
+        table = self.query_one(RowList)
         if frame is None or not frame.state.kernels:
             if frame is not None:
                 grid.set_launch((), None, frame)
             self.query_one("#program-access", Static).update(Text("no launches yet in this step", "dim"))
             return
-        k = frame.state.kernels[min(table.cursor_row, len(frame.state.kernels) - 1)]
+        k = frame.state.kernels[min(table.cursor, len(frame.state.kernels) - 1)]
         if not k.get("grid"):
             grid.set_launch((), None, frame)
             self.query_one("#program-access", Static).update(Text(

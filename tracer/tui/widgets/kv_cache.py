@@ -11,13 +11,18 @@ The selected request's blocks stay in colour while everyone else's fade.
 from __future__ import annotations
 
 from rich.text import Text
-from textual.containers import Vertical, VerticalScroll
+import time
+
+from textual.containers import Vertical
 from textual.widgets import Static
 
 from tracer.tui.fmt import sparkline
 from tracer.tui.frame import Frame
+from tracer.tui.widgets.lines import LinesView
 
 LABEL = 6  # "12345 " block id at the start of each row
+MAX_CELLS = 4096  # blocks drawn; beyond, a count (a 16k-block CPU cache would cost every refresh)
+GRID_HZ = 4  # grid redraws per second at most (the gauge and the counts follow every refresh)
 
 
 def block_owners(frame: Frame) -> dict[int, list[str]]:
@@ -35,7 +40,7 @@ def draw_blocks(frame: Frame, num_blocks: int, width: int, min_rows: int) -> Tex
     per_row = max(8, (width - LABEL) // 2)
     top = max(owners, default=-1)
     top = max(top, max(frame.state.cached_free, default=-1))
-    shown = min(num_blocks, max((top // per_row + 1) * per_row, per_row * min_rows))
+    shown = min(num_blocks, max((top // per_row + 1) * per_row, per_row * min_rows), MAX_CELLS)
     sel = frame.selected
     t = Text()
     for b in range(shown):
@@ -55,18 +60,28 @@ def draw_blocks(frame: Frame, num_blocks: int, width: int, min_rows: int) -> Tex
             t.append("·", "#444444")
         t.append(" ")
     if shown < num_blocks:
-        t.append(f"\n{'':>{LABEL}}blocks {shown}..{num_blocks - 1}: free, never used", "dim")
+        rest = sum(1 for b in owners if b >= shown)
+        t.append(f"\n{'':>{LABEL}}blocks {shown}..{num_blocks - 1}: " + (f"{rest} in use (not drawn)" if rest else
+                 "free, never used" if top < shown else "not drawn"), "dim")
     return t
+
+
+def _update(static: Static, text: Text) -> None:
+    """Static.update costs a layout pass: skip it when nothing changed (most refreshes)."""
+    if getattr(static, "_shown", None) != text:
+        static._shown = text
+        static.update(text)
 
 
 class KVCachePanel(Vertical):
     def compose(self):
         yield Static(id="kv-summary")
-        with VerticalScroll(id="kv-grid-scroll"):
-            yield Static(id="kv-grid")
+        yield LinesView(id="kv-grid")
 
     def on_mount(self) -> None:
         self._key = None
+        self._drawn_at = 0.0
+        self._drawn_key = None
 
     def show(self, frame: Frame) -> None:
         s = frame.state
@@ -90,9 +105,13 @@ class KVCachePanel(Vertical):
             ("\n█ owned  ▓ shared prefix  ░ cached, free  · free", "dim"),
             ("   (select a request to highlight its blocks)" if frame.selected is None
              else f"   highlighted: request {frame.selected}", "dim"))
-        self.query_one("#kv-summary", Static).update(summary)
-        if total:
-            rows = max(4, (self.size.height or 20) - 6)
-            self.query_one("#kv-grid", Static).update(draw_blocks(frame, total, width, rows))
+        _update(self.query_one("#kv-summary", Static), summary)
+        grid = self.query_one("#kv-grid", LinesView)
+        now = time.monotonic()
+        if not total:
+            grid.update(Text("no KV cache yet (the engine is starting)", "dim"))
+        elif now - self._drawn_at >= 1 / GRID_HZ or frame.controller.get("paused") or key[1:] != self._drawn_key:
+            self._drawn_at, self._drawn_key = now, key[1:]
+            grid.update(draw_blocks(frame, total, width, max(4, (self.size.height or 20) - 6)))
         else:
-            self.query_one("#kv-grid", Static).update(Text("no KV cache yet (the engine is starting)", "dim"))
+            self._key = None  # not drawn yet: look again next refresh

@@ -2,15 +2,15 @@
 through the engine, and where its KV cache lives (the block table)."""
 from __future__ import annotations
 
+import time
+
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
-from textual.containers import VerticalScroll
-from textual.widgets import Static
 
 from tracer.state import RequestView
 from tracer.tui.fmt import fmt_age, status_text
 from tracer.tui.frame import Frame
+from tracer.tui.widgets.lines import LinesView
 
 MAX_TOKENS_SHOWN = 256  # prompt tokens drawn one by one; the rest are counted
 
@@ -35,8 +35,9 @@ def token_pieces(ids: list[int], pieces: list[str]) -> Text:
     return t
 
 
-def timeline_table(r: RequestView) -> Table:
-    table = Table("event", "step", "at", "", box=None, padding=(0, 1), header_style="bold dim")
+def timeline_table(r: RequestView) -> Text:
+    """One line per entry (plain Text, not a Rich Table: this is redrawn while tokens stream)."""
+    table = Text(f" {'event':<10} {'step':>5}  {'at':<8}\n", "bold dim")
     t0 = r.arrival_ns or 0
     for e in r.timeline:
         what = e["event"]
@@ -46,7 +47,8 @@ def timeline_table(r: RequestView) -> Table:
             detail = f"{e['steps']} step{'s' * (e['steps'] != 1)}, to step {e['last_step']}"
         else:
             detail = e.get("reason") or ""
-        table.add_row(what, str(e["step"]), "+" + fmt_age(e["ts_ns"] - t0), detail)
+        table.append(f" {what:<10} {e['step']:>5}  {'+' + fmt_age(e['ts_ns'] - t0):<8} {detail}\n")
+    table.rstrip()
     return table
 
 
@@ -66,16 +68,21 @@ def block_table(r: RequestView, bs: int | None) -> Text:
     return t
 
 
-class RequestDetail(VerticalScroll):
-    """Shows the request `request_id` (set by whoever embeds it)."""
+STREAM_HZ = 4  # redraws per second while the shown request only streams tokens
+
+
+class RequestDetail(LinesView):
+    """Shows the request `request_id` (set by whoever embeds it).
+
+    Redrawing it renders all its lines again, so while the same request merely
+    streams tokens it is redrawn at most STREAM_HZ times a second; anything else (another
+    request, a new state) is drawn at once."""
 
     def __init__(self, request_id: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.request_id = request_id
         self._key = None
-
-    def compose(self):
-        yield Static(id="detail-body")
+        self._drawn_at = 0.0
 
     def show(self, frame: Frame) -> None:
         rid = self.request_id
@@ -84,8 +91,13 @@ class RequestDetail(VerticalScroll):
                                             tuple(r.block_table), len(r.prompt_pieces)))
         if key == self._key:
             return
-        self._key = key
-        body = self.query_one("#detail-body", Static)
+        now = time.monotonic()
+        streaming = (self._key is not None and key[0] == self._key[0] and key[1] is not None
+                     and self._key[1] is not None and key[1][0] == self._key[1][0] == "RUNNING")
+        if streaming and now - self._drawn_at < 1 / STREAM_HZ:
+            return  # drawn on a later refresh (the key still differs then)
+        self._key, self._drawn_at = key, now
+        body = self
         if r is None:
             body.update(Text("Select a request (Requests panel, arrows) to see it here.", "dim"))
             return
@@ -95,11 +107,14 @@ class RequestDetail(VerticalScroll):
                               + (f" · preempted {r.num_preemptions}×" if r.num_preemptions else ""))
         hits = (f"{r.num_cached_tokens} prompt tokens from the prefix cache (blocks "
                 f"{', '.join(map(str, r.cache_hit_blocks))})" if r.num_cached_tokens else "no prefix-cache hit")
-        body.update(Group(
-            title,
-            Text("\nprompt tokens (piece, id)", "bold"), token_pieces(r.prompt_token_ids, r.prompt_pieces),
-            Text("\ngenerated text", "bold"), Text(r.text or "…", "green"),
-            Text("\ntimeline", "bold"), timeline_table(r),
-            Text("\nblock table (logical → physical)", "bold"), block_table(r, block_size(frame)),
-            Text("\nprefix cache", "bold"), Text(hits, "cyan" if r.num_cached_tokens else "dim"),
-        ))
+        body.update_sections([
+            (None, title),
+            # the prompt never changes: rendered once per request (and width)
+            (("prompt", rid, len(r.prompt_pieces)), Group(Text("\nprompt tokens (piece, id)", "bold"),
+                                                          token_pieces(r.prompt_token_ids, r.prompt_pieces))),
+            (None, Group(
+                Text("\ngenerated text", "bold"), Text(r.text or "…", "green"),
+                Text("\ntimeline", "bold"), timeline_table(r),
+                Text("\nblock table (logical → physical)", "bold"), block_table(r, block_size(frame)),
+                Text("\nprefix cache", "bold"), Text(hits, "cyan" if r.num_cached_tokens else "dim"))),
+        ])

@@ -11,10 +11,10 @@ from __future__ import annotations
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
-from textual.containers import Horizontal, VerticalScroll
-from textual.widgets import Static
+from textual.containers import Horizontal
 
 from tracer.tui.frame import Frame
+from tracer.tui.widgets.lines import LinesView
 from tracer.tui.widgets.request_detail import block_size
 
 MAX_ITEMS = 48  # flattened values shown per array (a long prefill is cut, with a count)
@@ -96,11 +96,8 @@ def flattened_inputs(frame: Frame) -> Group | Text:
 
 class StepPanel(Horizontal):
     def compose(self):
-        with VerticalScroll(id="step-left"):
-            yield Static(id="step-batch")
-            yield Static(id="step-decisions")
-        with VerticalScroll(id="step-right"):
-            yield Static(id="step-inputs")
+        yield LinesView(id="step-left")
+        yield LinesView(id="step-right")
 
     def on_mount(self) -> None:
         self._key = None
@@ -111,6 +108,5 @@ class StepPanel(Horizontal):
         if key == self._key:
             return
         self._key = key
-        self.query_one("#step-batch", Static).update(batch_table(frame))
-        self.query_one("#step-decisions", Static).update(decisions(frame))
-        self.query_one("#step-inputs", Static).update(flattened_inputs(frame))
+        self.query_one("#step-left", LinesView).update(Group(batch_table(frame), decisions(frame)))
+        self.query_one("#step-right", LinesView).update(flattened_inputs(frame))
