@@ -160,12 +160,12 @@ async def test_slash_filters_the_log_by_layer_and_request(live):
         await pilot.press("6")
         await live.settle(pilot)
         await pilot.press("slash", *"scheduler request=r1", "enter")
-        lines = [strip.text for strip in live.app.query_one("#log-lines").lines]
+        lines = live.app.query_one("#log-lines").plain_lines
         assert lines and all(line.startswith("[TRACE] scheduler ") and "request=r1" in line for line in lines)
         assert any("SCHEDULED" in line for line in lines)
         panel = live.app.query_one(LogPanel)
         panel.key_escape()  # esc clears the filter: every layer again
-        layers = {strip.text.split()[1] for strip in live.app.query_one("#log-lines").lines}
+        layers = {line.split()[1] for line in live.app.query_one("#log-lines").plain_lines}
         assert {"engine", "scheduler", "block_manager", "kernel"} <= layers
 
 

@@ -49,11 +49,11 @@ async def test_going_back_rewinds_the_log(recorded_trace):
     async with app.run_test(size=(120, 30)) as pilot:
         await pilot.press("right", "right")
         app.tick()
-        last = app.query_one("#log-lines").lines[-1].text
+        last = app.query_one("#log-lines").plain_lines[-1]
         assert "step (end) step=2" in last
         await pilot.press("left")
         app.tick()
-        last = app.query_one("#log-lines").lines[-1].text
+        last = app.query_one("#log-lines").plain_lines[-1]
         assert "step (end) step=1" in last
 
 

@@ -10,6 +10,8 @@ The selected request's blocks stay in colour while everyone else's fade.
 """
 from __future__ import annotations
 
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 import time
 
@@ -35,35 +37,48 @@ def block_owners(frame: Frame) -> dict[int, list[str]]:
     return owners
 
 
-def draw_blocks(frame: Frame, num_blocks: int, width: int, min_rows: int) -> Text:
+def draw_blocks(frame: Frame, num_blocks: int, width: int, min_rows: int) -> list[list[Segment]]:
+    """The grid as segments, one list per row; runs of cells that look alike share a segment."""
     owners = block_owners(frame)
     per_row = max(8, (width - LABEL) // 2)
-    top = max(owners, default=-1)
-    top = max(top, max(frame.state.cached_free, default=-1))
+    top = max(max(owners, default=-1), max(frame.state.cached_free, default=-1))
     shown = min(num_blocks, max((top // per_row + 1) * per_row, per_row * min_rows), MAX_CELLS)
-    sel = frame.selected
-    t = Text()
-    for b in range(shown):
-        if b % per_row == 0:
-            if b:
-                t.append("\n")
-            t.append(f"{b:>{LABEL - 1}} ", "dim")
-        who = owners.get(b)
-        if who:
-            mine = sel is None or sel in who
-            color = frame.color(sel if sel in who else who[0])
-            ch = "▓" if len(who) > 1 else "█"
-            t.append(ch, color if mine else f"{color} dim")
-        elif b in frame.state.cached_free:
-            t.append("░", "dim")
-        else:
-            t.append("·", "#444444")
-        t.append(" ")
+    sel, cached = frame.selected, frame.state.cached_free
+    rows = []
+    for start in range(0, shown, per_row):
+        cells = []
+        for b in range(start, min(start + per_row, shown)):
+            who = owners.get(b)
+            if who:
+                mine = sel is None or sel in who
+                color = frame.color(sel if sel in who else who[0])
+                cells.append(("▓ " if len(who) > 1 else "█ ", _style(color if mine else f"{color} dim")))
+            elif b in cached:
+                cells.append(("░ ", _style("dim")))
+            else:
+                cells.append(("· ", _style("#444444")))
+        row = [Segment(f"{start:>{LABEL - 1}} ", _style("dim"))]
+        for text, style in cells:  # merge runs: a full cache is a few segments per row, not hundreds
+            if row[-1].style is style:
+                row[-1] = Segment(row[-1].text + text, style)
+            else:
+                row.append(Segment(text, style))
+        rows.append(row)
     if shown < num_blocks:
         rest = sum(1 for b in owners if b >= shown)
-        t.append(f"\n{'':>{LABEL}}blocks {shown}..{num_blocks - 1}: " + (f"{rest} in use (not drawn)" if rest else
-                 "free, never used" if top < shown else "not drawn"), "dim")
-    return t
+        note = (f"{rest} in use (not drawn)" if rest else "free, never used" if top < shown else "not drawn")
+        rows.append([Segment(f"{'':>{LABEL}}blocks {shown}..{num_blocks - 1}: {note}", _style("dim"))])
+    return rows
+
+
+_styles: dict[str, Style] = {}
+
+
+def _style(spec: str) -> Style:
+    style = _styles.get(spec)
+    if style is None:
+        style = _styles[spec] = Style.parse(spec)
+    return style
 
 
 def _update(static: Static, text: Text) -> None:
@@ -112,6 +127,6 @@ class KVCachePanel(Vertical):
             grid.update(Text("no KV cache yet (the engine is starting)", "dim"))
         elif now - self._drawn_at >= 1 / GRID_HZ or frame.controller.get("paused") or key[1:] != self._drawn_key:
             self._drawn_at, self._drawn_key = now, key[1:]
-            grid.update(draw_blocks(frame, total, width, max(4, (self.size.height or 20) - 6)))
+            grid.update_rows(draw_blocks(frame, total, width, max(4, (self.size.height or 20) - 6)))
         else:
             self._key = None  # not drawn yet: look again next refresh

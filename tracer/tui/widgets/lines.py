@@ -8,6 +8,7 @@ changes, so a panel that changes every step only repaints itself.
 from __future__ import annotations
 
 from rich.console import RenderableType
+from rich.segment import Segment
 from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
@@ -38,6 +39,19 @@ class LinesView(ScrollView):
         self._content = sections
         self._render_strips()
 
+    def update_rows(self, rows: list[list[Segment]]) -> None:
+        """Content given as ready segments, one list per line: no Rich rendering at all (the
+        KV grid, thousands of cells, redrawn several times a second)."""
+        self._content = []
+        self._strips = [Strip(segments) for segments in rows]
+        self._resize_virtual(max((s.cell_length for s in self._strips), default=0))
+
+    def _resize_virtual(self, width: int) -> None:
+        size = Size(width, -(-len(self._strips) // ROUND) * ROUND)  # in steps: fewer layout passes
+        if size != self.virtual_size:
+            self.virtual_size = size  # a layout pass, only when the height (or width) changed
+        self.refresh()
+
     def _render_strips(self) -> None:
         width = self.scrollable_content_region.width
         if width <= 0:
@@ -55,10 +69,7 @@ class LinesView(ScrollView):
                 cache[key] = lines
             strips.extend(lines)
         self._strips, self._cache, self._width = strips, cache, width
-        size = Size(width, -(-len(self._strips) // ROUND) * ROUND)  # in steps: fewer layout passes
-        if size != self.virtual_size:
-            self.virtual_size = size  # a layout pass, only when the height (or width) changed
-        self.refresh()
+        self._resize_virtual(width)
 
     def on_resize(self) -> None:
         if self.scrollable_content_region.width != self._width and self._content:

@@ -10,16 +10,19 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from rich.text import Text
+from rich.style import Style
 from textual.containers import Vertical
-from textual.widgets import Input, RichLog
+from textual.widgets import Input
 
 from tracer.events import LAYERS, Event
 from tracer.tracelog import format_event
 from tracer.tui.sources.base import EventBatch
+from tracer.tui.widgets.log_view import LogView
 
 KEEP = 2000  # events kept for re-filtering
-MAX_LINES_PER_TICK = 60
+# Formatting a line costs more than anything else here, and a busy engine publishes thousands
+# of events a second: a refresh formats at most this many (the newest; the rest are counted).
+MAX_LINES_PER_TICK = 100
 LAYER_STYLES = {"http": "blue", "api": "blue", "tokenizer": "cyan", "engine": "bold green", "scheduler": "yellow",
                 "block_manager": "magenta", "model_runner": "cyan", "kernel": "#d19a66", "sampler": "green",
                 "detokenizer": "green", "tracer": "bold red", "cli": "dim"}
@@ -49,19 +52,22 @@ class LogFilter:
                 and all(w in line for w in self.words))
 
 
-def styled(ev: Event, line: str) -> Text:
-    t = Text(line)
+_STYLES = {layer: Style.parse(spec) for layer, spec in LAYER_STYLES.items()}
+_DIM = Style.parse("dim")
+
+
+def styled(ev: Event, line: str) -> tuple:
+    """'[TRACE]' dim, the layer in its colour, the rest plain."""
     start = len("[TRACE] ")
-    t.stylize("dim", 0, start)
-    t.stylize(LAYER_STYLES.get(ev.layer, ""), start, start + len(ev.layer))
-    return t
+    end = start + len(ev.layer)
+    return ((line[:start], _DIM), (line[start:end], _STYLES.get(ev.layer)), (line[end:], None))
 
 
 class LogPanel(Vertical):
     def compose(self):
         yield Input(placeholder="filter: layers (scheduler kernel …), request=ID, words (enter: apply, esc: clear)",
                     id="log-filter")
-        yield RichLog(id="log-lines", max_lines=KEEP, wrap=False, auto_scroll=True)
+        yield LogView(KEEP, id="log-lines")
 
     def on_mount(self) -> None:
         self.events: deque[Event] = deque(maxlen=KEEP)
@@ -74,7 +80,7 @@ class LogPanel(Vertical):
         if batch.reset:
             self.events.clear()
             self._pending.clear()
-            self.query_one(RichLog).clear()
+            self.query_one(LogView).clear()
         if batch.missed:
             note = Event(-1, 0, "tracer", "events_lost", attrs={"count": batch.missed})
             self.events.append(note)
@@ -87,16 +93,20 @@ class LogPanel(Vertical):
     def show(self, frame=None, limit: int = MAX_LINES_PER_TICK) -> None:
         if not self._pending:
             return
-        log = self.query_one(RichLog)
+        log = self.query_one(LogView)
         pending, self._pending = self._pending, []
-        lines = [(ev, format_event(ev)) for ev in pending]
-        kept = [(ev, line) for ev, line in lines if self.filter.keep(ev, line)]
-        if len(kept) > limit:
-            log.write(Text(f"… {len(kept) - limit} events not drawn (busy; --trace-file keeps all)", "dim italic"))
-            kept = kept[-limit:]
-        for ev, line in kept:
-            log.write(styled(ev, line), scroll_end=False)
-        log.scroll_end(animate=False)
+        f = self.filter
+        if not f.words:  # layers and a request id need no formatting: cut first, format the newest
+            pending = [ev for ev in pending if f.keep(ev, "")]
+            skipped, pending = max(0, len(pending) - limit), pending[-limit:]
+            kept = [styled(ev, format_event(ev)) for ev in pending]
+        else:
+            lines = [(ev, format_event(ev)) for ev in pending]
+            kept = [styled(ev, line) for ev, line in lines if f.keep(ev, line)]
+            skipped, kept = max(0, len(kept) - limit), kept[-limit:]
+        if skipped:
+            kept.insert(0, ((f"… {skipped} events not drawn (busy; --trace-file keeps all)", _DIM),))
+        log.write_lines(kept)
 
     def open_filter(self) -> None:
         f = self.query_one("#log-filter", Input)
@@ -105,12 +115,12 @@ class LogPanel(Vertical):
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.apply_filter(event.value)
-        self.query_one(RichLog).focus()
+        self.query_one(LogView).focus()
 
     def apply_filter(self, text: str) -> None:
         """Redraw the kept events through the new filter."""
         self.filter = LogFilter.parse(text)
-        log = self.query_one(RichLog)
+        log = self.query_one(LogView)
         log.clear()
         self._pending = list(self.events)
         self.show(limit=KEEP)
@@ -119,4 +129,4 @@ class LogPanel(Vertical):
         f = self.query_one("#log-filter", Input)
         f.value, f.display = "", False
         self.apply_filter("")
-        self.query_one(RichLog).focus()
+        self.query_one(LogView).focus()
