@@ -8,6 +8,8 @@ with --attention-backend triton to see programs (interpreted on the CPU).
 """
 from __future__ import annotations
 
+import time
+
 from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
@@ -21,6 +23,7 @@ from tracer.tui.frame import Frame
 from tracer.tui.widgets.rows import RowList, cells_text
 
 COLUMNS = [("#", 2), ("layer", 5), ("kernel", 19), ("grid", 7), ("time", 9), ("per step", 12), ("meta", 30)]
+BUSY_HZ = 4
 META_SHOWN = ("BLOCK_Q", "Q_BLOCKS", "TILE_N", "HEADS_PER_PROG", "NUM_SEGMENTS", "TOKENS", "BLOCK_HD", "num_warps")
 
 
@@ -127,15 +130,16 @@ class KernelsPanel(Vertical):
 
     def on_mount(self) -> None:
         self._key = None
+        self._drawn_at = 0.0
         self._frame: Frame | None = None
 
     def show(self, frame: Frame) -> None:
-        self._frame = frame
         s, c = frame.state, frame.controller
         key = (s.step, len(s.kernels), c.get("point"), c.get("paused"))
-        if key == self._key:
-            return
-        self._key = key
+        now = time.monotonic()
+        if key == self._key or (not c.get("paused") and now - self._drawn_at < 1 / BUSY_HZ):
+            return  # while the engine runs, at most BUSY_HZ redraws a second
+        self._frame, self._key, self._drawn_at = frame, key, now
         head = Text.assemble((f"step {s.step}: {len(s.kernels)} launches", "bold"))
         if c.get("paused") and c.get("point") == "kernel":
             info = (s.paused_at or {}).get("info") or {}

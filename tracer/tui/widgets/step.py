@@ -8,6 +8,8 @@ shown: its token ids, their positions, and the cache slots they are written to
 """
 from __future__ import annotations
 
+import time
+
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -17,6 +19,7 @@ from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import LinesView
 from tracer.tui.widgets.request_detail import block_size
 
+BUSY_HZ = 4  # redraws per second at most while the engine runs (every step when paused or stepping)
 MAX_ITEMS = 48  # flattened values shown per array (a long prefill is cut, with a count)
 
 
@@ -101,12 +104,14 @@ class StepPanel(Horizontal):
 
     def on_mount(self) -> None:
         self._key = None
+        self._drawn_at = 0.0
 
     def show(self, frame: Frame) -> None:
         s = frame.state
         key = (s.step, s.snapshot_step, s.batch is not None, frame.selected, len(s.requests))
-        if key == self._key:
-            return
-        self._key = key
+        now = time.monotonic()
+        if key == self._key or (not frame.controller.get("paused") and now - self._drawn_at < 1 / BUSY_HZ):
+            return  # (a skipped change is drawn by a later refresh: the key still differs then)
+        self._key, self._drawn_at = key, now
         self.query_one("#step-left", LinesView).update(Group(batch_table(frame), decisions(frame)))
         self.query_one("#step-right", LinesView).update(flattened_inputs(frame))
