@@ -178,7 +178,7 @@ def run(lesson) -> None:
     lesson.done("Temperature reshapes the whole distribution (0 means greedy). Top-k keeps the k most likely "
                 "tokens, top-p the smallest set whose mass reaches p, min-p those within a factor of the top "
                 "token; the rest get probability 0. A seed gives a request its own reproducible random stream, "
-                f"independent of its neighbours in the batch. (ln 2 = {math.log(2):.3f} nats = 1 bit of entropy.)")
+                "independent of its neighbours in the batch.")
 
 
 if __name__ == "__main__":
