@@ -49,7 +49,7 @@ def run(lesson) -> None:
         "completion, then read its path through the layers from the trace.")
     llm, session = lesson.engine(num_kv_blocks=64)
     async_engine = AsyncLLMEngine(llm.llm_engine)
-    app = build_app(async_engine, "tiny-gpt2")
+    app = build_app(async_engine, lesson.model)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -58,7 +58,7 @@ def run(lesson) -> None:
     thread.start()
     try:
         lesson.check(server.ready.wait(60), f"the server is up at {url}")
-        _lesson_body(lesson, session, async_engine, url)
+        _lesson_body(lesson, session, url)
     finally:
         server.should_exit = True
         thread.join(30)
@@ -72,12 +72,13 @@ def run(lesson) -> None:
                 "the kernels and back.")
 
 
-def _lesson_body(lesson, session, async_engine, url: str) -> None:
-    body = {"model": "tiny-gpt2", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+def _lesson_body(lesson, session, url: str) -> None:
+    body = {"model": lesson.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     lesson.show(json.dumps(body, indent=2), title="POST /v1/completions")
     lesson.pause()
     chunks, rows, t0 = [], [], time.perf_counter()
-    with httpx.Client(base_url=url, timeout=60) as client:
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as client:  # no proxy for 127.0.0.1
         with client.stream("POST", "/v1/completions", json=body) as resp:
             lesson.check(resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream"),
                          "the answer is 200 with content-type text/event-stream")
