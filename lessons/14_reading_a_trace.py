@@ -39,9 +39,7 @@ def run(lesson) -> None:
     try:
         _body(lesson, tmp)
     finally:
-        if lesson.pause_enabled:
-            lesson.say(f"The files stay in `{tmp}` for you to open.")
-        else:
+        if not lesson.pause_enabled:  # interactive runs keep the files to open them
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -134,7 +132,8 @@ def _body(lesson, tmp: pathlib.Path) -> None:
         "*queued → prefill → decode* phases (and back to *queued* if it is preempted); the **engine steps** "
         "row has one slice per step with *schedule / execute / postprocess* inside and the batch in its "
         "arguments; the **kernels** row shows every launch; counters draw the queue lengths and KV-cache "
-        "usage. `W`/`S` zoom, `A`/`D` pan; click a slice to see its arguments.")
+        "usage. `W`/`S` zoom, `A`/`D` pan; click a slice to see its arguments."
+        + (f"\n\nThis run's files stay in `{tmp}`." if lesson.pause_enabled else ""))
     lesson.done("A trace file is a header and one JSON event per line. Replay folds it into the state at any "
                 "step, backward or forward, and that state matches what the live engine held. "
                 "`vllm-trace export` turns the same file into a Perfetto timeline: one track per request, "
