@@ -44,7 +44,7 @@ def run(lesson) -> None:
     arrivals = {0: [("A", 10), ("B", 5)], 2: [("C", 6)], 5: [("D", 4)]}  # step -> (id, max_tokens)
     lesson.say("The plan: **A** (10 tokens to generate) and **B** (5) arrive before step 0, **C** (6) "
                "arrives before step 2 and **D** (4) before step 5. Every prompt is 12 tokens.")
-    reqs, rows, snaps, events_by_step, free_after = {}, [], {}, {}, {}
+    reqs, rows, snaps, events_by_step = {}, [], {}, {}
     held_before = {}
     while engine.has_unfinished_requests() or engine.step_count <= max(arrivals):
         k = engine.step_count
@@ -58,7 +58,7 @@ def run(lesson) -> None:
                            "It joins in step 2: running requests are scheduled first (one decode token "
                            "each), then C is admitted with its whole 12-token prompt in the same step.")
         snap, events = traced_step(engine, sub)
-        snaps[k], events_by_step[k], free_after[k] = snap, events, bm.num_free_blocks
+        snaps[k], events_by_step[k] = snap, events
         left = [e.request_id for e in events if (e.layer, e.name) == ("engine", "FINISHED")]
         rows.append([k, " ".join(f"{s['request_id']}:{s['num_tokens']}{'p' if s['kind'] == 'prefill' else 'd'}"
                                  for s in snap["scheduled"]),

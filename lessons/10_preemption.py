@@ -127,9 +127,9 @@ def run(lesson) -> None:
     lesson.done("When the KV cache runs out, vLLM V1 frees the newest running request's blocks and puts it "
                 "back at the front of the queue. Its tokens are kept; its KV cache is rebuilt by one prefill "
                 "over prompt + generated tokens when it is admitted again. That costs compute, not correctness: "
-                "here the output is the same token for token. (On a GPU, a prefill and a decode kernel may round "
-                "differently, so a long greedy output can rarely diverge after a recompute. With prefix caching on, that prefill can even hit the request's own "
-                "freed blocks if nobody has reused them yet.)")
+                "here the output is the same token for token. On a GPU, prefill and decode kernels may round "
+                "differently, so a long greedy output can rarely diverge after a recompute. With prefix caching "
+                "on, the recompute can even hit the request's own freed blocks if nobody has reused them yet.")
 
 
 if __name__ == "__main__":
