@@ -126,7 +126,10 @@ async def _event_stream(request: Request, session: TraceSession, sub: Subscripti
                         keep: _Filter) -> AsyncIterator[str]:
     last_sent = time.monotonic()
     app_state = request.app.state
-    while not (session.bus.closed or getattr(app_state, "trace_streams_closed", False)):
+    while True:
+        closing = session.bus.closed or getattr(app_state, "trace_streams_closed", False)
+        if closing and not sub.pending:
+            return  # what was published before the end has been sent
         pulled = sub.pull(max_events=MAX_BATCH)
         out = []
         if pulled.missed:
@@ -138,7 +141,7 @@ async def _event_stream(request: Request, session: TraceSession, sub: Subscripti
         elif time.monotonic() - last_sent >= KEEP_ALIVE:
             last_sent = time.monotonic()
             yield ": keep-alive\n\n"
-        if len(pulled.events) < MAX_BATCH:  # caught up: wait for more (a full batch means more is there)
+        if len(pulled.events) < MAX_BATCH and not closing:  # caught up: wait (a full batch means more is there)
             await asyncio.sleep(POLL_INTERVAL)
 
 
