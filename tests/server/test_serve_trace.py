@@ -70,10 +70,25 @@ def test_serve_start_paused_trace_file_and_ctrl_c_while_held(model_cache, tmp_pa
         assert held["controller"]["reason"] == "start paused" and held["step"] == 0
         step = httpx.post(url + "/trace/step", json={"wait": True}).json()
         assert step["stop"]["step"] == 1
+        ended, streaming = [], threading.Event()
+
+        def watch() -> None:  # an open /trace/events stream must not hold up shutdown
+            with httpx.stream("GET", url + "/trace/events", params={"layer": "engine"}, timeout=60) as r:
+                streaming.set()  # the response has started: the stream is open on the server
+                for _ in r.iter_lines():
+                    pass
+            ended.append(True)  # the server ended the stream properly (no protocol error)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        assert streaming.wait(DEADLINE)
+        t_int = time.monotonic()
         proc.send_signal(signal.SIGINT)  # while held: shutdown lets the engine run free and drain
         send.join(DEADLINE)
         assert result["usage"]["completion_tokens"] == 20
         assert proc.wait(DEADLINE) == 0
+        watcher.join(DEADLINE)
+        assert ended == [True]
+        assert time.monotonic() - t_int < 8  # streams ended at once, not after --drain-timeout (10 s)
         assert "stopped cleanly" in proc.stderr.read()
     finally:
         if proc.poll() is None:
