@@ -43,4 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m tracer.cli`: run the imported module's main, or `except UserError` would name
+    # __main__.UserError while the commands raise tracer.cli.UserError (a traceback, not one line)
+    from tracer.cli import main as _main
+    sys.exit(_main())
