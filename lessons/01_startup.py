@@ -150,10 +150,11 @@ def run(lesson) -> None:
         from engine.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY as budget
         lesson.check(kv["num_blocks"] == budget // per_block, f"num_blocks = {budget:,} byte budget // {per_block:,}")
     capacity = kv["num_blocks"] * kv["block_size"]
+    ratio = kv["bytes"] / ml["bytes"]
     lesson.say(f"That is room for **{capacity:,} tokens** of context, shared by all requests: "
                f"{capacity // engine.max_model_len} requests at the full {engine.max_model_len}-token "
-               "length, or many more short ones. Weights are a few MiB here; the cache dominates.")
-    lesson.check(kv["bytes"] > ml["bytes"], "the KV cache takes more memory than the weights")
+               f"length, or many more short ones. The cache is {ratio:.1f}× the size of the weights "
+               f"({kv['bytes'] / 2**20:.0f} MiB versus {ml['bytes'] / 2**20:.1f} MiB).")
 
     lesson.predict("With block_size 8 instead of 16 and the same budget, how many blocks fit?",
                    "Twice as many, each half the size: the number of token slots does not change.")
@@ -173,7 +174,7 @@ def run(lesson) -> None:
         "- *torch.compile*: V1 compiles the model's graph (cached on disk), which can take tens of "
         "seconds the first time.\n"
         "- *CUDA graphs*: it captures the forward pass for a list of batch sizes, so a step "
-        "replays one graph instead of launching hundreds of kernels from Python.\n"
+        "replays captured graphs instead of launching hundreds of kernels one by one from Python.\n"
         "- *Processes*: V1 runs the engine core in its own process, fed by the API server over ZMQ; "
         "here the engine runs in a thread of the server process.")
     lesson.check(type(engine.model) is GPT2Model,
