@@ -20,6 +20,17 @@ ROUNDS = 5  # interleaved rounds: a load spike on the shared CPU hits every conf
 DECODE_STEPS = 6  # decode steps timed per round
 
 
+def largest_cpu_cache() -> int | None:
+    """Bytes of this CPU's largest cache level, from Linux's sysfs (None where unavailable)."""
+    sizes = []
+    for f in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        if text.rstrip("KMG").isdigit():
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=None)
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
@@ -167,19 +178,24 @@ def run(lesson) -> None:
         "below it: it is **memory-bound**, limited by streaming weights and KV cache from memory, which "
         "is why serving engines batch many decodes into each step.")
     lesson.check(fp / bp > 50 * (f1 / b1), "prefill's arithmetic intensity is over 50× decode's")
+    cache = largest_cpu_cache()
+    fits = cache is not None and cache > weight_bytes
     lesson.say(
         "**What this CPU shows, honestly.** The shapes above are real, but tiny-gpt2's "
-        f"{weight_bytes / 2**20:.1f} MiB of weights fit in the CPU's caches, so here a decode step is "
-        "limited less by memory bandwidth than by fixed per-step work (Python scheduling, about a "
-        "hundred small PyTorch calls). Both kinds of cost are paid once per step whatever the batch, "
-        "which is why the decode curve is flat on both machines. On a GPU with a real model (billions "
-        "of parameters, gigabytes of weights read every step) the flat part is the weight reads "
-        "themselves, and the gap between prefill and decode throughput is larger still.")
+        f"{weight_bytes / 2**20:.1f} MiB of weights "
+        + (f"fit in this CPU's {cache / 2**20:.0f} MiB cache, " if fits else "are small, ")
+        + "so here a decode step is limited less by memory bandwidth than by fixed per-step work "
+        "(Python scheduling, about a hundred small PyTorch calls). Both kinds of cost are paid once per "
+        "step whatever the batch, which is why the decode curve is nearly flat on both machines. On a GPU with "
+        "a real model (billions of parameters, gigabytes of weights read every step) the flat part is "
+        "the weight reads themselves, and the gap between prefill and decode throughput is larger still.")
+    if fits:
+        lesson.check(fits, f"the weights ({weight_bytes / 2**20:.1f} MiB) fit in the CPU's largest cache")
     lesson.done(
         "Prefill runs a whole prompt in one step: many tokens share each weight read, so it is "
         "compute-bound and has high throughput. Decode runs one token per request per step: each step "
         "re-reads all weights and the KV cache for little arithmetic, so it is memory-bound, and its "
-        "step time barely grows with the batch — batching decodes is nearly free throughput.")
+        "step time grows far more slowly than the batch — batching decodes is nearly free throughput.")
 
 
 if __name__ == "__main__":
