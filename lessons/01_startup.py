@@ -137,7 +137,8 @@ def run(lesson) -> None:
     lesson.say(
         "**kv_cache_alloc** decides how many KV blocks fit and allocates them: per layer, one K and one "
         "V tensor of `[num_blocks, block_size, heads, head_size]`. One block holds, for "
-        f"{kv['block_size']} tokens, K and V of every layer: 2 × {mc.n_layer} layers × {kv['block_size']} tokens × {mc.n_head} heads × "
+        f"{kv['block_size']} tokens, K and V of every layer: 2 × {mc.n_layer} layers × "
+        f"{kv['block_size']} tokens × {mc.n_head} heads × "
         f"{mc.head_size} dims × 4 bytes = **{per_block:,} bytes**.\n\n"
         f"Why {kv['num_blocks']} blocks? {kv['reason']}.")
     lesson.check(kv["bytes_per_block"] == per_block,
@@ -161,7 +162,8 @@ def run(lesson) -> None:
     llm8, _ = lesson.engine(block_size=8)
     kv8 = llm8.llm_engine.startup[-1][2]
     lesson.check(kv8["bytes_per_block"] * 2 == per_block and kv8["num_blocks"] * 8 == capacity,
-                 f"block_size 8: {kv8['num_blocks']} blocks of {kv8['bytes_per_block']:,} bytes, same {capacity:,} slots")
+                 f"block_size 8: {kv8['num_blocks']} blocks of {kv8['bytes_per_block']:,} bytes, "
+                 f"same {capacity:,} slots")
     lesson.pause()
 
     lesson.say(

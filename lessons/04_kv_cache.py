@@ -126,7 +126,8 @@ def run(lesson) -> None:
         "so a 4,096-token request holds 2 GiB: KV-cache memory is what limits how many requests a GPU "
         "can serve at once.")
     lesson.check(per_token * bm.block_size == kv_per_block,
-                 f"{per_token:,} bytes per token × {bm.block_size} tokens = the engine's {kv_per_block:,} bytes per block")
+                 f"{per_token:,} bytes per token × {bm.block_size} tokens = the engine's "
+                 f"{kv_per_block:,} bytes per block")
     lesson.done(
         "Without a cache, generating G tokens runs G·P + G(G−1)/2 token positions through the model; with "
         "the KV cache, P + G − 1. The output is identical: the cache stores the keys and values a "

@@ -64,7 +64,8 @@ def run(lesson) -> None:
     sched, inp = inputs[-1]
     meta = inp.meta
     ev = [e for e in events_of(session) if e.layer == "model_runner" and e.name == "batch"][-1]
-    snap = [e for e in events_of(session) if e.layer == "scheduler" and e.name == "schedule" and e.kind == SNAPSHOT and e.step == ev.step][-1]
+    snap = [e for e in events_of(session)
+            if e.layer == "scheduler" and e.name == "schedule" and e.kind == SNAPSHOT and e.step == ev.step][-1]
     kinds = [(s["request_id"], s["kind"], s["num_computed_before"], s["num_tokens"]) for s in snap.get("scheduled")]
     lesson.show(table(["request", "kind", "computed before", "tokens this step"], kinds,
                       title=f"step {ev.step}: what the scheduler scheduled"))
@@ -99,8 +100,7 @@ def run(lesson) -> None:
                          s.request.all_token_ids[s.num_computed_before:s.num_computed_before + s.num_tokens]],
                  "input_ids are those positions' tokens (A's is the token it sampled last step)")
     width = max(len(r.block_ids) for r in reqs)
-    lesson.check(all(row[:len(r.block_ids)] == r.block_ids and row[len(r.block_ids):] == [0] * (width - len(r.block_ids))
-                     for row, r in zip(tables, reqs)),
+    lesson.check(all(row == r.block_ids + [0] * (width - len(r.block_ids)) for row, r in zip(tables, reqs)),
                  f"block_tables is each request's block table, padded with 0 to the widest ({width} entries)")
     lesson.pause()
 

@@ -26,8 +26,9 @@ def run(lesson) -> None:
         "Attention in a paged engine is one kernel, `unified_attention`, for prefill, decode and mixed "
         "batches alike. Each query token attends over its request's whole context, whose keys and values "
         "sit in scattered cache blocks found through the **block table**. You will take a real step's "
-        "batch and KV cache from the engine, run our Triton kernel on it (through Triton's interpreter: "
-        "there is no GPU here), read its launch grid and what each program touches, work one row's "
+        "batch and KV cache from the engine, run our Triton kernel on it ("
+        + ("through Triton's interpreter: there is no GPU here" if kernels.INTERPRETED else "compiled for this GPU")
+        + "), read its launch grid and what each program touches, work one row's "
         "**online softmax** by hand, and compare the kernel with the PyTorch reference.")
     llm, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=32, enable_prefix_caching=False)
     engine = llm.llm_engine
@@ -81,7 +82,8 @@ def run(lesson) -> None:
     rec = records[0]
     m = rec.meta
     lesson.show(table(["", ""], [["kernel", rec.name], ["grid", rec.grid],
-                                 ["BLOCK_Q / TILE_N / BLOCK_SIZE", f"{m['BLOCK_Q']} / {m['TILE_N']} / {m['BLOCK_SIZE']}"],
+                                 ["BLOCK_Q / TILE_N / BLOCK_SIZE",
+                                  f"{m['BLOCK_Q']} / {m['TILE_N']} / {m['BLOCK_SIZE']}"],
                                  ["HEADS_PER_PROG", m["HEADS_PER_PROG"]], ["why", gpu_reason],
                                  ["interpreted launch took", f"{rec.duration_ns / 1e6:.0f} ms ({rec.timing})"]],
                       title="launch record"))
@@ -94,8 +96,9 @@ def run(lesson) -> None:
         "A's block table: physical blocks 0, 1, 2, 5.")
     access = rec.access_map
     lesson.show(table(["program (x, y, z)", "request", "query rows", "KV head", "key positions", "physical blocks"], [
-        [pid, "ABC"[w.request], f"{w.rows[0]}–{w.rows[1] - 1}", w.kv_heads, f"{w.kv_positions[0]}–{w.kv_positions[1] - 1}",
-         w.blocks] for pid, works in sorted(access.items()) if pid[1] in (0, 2) for w in works],
+        [pid, "ABC"[w.request], f"{w.rows[0]}–{w.rows[1] - 1}", w.kv_heads,
+         f"{w.kv_positions[0]}–{w.kv_positions[1] - 1}", w.blocks]
+        for pid, works in sorted(access.items()) if pid[1] in (0, 2) for w in works],
         title="access map (heads 0 and 2 shown): what each program touches"))
     lesson.check(rec.grid == (sum(qb), shape["num_kv_heads"], 1) and len(access) == sum(qb) * shape["num_kv_heads"],
                  f"grid {rec.grid}: one program per (query block, KV head), {len(access)} programs")
@@ -157,7 +160,8 @@ def run(lesson) -> None:
     wrong = per_block @ v
     lesson.check(abs(float(per_block.sum()) - len(steps)) < 1e-4 and (wrong - exact).abs().max() > 1e-2,
                  f"softmaxing each block on its own is wrong: its weights sum to {per_block.sum():.0f}, not 1")
-    lesson.check((out_gpu[row, h].float() - exact).abs().max() < 1e-4, "the kernel's output for this row and head is the same")
+    lesson.check((out_gpu[row, h].float() - exact).abs().max() < 1e-4,
+                 "the kernel's output for this row and head is the same")
     lesson.pause()
 
     # ---- the interpreter's own launch, and the comparison ----
