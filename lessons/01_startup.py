@@ -78,8 +78,9 @@ def run(lesson) -> None:
     stages = [(m.group(1), float(m.group(2))) for _, line in seen if (m := STAGE_LINE.match(line))]
     names = [n for n, _ in stages]
     lesson.check(models is not None, f"the server printed its ready line within {SERVER_TIMEOUT_S} s")
-    lesson.check(names == ["args"] + STAGES + ["http_ready"],
-                 "it reports args, then the engine's four stages in order, then http_ready")
+    lesson.check(names == ["args", "config"] + STAGES + ["kernel_warmup", "http_ready"],
+                 "it reports args and config, the engine's four stages in order, the kernel warm-up, "
+                 "then http_ready")
     lesson.check(lesson.model in json.loads(models)["data"][0]["id"],
                  "once ready, GET /v1/models answers with the served model")
     first_stage_at = next(t for t, line in seen if line.lstrip().startswith(STAGES[0]))
@@ -88,7 +89,10 @@ def run(lesson) -> None:
         f"The server was ready **{ready_s:.1f} s** after launch. The engine's own stages add up to only "
         f"**{engine_ms:.0f} ms**; most of the wait before `resolve_model` ({first_stage_at:.1f} s) is "
         "Python importing torch, transformers, Triton and the web server. Real vLLM spends that too, "
-        "and more (see below).")
+        "and more (see below).\n\n"
+        "**kernel_warmup** runs one dummy prefill and one decode through the model before any request "
+        "arrives, so the attention kernels are built (compiled, for Triton on a GPU) before a user "
+        "waits on them. It is not a request and not an engine step.")
     lesson.check(first_stage_at * 1000 > engine_ms,
                  "the time before the first engine stage (mostly imports) exceeds all engine stages together")
     lesson.pause()
