@@ -12,6 +12,7 @@ finishes, frees, so the view is current at every event, not just once a step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
@@ -42,12 +43,22 @@ class RequestView:
     waiting_reason: str | None = None  # why the scheduler did not admit it this step
     arrival_step: int | None = None
     finished_step: int | None = None
+    arrival_ns: int | None = None  # ts_ns of QUEUED (trace time: ns since the trace started)
+    finished_ns: int | None = None
     layers: list[str] = field(default_factory=list)  # the layers it has passed through, in order
+    # Its journey, one entry per thing that happened to it: {"event", "step", "ts_ns", ...}:
+    # QUEUED, SCHEDULED, prefill (a chunk: "tokens"), decode (a run of consecutive decode steps:
+    # "steps", "last_step"), PREEMPTED, FINISHED / ABORTED. Decode runs are merged so a long
+    # generation stays a short list (the TUI clones the state ten times a second).
+    timeline: list[dict] = field(default_factory=list)
+    cache_hit_blocks: list[int] = field(default_factory=list)  # prefix-cache hits, physical ids
 
     def copy(self) -> "RequestView":
         c = copy.copy(self)
-        for name in ("prompt_token_ids", "prompt_pieces", "output_token_ids", "block_table", "layers"):
+        for name in ("prompt_token_ids", "prompt_pieces", "output_token_ids", "block_table", "layers",
+                     "cache_hit_blocks"):
             setattr(c, name, list(getattr(self, name)))
+        c.timeline = [dict(t) for t in self.timeline]  # fold extends the last decode entry in place
         return c
 
 
@@ -67,6 +78,15 @@ class TraceState:
     stats: dict = field(default_factory=dict)  # latest EngineStats
     num_blocks: int | None = None
     startup: list[dict] = field(default_factory=list)  # finished startup stages
+    startup_current: dict | None = None  # the stage in progress: {"stage", "ts_ns", ...its details}
+    # Free blocks whose contents are still in the prefix cache (a new request may hit them;
+    # taking one for something else evicts it). The engine's free events do not say which
+    # freed blocks were hashed, so the fold derives it: a block is hashed once it is full of
+    # computed tokens (see _freed); tests check this against the block manager.
+    cached_free: set[int] = field(default_factory=set)
+    kv_usage_history: list[float] = field(default_factory=list)  # KV-cache use at each step's end
+    kernel_history: dict[str, list[int]] = field(default_factory=dict)  # name -> ns per step (all layers)
+    last_ts_ns: int = 0  # trace time of the latest event: "now" for a replay
     engine_config: dict | None = None
     paused_at: dict | None = None  # where the step controller holds the engine, if it does
     num_events: int = 0
@@ -98,13 +118,29 @@ class TraceState:
         c.requests = {rid: r.copy() for rid, r in self.requests.items()}
         c.waiting, c.running, c.finished = list(self.waiting), list(self.running), list(self.finished)
         c.kernels, c.startup, c.stats = list(self.kernels), list(self.startup), dict(self.stats)
+        c.cached_free, c.kv_usage_history = set(self.cached_free), list(self.kv_usage_history)
+        c.kernel_history = {k: list(v) for k, v in self.kernel_history.items()}
         return c
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TraceState":
+        """The inverse of to_dict (what `vllm-trace attach` gets from /trace/state)."""
+        d = dict(d)
+        d.pop("kv_cache_usage", None)  # a property
+        known = {f.name for f in dataclasses.fields(cls)}
+        state = cls(**{k: v for k, v in d.items() if k in known})
+        rfields = {f.name for f in dataclasses.fields(RequestView)}
+        state.requests = {rid: RequestView(**{k: v for k, v in r.items() if k in rfields})
+                          for rid, r in d.get("requests", {}).items()}
+        state.cached_free = set(d.get("cached_free", ()))
+        return state
 
 
 def fold(state: TraceState, ev: Event) -> TraceState:
     """Apply one event to the state (in place) and return it."""
     state.num_events += 1
     state.last_seq = ev.seq
+    state.last_ts_ns = max(state.last_ts_ns, ev.ts_ns)
     if ev.request_id is not None:
         req = state.request(ev.request_id)
         if not req.layers or req.layers[-1] != ev.layer:
@@ -138,7 +174,8 @@ def _queued(s: TraceState, ev: Event) -> None:
     req.status = "WAITING"
     req.num_prompt_tokens = req.num_tokens = a.get("num_prompt_tokens", 0)
     req.max_tokens = a.get("max_tokens")
-    req.arrival_step = ev.step
+    req.arrival_step, req.arrival_ns = ev.step, ev.ts_ns
+    req.timeline.append({"event": "QUEUED", "step": ev.step, "ts_ns": ev.ts_ns})
     if ev.request_id not in s.waiting:
         s.waiting.append(ev.request_id)
 
@@ -157,7 +194,8 @@ def _finished(s: TraceState, ev: Event) -> None:
         req.finish_reason = a.get("finish_reason")
         req.status = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH"}.get(req.finish_reason, FINISHED)
         req.text = a.get("text", req.text)  # authoritative: a stop string may have cut the tail
-    req.finished_step = ev.step
+    req.finished_step, req.finished_ns = ev.step, ev.ts_ns
+    req.timeline.append({"event": ev.name, "step": ev.step, "ts_ns": ev.ts_ns, "reason": req.finish_reason})
     req.block_table = []
     for q in (s.waiting, s.running):
         if rid in q:
@@ -172,6 +210,12 @@ def _step(s: TraceState, ev: Event) -> None:
     elif ev.kind == END:
         s.phase = "done"
         s.stats = _attrs(ev).get("stats", s.stats)
+        _append_bounded(s.kv_usage_history, s.kv_cache_usage)
+        per_name: dict[str, int] = {}
+        for k in s.kernels:
+            per_name[k["name"]] = per_name.get(k["name"], 0) + (k.get("duration_ns") or 0)
+        for name, ns in per_name.items():
+            _append_bounded(s.kernel_history.setdefault(name, []), ns)
         # what postprocess did: every token scheduled this step is now computed
         if s.snapshot is not None and s.snapshot_step == ev.step:
             for sch in s.snapshot.get("scheduled", []):
@@ -181,14 +225,27 @@ def _step(s: TraceState, ev: Event) -> None:
 
 
 def _engine(s: TraceState, ev: Event) -> None:
-    if ev.kind in (BEGIN, END):
+    if ev.kind == BEGIN:
+        s.startup_current = {"stage": ev.name, "ts_ns": ev.ts_ns, **_attrs(ev)}
+    elif ev.kind == END:
+        s.startup_current = None
         _startup_stage(s, ev)
+
+
+HISTORY = 120  # steps of KV use and kernel time kept for sparklines
+
+
+def _append_bounded(values: list, value) -> None:
+    values.append(value)
+    if len(values) > HISTORY:
+        del values[:len(values) - HISTORY]
 
 
 # ---- scheduler ----------------------------------------------------------------------------
 def _scheduled(s: TraceState, ev: Event) -> None:
     rid, req = ev.request_id, s.request(ev.request_id)
     req.status, req.waiting_reason, req.preempt_reason = "RUNNING", None, None
+    req.timeline.append({"event": "SCHEDULED", "step": ev.step, "ts_ns": ev.ts_ns})
     if rid in s.waiting:
         s.waiting.remove(rid)
     if rid not in s.running:
@@ -200,6 +257,7 @@ def _preempted(s: TraceState, ev: Event) -> None:
     req.status, req.preempt_reason = "PREEMPTED", _attrs(ev).get("reason")
     req.num_computed_tokens, req.block_table = 0, []
     req.num_preemptions += 1
+    req.timeline.append({"event": "PREEMPTED", "step": ev.step, "ts_ns": ev.ts_ns, "reason": req.preempt_reason})
     if rid in s.running:
         s.running.remove(rid)
     if rid not in s.waiting:
@@ -224,6 +282,22 @@ def _snapshot(s: TraceState, ev: Event) -> None:
     reasons = snap.get("waiting_reasons", {})
     for rid in s.waiting:
         s.requests[rid].waiting_reason = reasons.get(rid)
+    held = {b for rid in s.running for b in s.requests[rid].block_table}
+    s.cached_free -= held  # a prefix-cache hit took a cached block back
+    for sch in snap.get("scheduled", []):
+        _scheduled_chunk(s.request(sch["request_id"]), sch, ev)
+
+
+def _scheduled_chunk(req: RequestView, sch: dict, ev: Event) -> None:
+    last = req.timeline[-1] if req.timeline else None
+    if sch["kind"] == "decode" and last is not None and last["event"] == "decode" and last["last_step"] == ev.step - 1:
+        last["steps"] += 1
+        last["last_step"] = ev.step
+    elif sch["kind"] == "decode":
+        req.timeline.append({"event": "decode", "step": ev.step, "ts_ns": ev.ts_ns, "steps": 1, "last_step": ev.step})
+    else:
+        req.timeline.append({"event": "prefill", "step": ev.step, "ts_ns": ev.ts_ns, "tokens": sch["num_tokens"],
+                             "from_token": sch["num_computed_before"]})
 
 
 def _schedule_span(s: TraceState, ev: Event) -> None:
@@ -241,10 +315,30 @@ def _block_manager(s: TraceState, ev: Event) -> None:
     req = s.request(ev.request_id)
     if ev.name == "allocate":
         req.block_table = list(a.get("block_table", req.block_table))
+        s.cached_free.difference_update(req.block_table)  # new blocks, and prefix hits taken back
     elif ev.name == "free":
+        _freed(s, req, a.get("block_ids", ()))
         req.block_table = []
     elif ev.name == "cache_hit":
         req.num_cached_tokens = a.get("hit_tokens", 0)
+        req.cache_hit_blocks = list(a.get("block_ids", ()))  # found; taken only if it is admitted
+
+
+def _evict(s: TraceState, ev: Event) -> None:
+    s.cached_free.difference_update(_attrs(ev).get("block_ids", ()))
+
+
+def _freed(s: TraceState, req: RequestView, freed) -> None:
+    """Which freed blocks keep their cached contents. The block manager hashes a block once
+    its KV is fully written: all tokens but the last sampled one after postprocess (a finish),
+    the computed tokens before a step (a preemption or an abort)."""
+    cfg = (s.engine_config or {}).get("cache", {})
+    if not cfg.get("enable_prefix_caching", True) or not cfg.get("block_size"):
+        return
+    written = req.num_tokens - 1 if s.phase == "postprocess" else req.num_computed_tokens
+    hashed = {b for i, b in enumerate(req.block_table) if (i + 1) * cfg["block_size"] <= written}
+    hashed.update(req.cache_hit_blocks)  # hits are cached blocks by definition
+    s.cached_free.update(b for b in freed if b in hashed)
 
 
 def _batch(s: TraceState, ev: Event) -> None:
@@ -289,6 +383,7 @@ _HANDLERS = {
     ("scheduler", "SCHEDULED"): _scheduled,
     ("scheduler", "PREEMPTED"): _preempted,
     ("scheduler", "schedule"): _schedule_span,
+    ("block_manager", "evict"): _evict,
     ("model_runner", "batch"): _batch,
     ("sampler", "sampled"): _sampled,
     ("detokenizer", "NEW_TOKENS"): _new_tokens,

@@ -66,7 +66,8 @@ def register(sub) -> None:
                     help="no tracer at all (engine hooks cost nothing; /trace answers 503)")
     t = p.add_argument_group("display")
     t.add_argument("--no-tui", action="store_true",
-                   help="headless: print startup and logs only (currently the only mode; the TUI will be the default)")
+                   help="headless: print startup and logs only (default: the TUI, once HTTP is ready; "
+                        "`vllm-trace attach` opens it on a headless server)")
     add_engine_args(p)
     p.set_defaults(handler=run)
 
@@ -143,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"vllm-trace serve {args.model}", file=sys.stderr)
     if args.no_trace and (args.trace_file or args.start_paused or args.trace_log or args.trace_log_layers):
         raise ValueError("--no-trace cannot be combined with --trace-file, --start-paused or --trace-log")
+    if args.no_trace and not args.no_tui:
+        raise ValueError("--no-trace turns the tracer off, and the TUI is its view: add --no-tui")
     layers = check_layers(args.trace_log_layers.split(",")) if args.trace_log_layers else None
     sock = _bind(args.host, args.port)  # before loading anything: a busy port fails fast
     t_args = time.perf_counter_ns()
@@ -221,7 +224,11 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, config, hooks, s
     if hooks.active: hooks.emit("cli", "http_ready", END, seconds=time.perf_counter() - t_http, url=url)
     if hooks.active: hooks.emit("cli", "serve", BEGIN, model=args.model, served_model_name=name, host=args.host, port=sock.getsockname()[1], url=url)
     _banner(args, name, url, control_refusal(args.host, args.api_key), session)
-    await serving
+    if args.no_tui:
+        await serving
+    else:
+        from tracer.tui.serve import run_tui
+        await run_tui(server, serving, session, async_engine, name, url, args.api_key)
     if hooks.active: hooks.emit("cli", "serve", END)
     print("vllm-trace serve: stopped cleanly", file=sys.stderr)
     return 0

@@ -1,0 +1,108 @@
+"""What the TUI costs the engine: 64 concurrent streaming requests with the TUI refreshing,
+against the same requests with no tracer at all (what `serve --no-tui` runs), in one run,
+repetitions interleaved.
+
+    python -m benchmarks.tui_overhead [--requests 64] [--reps 5] [--pane requests]
+
+  no-tui   AsyncLLMEngine, no tracer attached (serve --no-tui)
+  traced   + the TraceSession the TUI needs (bus and step controller, no trace file)
+  tui      + the Textual app (headless, 160x48, on the asyncio loop that consumes the streams,
+           as serve runs it next to uvicorn) refreshing at 10 Hz, the chosen pane visible
+
+Requests are streamed: each is an async iteration over AsyncLLMEngine.generate, like the
+server's SSE handlers. Reported: generated tokens per wall second and per CPU second of the
+whole process (all threads), and the TUI's refreshes per second during the run.
+Targets: tui / no-tui >= 0.85 (throughput drops at most 15 %); >= 10 refreshes/s.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+from benchmarks.workload import make_workload
+from engine import LLM, Hooks
+from engine.async_engine import AsyncLLMEngine
+from tracer.session import TraceSession
+
+MODES = ["no-tui", "traced", "tui"]
+
+
+async def _consume(ae: AsyncLLMEngine, rid: str, prompt: list[int], params) -> int:
+    n = 0
+    async for out in ae.generate({"prompt_token_ids": prompt}, params, rid):
+        n = len(out.outputs[0].token_ids)
+    return n
+
+
+async def run_once(mode: str, model: str, workload, pane: str) -> dict:
+    from tracer.tui.app import TraceApp
+    from tracer.tui.serve import live_info
+    from tracer.tui.sources.live import LiveSource
+
+    hooks = Hooks()
+    session = TraceSession(hooks, model=model) if mode != "no-tui" else None
+    ae = AsyncLLMEngine(LLM(model, hooks=hooks).llm_engine, drain_timeout=0).start()
+    app = TraceApp(LiveSource(session, live_info(ae, model, None), ae), initial_pane=pane) if mode == "tui" else None
+
+    async def workload_run() -> dict:
+        t0, c0, ticks0 = time.perf_counter(), time.process_time(), app.ticks if app else 0
+        counts = await asyncio.gather(*(_consume(ae, f"r{i}", p, s) for i, (p, s) in enumerate(workload)))
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return {"tokens": sum(counts), "seconds": seconds, "cpu": cpu,
+                "refresh_hz": (app.ticks - ticks0) / seconds if app else None}
+    try:
+        if app is None:
+            return await workload_run()
+        async with app.run_test(size=(160, 48)) as pilot:
+            await pilot.pause()
+            return await workload_run()
+    finally:
+        if session is not None:
+            session.close()
+        ae.stop(drain_timeout=0)
+
+
+async def main_async(args) -> None:
+    workload = make_workload(args.requests)
+    await run_once("tui", args.model, make_workload(4), args.pane)  # warm-up: model cache, imports, CSS
+    results: dict[str, list[dict]] = {m: [] for m in MODES}
+    for rep in range(args.reps):
+        order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]  # rotate who goes first
+        for mode in order:
+            r = await run_once(mode, args.model, workload, args.pane)
+            results[mode].append(r)
+            hz = f", {r['refresh_hz']:.1f} refreshes/s" if r["refresh_hz"] is not None else ""
+            print(f"rep {rep} {mode:>7}: {r['tokens'] / r['seconds']:8.1f} tokens/s, "
+                  f"{r['tokens'] / r['cpu']:8.1f} tokens/CPU-s ({r['tokens']} tokens, {r['seconds']:.2f} s{hz})",
+                  flush=True)
+    print(f"\n{args.requests} concurrent streaming requests, {args.reps} interleaved repetitions, "
+          f"{args.threads} torch thread(s), pane '{args.pane}'")
+    for label, key in (("tokens/s (wall)", "seconds"), ("tokens/CPU-s", "cpu")):
+        rate = {m: [r["tokens"] / r[key] for r in results[m]] for m in MODES}
+        print(f"median {label}: " + ", ".join(f"{m} {statistics.median(v):.1f}" for m, v in rate.items()))
+        for a in ("traced", "tui"):
+            paired = statistics.median(x / y for x, y in zip(rate[a], rate["no-tui"]))
+            print(f"  {a} / no-tui (median of per-repetition ratios) = {paired:.3f}"
+                  + ("   (target >= 0.85)" if a == "tui" else ""))
+    hz = [r["refresh_hz"] for r in results["tui"]]
+    print(f"TUI refreshes/s during the runs: median {statistics.median(hz):.1f}, min {min(hz):.1f} (target >= 10)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-gpt2")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--pane", default="requests", choices=["startup", "requests", "kv", "step", "kernels", "log"])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""What the fold keeps for the TUI (timelines, prefix-cache view of free blocks, histories),
+checked against the engine's own structures after a real run."""
+import json
+
+from engine import LLM, Hooks, SamplingParams
+from tracer.session import TraceSession
+from tracer.state import HISTORY, TraceState
+from tracer_helpers import EngineThread
+
+SHARED = "A shared prefix, a shared prefix! "
+
+
+def run_engine(**kw):
+    hooks = Hooks()
+    session = TraceSession(hooks, control=False)
+    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, **kw)
+    engine = llm.llm_engine
+    return session, engine
+
+
+def cached_free_blocks(engine):
+    bm = engine.block_manager
+    return {b for b in bm.free if bm.blocks[b].hash is not None}
+
+
+def test_cached_free_blocks_match_the_block_manager_at_every_step():
+    session, engine = run_engine(num_kv_blocks=24, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for i, p in enumerate([SHARED + "one", SHARED + "two", "Hello there", SHARED + "three", "x" * 30]):
+        engine.add_request(str(i), p, params)
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        state = session.state.view()
+        assert state.cached_free == cached_free_blocks(engine), state.step
+        checked += 1
+    # Later requests reuse cached blocks: the view must follow evictions and hits back out.
+    for i, p in enumerate([SHARED + "four", "y" * 40, "z" * 40]):
+        engine.add_request(f"b{i}", p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert session.state.view().cached_free == cached_free_blocks(engine)
+    names = [e.name for e in session.bus.read(0)[0] if e.layer == "block_manager"]
+    assert "cache_hit" in names and "evict" in names and checked > 5
+    session.close()
+
+
+def test_timeline_follows_the_request_through_prefill_chunks_decode_and_finish():
+    session, engine = run_engine(max_num_batched_tokens=8)
+    engine.add_request("r", "x" * 20, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    EngineThread(engine).start().join()
+    req = session.state.view().requests["r"]
+    kinds = [t["event"] for t in req.timeline]
+    assert kinds == ["QUEUED", "SCHEDULED", "prefill", "prefill", "prefill", "decode", "FINISHED"]
+    chunks = [(t["from_token"], t["tokens"]) for t in req.timeline if t["event"] == "prefill"]
+    assert chunks == [(0, 8), (8, 8), (16, 4)]
+    decode = req.timeline[-2]
+    assert decode["steps"] == 4 and decode["last_step"] == decode["step"] + 3  # 5 tokens: 1 from prefill
+    assert req.arrival_ns <= req.timeline[2]["ts_ns"] <= req.finished_ns
+    session.close()
+
+
+def test_histories_are_per_step_and_bounded():
+    session, engine = run_engine()
+    engine.add_request("r", "hello", SamplingParams(max_tokens=HISTORY + 10, temperature=0, ignore_eos=True))
+    EngineThread(engine).start().join()
+    state = session.state.view()
+    assert len(state.kv_usage_history) == HISTORY and 0 < max(state.kv_usage_history) < 1
+    assert set(state.kernel_history) == {k["name"] for k in state.kernels}
+    assert all(len(v) == HISTORY and min(v) > 0 for v in state.kernel_history.values())
+    session.close()
+
+
+def test_state_survives_a_round_trip_through_json():
+    session, engine = run_engine()
+    engine.add_request("r", SHARED, SamplingParams(max_tokens=3, temperature=0))
+    engine.step()
+    state = session.state.view()
+    again = TraceState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert again.to_dict() == state.to_dict()
+    assert again.requests["r"].timeline == state.requests["r"].timeline
+    session.close()

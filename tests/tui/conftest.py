@@ -1,0 +1,71 @@
+"""A real engine (the built-in tiny-gpt2, small KV cache) behind the TUI, held by the step
+controller from the start, so every test decides exactly when a step runs."""
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from engine import LLM, Hooks, SamplingParams
+from engine.async_engine import AsyncLLMEngine
+from tracer.session import TraceSession
+from tracer.tui.app import TraceApp
+from tracer.tui.sources.base import SourceInfo
+from tracer.tui.sources.live import LiveSource
+
+PROMPTS = ["Hello there", "The quick brown fox jumps", "x"]
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    if not os.environ.get("VLLM_TRACE_CACHE"):
+        os.environ["VLLM_TRACE_CACHE"] = str(tmp_path_factory.mktemp("vtc"))
+    return os.environ["VLLM_TRACE_CACHE"]
+
+
+@dataclass
+class Live:
+    session: TraceSession
+    engine: AsyncLLMEngine
+    source: LiveSource
+    app: TraceApp
+
+    @property
+    def controller(self):
+        return self.session.controller
+
+    async def submit(self, prompts=PROMPTS, params=GREEDY, prefix="r"):
+        """Queue requests (accepted while the engine is held); returns their streams."""
+        return [await self.engine.add_request(f"{prefix}{i}", p, params) for i, p in enumerate(prompts)]
+
+    async def held(self, timeout: float = 30):
+        """Wait (off the event loop) until the controller holds the engine again."""
+        stop = await asyncio.to_thread(self.controller.wait_until_paused, timeout)
+        assert stop is not None, "the engine did not stop"
+        return stop
+
+    async def settle(self, pilot):
+        """One refresh of the TUI now (the timer would do it within 100 ms) and its redraw."""
+        self.app.tick()
+        await pilot.pause()
+
+
+@pytest.fixture
+def live(model_cache):
+    hooks = Hooks()
+    session = TraceSession(hooks, start_paused=True, model="tiny-gpt2")
+    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=64)
+    engine = AsyncLLMEngine(llm.llm_engine, drain_timeout=0).start()
+    source = LiveSource(session, SourceInfo("live", "tiny-gpt2", "cpu", "torch"), engine)
+    yield Live(session, engine, source, TraceApp(source, initial_pane="requests"))
+    session.close()
+    engine.stop(drain_timeout=0)
+
+
+@pytest.fixture(scope="session")
+def recorded_trace(model_cache, tmp_path_factory):
+    from tests.tui.recorded import record
+    return record(tmp_path_factory.mktemp("recorded") / "trace.jsonl")

@@ -1,0 +1,89 @@
+"""Replay mode: ←/→ and home/end move through a recorded trace; every panel shows the
+state Replay computes for that step (the same fold as live)."""
+from __future__ import annotations
+
+import pytest
+
+from tracer.replay import Replay
+from tracer.tui.app import TraceApp
+from tracer.tui.sources.replay import ReplaySource
+from tracer.tui.widgets.kernels import KernelsPanel, ProgramGrid
+
+from tests.tui.helpers import shown
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_arrows_and_home_end_travel_through_the_steps(recorded_trace):
+    source = ReplaySource.load(recorded_trace)
+    reference = Replay.load(recorded_trace)
+    app = TraceApp(source)
+    async with app.run_test() as pilot:
+        seen = [source.refresh().step]
+        for _ in range(3):
+            await pilot.press("right")
+            seen.append(source.refresh().step)
+        await pilot.press("left")
+        seen.append(source.refresh().step)
+        assert seen == [0, 1, 2, 3, 2]
+        assert source.refresh().to_dict() == reference.goto(2).to_dict()
+        await pilot.press("end")
+        assert source.refresh().to_dict() == reference.final().to_dict()
+        await pilot.press("home")
+        assert source.refresh().step == 0
+        await pilot.press("left")  # before the first step: the start of the trace
+        assert source.refresh().step is None
+
+
+async def test_control_keys_are_refused_in_a_replay(recorded_trace):
+    app = TraceApp(ReplaySource.load(recorded_trace))
+    async with app.run_test() as pilot:
+        await pilot.press("n", "space", "b")
+        assert app.source.refresh().step == 0 and len(app.screen_stack) == 1
+        assert not app.check_action("step", ("step",)) and app.check_action("travel", ("back",))
+
+
+async def test_going_back_rewinds_the_log(recorded_trace):
+    source = ReplaySource.load(recorded_trace)
+    app = TraceApp(source, initial_pane="log")
+    async with app.run_test(size=(120, 30)) as pilot:
+        await pilot.press("right", "right")
+        app.tick()
+        last = app.query_one("#log-lines").lines[-1].text
+        assert "step (end) step=2" in last
+        await pilot.press("left")
+        app.tick()
+        last = app.query_one("#log-lines").lines[-1].text
+        assert "step (end) step=1" in last
+
+
+async def test_a_replayed_attention_launch_shows_which_blocks_each_program_reads(recorded_trace):
+    """No LaunchRecord in a file: the access map is recomputed from the step's batch with the
+    kernels' own mapping, and must name the blocks of each request's block table."""
+    source = ReplaySource.load(recorded_trace)
+    source.replay.goto(2)
+    app = TraceApp(source, initial_pane="kernels")
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.tick()
+        table = app.query_one("#kernels-table")
+        attention = next(i for i, k in enumerate(source.refresh().kernels) if k["name"] == "unified_attention")
+        table.move_cursor(row=attention)
+        await pilot.pause()
+        grid = app.query_one(ProgramGrid)
+        assert grid.grid == (2, 1, 1)
+        state = source.refresh()
+        read = {}
+        for pid, work in grid.access.items():
+            for a in work:
+                rid = state.batch["request_ids"][a.request]
+                read.setdefault(rid, set()).update(a.blocks)
+        for rid, blocks in read.items():
+            assert blocks == set(state.requests[rid].block_table), rid
+        grid.focus()
+        await pilot.press("down")  # a one-row grid: down walks the programs
+        assert grid.cursor == (1, 0, 0)
+        await pilot.pause()
+        text = shown(app.query_one(KernelsPanel).query_one("#program-access"))
+        assert "program (1, 0, 0)" in text
+        for work in grid.access[(1, 0, 0)]:  # interpreted: one program may take several query blocks
+            assert f"reads physical blocks {' '.join(map(str, work.blocks))}" in text

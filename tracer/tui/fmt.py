@@ -1,0 +1,77 @@
+"""Small formatting helpers shared by the panels (times, sizes, colours, text sparklines)."""
+from __future__ import annotations
+
+from rich.text import Text
+
+# Request colours: distinct on dark and light themes, cycled by arrival order (stable: a
+# request keeps its colour for its whole life and in every panel).
+PALETTE = ["#e06c75", "#98c379", "#61afef", "#e5c07b", "#c678dd", "#56b6c2", "#d19a66", "#be5046",
+           "#7ec699", "#f0a6ca", "#a0a8ff", "#ffd866"]
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def color_map(request_ids) -> dict[str, str]:
+    """Each request's colour, by arrival order (the state's requests dict keeps that order)."""
+    return {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(request_ids)}
+
+
+def fmt_ns(ns: int | float | None) -> str:
+    if ns is None:
+        return "-"
+    if ns < 1_000:
+        return f"{ns:.0f} ns"
+    if ns < 1_000_000:
+        return f"{ns / 1e3:.1f} µs"
+    if ns < 1_000_000_000:
+        return f"{ns / 1e6:.1f} ms"
+    return f"{ns / 1e9:.2f} s"
+
+
+def fmt_age(ns: int | None) -> str:
+    if ns is None or ns < 0:
+        return "-"
+    s = ns / 1e9
+    if s < 1:
+        return f"{ns / 1e6:.0f}ms"
+    if s < 10:
+        return f"{s:.1f}s"
+    if s < 60:
+        return f"{s:.0f}s"
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def fmt_age_coarse(ns: int | None) -> str:
+    """Whole seconds: a list of many requests then changes once a second, not every refresh."""
+    if ns is None or ns < 0:
+        return "-"
+    s = int(ns // 1_000_000_000)
+    return "<1s" if s < 1 else f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def sparkline(values, width: int = 16, top: float | None = None) -> str:
+    """The last `width` values as block characters, scaled to `top` (default: their maximum)."""
+    values = list(values)[-width:]
+    if not values:
+        return ""
+    top = top or max(values) or 1
+    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in values)
+
+
+def status_text(status: str) -> Text:
+    style = {"WAITING": "yellow", "RUNNING": "green", "PREEMPTED": "bold red", "FINISHED_ABORTED": "red"}.get(status, "dim")
+    label = "aborted" if status == "FINISHED_ABORTED" else "finished" if status.startswith("FINISHED") else status.lower()
+    return Text(label, style=style)
+
+
+def shorten(s: str, n: int) -> str:
+    return s if len(s) <= n else s[:n - 1] + "…"

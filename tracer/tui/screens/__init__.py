@@ -1,0 +1,1 @@
+"""Modal screens: help, breakpoints, one request's detail, quit confirmation."""

@@ -1,0 +1,137 @@
+"""LiveSource: the engine in this process (`vllm-trace serve`, and the tests).
+
+The source has its own subscription on the session's bus and folds it on the UI thread, so
+the panels can read the state without copying it: nothing else mutates it. The engine thread
+only ever publishes into the ring buffer; it never waits for the TUI.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+
+from tracer.conditions import parse_condition
+from tracer.session import TraceSession
+from tracer.state import TraceState, fold
+from tracer.tui.sources.base import EventBatch, Source, SourceInfo
+
+LOG_BACKLOG = 5000  # events kept for a log panel that is not looking (older ones are dropped)
+
+
+class LiveSource(Source):
+    def __init__(self, session: TraceSession, info: SourceInfo, async_engine=None, api_key: str | None = None):
+        self.session = session
+        self.info = info
+        self.async_engine = async_engine
+        self.api_key = api_key
+        self._sub = session.bus.subscribe(from_start=True)  # startup stages are already in the ring
+        self._state = TraceState()
+        self._log: deque = deque(maxlen=LOG_BACKLOG)
+        self._missed = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._ids = itertools.count(1)
+        if session.controller is None:
+            self.can_control = False
+
+    @property
+    def _controller(self):
+        return self.session.controller
+
+    def refresh(self) -> TraceState:
+        pulled = self._sub.pull()
+        self._missed += pulled.missed
+        self._state.events_missed += pulled.missed
+        for ev in pulled.events:
+            fold(self._state, ev)
+        self._log.extend(pulled.events)
+        return self._state
+
+    def take_events(self) -> EventBatch:
+        batch = EventBatch(list(self._log), self._missed)
+        self._log.clear()
+        self._missed = 0
+        return batch
+
+    def now_ns(self) -> int:
+        bus = self.session.bus
+        return bus.clock() - bus.start_ns
+
+    def controller(self) -> dict:
+        if self._controller is None:
+            return {"paused": False, "breakpoints": []}
+        return self._controller.status()
+
+    # ---- commands (the controller only flips flags under its lock: nothing here waits) ----
+    async def pause(self) -> None:
+        self._need_controller().pause()
+
+    async def resume(self) -> None:
+        self._need_controller().resume()
+
+    async def step(self, n: int = 1, granularity: str = "step") -> None:
+        self._need_controller().step(n, granularity)
+
+    async def add_breakpoint(self, condition: str) -> None:
+        self._need_controller().add_breakpoint(parse_condition(condition))
+
+    async def remove_breakpoint(self, condition: str) -> None:
+        c = self._need_controller()
+        for bp in c.breakpoints:
+            if str(bp) == condition:
+                c.remove_breakpoint(bp)
+
+    def _need_controller(self):
+        if self._controller is None:
+            from tracer.tui.sources.base import Unsupported
+            raise Unsupported("this session has no step controller")
+        return self._controller
+
+    async def send_test_request(self, prompt: str, max_tokens: int = 16) -> str:
+        """Through HTTP when there is a server (the whole journey: http, api, tokenizer, ...),
+        else straight into the engine. Returns at once: the request may wait while paused."""
+        if self.info.url:
+            coro = _post_completion(self.info.url, self.info.model, prompt, max_tokens, self.api_key)
+            what = f"POST {self.info.url}/v1/completions"
+        elif self.async_engine is not None:
+            rid = f"tui-{next(self._ids)}"
+            coro = _generate(self.async_engine, rid, prompt, max_tokens)
+            what = f"request {rid}"
+        else:
+            return await super().send_test_request(prompt, max_tokens)
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return what
+
+    async def export(self, path: str) -> str:
+        from tracer.recorder import Recorder
+
+        def write() -> int:
+            # A recorder from the oldest event the ring still holds; close() drains and fsyncs.
+            rec = Recorder(self.session.bus, path, self.info.model, self._state.engine_config, poll_interval=3600)
+            rec.close()
+            return rec.num_written
+        n = await asyncio.to_thread(write)
+        return f"{n} events to {path} (vllm-trace replay {path})"
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
+async def _post_completion(url: str, model: str, prompt: str, max_tokens: int, api_key: str | None) -> None:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    async with httpx.AsyncClient(timeout=None) as client:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
+            async for _ in resp.aiter_bytes():
+                pass
+
+
+async def _generate(async_engine, request_id: str, prompt: str, max_tokens: int) -> None:
+    from engine.sampling_params import SamplingParams
+
+    async for _ in async_engine.generate(prompt, SamplingParams(max_tokens=max_tokens), request_id):
+        pass

@@ -1,0 +1,187 @@
+"""RemoteSource: `vllm-trace attach URL`, a server started elsewhere (e.g. with --no-tui).
+
+It takes the server's folded state once (GET /trace/state), then follows /trace/events from
+the next sequence number and folds the stream itself with the same fold, so it sees exactly
+what an in-process viewer sees. If the stream reports missed events (the client fell a whole
+ring behind), the fold can no longer be trusted: it takes /trace/state again. Commands are
+the /trace/* control endpoints.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+
+import httpx
+
+from tracer.events import Event
+from tracer.state import TraceState, fold
+from tracer.tui.sources.base import EventBatch, Source, SourceInfo, Unsupported
+
+RETRY_SECONDS = 1.0
+
+
+class AttachError(Exception):
+    """Nobody (or no trace API) answers at that URL."""
+
+
+class RemoteSource(Source):
+    def __init__(self, url: str, api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10, transport=transport)
+        self.info = SourceInfo("attach", url=self.url)
+        self._state = TraceState()
+        self._pending: deque[Event] = deque()
+        self._log: deque[Event] = deque(maxlen=5000)
+        self._missed = 0
+        self._status: dict = {"paused": False, "breakpoints": []}
+        self._breakpoints: list[dict] = []
+        self._seq = 0
+        self._offset_ns = 0  # server trace time minus our clock, from the last event seen
+        self._task: asyncio.Task | None = None
+        self.connected = False
+        self.error: str | None = None
+
+    async def start(self) -> None:
+        try:
+            await self._take_state()
+            models = (await self.client.get("/v1/models")).json().get("data", [])
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            raise AttachError(f"no vllm-trace server with a trace API at {self.url} ({type(e).__name__}: {e})") from e
+        if models:
+            self.info.model = models[0]["id"]
+        cfg = self._state.engine_config or {}
+        self.info.device = (cfg.get("model") or {}).get("device") or "?"
+        self.info.backend = cfg.get("attention_backend") or "?"
+        await self._take_breakpoints()
+        self._task = asyncio.get_running_loop().create_task(self._follow())
+
+    async def _take_state(self) -> None:
+        resp = await self.client.get("/trace/state")
+        resp.raise_for_status()
+        d = resp.json()
+        self._state = TraceState.from_dict(d["state"])
+        self._status = d.get("controller") or self._status
+        self._seq = d["seq"]  # the next event the server will publish
+        self._pending.clear()
+        self._sync_clock(self._state.last_ts_ns)
+
+    def _sync_clock(self, ts_ns: int) -> None:
+        self._offset_ns = ts_ns - asyncio.get_running_loop().time() * 1e9 if ts_ns else self._offset_ns
+
+    async def _follow(self) -> None:
+        """Read the event stream until closed; reconnect (from the last seq) if it drops."""
+        while True:
+            try:
+                async with self.client.stream("GET", "/trace/events", params={"since": self._seq},
+                                              timeout=httpx.Timeout(10, read=None)) as resp:
+                    resp.raise_for_status()
+                    self.connected, self.error = True, None
+                    await self._read(resp)
+            except asyncio.CancelledError:
+                raise
+            except (httpx.HTTPError, ValueError) as e:
+                self.connected, self.error = False, f"{type(e).__name__}: {e}"
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _read(self, resp: httpx.Response) -> None:
+        kind = "message"
+        async for line in resp.aiter_lines():
+            if line.startswith("event:"):
+                kind = line[6:].strip()
+            elif line.startswith("data:"):
+                data = json.loads(line[5:])
+                if kind == "missed":
+                    self._missed += data["count"]
+                    await self._take_state()  # our fold skipped events: start again from theirs
+                else:
+                    ev = Event.from_dict(data)
+                    self._seq = ev.seq + 1
+                    self._pending.append(ev)
+                kind = "message"
+            elif not line:
+                kind = "message"
+
+    def refresh(self) -> TraceState:
+        while self._pending:
+            ev = self._pending.popleft()
+            fold(self._state, ev)
+            self._log.append(ev)
+            self._sync_clock(ev.ts_ns)
+        return self._state
+
+    def take_events(self) -> EventBatch:
+        batch = EventBatch(list(self._log), self._missed)
+        self._log.clear()
+        self._missed = 0
+        return batch
+
+    def now_ns(self) -> int:
+        return int(asyncio.get_running_loop().time() * 1e9 + self._offset_ns)
+
+    def controller(self) -> dict:
+        # held or not is in the event stream (tracer paused / resumed), so it is never stale
+        held = self._state.paused_at
+        return {**self._status, "paused": held is not None, "point": held and held.get("point"),
+                "reason": held and held.get("reason"), "step": held and self._state.step,
+                "breakpoints": [b["condition"] for b in self._breakpoints]}
+
+    # ---- commands ------------------------------------------------------------------------
+    async def _post(self, path: str, body: dict | None = None) -> dict:
+        resp = await self.client.post(path, json=body)
+        if resp.status_code >= 400:
+            raise Unsupported(_error(resp))
+        return resp.json() if resp.content else {}
+
+    async def pause(self) -> None:
+        self._status = (await self._post("/trace/pause"))["controller"]
+
+    async def resume(self) -> None:
+        self._status = (await self._post("/trace/resume"))["controller"]
+
+    async def step(self, n: int = 1, granularity: str = "step") -> None:
+        self._status = (await self._post("/trace/step", {"n": n, "granularity": granularity}))["controller"]
+
+    async def add_breakpoint(self, condition: str) -> None:
+        await self._post("/trace/breakpoints", {"condition": condition})
+        await self._take_breakpoints()
+
+    async def remove_breakpoint(self, condition: str) -> None:
+        for bp in self._breakpoints:
+            if bp["condition"] == condition:
+                resp = await self.client.delete(f"/trace/breakpoints/{bp['id']}")
+                if resp.status_code >= 400:
+                    raise Unsupported(_error(resp))
+        await self._take_breakpoints()
+
+    async def _take_breakpoints(self) -> None:
+        resp = await self.client.get("/trace/breakpoints")
+        self._breakpoints = resp.json().get("breakpoints", []) if resp.status_code == 200 else []
+
+    async def send_test_request(self, prompt: str, max_tokens: int = 16) -> str:
+        body = {"model": self.info.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+
+        async def send() -> None:
+            async with self.client.stream("POST", "/v1/completions", json=body, timeout=None) as resp:
+                async for _ in resp.aiter_bytes():
+                    pass
+        task = asyncio.get_running_loop().create_task(send())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed test request is no crash
+        self._send_task = task
+        return f"POST {self.url}/v1/completions"
+
+    async def export(self, path: str) -> str:
+        raise Unsupported("attach sees the stream from when it attached; record on the server with --trace-file")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.client.aclose()
+
+
+def _error(resp: httpx.Response) -> str:
+    try:
+        return resp.json()["error"]["message"]
+    except Exception:
+        return f"HTTP {resp.status_code}"

@@ -1,0 +1,74 @@
+"""LinesView: a scrollable Rich renderable, rendered to lines once per update.
+
+A Static asks for a layout pass on every update, and a layout pass repaints the screen (tens
+of milliseconds, taken from the engine thread through the interpreter lock). This view
+renders the content to strips itself and asks for layout only when its number of lines
+changes, so a panel that changes every step only repaints itself.
+"""
+from __future__ import annotations
+
+from rich.console import RenderableType
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+
+ROUND = 8
+
+
+class LinesView(ScrollView):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._content: list = []
+        self._cache: dict = {}
+        self._strips: list[Strip] = []
+        self._width = 0
+
+    @property
+    def text(self) -> str:
+        """Everything it shows, as plain text (also what is scrolled out of view)."""
+        return "\n".join(s.text.rstrip() for s in self._strips)
+
+    def update(self, content: RenderableType) -> None:
+        self.update_sections([(None, content)])
+
+    def update_sections(self, sections: list[tuple[object, RenderableType]]) -> None:
+        """Content in parts; a part whose key (not None) is unchanged is not rendered again
+        (a request's prompt tokens: hundreds of styled pieces that never change)."""
+        self._content = sections
+        self._render_strips()
+
+    def _render_strips(self) -> None:
+        width = self.scrollable_content_region.width
+        if width <= 0:
+            return  # not laid out yet: on_resize renders it once the width is known
+        console = self.app.console
+        if width != self._width:
+            self._cache.clear()
+        strips, cache = [], {}
+        for key, part in self._content:
+            lines = self._cache.get(key) if key is not None else None
+            if lines is None:
+                options = console.options.update_width(width)
+                lines = [Strip(line) for line in console.render_lines(part, options, pad=False)]
+            if key is not None:
+                cache[key] = lines
+            strips.extend(lines)
+        self._strips, self._cache, self._width = strips, cache, width
+        size = Size(width, -(-len(self._strips) // ROUND) * ROUND)  # in steps: fewer layout passes
+        if size != self.virtual_size:
+            self.virtual_size = size  # a layout pass, only when the height (or width) changed
+        self.refresh()
+
+    def on_resize(self) -> None:
+        if self.scrollable_content_region.width != self._width and self._content:
+            self._cache.clear()
+            self._render_strips()
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        i = y + scroll_y
+        width = self.scrollable_content_region.width
+        if i >= len(self._strips):
+            return Strip.blank(width, self.rich_style)
+        return self._strips[i].crop_extend(scroll_x, scroll_x + width, self.rich_style)

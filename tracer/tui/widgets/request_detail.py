@@ -1,0 +1,120 @@
+"""One request, in full: its prompt as tokens, the text it has generated so far, its journey
+through the engine, and where its KV cache lives (the block table)."""
+from __future__ import annotations
+
+import time
+
+from rich.console import Group
+from rich.text import Text
+
+from tracer.state import RequestView
+from tracer.tui.fmt import fmt_age, status_text
+from tracer.tui.frame import Frame
+from tracer.tui.widgets.lines import LinesView
+
+MAX_TOKENS_SHOWN = 256  # prompt tokens drawn one by one; the rest are counted
+
+
+def block_size(frame: Frame) -> int | None:
+    return ((frame.state.engine_config or {}).get("cache") or {}).get("block_size")
+
+
+def token_pieces(ids: list[int], pieces: list[str]) -> Text:
+    """'Hello' as  H·72 e·101 ...: every piece with its id, on alternating backgrounds so token
+    boundaries are visible (a piece may be part of a word, or a lone space)."""
+    t = Text()
+    for i, (tid, piece) in enumerate(zip(ids[:MAX_TOKENS_SHOWN], pieces)):
+        shown = piece.replace("\n", "↵").replace(" ", "␣") or "∅"
+        t.append(shown, "on #303848" if i % 2 else "on #3a3046")
+        t.append(f"{tid}", "dim")
+        t.append(" ")
+    if len(ids) > MAX_TOKENS_SHOWN:
+        t.append(f"… +{len(ids) - MAX_TOKENS_SHOWN} tokens", "dim")
+    elif len(pieces) < len(ids):  # a prompt given as token ids: no pieces were traced
+        t = Text(" ".join(map(str, ids)), "dim")
+    return t
+
+
+def timeline_table(r: RequestView) -> Text:
+    """One line per entry (plain Text, not a Rich Table: this is redrawn while tokens stream)."""
+    table = Text(f" {'event':<10} {'step':>5}  {'at':<8}\n", "bold dim")
+    t0 = r.arrival_ns or 0
+    for e in r.timeline:
+        what = e["event"]
+        if what == "prefill":
+            detail = f"tokens {e['from_token']}..{e['from_token'] + e['tokens'] - 1} ({e['tokens']})"
+        elif what == "decode":
+            detail = f"{e['steps']} step{'s' * (e['steps'] != 1)}, to step {e['last_step']}"
+        else:
+            detail = e.get("reason") or ""
+        table.append(f" {what:<10} {e['step']:>5}  {'+' + fmt_age(e['ts_ns'] - t0):<8} {detail}\n")
+    table.rstrip()
+    return table
+
+
+def block_table(r: RequestView, bs: int | None) -> Text:
+    """logical → physical, and how full the last block is."""
+    if not r.block_table:
+        return Text("no blocks (waiting, preempted or finished)", "dim")
+    t = Text()
+    for logical, physical in enumerate(r.block_table):
+        hit = physical in r.cache_hit_blocks
+        t.append(f"{logical}→{physical}", "bold cyan" if hit else "")
+        t.append("  ")
+    if bs:
+        # the KV written so far: computed tokens (the newest sampled token has no KV yet)
+        used = r.num_computed_tokens - (len(r.block_table) - 1) * bs
+        t.append(f"\nlast block: {max(0, min(bs, used))}/{bs} slots used", "dim")
+    return t
+
+
+STREAM_HZ = 4  # redraws per second while the shown request only streams tokens
+
+
+class RequestDetail(LinesView):
+    """Shows the request `request_id` (set by whoever embeds it).
+
+    Redrawing it renders all its lines again, so while the same request merely
+    streams tokens it is redrawn at most STREAM_HZ times a second; anything else (another
+    request, a new state) is drawn at once."""
+
+    def __init__(self, request_id: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.request_id = request_id
+        self._key = None
+        self._drawn_at = 0.0
+
+    def show(self, frame: Frame) -> None:
+        rid = self.request_id
+        r = frame.state.requests.get(rid) if rid else None
+        key = (rid, None if r is None else (r.status, r.num_tokens, r.num_computed_tokens, len(r.timeline),
+                                            tuple(r.block_table), len(r.prompt_pieces)))
+        if key == self._key:
+            return
+        now = time.monotonic()
+        streaming = (self._key is not None and key[0] == self._key[0] and key[1] is not None
+                     and self._key[1] is not None and key[1][0] == self._key[1][0] == "RUNNING")
+        if streaming and now - self._drawn_at < 1 / STREAM_HZ:
+            return  # drawn on a later refresh (the key still differs then)
+        self._key, self._drawn_at = key, now
+        body = self
+        if r is None:
+            body.update(Text("Select a request (Requests panel, arrows) to see it here.", "dim"))
+            return
+        title = Text.assemble(("■ ", frame.color(rid)), (f"request {rid}  ", "bold"), status_text(r.status),
+                              f"  prompt {r.num_prompt_tokens} tokens · generated {len(r.output_token_ids)}"
+                              + (f"/{r.max_tokens}" if r.max_tokens else "")
+                              + (f" · preempted {r.num_preemptions}×" if r.num_preemptions else ""))
+        hits = (f"{r.num_cached_tokens} prompt tokens from the prefix cache (blocks "
+                f"{', '.join(map(str, r.cache_hit_blocks))})" if r.num_cached_tokens else "no prefix-cache hit")
+        body.update_sections([
+            (None, title),
+            # the prompt never changes: rendered once per request (and width)
+            (("prompt", rid, len(r.prompt_pieces)), Group(Text("\nprompt tokens (piece, id)", "bold"),
+                                                          token_pieces(r.prompt_token_ids, r.prompt_pieces))),
+            (None, Group(
+                Text("\ngenerated text", "bold"), Text(r.text or "…", "green"),
+                Text("\ntimeline", "bold"), timeline_table(r),
+                Text("\nblock table (logical → physical)", "bold"), block_table(r, block_size(frame)),
+                Text("\nprefix cache", "bold"), Text(hits, "cyan" if r.num_cached_tokens else "dim"))),
+        ])

@@ -1,0 +1,89 @@
+"""Startup: the engine's stages with their timings, then the line to paste to send a request.
+
+The stages come from the trace (engine BEGIN/END spans), so a replay shows the recorded run's
+startup too. A stage in progress shows a bar; model weights and the KV cache show their sizes.
+"""
+from __future__ import annotations
+
+import json
+
+from rich.table import Table
+from rich.text import Text
+from textual.containers import VerticalScroll
+from textual.widgets import ProgressBar, Static
+
+from tracer.tui.fmt import fmt_bytes
+from tracer.tui.frame import Frame
+
+LABELS = {"resolve_model": "model files", "tokenizer_load": "tokenizer", "model_load": "weights",
+          "kv_cache_alloc": "KV cache", "kernel_warmup": "kernel warm-up", "http_ready": "HTTP ready"}
+
+
+def stage_details(stage: dict) -> str:
+    name = stage["stage"]
+    if name == "model_load" and "params" in stage:
+        return f"{stage['params']:,} parameters, {fmt_bytes(stage.get('bytes'))}"
+    if name == "kv_cache_alloc" and "num_blocks" in stage:
+        return (f"{stage['num_blocks']} blocks × {stage['block_size']} tokens × {fmt_bytes(stage.get('bytes_per_block'))}"
+                f" = {fmt_bytes(stage.get('bytes'))}")
+    if name == "tokenizer_load" and "vocab_size" in stage:
+        return f"vocab {stage['vocab_size']}"
+    if name == "resolve_model":
+        return str(stage.get("model", ""))
+    return ""
+
+
+def curl_line(url: str, model: str) -> str:
+    body = json.dumps({"model": model, "prompt": "Hello, my name is", "max_tokens": 16})
+    return f"curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+class StartupPanel(VerticalScroll):
+    def __init__(self, model: str, url: str | None, mode: str, **kwargs):
+        super().__init__(**kwargs)
+        self.model, self.url, self.mode = model, url, mode
+        self._key = None
+
+    def compose(self):
+        yield Static(id="startup-stages")
+        yield ProgressBar(id="startup-progress", show_eta=False)
+        yield Static(id="startup-ready")
+
+    def show(self, frame: Frame) -> None:
+        s = frame.state
+        key = (len(s.startup), s.startup_current and s.startup_current["stage"], s.step is not None)
+        if key == self._key:
+            return  # nothing new: startup panels are static once the server is up
+        self._key = key
+        table = Table.grid(padding=(0, 2))
+        table.add_column(width=2)
+        table.add_column(min_width=14)
+        table.add_column(justify="right", min_width=9)
+        table.add_column()
+        for st in s.startup:
+            ok = st.get("ok", True)
+            table.add_row(Text("✓" if ok else "✗", "green" if ok else "red"), LABELS.get(st["stage"], st["stage"]),
+                          f"{st.get('seconds', 0) * 1000:.1f} ms", stage_details(st))
+        cur = s.startup_current
+        if cur is not None:
+            table.add_row(Text("…", "yellow"), LABELS.get(cur["stage"], cur["stage"]), "", Text("in progress", "yellow"))
+        self.query_one("#startup-stages", Static).update(table)
+        bar = self.query_one("#startup-progress", ProgressBar)
+        # The engine reports stages, not bytes within one: a stage in progress is indeterminate.
+        bar.display = cur is not None
+        bar.update(total=None if cur is not None else 1, progress=0 if cur is not None else 1)
+        self.query_one("#startup-ready", Static).update(self._ready(s))
+
+    def _ready(self, s) -> Text:
+        if not s.startup and s.step is None:
+            return Text("waiting for the engine to start…", "dim")
+        if self.mode == "replay":
+            return Text.assemble(("Recorded run. ", "bold"), "←/→ step back and forward, home/end jump, "
+                                 "tab to the panels, ? for help.")
+        if self.url:
+            return Text.assemble(("Ready. ", "bold green"), f"{self.model} at {self.url}\n\n",
+                                 ("Send a request from another terminal:\n", "dim"),
+                                 (curl_line(self.url, self.model), "bold"), "\n\n",
+                                 ("or press ctrl+p and choose 'Send a test request'. "
+                                  "Then watch it in Requests (2), KV cache (3), Step (4), Kernels (5), Log (6).", "dim"))
+        return Text("Ready.", "bold green")

@@ -1,0 +1,112 @@
+"""Step: what the scheduler put in this step's batch, and what the model runner fed the model.
+
+The batch and the decisions come from the schedule snapshot (taken at schedule time); the
+flattened inputs from the model runner's batch event. For the chosen request (the one
+selected in Requests, else the first in the batch) its slice of the flattened arrays is
+shown: its token ids, their positions, and the cache slots they are written to
+(slot = physical block × block size + offset).
+"""
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.containers import Horizontal
+
+from tracer.tui.frame import Frame
+from tracer.tui.widgets.lines import LinesView
+from tracer.tui.widgets.request_detail import block_size
+
+MAX_ITEMS = 48  # flattened values shown per array (a long prefill is cut, with a count)
+
+
+def _ints(values: list, limit: int = MAX_ITEMS) -> str:
+    s = " ".join(map(str, values[:limit]))
+    return s + (f" … +{len(values) - limit}" if len(values) > limit else "")
+
+
+def batch_table(frame: Frame) -> Group | Text:
+    s = frame.state
+    snap = s.snapshot if s.snapshot_step == s.step else None
+    if snap is None:
+        return Text("no batch yet in this step (the scheduler has not run)" if s.step is not None
+                    else "no step yet: send a request", "dim")
+    table = Table("request", "kind", "tokens", "from", "computed/total", box=None, padding=(0, 1),
+                  header_style="bold dim")
+    for sch in snap.get("scheduled", []):
+        rid = sch["request_id"]
+        r = s.requests.get(rid)
+        total = r.num_tokens if r else "?"
+        table.add_row(Text("■ ", frame.color(rid)) + Text(rid, "bold" if rid == frame.selected else ""),
+                      Text(sch["kind"], "magenta" if sch["kind"] == "prefill" else "cyan"), str(sch["num_tokens"]),
+                      str(sch["num_computed_before"]), f"{sch['num_computed_before'] + sch['num_tokens']}/{total}")
+    used, budget = snap.get("num_scheduled_tokens", 0), snap.get("token_budget", 0)
+    head = Text.assemble((f"step {s.step}", "bold"), f"  batch of {len(snap.get('scheduled', []))} requests, ",
+                         (f"{used}", "bold"), f"/{budget} tokens of the budget")
+    return Group(head, table)
+
+
+def decisions(frame: Frame) -> Group | Text:
+    s = frame.state
+    snap = s.snapshot if s.snapshot_step == s.step else None
+    if snap is None:
+        return Text("")
+    out = [Text("scheduler decisions", "bold")]
+    admitted = snap.get("admitted", [])
+    out.append(Text(f"admitted: {', '.join(admitted) or 'none'}", "green" if admitted else "dim"))
+    for rid in snap.get("preempted", []):
+        r = s.requests.get(rid)
+        out.append(Text(f"preempted {rid}: {r.preempt_reason if r else '?'}", "bold red"))
+    reasons = snap.get("waiting_reasons", {})
+    for rid, why in reasons.items():
+        out.append(Text(f"waiting {rid}: {why}", "yellow"))
+    if not reasons and not snap.get("preempted"):
+        out.append(Text("no request left waiting, none preempted", "dim"))
+    return Group(*out)
+
+
+def flattened_inputs(frame: Frame) -> Group | Text:
+    s, b = frame.state, frame.state.batch
+    if b is None:
+        return Text("flattened inputs: the model runner has not built this step's batch yet", "dim")
+    ids = b.get("request_ids", [])
+    rid = frame.selected if frame.selected in ids else (ids[0] if ids else None)
+    if rid is None:
+        return Text("empty batch", "dim")
+    i = ids.index(rid)
+    qsl = b["query_start_loc"]
+    lo, hi = qsl[i], qsl[i + 1]
+    bs = block_size(frame)
+    slots = b["slot_mapping"][lo:hi]
+    where = [f"{x // bs}:{x % bs}" for x in slots] if bs else []
+    t = Table(box=None, padding=(0, 1), show_header=False)
+    t.add_column(style="bold dim", no_wrap=True)
+    t.add_column()
+    t.add_row("input_ids", _ints(b["input_ids"][lo:hi]))
+    t.add_row("positions", _ints(b["positions"][lo:hi]))
+    t.add_row("slot_mapping", _ints(slots))
+    if where:
+        t.add_row("  block:offset", " ".join(where[:MAX_ITEMS]))
+    t.add_row("seq_len", str(b["seq_lens"][i]))
+    t.add_row("query_start_loc", f"{_ints(qsl, 16)}   (this request: rows {lo}..{hi - 1})")
+    t.add_row("block_table", _ints(b["block_tables"][i]))
+    return Group(Text.assemble(("flattened inputs of request ", "bold"), (rid, f"bold {frame.color(rid)}"),
+                               (f"  ({len(ids)} requests, {len(b['input_ids'])} tokens in the batch)", "dim")), t)
+
+
+class StepPanel(Horizontal):
+    def compose(self):
+        yield LinesView(id="step-left")
+        yield LinesView(id="step-right")
+
+    def on_mount(self) -> None:
+        self._key = None
+
+    def show(self, frame: Frame) -> None:
+        s = frame.state
+        key = (s.step, s.snapshot_step, s.batch is not None, frame.selected, len(s.requests))
+        if key == self._key:
+            return
+        self._key = key
+        self.query_one("#step-left", LinesView).update(Group(batch_table(frame), decisions(frame)))
+        self.query_one("#step-right", LinesView).update(flattened_inputs(frame))
