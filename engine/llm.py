@@ -10,6 +10,23 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
+def engine_config(model: str = "tiny-gpt2", *, block_size: int = 16, num_kv_blocks: int | None = None,
+                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                  attention_backend: str | None = None, dtype: str | None = None, device: str | None = None,
+                  seed: int = 0) -> EngineConfig:
+    """The EngineConfig for LLM's keyword arguments (validated: a bad value raises ConfigError)."""
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+                          gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  enable_chunked_prefill=enable_chunked_prefill),
+        attention_backend=attention_backend,
+    )
+
+
 class LLM:
     def __init__(self, model: str = "tiny-gpt2", *, block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
@@ -17,15 +34,12 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  attention_backend: str | None = None, dtype: str | None = None, device: str | None = None,
                  seed: int = 0, hooks: Hooks | None = None):
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-            attention_backend=attention_backend,
-        )
+        config = engine_config(
+            model, block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+            attention_backend=attention_backend, dtype=dtype, device=device, seed=seed)
         self.llm_engine = LLMEngine(config, hooks)
 
     def get_tokenizer(self):

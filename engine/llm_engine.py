@@ -147,6 +147,16 @@ class LLMEngine:
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         if self.hooks.active: self.hooks.emit("engine", "ABORTED", request_id=request_id, step=self.step_count)
 
+    def warm_up(self) -> dict:
+        """Run the model once on a dummy batch (compiling the Triton kernels on first use),
+        traced as the startup stage ``kernel_warmup``. Not a request, not an engine step.
+        `vllm-trace serve` calls it before taking requests; offline use may skip it."""
+        if self.step_count:  # it writes (then zeroes) cache blocks the prefix cache may now own
+            raise RuntimeError("warm_up() must run before the first engine step")
+        with self._stage("kernel_warmup", backend=self.attention_backend) as info:
+            info |= self.model_runner.warm_up(self.max_model_len)
+        return info
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

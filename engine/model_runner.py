@@ -49,17 +49,20 @@ class ModelRunner:
             qsl.append(qsl[-1] + s.num_tokens)
         width = max(len(s.request.block_ids) for s in sched.scheduled)
         tables = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in sched.scheduled]
+        if self.hooks.active: self.hooks.emit("model_runner", "batch", step=sched.step, input_ids=input_ids, positions=positions, slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl, block_tables=tables, request_ids=[s.request.request_id for s in sched.scheduled])
+        return self._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
+
+    def _model_input(self, input_ids, positions, slots, seq_lens, qsl, tables) -> ModelInput:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            max_query_len=max(s.num_tokens for s in sched.scheduled),
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),
         )
-        self.model.backend.prepare(meta, bs)
-        if self.hooks.active: self.hooks.emit("model_runner", "batch", step=sched.step, input_ids=input_ids, positions=positions, slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl, block_tables=tables, request_ids=[s.request.request_id for s in sched.scheduled])
+        self.model.backend.prepare(meta, self.block_size)
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -81,6 +84,37 @@ class ModelRunner:
         out = self.sampler(logits, [s.request for s in sched.scheduled])
         if self.hooks.active: self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=[s.request.request_id for s in sched.scheduled])
         return out
+
+    @torch.inference_mode()
+    def warm_up(self, max_model_len: int) -> dict:
+        """Real forward passes of a dummy sequence, outside the scheduler: a prefill of up to
+        block_size + 1 tokens (it spans two blocks), then one decode token reading that cache,
+        so both kernel configurations (prefill and decode) are built. With the triton backend
+        this compiles (or, interpreted, first runs) the kernels before a user's first request
+        pays for it. It is no request and no engine step; its kernel launches are traced with
+        step None and ``warmup: true``. The blocks it wrote are zeroed again afterwards."""
+        bs, num_blocks = self.block_size, self.kv_caches[0][0].shape[0]
+        n = max(1, min(bs + 1, max_model_len - 1, num_blocks * bs - 1))  # prompt; +1 decode token
+        table = list(range(-(-(n + 1) // bs)))
+        slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+        batches = [self._model_input([0] * n, list(range(n)), [slot(p) for p in range(n)], [n], [0, n], [table]),
+                   self._model_input([0], [n], [slot(n)], [n + 1], [0, 1], [table])]
+        launches = []
+
+        def on_launch(rec: instrument.LaunchRecord) -> None:
+            launches.append(rec.name)
+            if self.hooks.active: self.hooks.emit("kernel", rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args={k: [list(s), d] for k, (s, d) in rec.args.items()}, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, warmup=True, launch=rec)
+
+        with instrument.observe(on_launch, warmup=True):  # no before_launch: nothing to gate here
+            for inp in batches:
+                hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+                self.model.compute_logits(hidden[inp.logits_indices])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the stage's time includes the kernels themselves
+        for k, v in self.kv_caches:  # table is blocks 0..m-1: a slice, so zero_() writes in place
+            k[:len(table)].zero_()
+            v[:len(table)].zero_()
+        return dict(num_tokens=n + 1, num_launches=len(launches), kernels=sorted(set(launches)))
 
     def _before_launch(self, name: str, grid: tuple, meta: dict) -> None:
         tags = instrument.current_tags()

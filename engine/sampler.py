@@ -1,8 +1,8 @@
 """The sampler: logits of each request's last position -> its next token.
 
-Order, as in vLLM: logprobs of the raw model output (if asked) → penalties (repetition,
-presence, frequency) → greedy argmax when temperature is 0, otherwise temperature → top-k →
-top-p → min-p → draw. Each request draws from its own seeded generator, so its tokens do
+Order, as in vLLM V1: logprobs of the raw model output (if asked) → penalties (repetition,
+presence, frequency) → greedy argmax when temperature is 0, otherwise temperature → min-p →
+top-k → top-p → draw. Each request draws from its own seeded generator, so its tokens do
 not depend on what else is in the batch.
 """
 from __future__ import annotations
@@ -70,6 +70,9 @@ class Sampler:
     def _sample(row: torch.Tensor, req: Request) -> int:
         p = req.params
         row = row / p.temperature
+        if p.min_p > 0.0:  # relative to the top token's probability, before top-k/top-p (as vLLM V1)
+            probs = torch.softmax(row, dim=-1)
+            row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if p.top_k > 0 and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -79,8 +82,6 @@ class Sampler:
             # keep the smallest set whose mass reaches top_p (always at least the top token)
             drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
             probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) is a draw from p, and
         # it uses exactly one draw of the request's own generator per token.
         e = torch.empty_like(probs).exponential_(generator=req.generator)

@@ -24,13 +24,17 @@ class Pulled:
 
 
 class EventBus:
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, clock: Callable[[], int] = time.perf_counter_ns):
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, clock: Callable[[], int] = time.perf_counter_ns,
+                 start_ns: int | None = None):
+        """start_ns: a clock() reading to count ts_ns from (default: now); earlier lets a
+        program trace what it did before the bus existed (see publish's at_ns)."""
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.clock = clock
-        self.start_ns = clock()  # ts_ns of an event counts from here
-        self.wall_clock_start_ns = time.time_ns()
+        now = clock()
+        self.start_ns = now if start_ns is None else min(start_ns, now)  # ts_ns of an event counts from here
+        self.wall_clock_start_ns = time.time_ns() - (now - self.start_ns)
         self._ring: list[Event | None] = [None] * capacity
         self._next_seq = 0
         self._cond = threading.Condition(threading.Lock())
@@ -42,8 +46,10 @@ class EventBus:
         return self._next_seq
 
     def publish(self, layer: str, name: str, kind: str = INSTANT, request_id: str | None = None,
-                step: int | None = None, attrs: dict | None = None) -> Event:
-        ts = self.clock() - self.start_ns
+                step: int | None = None, attrs: dict | None = None, at_ns: int | None = None) -> Event:
+        """at_ns: when it happened, as a clock() reading, for an event published late (startup
+        work timed before the bus existed). Publish such events in time order, before later ones."""
+        ts = (self.clock() if at_ns is None else at_ns) - self.start_ns
         with self._cond:
             ev = Event(self._next_seq, ts, layer, name, kind, request_id, step, attrs or None)
             self._ring[ev.seq % self.capacity] = ev

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # One module per subcommand, in the order `--help` lists them.
-COMMANDS = ["generate", "serve", "attach", "replay", "send", "bench", "export"]
+COMMANDS = ["generate", "serve", "attach", "replay", "send", "bench", "export", "lesson"]
 
 
 class UserError(Exception):
@@ -43,4 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m tracer.cli`: run the imported module's main, or `except UserError` would name
+    # __main__.UserError while the commands raise tracer.cli.UserError (a traceback, not one line)
+    from tracer.cli import main as _main
+    sys.exit(_main())

@@ -24,12 +24,14 @@ from tracer.tracelog import TraceLog
 class TraceSession:
     def __init__(self, hooks: Hooks, trace_file: str | Path | None = None, trace_log: TextIO | bool | None = None,
                  layers: Iterable[str] | None = None, start_paused: bool = False, control: bool = True,
-                 model: str | None = None, engine_config: dict | None = None, capacity: int = DEFAULT_CAPACITY):
+                 model: str | None = None, engine_config: dict | None = None, capacity: int = DEFAULT_CAPACITY,
+                 start_ns: int | None = None):
         """trace_file: record JSON lines there. trace_log: print [TRACE] lines (True: to stderr,
         or a stream), only `layers` if given. control: attach a StepController (`start_paused`
-        holds the engine before its first step)."""
+        holds the engine before its first step). start_ns: a time.perf_counter_ns() reading the
+        trace's clock starts from (default now; see EventBus)."""
         self.hooks = hooks
-        self.bus = EventBus(capacity)
+        self.bus = EventBus(capacity, start_ns=start_ns)
         self._detach = self.bus.attach(hooks)
         self.state = LiveState(self.bus)
         self.recorder = Recorder(self.bus, trace_file, model, engine_config) if trace_file else None

@@ -1,9 +1,15 @@
-"""`vllm-trace serve MODEL`: the engine behind an OpenAI-compatible HTTP server.
+"""`vllm-trace serve MODEL`: the engine behind an OpenAI-compatible HTTP server, traced.
 
-Startup prints each stage with its time as it finishes (args, config, the engine's own
-stages: model, tokenizer, weights, KV cache; then HTTP), then a ready line with the URL and a
-curl command to paste. Ctrl-C stops accepting connections, gives in-flight requests
---drain-timeout seconds to finish, then aborts the rest and exits.
+Startup prints each stage with its time as it finishes and traces it as a span: args (flags,
+port), config (the engine config), the engine's own stages (model, tokenizer, weights, KV
+cache), kernel_warmup (one dummy forward, no request, no step), http_ready; then a ready line
+with the URL and commands to paste. The stages before the trace could exist are published with
+their real times (the trace's clock starts when the command does).
+
+The trace session (on unless --no-trace) feeds /trace (tracer.trace_api), --trace-file and
+--trace-log. Ctrl-C stops accepting connections, ends /trace/events streams, lets a held engine
+run free, gives in-flight requests --drain-timeout seconds, stops the engine, and only then
+closes the trace file, so the file ends with those requests' last events.
 """
 from __future__ import annotations
 
@@ -47,6 +53,17 @@ def register(sub) -> None:
     h.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level; 'info' logs every request (default warning)")
+    tr = p.add_argument_group("tracing", "the event stream, /trace control and recording (see /trace/* in the README)")
+    tr.add_argument("--trace-file", metavar="PATH", default=None,
+                    help="record every event as JSON lines (valid after Ctrl-C; `vllm-trace export PATH` for Perfetto)")
+    tr.add_argument("--start-paused", action="store_true",
+                    help="hold the engine before its first step; drive it with POST /trace/step or /trace/resume")
+    tr.add_argument("--trace-log", action="store_true",
+                    help="print events as readable '[TRACE] layer name key=value' lines on stderr")
+    tr.add_argument("--trace-log-layers", metavar="A,B", default=None,
+                    help="only these layers in --trace-log (implies it), e.g. scheduler,block_manager")
+    tr.add_argument("--no-trace", action="store_true",
+                    help="no tracer at all (engine hooks cost nothing; /trace answers 503)")
     t = p.add_argument_group("display")
     t.add_argument("--no-tui", action="store_true",
                    help="headless: print startup and logs only (default: the TUI, once HTTP is ready; "
@@ -62,6 +79,8 @@ def _fmt_details(stage: str, d: dict) -> str:
         return f"{d['num_blocks']} blocks x {d['block_size']} tokens, {d['bytes'] / 2**20:.1f} MiB ({d['reason']})"
     if stage == "tokenizer_load" and "vocab_size" in d:
         return f"vocab {d['vocab_size']}"
+    if stage == "kernel_warmup" and "kernels" in d:
+        return f"{d['backend']}: {d['num_launches']} launches of {', '.join(d['kernels'])}, {d['num_tokens']} tokens"
     return " ".join(f"{k}={v}" for k, v in d.items() if k not in ("seconds", "ok"))
 
 
@@ -84,12 +103,10 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_engine(args: argparse.Namespace, hooks=None):
-    """The engine, printing its stages live (a listener attached for startup only)."""
-    from engine import LLM, Hooks
+def build_engine(config, hooks):
+    """The engine, warmed up, printing its stages live (a listener attached for startup only)."""
     from engine.hooks import END
-
-    hooks = hooks or Hooks()
+    from engine.llm_engine import LLMEngine
 
     def on_event(layer, name, kind, request_id, step, attrs) -> None:
         if layer == "engine" and kind == END and "seconds" in attrs:
@@ -97,23 +114,63 @@ def build_engine(args: argparse.Namespace, hooks=None):
 
     unsubscribe = hooks.subscribe(on_event)
     try:
-        return LLM(args.model, hooks=hooks, **llm_kwargs(args)).llm_engine
+        engine = LLMEngine(config, hooks)
+        engine.warm_up()
+        return engine
     finally:
-        unsubscribe()  # from here on hooks.active costs nothing until the tracer attaches
+        unsubscribe()  # without a tracer, hooks.active costs nothing from here on
+
+
+def _cli_span(bus, name: str, begin_ns: int, end_ns: int, **attrs) -> None:
+    """Trace a startup stage timed before the trace existed, at its real times."""
+    from engine.hooks import BEGIN, END
+
+    bus.publish("cli", name, BEGIN, at_ns=begin_ns)
+    bus.publish("cli", name, END, attrs={"seconds": (end_ns - begin_ns) / 1e9, **attrs}, at_ns=end_ns)
+
+
+def _config_summary(config) -> str:
+    c, s = config.cache, config.scheduler
+    return (f"block_size={c.block_size} max_num_seqs={s.max_num_seqs} "
+            f"max_num_batched_tokens={s.max_num_batched_tokens} prefix_caching={c.enable_prefix_caching}")
 
 
 def run(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
+    from engine.hooks import Hooks
+    from engine.llm import engine_config
+    from tracer.tracelog import check_layers
+
+    t0 = time.perf_counter_ns()
     print(f"vllm-trace serve {args.model}", file=sys.stderr)
+    if args.no_trace and (args.trace_file or args.start_paused or args.trace_log or args.trace_log_layers):
+        raise ValueError("--no-trace cannot be combined with --trace-file, --start-paused or --trace-log")
+    if args.no_trace and not args.no_tui:
+        raise ValueError("--no-trace turns the tracer off, and the TUI is its view: add --no-tui")
+    layers = check_layers(args.trace_log_layers.split(",")) if args.trace_log_layers else None
     sock = _bind(args.host, args.port)  # before loading anything: a busy port fails fast
-    _stage("args", time.perf_counter() - t0, f"{args.host}:{sock.getsockname()[1]}")
+    t_args = time.perf_counter_ns()
+    _stage("args", (t_args - t0) / 1e9, f"{args.host}:{sock.getsockname()[1]}")
+    session = None
     try:
-        return asyncio.run(_serve(args, sock))
+        config = engine_config(args.model, **llm_kwargs(args))  # a bad value: ConfigError, one line
+        t_config = time.perf_counter_ns()
+        _stage("config", (t_config - t_args) / 1e9, _config_summary(config))
+        hooks = Hooks()
+        if not args.no_trace:
+            from tracer.session import TraceSession
+            session = TraceSession(hooks, trace_file=args.trace_file, trace_log=args.trace_log or bool(layers),
+                                   layers=layers, start_paused=args.start_paused, model=args.model,
+                                   engine_config=config.to_dict(), start_ns=t0)
+            _cli_span(session.bus, "args", t0, t_args, host=args.host, port=sock.getsockname()[1])
+            _cli_span(session.bus, "config", t_args, t_config, config=config.to_dict())
+        return asyncio.run(_serve(args, sock, config, hooks, session))
     finally:
         sock.close()
+        if session is not None:
+            session.close()  # after the engine stopped: the file ends with the drained requests
 
 
-async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+async def _serve(args: argparse.Namespace, sock: socket.socket, config, hooks, session) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncLLMEngine
@@ -121,21 +178,19 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     from engine.server import build_app
     from engine.server.chat_template import load_chat_template
     from engine.server.security import control_refusal
+    from tracer import trace_api
 
-    tui_session = None
-    if not args.no_tui:  # the TUI's tracer, attached before the engine so its startup is traced
-        from engine import Hooks
-        from tracer.session import TraceSession
-        tui_session = TraceSession(Hooks(), model=args.model)
-    engine = build_engine(args, tui_session and tui_session.hooks)
+    engine = build_engine(config, hooks)
     name = args.served_model_name or args.model
     template = load_chat_template(args.chat_template, engine.tokenizer)
     async_engine = AsyncLLMEngine(engine, drain_timeout=args.drain_timeout)
     app = build_app(async_engine, name, args.api_key, host=args.host, chat_template=template)
-    hooks = engine.hooks
+    app.state.trace = session  # None with --no-trace: /trace answers 503
+    app.include_router(trace_api.router)
 
     ready = asyncio.Event()
     t_http = time.perf_counter()
+    if hooks.active: hooks.emit("cli", "http_ready", BEGIN, host=args.host, port=sock.getsockname()[1])
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -144,14 +199,19 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 ready.set()
 
         async def shutdown(self, sockets=None) -> None:
+            # before uvicorn waits for open connections: /trace/events streams would never end
+            # on their own, and a held engine could not drain the requests in flight
+            trace_api.stop_event_streams(app)
+            if session is not None and session.controller is not None:
+                session.controller.close()
             await super().shutdown(sockets)
             # uvicorn re-raises a caught Ctrl-C once it has shut down (exit 130 with a
             # KeyboardInterrupt); ours was handled, requests drained: exit 0 instead
             self._captured_signals.clear()
 
-    config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.drain_timeout,
-                            lifespan="on")
-    server = Server(config)
+    uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.drain_timeout,
+                               lifespan="on")
+    server = Server(uv_config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     waiter = asyncio.create_task(ready.wait())
     await asyncio.wait({serving, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -159,16 +219,16 @@ async def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         waiter.cancel()
         await serving
         return 1
-    _stage("http_ready", time.perf_counter() - t_http, "uvicorn + engine loop")
-    if hooks.active: hooks.emit("cli", "serve", BEGIN, model=args.model, served_model_name=name, host=args.host, port=sock.getsockname()[1])
-    _banner(args, name, sock.getsockname()[1], control_refusal(args.host, args.api_key))
-    if tui_session is None:
+    url = _url(args.host, sock.getsockname()[1])
+    _stage("http_ready", time.perf_counter() - t_http, f"{url} (uvicorn + engine loop)")
+    if hooks.active: hooks.emit("cli", "http_ready", END, seconds=time.perf_counter() - t_http, url=url)
+    if hooks.active: hooks.emit("cli", "serve", BEGIN, model=args.model, served_model_name=name, host=args.host, port=sock.getsockname()[1], url=url)
+    _banner(args, name, url, control_refusal(args.host, args.api_key), session)
+    if args.no_tui:
         await serving
     else:
         from tracer.tui.serve import run_tui
-        await run_tui(server, serving, tui_session, async_engine, name, _url(args.host, sock.getsockname()[1]),
-                      args.api_key)
-        tui_session.close()
+        await run_tui(server, serving, session, async_engine, name, url, args.api_key)
     if hooks.active: hooks.emit("cli", "serve", END)
     print("vllm-trace serve: stopped cleanly", file=sys.stderr)
     return 0
@@ -178,13 +238,22 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _banner(args: argparse.Namespace, name: str, port: int, refusal: str | None) -> None:
-    url = _url(args.host, port)
+def _banner(args: argparse.Namespace, name: str, url: str, refusal: str | None, session) -> None:
     body = json.dumps({"model": name, "prompt": "Hello, my name is", "max_tokens": 16})
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     print(f"\nReady: {name} at {url} (OpenAI API under {url}/v1; Ctrl-C to stop)", file=sys.stderr)
     print(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'", file=sys.stderr)
     print(f"  vllm-trace send --url {url} \"Hello, my name is\"", file=sys.stderr)
-    if refusal:
-        print(f"  note: {refusal}", file=sys.stderr)
+    if session is None:
+        print("  tracing: off (--no-trace)", file=sys.stderr)
+    else:
+        print(f"  trace: curl {url}/trace/state   curl -N {url}/trace/events", file=sys.stderr)
+        if args.trace_file:
+            print(f"  recording to {args.trace_file} (then: vllm-trace export {args.trace_file} -o trace.json)",
+                  file=sys.stderr)
+        if refusal:
+            print(f"  note: {refusal}; /trace/state and /trace/events stay open", file=sys.stderr)
+        elif args.start_paused:
+            print(f"  engine held before its first step: curl -X POST {url}/trace/step{auth} "
+                  f"(or /trace/resume)", file=sys.stderr)
     sys.stderr.flush()

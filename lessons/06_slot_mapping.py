@@ -1,0 +1,145 @@
+"""Lesson 6: slot mapping and the flattened batch of a mixed step."""
+import itertools
+import pathlib
+import sys
+
+from rich.markup import escape
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
+
+from engine import SamplingParams  # noqa: E402
+from engine.hooks import SNAPSHOT  # noqa: E402
+from lessons.framework import events_of, main, queues, table  # noqa: E402
+
+TITLE = "Slot mapping and the flattened batch"
+SUMMARY = "input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables of one mixed step."
+BLOCK = 16
+BUDGET = 64  # max_num_batched_tokens: small, so prompts are chunked
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def capture_inputs(engine) -> list:
+    """Keep each step's ModelInput (the real tensors the model receives)."""
+    seen = []
+    prepare = engine.model_runner.prepare_inputs
+
+    def kept(sched):
+        inp = prepare(sched)
+        seen.append((sched, inp))
+        return inp
+
+    engine.model_runner.prepare_inputs = kept
+    return seen
+
+
+def run(lesson) -> None:
+    lesson.intro(
+        "A step's batch is not a padded matrix of requests: all scheduled tokens of all requests are "
+        "**concatenated** into one flat list, and a few small arrays say where each request's tokens "
+        "start, where each token sits in its sequence, and in which cache **slot** its key and value go. "
+        "You will build a step that mixes a decode, the last chunk of a long prompt and the first chunk "
+        "of a new one, and read every array of it.")
+    llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=32, max_num_batched_tokens=BUDGET,
+                                 enable_prefix_caching=False)
+    engine = llm.llm_engine
+    inputs = capture_inputs(engine)
+    a = engine.add_request("A", {"prompt_token_ids": list(range(1, 21))}, greedy(8))
+    engine.step()  # step 0: A's 20-token prefill
+    b = engine.add_request("B", {"prompt_token_ids": [(3 * i) % 250 for i in range(100)]}, greedy(4))
+    engine.step()  # step 1: A decodes; B gets the other 63 tokens of the budget (a chunk)
+    c = engine.add_request("C", {"prompt_token_ids": [(7 * i + 1) % 250 for i in range(40)]}, greedy(4))
+    lesson.say(
+        f"Token budget {BUDGET} per step, blocks of {BLOCK}. **A** (20-token prompt) is decoding. **B** "
+        f"(100 tokens) got {b.num_computed_tokens} tokens last step: its prefill was chunked. **C** "
+        "(40 tokens) just arrived. The scheduler serves running requests first, then admits waiting ones "
+        "into what is left of the budget.")
+    lesson.show(queues(llm))
+    lesson.check(b.num_computed_tokens == BUDGET - 1, f"B's first chunk was {BUDGET - 1} tokens (budget − A's 1)")
+    lesson.pause()
+
+    engine.step()  # step 2: the mixed step
+    sched, inp = inputs[-1]
+    meta = inp.meta
+    ev = [e for e in events_of(session) if e.layer == "model_runner" and e.name == "batch"][-1]
+    snap = [e for e in events_of(session)
+            if e.layer == "scheduler" and e.name == "schedule" and e.kind == SNAPSHOT and e.step == ev.step][-1]
+    kinds = [(s["request_id"], s["kind"], s["num_computed_before"], s["num_tokens"]) for s in snap.get("scheduled")]
+    lesson.show(table(["request", "kind", "computed before", "tokens this step"], kinds,
+                      title=f"step {ev.step}: what the scheduler scheduled"))
+    lesson.check([k[:2] for k in kinds] == [("A", "decode"), ("B", "prefill"), ("C", "prefill")],
+                 "one step holds A's decode, B's prefill and C's prefill: no separate prefill and decode phases")
+    lesson.check(kinds[0][3] == 1 and kinds[1][2] == BUDGET - 1 and kinds[1][2] + kinds[1][3] == 100
+                 and kinds[2][2] == 0 and kinds[2][3] < 40,
+                 "A: 1 token; B: its last chunk (63 → 100); C: a first chunk of its 40 tokens")
+    lesson.check(sum(k[3] for k in kinds) == BUDGET, f"the three fill the budget of {BUDGET} tokens exactly")
+
+    ids, pos = inp.input_ids.tolist(), inp.positions.tolist()
+    slots, qsl = meta.slot_mapping.tolist(), meta.query_start_loc.tolist()
+    seq_lens, tables = meta.seq_lens.tolist(), meta.block_tables.tolist()
+    reqs = [s.request for s in sched.scheduled]
+    lesson.show(table(["request", "rows (query_start_loc)", "positions", "seq_len", "block_tables row", "slots"], [
+        [r.request_id, f"{qsl[i]} … {qsl[i + 1] - 1}", f"{pos[qsl[i]]} … {pos[qsl[i + 1] - 1]}", seq_lens[i],
+         tables[i], f"{slots[qsl[i]]} … {slots[qsl[i + 1] - 1]}"] for i, r in enumerate(reqs)],
+        title=f"the flattened batch: {len(ids)} tokens, {len(reqs)} requests"))
+    picks = sorted({0, 1, 2, qsl[2] - 1, qsl[2], qsl[3] - 1})
+    lesson.show(table(["row", "request", "input_id", "position", "pos // 16", "pos % 16", "slot"], [
+        [i, reqs[next(r for r in range(3) if qsl[r] <= i < qsl[r + 1])].request_id, ids[i], pos[i],
+         pos[i] // BLOCK, pos[i] % BLOCK, slots[i]] for i in picks], title="some rows, one per token"))
+
+    lesson.check(qsl == [0] + list(itertools.accumulate(k[3] for k in kinds)),
+                 f"query_start_loc {qsl} is the running sum of tokens scheduled per request")
+    lesson.check(pos == [p for s in sched.scheduled for p in range(s.num_computed_before,
+                                                                 s.num_computed_before + s.num_tokens)],
+                 "positions continue where each request left off (A at its decode position, B at 63, C at 0)")
+    lesson.check(seq_lens == [s.num_computed_before + s.num_tokens for s in sched.scheduled],
+                 "seq_lens = tokens already cached + tokens this step: how far each request's attention reaches")
+    lesson.check(ids == [t for s in sched.scheduled for t in
+                         s.request.all_token_ids[s.num_computed_before:s.num_computed_before + s.num_tokens]],
+                 "input_ids are those positions' tokens (A's is the token it sampled last step)")
+    width = max(len(r.block_ids) for r in reqs)
+    lesson.check(all(row == r.block_ids + [0] * (width - len(r.block_ids)) for row, r in zip(tables, reqs)),
+                 f"block_tables is each request's block table, padded with 0 to the widest ({width} entries)")
+    lesson.pause()
+
+    row = qsl[1] + 17  # one of B's tokens
+    p, tb = pos[row], tables[1]
+    lesson.predict(escape(
+        f"Row {row} of the batch is B's token at position {p}. B's block table is {tb}. "
+        "In which slot of the KV cache does its key go? (slot = block_table[pos // 16] × 16 + pos % 16)"),
+        f"block_table[{p} // 16] = block_table[{p // BLOCK}] = {tb[p // BLOCK]}; "
+        f"{tb[p // BLOCK]} × 16 + {p % BLOCK} = {tb[p // BLOCK] * BLOCK + p % BLOCK}.")
+    lesson.check(slots[row] == tb[p // BLOCK] * BLOCK + p % BLOCK, f"slot_mapping[{row}] = {slots[row]}")
+    lesson.check(all(s == tables[r][q // BLOCK] * BLOCK + q % BLOCK
+                     for r in range(len(reqs)) for s, q in zip(slots[qsl[r]:qsl[r + 1]], pos[qsl[r]:qsl[r + 1]])),
+                 "every token's slot is block_table[pos // 16] × 16 + pos % 16 of its own request")
+    lesson.check(len(set(slots)) == len(slots), "no two tokens share a slot")
+
+    lesson.check(ev.get("input_ids") == ids and ev.get("slot_mapping") == slots and ev.get("query_start_loc") == qsl,
+                 "the traced batch event shows exactly the tensors the model received")
+
+    # Where did the keys really go? Layer 0's key cache has data in exactly the slots mapped so far.
+    written = {s for _, i in inputs for s in i.meta.slot_mapping.tolist()}
+    k0 = engine.kv_caches[0][0]
+    filled = set(k0.reshape(-1, k0.shape[2] * k0.shape[3]).abs().sum(1).nonzero().flatten().tolist())
+    lesson.check(filled == written,
+                 f"layer 0's key cache holds data in exactly the {len(written)} slots the slot mappings named")
+    lesson.say(
+        "After the step, A and B sample a token, while C's sampled token is thrown away: C's prompt is "
+        "not finished, and only a request's last prompt position predicts its next token. The model "
+        "computes logits for one row per request, at query_start_loc[i+1] − 1.")
+    lesson.check(inp.logits_indices.tolist() == [q - 1 for q in qsl[1:]],
+                 f"logits rows {inp.logits_indices.tolist()}: each request's last row")
+    lesson.check(a.num_output_tokens == 3 and b.num_output_tokens == 1 and c.num_output_tokens == 0,
+                 "A has 3 output tokens, B its first, C none yet")
+    lesson.done(
+        "One step = one flat batch. `query_start_loc` cuts it into requests, `positions` place each token "
+        "in its sequence, `seq_lens` say how much context each request attends over, and `slot_mapping` = "
+        "block_table[pos // block_size] × block_size + pos % block_size says where each new key and value "
+        "are written. Decodes, prompt chunks and new prompts all share the same arrays.")
+
+
+if __name__ == "__main__":
+    sys.exit(main(globals()))

@@ -1,0 +1,179 @@
+"""Lesson 11: prefix caching — block hashes as a chain, cache hits on a shared prompt, LRU eviction."""
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
+
+from engine import SamplingParams  # noqa: E402
+from engine.block_manager import hash_block  # noqa: E402
+from lessons.framework import main, table  # noqa: E402
+
+TITLE = "Prefix caching"
+SUMMARY = "A shared system prompt: chained block hashes, cache hits with shared blocks, the last token computed, LRU eviction."
+BLOCK = 16
+SYSTEM = [(5 * j + 3) % 250 for j in range(48)]  # a 48-token "system prompt": exactly 3 blocks
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def short(h) -> str:
+    return "—" if h is None else f"{h & 0xFFFFFFFF:08x}"
+
+
+def traced_step(engine, sub) -> tuple[dict, list]:
+    engine.step()
+    events = sub.pull().events
+    return next(e.attrs for e in events if (e.layer, e.name, e.kind) == ("scheduler", "schedule", "snapshot")), events
+
+
+def run(lesson) -> None:
+    lesson.intro(
+        "Many requests start the same way: a system prompt, a few-shot preamble, a long document. The "
+        "K and V of those tokens are the same every time, so vLLM keeps full KV blocks findable by a "
+        "**hash** of their contents *and everything before them*, and a new request whose prompt starts "
+        "the same way reuses them instead of computing them again. You will watch the hashes, the hits, "
+        "shared blocks with reference counts, and what happens when the cache runs short.")
+    llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=12)
+    engine, bm = llm.llm_engine, llm.llm_engine.block_manager
+    sub = session.bus.subscribe()
+
+    # ---- the hash chain ----
+    a = engine.add_request("A", {"prompt_token_ids": SYSTEM + list(range(100, 110))}, greedy(6))
+    traced_step(engine, sub)
+    a_blocks = list(a.block_ids)
+    lesson.say("Request **A** = the 48-token system prompt + 10 tokens of its own. After its prefill, "
+               "its full blocks are registered in the cache. Each hash covers (parent hash, the block's token ids); "
+               "vLLM also mixes in extra keys where they apply, such as a LoRA adapter or a cache salt.")
+    rows = []
+    for i, phys in enumerate(a.block_ids):
+        h = a.block_hashes[i] if i < len(a.block_hashes) else None
+        parent = a.block_hashes[i - 1] if 0 < i <= len(a.block_hashes) else None
+        toks = a.all_token_ids[i * BLOCK:(i + 1) * BLOCK]
+        rows.append([i, phys, " ".join(map(str, toks[:5])) + " …", len(toks) if i < 3 else a.num_prompt_tokens - 48,
+                     short(parent), short(h), "yes" if h is not None and bm.cached.get(h) == phys else "no"])
+    lesson.show(table(["logical", "physical", "tokens", "n", "parent hash", "hash", "in cache"], rows,
+                      title="A's blocks (hashes shortened to 32 bits)"))
+    hs = a.block_hashes
+    lesson.check(len(hs) == 3 and hs[0] == hash_block(None, tuple(SYSTEM[:16]))
+                 and all(hs[i] == hash_block(hs[i - 1], tuple(SYSTEM[i * 16:(i + 1) * 16])) for i in (1, 2)),
+                 "each block's hash = hash(parent's hash, its 16 token ids): a chain")
+    lesson.check(all(bm.cached[h] == a.block_ids[i] for i, h in enumerate(hs)) and len(bm.cached) == 3,
+                 "A's 3 full blocks are in the cache; its 4th block (10 tokens, not full) is not")
+    other_first = [t + 1 for t in SYSTEM[:16]]
+    lesson.check(hash_block(hash_block(None, tuple(other_first)), tuple(SYSTEM[16:32])) != hs[1],
+                 "the same 16 tokens after a different first block hash differently: a hash names the whole prefix")
+    lesson.say("That is why a hit on block *i* also means blocks 0…*i*−1 match: the lookup walks the chain "
+               "from the first block and stops at the first miss. (The engine also compares the stored "
+               "token ids, so a hash collision cannot give a wrong hit.)")
+    lesson.pause()
+
+    # ---- a hit ----
+    b = engine.add_request("B", {"prompt_token_ids": SYSTEM + list(range(200, 210))}, greedy(6))
+    lesson.predict("Request B = the same system prompt + 10 different tokens (58 in all). How many "
+                   "tokens does its prefill compute?", "10: its first 48 tokens are 3 cached blocks.")
+    snap, events = traced_step(engine, sub)
+    sb = next(s for s in snap["scheduled"] if s["request_id"] == "B")
+    hit = next(e for e in events if (e.layer, e.request_id) == ("block_manager", "B") and e.name.startswith("cache_"))
+    lesson.show(table(["logical", "B's physical", "A's physical", "ref count"],
+                      [[i, p, a.block_ids[i] if i < len(a.block_ids) else "", bm.blocks[p].ref_cnt]
+                       for i, p in enumerate(b.block_ids)], title="B's block table after step 1"))
+    lesson.check(hit.name == "cache_hit" and hit.attrs["hit_tokens"] == 48 and b.num_cached_tokens == 48,
+                 "B hit 48 tokens in the cache (num_cached_tokens = 48; trace: cache_hit)")
+    lesson.check(sb["num_computed_before"] == 48 and sb["num_tokens"] == 10,
+                 "step 1 computed only B's last 10 prompt tokens, starting at position 48")
+    lesson.check(b.block_ids[:3] == a.block_ids[:3] and all(bm.blocks[p].ref_cnt == 2 for p in b.block_ids[:3]),
+                 "B's first 3 logical blocks are A's physical blocks, each now with reference count 2")
+    lesson.check(b.block_ids[3] not in a.block_ids and bm.blocks[b.block_ids[3]].ref_cnt == 1,
+                 "B's 4th block, where it differs from A, is its own")
+    lesson.pause()
+
+    # ---- a full hit: the last token is always computed ----
+    c = engine.add_request("C", {"prompt_token_ids": list(SYSTEM)}, greedy(6))
+    lesson.predict("Request C is exactly the 48-token system prompt: all 3 of its blocks are cached. "
+                   "How many tokens does its prefill compute?",
+                   "16. To sample C's first token the engine needs the logits at its last prompt position, so "
+                   "that token must run through the model. The hit is capped at 47 tokens, and since hits are "
+                   "whole blocks, that means 2 blocks (32 tokens); the 3rd block is computed again.")
+    snap, _ = traced_step(engine, sub)
+    sc = next(s for s in snap["scheduled"] if s["request_id"] == "C")
+    c_blocks = list(c.block_ids)
+    lesson.check(c.num_cached_tokens == 32 and sc["num_computed_before"] == 32 and sc["num_tokens"] == 16,
+                 "C hit 32 tokens and computed 16, although all 48 were in the cache")
+    lesson.check(c.block_ids[:2] == a.block_ids[:2] and c.block_ids[2] != a.block_ids[2]
+                 and bm.blocks[a.block_ids[0]].ref_cnt == 3,
+                 "C shares A's first 2 blocks (reference count 3 now) and got a fresh 3rd block")
+    lesson.pause()
+
+    # ---- eviction ----
+    while engine.has_unfinished_requests():
+        engine.step()
+    queue = list(bm.free)
+    lesson.say("All three have finished. Their blocks went back to the free queue, but blocks with a hash "
+               "**keep their contents**: they are *cached-free*, counted as free, yet still findable. New "
+               "blocks are taken from the front of the queue: blocks without cached contents first, then "
+               "cached ones, least recently used first (a finished request's blocks are queued tail first, "
+               "so its shared head stays longest). Block %d holds the same tokens as block %d (C computed "
+               "its 3rd block again), so it carries the same hash; the cache's index points to block %d."
+               % (c_blocks[2], a_blocks[2], a_blocks[2]))
+    lesson.show(table(["queue position", "block", "cached contents"],
+                      [[i, bid, short(bm.blocks[bid].hash) if bm.blocks[bid].hash is not None else ""]
+                       for i, bid in enumerate(queue)], title="the free-block queue, front first"))
+    lesson.check(bm.num_free_blocks == bm.num_blocks and all(h in bm.cached for h in hs),
+                 "every block is free, and the system prompt's 3 hashes are still in the cache")
+    uncached = [bid for bid in queue if bm.blocks[bid].hash is None]
+    cached_order = [bid for bid in queue if bm.blocks[bid].hash is not None]
+    lesson.check(queue == uncached + cached_order, "blocks without cached contents are at the front, cached-free ones behind them")
+
+    x_len = 150  # needs 10 blocks: more than the never-cached ones
+    need = -(-(x_len + 2) // BLOCK)
+    n_evict = need - len(uncached)
+    lesson.predict(f"Request X (an unrelated {x_len}-token prompt) needs {need} blocks; {len(uncached)} are "
+                   "without cached contents. Which cached blocks does it take?",
+                   f"The {n_evict} least recently used cached-free blocks, from the front of the queue: "
+                   f"{cached_order[:n_evict]}. Their old contents are evicted from the cache.")
+    victims = cached_order[:n_evict]
+    victim_hashes = [bm.blocks[v].hash for v in victims]
+    x = engine.add_request("X", {"prompt_token_ids": [(11 * j) % 256 for j in range(x_len)]}, greedy(2))
+    _, events = traced_step(engine, sub)
+    evicted = [b for e in events if (e.layer, e.name) == ("block_manager", "evict") for b in e.attrs["block_ids"]]
+    lesson.show(table(["block", "evicted hash", "still in cache?"],
+                      [[v, short(h), "yes" if h in bm.cached else "no"] for v, h in zip(victims, victim_hashes)],
+                      title="evicted for X (trace: block_manager evict)"))
+    lesson.check(x.block_ids == uncached + victims and evicted == victims,
+                 f"X took the uncached blocks first, then evicted the LRU cached-free blocks {victims}")
+    lesson.check(a_blocks[2] in victims and hs[2] not in bm.cached,
+                 "the system prompt's 3rd block was among them: its hash is gone from the cache")
+    lesson.check(hs[0] in bm.cached and hs[1] in bm.cached, "its first two blocks, further back in the queue, are still cached")
+
+    while engine.has_unfinished_requests():
+        engine.step()
+    d = engine.add_request("D", {"prompt_token_ids": SYSTEM + [1, 2, 3]}, greedy(2))
+    traced_step(engine, sub)
+    lesson.check(d.num_cached_tokens == 32,
+                 "a new request with the system prompt now hits only 32 tokens: the chain breaks at the evicted block")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    # ---- the counters ----
+    st = engine.stats()
+    everyone = [a, b, c, x, d]
+    queries, hits = sum(r.num_prompt_tokens for r in everyone), sum(r.num_cached_tokens for r in everyone)
+    lesson.show(table(["request", "prompt tokens", "cached tokens"],
+                      [[r.request_id, r.num_prompt_tokens, r.num_cached_tokens] for r in everyone]
+                      + [["total", queries, hits]], title="prefix-cache lookups"))
+    lesson.check(st.prefix_cache_queries == queries and st.prefix_cache_hits == hits,
+                 f"the engine's counters: prefix_cache_queries = {st.prefix_cache_queries} tokens looked up, "
+                 f"prefix_cache_hits = {st.prefix_cache_hits} tokens found (hit rate {hits / queries:.0%})")
+    lesson.say("A server exports these as the Prometheus counters `vllm:prefix_cache_queries` and "
+               "`vllm:prefix_cache_hits` (in tokens); their ratio is the hit rate.")
+    lesson.done("Full KV blocks are named by a chained hash of all tokens up to their end, so one lookup per "
+                "block finds the longest cached prefix. Hits share physical blocks (reference counts); only "
+                "the rest of the prompt is computed, and never less than its last token. Freed blocks keep "
+                "their contents until a new request needs them, taken least recently used first, which "
+                "evicts them from the cache.")
+
+
+if __name__ == "__main__":
+    sys.exit(main(globals()))

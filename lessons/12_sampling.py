@@ -1,0 +1,185 @@
+"""Lesson 12: sampling — temperature, top-k, top-p, min-p and seeds on a real next-token distribution."""
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
+
+import torch  # noqa: E402
+
+from engine import SamplingParams  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.sampler import Sampler  # noqa: E402
+from lessons.framework import main, table  # noqa: E402
+
+TITLE = "Sampling"
+SUMMARY = "Temperature, top-k, top-p, min-p and seeds, applied to the model's real next-token distribution."
+PROMPT = "The capital of France is"
+N_DRAWS = 2000
+T = 1.5  # the temperature the filters are shown at (it spreads this peaked distribution a little)
+
+
+def engine_draws(logits: torch.Tensor, n: int, **params) -> list[int]:
+    """n draws by the engine's own Sampler from one row of logits, each with its own seeded generator."""
+    reqs = []
+    for i in range(n):
+        r = Request(f"draw-{i}", None, [0], SamplingParams(seed=i, **params), None, 1)
+        r.generator = torch.Generator().manual_seed(i)
+        reqs.append(r)
+    return Sampler()(logits.expand(n, -1).clone(), reqs).token_ids
+
+
+def run(lesson) -> None:
+    lesson.intro(
+        "After each step the model gives, for every request, one **logit** per vocabulary entry. The "
+        "sampler turns them into the next token. Greedy decoding takes the largest; sampling draws from "
+        "`softmax(logits / temperature)`, usually after cutting the unlikely tail with **top-k**, "
+        "**top-p** or **min-p**. You will capture the real logits the engine computes for one prompt, "
+        "apply each transform and look at the probability table, then let the engine's own sampler draw "
+        f"{N_DRAWS} tokens to confirm what it keeps. (The built-in model is untrained, so its favourite "
+        "next bytes are gibberish; the arithmetic is the same for any model.)")
+    llm, _ = lesson.engine()
+    engine = llm.llm_engine
+    tok = engine.tokenizer
+    captured = []
+    real_sampler = engine.model_runner.sampler
+
+    def capture(logits, requests):  # see the logits the model runner hands to the sampler
+        captured.append(logits[0].detach().float().clone())
+        return real_sampler(logits, requests)
+
+    engine.model_runner.sampler = capture
+    req = engine.add_request("probe", PROMPT, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.model_runner.sampler = real_sampler
+    logits = captured[0]
+    V = logits.numel()
+    order = logits.argsort(descending=True).tolist()
+    piece = lambda t: repr(tok.decode([t]))  # noqa: E731
+
+    def probs_at(temp: float) -> torch.Tensor:
+        return torch.softmax(logits / temp, dim=-1)
+
+    p1 = probs_at(1.0)
+    cum = 0.0
+    rows = []
+    for rank, t in enumerate(order[:8], 1):
+        cum += float(p1[t])
+        rows.append([rank, t, piece(t), f"{float(logits[t]):.3f}", f"{float(p1[t]):.4f}", f"{cum:.4f}"])
+    lesson.show(table(["rank", "token id", "piece", "logit", "p (T=1)", "cumulative"], rows,
+                      title=f"next token after {PROMPT!r}: the top 8 of {V}"))
+    reported = req.logprobs[0]
+    lsm = torch.log_softmax(logits, -1)
+    lesson.check(all(abs(lp.logprob - float(lsm[t])) < 1e-4 for t, lp in reported.items()),
+                 "these are the engine's logits: its reported top-20 logprobs equal log_softmax of them")
+    lesson.check(req.output_token_ids == [order[0]],
+                 f"temperature 0 is greedy: the engine picked the argmax, token {order[0]} ({piece(order[0])})")
+    lesson.pause()
+
+    # ---- temperature ----
+    temps = [2.0, 1.0, 0.5, 0.1, 0.05]
+    ps = {x: probs_at(x) for x in temps}
+    entropy = {x: float(-(ps[x] * ps[x].clamp_min(1e-30).log()).sum()) for x in temps}
+    lesson.say("**Temperature** divides the logits before the softmax. Above 1 it flattens the distribution, "
+               "below 1 it sharpens it; as it goes to 0, all the probability moves to the argmax.")
+    lesson.show(table(["token"] + [f"T={x}" for x in temps],
+                      [[piece(t)] + [f"{float(ps[x][t]):.4f}" for x in temps] for t in order[:5]]
+                      + [["entropy (nats)"] + [f"{entropy[x]:.3f}" for x in temps]],
+                      title="probability of the top 5 tokens at each temperature"))
+    tops = [float(ps[x][order[0]]) for x in temps]
+    lesson.check(all(a < b for a, b in zip(tops, tops[1:])) and all(
+        entropy[a] > entropy[b] for a, b in zip(temps, temps[1:])),
+        "the lower the temperature, the higher the top token's probability and the lower the entropy")
+    cold = engine_draws(logits, 500, temperature=0.05)
+    lesson.check(tops[-1] > 0.999 and set(cold) == {order[0]},
+                 f"at T=0.05 the top token has p = {tops[-1]:.6f}, and 500 engine draws all picked it")
+    lesson.pause()
+
+    pt = probs_at(T)
+    lesson.say(f"The filters below are each shown alone, on the distribution at **T = {T}**. Each keeps "
+               "some tokens, sets the rest to probability 0 and renormalises. (Combined, they act one after "
+               "another, each on what the previous one kept.)")
+
+    def show_kept(name: str, kept: list[int], draws: list[int], extra: dict | None = None) -> None:
+        mass = float(pt[kept].sum())
+        counts = {t: draws.count(t) for t in set(draws)}
+        rows = [[piece(t), f"{float(pt[t]):.4f}", f"{float(pt[t]) / mass:.4f}", f"{counts.get(t, 0) / len(draws):.4f}"]
+                + ([extra[t]] if extra else []) for t in kept[:12]]
+        cols = ["token", f"p (T={T})", "kept, renormalised", f"engine: share of {len(draws)} draws"]
+        lesson.show(table(cols + (["why kept"] if extra else []), rows,
+                          title=f"{name}: keeps {len(kept)} of {V} tokens ({mass:.1%} of the mass)"))
+
+    # ---- top-k ----
+    k = 3
+    kept_k = order[:k]
+    d = engine_draws(logits, N_DRAWS, temperature=T, top_k=k)
+    show_kept(f"top-k = {k}", kept_k, d)
+    lesson.check(set(d) == set(kept_k), f"top-k = {k}: the engine drew exactly the {k} most likely tokens, no others")
+    lesson.pause()
+
+    # ---- top-p ----
+    top_p = 0.9
+    sorted_p = pt[order]
+    csum = sorted_p.cumsum(0)
+    n_nucleus = int((csum < top_p).sum()) + 1  # the smallest prefix whose mass reaches top_p
+    kept_p = order[:n_nucleus]
+    d = engine_draws(logits, N_DRAWS, temperature=T, top_p=top_p)
+    show_kept(f"top-p = {top_p}", kept_p, d,
+              {t: f"cumulative {float(csum[i]):.3f}" for i, t in enumerate(kept_p)})
+    lesson.check(float(csum[n_nucleus - 1]) >= top_p > float(csum[n_nucleus - 2]),
+                 f"the nucleus is the smallest set of top tokens whose mass reaches {top_p}: {n_nucleus} tokens "
+                 f"({float(csum[n_nucleus - 1]):.3f}; without the last one only {float(csum[n_nucleus - 2]):.3f})")
+    lesson.check(set(d) == set(kept_p), f"the engine drew only from those {n_nucleus} tokens, and from each of them")
+    lesson.pause()
+
+    # ---- min-p ----
+    min_p = 0.05
+    pmax = float(pt.max())
+    kept_m = [t for t in order if float(pt[t]) >= min_p * pmax]
+    d = engine_draws(logits, N_DRAWS, temperature=T, min_p=min_p)
+    show_kept(f"min-p = {min_p}", kept_m, d, {t: f"p/p_max = {float(pt[t]) / pmax:.3f}" for t in kept_m})
+    lesson.say(f"**Min-p** scales with the model's confidence: it keeps every token with at least "
+               f"{min_p} × the top token's probability ({min_p} × {pmax:.3f} = {min_p * pmax:.4f} here). A "
+               "confident model keeps few tokens, an unsure one many.")
+    lesson.check(set(d) == set(kept_m) and float(pt[order[len(kept_m)]]) < min_p * pmax,
+                 f"min-p = {min_p}: the engine drew exactly the {len(kept_m)} tokens at or above the threshold")
+    lesson.pause()
+
+    # ---- seeds ----
+    lesson.say("**Seeds.** Each request draws from its own random generator. With `seed` set, that generator "
+               "starts from the seed, so the request gets the same tokens whatever else is in the batch.")
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = engine.add_request("alone", PROMPT, seeded)
+    while engine.has_unfinished_requests():
+        engine.step()
+    others = ["Hello", "Once upon a time there was", "1 2 3"]
+    for i, text in enumerate(others[:2]):
+        engine.add_request(f"other-{i}", text, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    crowded = engine.add_request("crowded", PROMPT, seeded)
+    engine.add_request("other-2", others[2], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    reseeded = engine.add_request("seed-99", PROMPT, SamplingParams(temperature=1.0, max_tokens=12, seed=99,
+                                                                    ignore_eos=True))
+    engine.step()
+    first_batch = [r.request_id for r in engine.scheduler.running]
+    while engine.has_unfinished_requests():
+        engine.step()
+    lesson.show(table(["request", "batch", "seed", "tokens"], [
+        ["alone", "by itself", 1234, " ".join(map(str, alone.output_token_ids))],
+        ["crowded", "with 4 others, 3rd in line", 1234, " ".join(map(str, crowded.output_token_ids))],
+        ["seed-99", "same batch", 99, " ".join(map(str, reseeded.output_token_ids))],
+    ], title=f"temperature 1.0, prompt {PROMPT!r}"))
+    lesson.check(len(first_batch) == 5 and first_batch[2] == "crowded",
+                 "the second run really was one batch of 5, with the seeded request 3rd")
+    lesson.check(alone.output_token_ids == crowded.output_token_ids,
+                 "same seed, same prompt: the same 12 tokens, alone or in a batch of 5")
+    lesson.check(reseeded.output_token_ids != crowded.output_token_ids, "a different seed gives different tokens")
+    lesson.say("On a GPU one caveat remains: the logits themselves can differ in the last bits with batch "
+               "size, and a draw near a boundary can then flip. The seed fixes the randomness, not the numerics.")
+    lesson.done("Temperature reshapes the whole distribution (0 means greedy). Top-k keeps the k most likely "
+                "tokens, top-p the smallest set whose mass reaches p, min-p those within a factor of the top "
+                "token; the rest get probability 0. A seed gives a request its own reproducible random stream, "
+                "independent of its neighbours in the batch.")
+
+
+if __name__ == "__main__":
+    sys.exit(main(globals()))

@@ -1,0 +1,149 @@
+"""Lesson 13: the HTTP path — an OpenAI request through FastAPI, the async engine and back as SSE."""
+import json
+import pathlib
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
+
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+
+from engine.async_engine import AsyncLLMEngine  # noqa: E402
+from engine.server import build_app  # noqa: E402
+from lessons.framework import events_of, main, table  # noqa: E402
+from tracer.journey import CHAIN, layer_path, missing_links, request_events  # noqa: E402
+
+TITLE = "The HTTP path"
+SUMMARY = "An OpenAI request through FastAPI, the serving layer and the async engine, back as an SSE stream, traced."
+PROMPT = "The quick brown fox"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn in a background thread; `ready` is set once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.ready = threading.Event()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.ready.set()
+
+    def install_signal_handlers(self) -> None:  # not the main thread: leave Ctrl-C to the lesson
+        pass
+
+
+def run(lesson) -> None:
+    lesson.intro(
+        "So far lessons drove `engine.step()` by hand. A server does the same in a loop, behind HTTP. "
+        "Here the real OpenAI-compatible app runs on a local port: **FastAPI** parses the request "
+        "(`http`), the **serving layer** turns it into sampling parameters and submits it (`api`), the "
+        "**async engine** hands it to the engine thread, which tokenizes it and steps the engine "
+        "(scheduler, block manager, model runner, kernels, sampler, detokenizer); each step's new text "
+        "goes back to the HTTP handler, which sends it as a **server-sent event**. You will stream one "
+        "completion, then read its path through the layers from the trace.")
+    llm, session = lesson.engine(num_kv_blocks=64)
+    async_engine = AsyncLLMEngine(llm.llm_engine)
+    app = build_app(async_engine, lesson.model)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = _Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        lesson.check(server.ready.wait(60), f"the server is up at {url}")
+        _lesson_body(lesson, session, url)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+    lesson.check(not thread.is_alive() and not async_engine.is_running,
+                 "the server shut down cleanly: the HTTP thread and the engine loop have both stopped")
+    lesson.done("An OpenAI request is parsed by FastAPI, turned into SamplingParams by the serving layer and "
+                "queued with the async engine, whose thread runs the same `step()` you have been calling by "
+                "hand. After each step the new text of every request goes back to its HTTP handler, which "
+                "frames it as a `data:` event. The trace follows one request id from the HTTP layer down to "
+                "the kernels and back.")
+
+
+def _lesson_body(lesson, session, url: str) -> None:
+    body = {"model": lesson.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    lesson.show(json.dumps(body, indent=2), title="POST /v1/completions")
+    lesson.pause()
+    chunks, rows, t0 = [], [], time.perf_counter()
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as client:  # no proxy for 127.0.0.1
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            lesson.check(resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream"),
+                         "the answer is 200 with content-type text/event-stream")
+            for line in resp.iter_lines():
+                if not line:
+                    continue  # the blank line that ends each event
+                ms = (time.perf_counter() - t0) * 1000
+                payload = line.removeprefix("data: ")
+                if payload == "[DONE]":
+                    rows.append([f"{ms:7.1f}", line, "", ""])
+                    chunks.append(payload)
+                    continue
+                chunk = json.loads(payload)
+                choice = chunk["choices"][0]
+                rows.append([f"{ms:7.1f}", f"data: {{id: {chunk['id']}, …}}", repr(choice["text"]),
+                             choice["finish_reason"] or ""])
+                chunks.append(chunk)
+        lesson.show(table(["ms", "event", "text", "finish_reason"], rows, title="the SSE stream, as it arrived"))
+        events = [c for c in chunks if c != "[DONE]"]
+        rid = events[0]["id"]
+        streamed = "".join(c["choices"][0]["text"] for c in events)
+        lesson.check(chunks[-1] == "[DONE]" and len(events) > 1,
+                     f"the text came in {len(events)} events, not all at once, and the stream ended with [DONE]")
+        lesson.check(all(c["id"] == rid for c in events) and rid.startswith("cmpl-"),
+                     f"every chunk carries the request id {rid}, which the engine and the trace use too")
+
+        lesson.say("The same request without `stream`: one JSON answer when it is complete.")
+        whole = client.post("/v1/completions", json=dict(body, stream=False)).json()
+    text = whole["choices"][0]["text"]
+    lesson.show(table(["", "text"], [["streamed (chunks joined)", repr(streamed)], ["non-streamed", repr(text)]]))
+    lesson.check(streamed == text and whole["usage"]["completion_tokens"] == 12,
+                 "the streamed chunks add up to exactly the non-streamed text (greedy, same request)")
+    lesson.pause()
+
+    # ---- the request's path through the layers ----
+    lesson.predict("In the trace, which layer does the streamed request meet first, and which last?",
+                   "http both times: the route handler opens a span when the request arrives and closes it "
+                   "after the last SSE event, after the engine has long finished with it.")
+    all_events = events_of(session)
+    mine = request_events(all_events, rid)
+    by_layer = Counter(e.layer for e in mine)
+    firsts: dict[str, object] = {}
+    for e in mine:
+        firsts.setdefault(e.layer, e)
+    path = layer_path(mine)
+    lesson.show(table(["layer", "events", "first event", "step"],
+                      [[layer, by_layer[layer], f"{firsts[layer].name} ({firsts[layer].kind})",
+                        "" if firsts[layer].step is None else firsts[layer].step] for layer in dict.fromkeys(path)],
+                      title=f"{rid} in the trace, by layer, in the order first met"))
+    lesson.say("Some events name the request (`QUEUED`, `cache_miss`, `NEW_TOKENS`, ...). Step-level events — "
+               "the model runner's batch, each kernel launch, the sampler — belong to every request scheduled "
+               "in that step; `tracer.journey.request_events` collects both.")
+    lesson.show(" → ".join(path), title="layer_path (the final layer repeats when the request leaves through it)")
+    lesson.check(missing_links(path) == [],
+                 "the request passed " + " → ".join(CHAIN) + ", in that order")
+    lesson.check(mine[0].layer == "http" and mine[0].kind == "begin" and mine[-1].layer == "http"
+                 and mine[-1].kind == "end", "its first event is the HTTP handler's begin and its last the handler's end")
+    new_tokens = [e for e in mine if (e.layer, e.name) == ("detokenizer", "NEW_TOKENS")]
+    sse_chunks = [e for e in mine if (e.layer, e.name) == ("api", "sse_chunk")]
+    lesson.check(len(new_tokens) == 12 and "".join(e.attrs["text"] for e in sse_chunks) == streamed,
+                 "12 NEW_TOKENS events from the detokenizer; the api layer's sse_chunk events carry exactly the streamed text")
+    steps = sorted({e.step for e in new_tokens})
+    lesson.check(len(steps) == 12 and by_layer["kernel"] > 0,
+                 f"one token per engine step (steps {steps[0]}–{steps[-1]}), each running real kernels")
+
+
+if __name__ == "__main__":
+    sys.exit(main(globals()))

@@ -1,0 +1,184 @@
+"""What every lesson uses: narration, showing real engine state, predictions, and checks.
+
+A lesson is a script ``lessons/NN_name.py`` with ``TITLE``, ``SUMMARY`` and ``run(lesson)``.
+It drives the real engine itself, one ``engine.step()`` at a time, so "pausing the engine"
+is simply not calling ``step()`` until the learner continues. Everything shown is read from
+the engine or from its trace events; every claim the text makes is checked with
+``lesson.check`` against that state, so a lesson that teaches something false fails.
+
+    lesson.say("A prompt of 40 tokens needs ceil(40/16) = 3 blocks.")
+    lesson.step()                                   # one real engine step
+    lesson.show(block_table(req, block_size=16))
+    lesson.check(len(req.block_ids) == 3, "its block table holds 3 blocks")
+    lesson.predict("How many slots of the last block are used?", "40 - 2*16 = 8")
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rich.console import Console, Group
+from rich.markdown import Markdown
+from rich.panel import Panel
+from rich.rule import Rule
+from rich.table import Table
+from rich.text import Text
+
+from engine import LLM, Hooks
+from engine.request import Request
+from tracer.events import Event
+from tracer.session import TraceSession
+
+
+class LessonCheckFailed(AssertionError):
+    """A lesson's claim does not hold for the engine's real state."""
+
+
+@dataclass
+class Lesson:
+    number: int
+    title: str
+    pause_enabled: bool = True
+    model: str = "tiny-gpt2"
+    console: Console = field(default_factory=Console)
+    checks: list[str] = field(default_factory=list)  # claims verified so far, in order
+    sessions: list[TraceSession] = field(default_factory=list)
+
+    # ---- narration --------------------------------------------------------------------------
+    def intro(self, what_you_will_see: str) -> None:
+        self.console.print(Rule(f"[bold]Lesson {self.number}: {self.title}"))
+        self.console.print(Panel(Markdown(what_you_will_see), title="What you will see", border_style="cyan"))
+
+    def say(self, text: str) -> None:
+        self.console.print(Markdown(text))
+
+    def show(self, renderable, title: str | None = None) -> None:
+        self.console.print(Panel(renderable, title=title, border_style="blue") if title else renderable)
+
+    def pause(self, prompt: str = "Press Enter to continue") -> None:
+        """A checkpoint: the engine stays exactly where it is until the learner continues."""
+        if self.pause_enabled:
+            self.console.input(f"[dim]{prompt}…[/]")
+
+    def predict(self, question: str, answer: str) -> None:
+        """Ask the learner to predict something before showing it."""
+        self.console.print(Panel(question, title="Predict", border_style="yellow"))
+        self.pause("Think, then press Enter for the answer")
+        self.console.print(Text("Answer: ", style="bold yellow") + Text(answer))
+
+    def check(self, condition: bool, claim: str) -> None:
+        """Verify a claim the lesson makes against real engine state."""
+        if not condition:
+            raise LessonCheckFailed(f"lesson {self.number} claims: {claim} — but the engine disagrees")
+        self.checks.append(claim)
+        self.console.print(Text("  ✓ ", style="green") + Text(claim, style="dim"))
+
+    def done(self, summary: str) -> None:
+        self.console.print(Panel(Markdown(summary), title="What you learned", border_style="green"))
+
+    # ---- the engine -------------------------------------------------------------------------
+    def engine(self, trace_file: str | None = None, **llm_kwargs) -> tuple[LLM, TraceSession]:
+        """A real engine on the lesson's model, with a trace session recording its events."""
+        hooks = Hooks()
+        session = TraceSession(hooks, trace_file=trace_file, control=False, model=self.model)
+        self.sessions.append(session)
+        llm_kwargs.setdefault("model", self.model)
+        return LLM(hooks=hooks, **llm_kwargs), session
+
+    def close(self) -> None:
+        for s in self.sessions:
+            s.close()
+
+
+# ---- state, drawn ------------------------------------------------------------------------------
+def events_of(session: TraceSession) -> list[Event]:
+    """Every event the session's bus still holds, oldest first."""
+    return session.bus.subscribe(from_start=True).pull().events
+
+
+def block_table(req: Request, block_size: int, title: str | None = None) -> Table:
+    """A request's block table: logical block -> physical block, and the tokens in each."""
+    t = Table(title=title or f"block table of request {req.request_id}", show_lines=False)
+    t.add_column("logical")
+    t.add_column("physical")
+    t.add_column("slots used")
+    t.add_column("tokens")
+    n = req.num_computed_tokens
+    for i, phys in enumerate(req.block_ids):
+        used = max(0, min(block_size, n - i * block_size))
+        toks = req.all_token_ids[i * block_size:i * block_size + used]
+        t.add_row(str(i), str(phys), f"{used}/{block_size}", " ".join(map(str, toks[:8])) + (" …" if used > 8 else ""))
+    return t
+
+
+def queues(llm: LLM) -> Table:
+    """The scheduler's queues, as the engine holds them now."""
+    s = llm.llm_engine.scheduler
+    t = Table(title=f"step {llm.llm_engine.step_count}: scheduler queues")
+    for col in ("queue", "request", "status", "computed / total tokens", "blocks"):
+        t.add_column(col)
+    for name, reqs in (("running", s.running), ("waiting", list(s.waiting))):
+        for r in reqs:
+            t.add_row(name, r.request_id, r.status.value, f"{r.num_computed_tokens} / {r.num_tokens}",
+                      " ".join(map(str, r.block_ids)))
+    return t
+
+
+def kv_blocks(llm: LLM, width: int = 32) -> Text:
+    """Every physical block as a cell: a request's id if it holds the block, · if cached-free,
+    blank if free."""
+    bm = llm.llm_engine.block_manager
+    owner: dict[int, str] = {}
+    for r in list(llm.llm_engine.scheduler.running) + list(llm.llm_engine.scheduler.waiting):
+        for b in r.block_ids:
+            owner[b] = r.request_id if b not in owner else "*"  # * = shared
+    out = Text()
+    for b in range(bm.num_blocks):
+        cell = owner.get(b)
+        if cell is None:
+            cell = "·" if bm.blocks[b].hash is not None else " "
+        out.append(f"{cell[-1]:>1}", style="bold" if b in owner else "dim")
+        out.append("\n" if (b + 1) % width == 0 else "")
+    return out
+
+
+def table(columns: list[str], rows: list[list], title: str | None = None) -> Table:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*map(str, r))
+    return t
+
+
+# ---- running a lesson ----------------------------------------------------------------------------
+def parse_args(argv: list[str] | None, title: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=title)
+    ap.add_argument("--no-pause", action="store_true", help="run straight through without waiting for Enter")
+    ap.add_argument("--model", default="tiny-gpt2", help="model to run the lesson on (default tiny-gpt2)")
+    return ap.parse_args(argv)
+
+
+def main(module_globals: dict, argv: list[str] | None = None) -> int:
+    """Run the lesson defined in a lesson module (pass ``globals()``)."""
+    title, run = module_globals["TITLE"], module_globals["run"]
+    number = int(module_globals["__file__"].rsplit("/", 1)[-1][:2])
+    args = parse_args(argv, title)
+    lesson = Lesson(number, title, pause_enabled=not args.no_pause and sys.stdin.isatty(), model=args.model)
+    try:
+        run(lesson)
+    except LessonCheckFailed as e:
+        lesson.console.print(f"[bold red]✗ {e}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        lesson.close()
+    return 0
+
+
+Run = Callable[[Lesson], None]
+__all__ = ["Lesson", "LessonCheckFailed", "main", "block_table", "queues", "kv_blocks", "table", "events_of",
+           "Group"]

@@ -1,0 +1,40 @@
+"""Every lesson runs straight through (--no-pause) on the real engine and its checks pass;
+and a lesson fails when the behaviour it teaches is broken on purpose."""
+import importlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+import lessons
+from lessons.framework import main
+
+LESSONS = lessons.discover()
+
+
+@pytest.mark.parametrize("info", LESSONS, ids=[f"{i.number:02d}_{i.name}" for i in LESSONS])
+def test_lesson_runs_and_its_checks_pass(info, capsys):
+    t = time.perf_counter()
+    assert main(vars(importlib.import_module(info.module)), ["--no-pause"]) == 0, capsys.readouterr().out[-3000:]
+    assert time.perf_counter() - t < 60
+    assert "✓" in capsys.readouterr().out
+
+
+def test_paged_kv_cache_lesson_fails_if_blocks_are_over_allocated(monkeypatch, capsys):
+    """Break the block manager: every request gets one block more than it needs."""
+    from engine.block_manager import BlockManager
+    original = BlockManager.blocks_needed
+    monkeypatch.setattr(BlockManager, "blocks_needed", lambda self, n: original(self, n) + 1)
+    module = importlib.import_module(lessons.find("paged_kv_cache").module)
+    assert main(vars(module), ["--no-pause"]) == 1
+    assert "the engine disagrees" in capsys.readouterr().out
+
+
+def test_lessons_are_listed_and_run_from_the_cli():
+    r = subprocess.run([sys.executable, "-m", "tracer.cli", "lesson"], capture_output=True, text=True)
+    assert r.returncode == 0 and "paged_kv_cache" in r.stdout
+    r = subprocess.run([sys.executable, "lessons/05_paged_kv_cache.py", "--no-pause"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "tracer.cli", "lesson", "no-such-lesson"], capture_output=True, text=True)
+    assert r.returncode == 2 and "no single lesson matches" in r.stderr

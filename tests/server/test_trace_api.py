@@ -1,0 +1,278 @@
+"""/trace over HTTP against a live traced server: state, step control, breakpoints, the event
+stream, and the full chain of a request's journey read back from the recorded file.
+
+Synchronisation is by condition (poll /trace/state with a deadline), never by sleeping."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from engine import Hooks
+from engine.server.errors import install_error_handlers
+from tests.server.conftest import start_server
+from tracer import trace_api
+from tracer.bus import EventBus
+from tracer.events import EVENT_KEYS, read_trace
+from tracer.journey import CHAIN, layer_path, missing_links, request_events
+from tracer.session import TraceSession
+
+DEADLINE = 30.0
+
+
+@pytest.fixture(scope="module")
+def traced(model_cache, tmp_path_factory):
+    """A live server with a TraceSession recording to a file (its own engine: tests here pause it)."""
+    from engine import LLM
+    from engine.async_engine import AsyncLLMEngine
+    from engine.server import build_app
+
+    path = tmp_path_factory.mktemp("trace") / "serve.jsonl"
+    hooks = Hooks()
+    session = TraceSession(hooks, trace_file=path, model="tiny-gpt2")
+    engine = LLM("tiny-gpt2", hooks=hooks, num_kv_blocks=64).llm_engine
+    engine.warm_up()
+    app = build_app(AsyncLLMEngine(engine), "tiny-gpt2")
+    app.state.trace = session
+    app.include_router(trace_api.router)
+    server, thread, url = start_server(app)
+    with httpx.Client(base_url=url, timeout=60) as http:
+        yield SimpleNamespace(url=url, http=http, session=session, engine=engine, path=path)
+    session.controller.close()  # never leave the engine held: the server could not drain
+    trace_api.stop_event_streams(app)
+    server.should_exit = True
+    thread.join(30)
+    session.close()
+
+
+@pytest.fixture
+def t(traced):
+    yield traced
+    traced.http.post("/trace/resume")
+    for bp in traced.http.get("/trace/breakpoints").json()["breakpoints"]:
+        traced.http.delete(f"/trace/breakpoints/{bp['id']}")
+
+
+def wait_for(http: httpx.Client, pred, what: str) -> dict:
+    """Poll /trace/state until pred(body) holds."""
+    end = time.monotonic() + DEADLINE
+    while time.monotonic() < end:
+        body = http.get("/trace/state").json()
+        if pred(body):
+            return body
+        time.sleep(0.01)  # a poll interval, not a synchronisation: the condition decides
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Send(threading.Thread):
+    """A completion request in the background (it blocks while the engine is held)."""
+
+    def __init__(self, url: str, **body):
+        super().__init__(daemon=True)
+        self.url, self.body, self.result = url, {"prompt": "Hello", "temperature": 0, **body}, None
+        self.start()
+
+    def run(self) -> None:
+        self.result = httpx.post(self.url + "/v1/completions", json=self.body, timeout=60).json()
+
+
+def test_state_shape(t):
+    body = t.http.get("/trace/state").json()
+    assert set(body) == {"state", "controller", "step", "seq"}
+    assert body["step"] == t.engine.step_count and 0 < body["seq"] <= t.session.bus.next_seq
+    assert body["controller"]["paused"] is False
+    assert [s["stage"] for s in body["state"]["startup"]][-1] == "kernel_warmup"
+
+
+def test_pause_holds_a_request_in_waiting_and_step_runs_exactly_one(t):
+    assert t.http.post("/trace/pause").json()["controller"]["pause_requested"] is True
+    send = Send(t.url, max_tokens=4, ignore_eos=True)
+    held = wait_for(t.http, lambda b: b["controller"]["paused"] and b["state"]["waiting"], "the request to wait")
+    rid = held["state"]["waiting"][0]
+    req = held["state"]["requests"][rid]
+    assert req["status"] == "WAITING" and req["output_token_ids"] == [] and send.is_alive()
+    assert held["controller"]["point"] == "step" and held["step"] == t.engine.step_count
+    assert t.http.get("/trace/state").json()["state"]["requests"][rid]["output_token_ids"] == []  # still none
+
+    r = t.http.post("/trace/step", json={"n": 1, "granularity": "step", "wait": True}).json()
+    assert r["stop"] == {"point": "step", "step": held["step"] + 1, "reason": "step step"} and not r["timed_out"]
+    after = t.http.get("/trace/state").json()
+    assert after["step"] == held["step"] + 1
+    req = after["state"]["requests"][rid]
+    assert req["status"] == "RUNNING" and rid in after["state"]["running"]
+    assert len(req["output_token_ids"]) == 1  # the prefill step sampled exactly one token
+
+    assert t.http.post("/trace/resume").json()["controller"]["paused"] is False
+    send.join(DEADLINE)
+    assert send.result["id"] == rid and send.result["usage"]["completion_tokens"] == 4
+
+
+def test_step_body_is_validated(t):
+    r = t.http.post("/trace/step", json={"granularity": "layer"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "granularity"
+    assert t.http.post("/trace/step", json={"n": 0}).status_code == 400
+
+
+def test_breakpoints_add_list_delete_and_finish_holds_the_engine(t):
+    r = t.http.post("/trace/breakpoints", json={"condition": "finish"})
+    assert r.status_code == 201
+    bp = r.json()
+    assert bp["condition"] == "finish" and bp["layer"] == "engine" and bp["name"] == "FINISHED"
+    assert t.http.post("/trace/breakpoints", json={"condition": "finish"}).json() == bp  # no duplicate
+    t.http.post("/trace/breakpoints", json={"condition": "preempt:cmpl-x"})
+    listed = t.http.get("/trace/breakpoints").json()["breakpoints"]
+    assert [b["condition"] for b in listed] == ["finish", "preempt:cmpl-x"]
+
+    send = Send(t.url, max_tokens=2)
+    held = wait_for(t.http, lambda b: b["controller"]["paused"], "the finish breakpoint")
+    assert held["controller"]["reason"] == "breakpoint finish" and held["controller"]["point"] == "step_end"
+    (rid,) = held["state"]["finished"][-1:]
+    assert held["state"]["requests"][rid]["finish_reason"] == "length" and send.is_alive()
+
+    assert t.http.delete(f"/trace/breakpoints/{bp['id']}").status_code == 204
+    assert t.http.delete(f"/trace/breakpoints/{bp['id']}").status_code == 404
+    assert [b["condition"] for b in t.http.get("/trace/breakpoints").json()["breakpoints"]] == ["preempt:cmpl-x"]
+    t.http.post("/trace/resume")
+    send.join(DEADLINE)
+    assert send.result["id"] == rid
+
+
+def test_bad_condition_is_a_400_with_an_openai_error_body(t):
+    r = t.http.post("/trace/breakpoints", json={"condition": "whenever"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "condition" and "bad condition" in err["message"] and err["type"]
+
+
+def read_sse(url: str, params: dict, stop, headers=None) -> list[dict]:
+    """Events (and `missed` notices as {"missed": n}) until stop(event) is true."""
+    out = []
+    with httpx.stream("GET", url + "/trace/events", params=params, timeout=DEADLINE, headers=headers) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        kind = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                out.append({"missed": data["count"]} if kind == "missed" else data)
+                kind = None
+                if stop(out[-1]):
+                    return out
+    raise AssertionError("the stream ended first")
+
+
+def is_finished(rid):
+    return lambda ev: ev.get("layer") == "engine" and ev.get("name") == "FINISHED" and ev.get("request_id") == rid
+
+
+def test_events_filtered_by_layer_and_request(t):
+    since = t.http.get("/trace/state").json()["seq"]
+    other = Send(t.url, prompt="other", max_tokens=3)
+    rid = t.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).json()["id"]
+    other.join(DEADLINE)
+    evs = read_sse(t.url, {"since": since, "layer": "engine,detokenizer", "request_id": rid}, is_finished(rid))
+    assert all(set(ev) == set(EVENT_KEYS) for ev in evs)
+    assert {ev["layer"] for ev in evs} == {"engine", "detokenizer"} and {ev["request_id"] for ev in evs} == {rid}
+    assert [ev["name"] for ev in evs if ev["layer"] == "detokenizer"] == ["NEW_TOKENS"] * 3
+    assert evs[0]["seq"] >= since and [e["seq"] for e in evs] == sorted(e["seq"] for e in evs)
+
+    # a request's journey includes the step-level events (kernels) of the steps it ran in
+    journey = read_sse(t.url, {"since": since, "request_id": rid}, is_finished(rid))
+    kernels = [ev for ev in journey if ev["layer"] == "kernel"]
+    assert kernels and all(ev["request_id"] is None and "launch" not in ev["attrs"] for ev in kernels)
+    assert {ev["request_id"] for ev in journey} == {rid, None}
+
+    only_kernels = read_sse(t.url, {"since": since, "layer": "kernel"}, lambda ev: True)
+    assert only_kernels[0]["layer"] == "kernel"
+
+
+def test_events_live_from_now(t):
+    with httpx.stream("GET", t.url + "/trace/events", params={"layer": "http"}, timeout=DEADLINE) as r:
+        rid = t.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).json()["id"]
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+    assert first["layer"] == "http" and first["request_id"] == rid and first["kind"] == "begin"
+
+
+def test_unknown_layer_is_a_400(t):
+    r = t.http.get("/trace/events", params={"layer": "gpu"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "layer"
+
+
+def test_full_chain_from_http_to_http_in_the_recorded_file(t):
+    rid = t.http.post("/v1/completions", json={"prompt": "The chain", "max_tokens": 3}).json()["id"]
+    body = {"prompt": "A stream", "max_tokens": 3, "stream": True}
+    with t.http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    sid = chunks[0]["id"]
+    t.session.recorder.flush()  # both http ends were published before the responses completed
+    _, events = read_trace(t.path)
+    for request_id in (rid, sid):
+        journey = request_events(events, request_id)
+        path = layer_path(journey)
+        assert missing_links(path) == [], path
+        assert path == list(CHAIN)  # every layer, in order, none cutting in
+        assert (journey[0].name, journey[0].kind) == ("POST /v1/completions", "begin")
+        assert (journey[-1].name, journey[-1].kind) == ("POST /v1/completions", "end")
+
+
+# ---- without a live server: guards, 503, the stream's missed notice ---------------------
+def bare_app(host="127.0.0.1", api_key=None, session=None) -> TestClient:
+    app = FastAPI()
+    app.state.server = SimpleNamespace(host=host, api_key=api_key)
+    app.state.trace = session
+    install_error_handlers(app)
+    app.include_router(trace_api.router)
+    return TestClient(app)
+
+
+@pytest.fixture
+def bare_session():
+    session = TraceSession(Hooks())
+    yield session
+    session.close()
+
+
+def test_control_refused_on_public_bind_without_key_but_reads_stay_open(bare_session):
+    c = bare_app("0.0.0.0", None, bare_session)
+    for method, path, body in [("post", "/trace/pause", None), ("post", "/trace/resume", None),
+                               ("post", "/trace/step", {}), ("post", "/trace/breakpoints", {"condition": "finish"}),
+                               ("delete", "/trace/breakpoints/1", None)]:
+        r = c.request(method.upper(), path, json=body)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "control_disabled", path
+    assert c.get("/trace/breakpoints").json() == {"breakpoints": []}
+    assert bare_session.controller.status()["pause_requested"] is False
+
+
+def test_control_needs_the_right_key(bare_session):
+    c = bare_app("0.0.0.0", "sesame", bare_session)
+    assert c.post("/trace/pause", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert c.post("/trace/pause").status_code == 401
+    r = c.post("/trace/pause", headers={"Authorization": "Bearer sesame"})
+    assert r.status_code == 200 and r.json()["controller"]["pause_requested"] is True
+
+
+def test_503_when_tracing_is_off():
+    c = bare_app(session=None)
+    for method, path in [("GET", "/trace/state"), ("GET", "/trace/events"), ("POST", "/trace/pause"),
+                         ("GET", "/trace/breakpoints")]:
+        r = c.request(method, path)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "tracing_disabled", path
+
+
+def test_stream_reports_missed_events_then_ends_when_the_bus_closes():
+    bus = EventBus(capacity=4)
+    for i in range(10):
+        bus.publish("engine", f"e{i}")
+    bus.close()  # the stream sends what is buffered, then ends
+    c = bare_app(session=SimpleNamespace(bus=bus, controller=None))
+    text = c.get("/trace/events", params={"since": 0}).text
+    frames = [f for f in text.split("\n\n") if f]
+    assert frames[0] == 'event: missed\ndata: {"count": 6}'
+    assert [json.loads(f[6:])["name"] for f in frames[1:]] == ["e6", "e7", "e8", "e9"]

@@ -1,0 +1,37 @@
+"""`vllm-trace lesson [NN | NAME]`: list the lessons, or run one.
+
+The lessons sit above the tracer in the dependency order; this launcher finds them by name
+at run time (importlib), the way a shell finds a script, so nothing in the tracer imports them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+
+def register(sub) -> None:
+    p = sub.add_parser("lesson", help="list the lessons, or run one",
+                       description="Lessons teach one concept each on the real engine, pausing at the moment "
+                                   "that shows it. Without an argument, list them.")
+    p.add_argument("which", nargs="?", help="lesson number (5) or name (paged_kv_cache)")
+    p.add_argument("--no-pause", action="store_true", help="run straight through")
+    p.add_argument("--model", default="tiny-gpt2", help="model to run the lesson on (default tiny-gpt2)")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    lessons = importlib.import_module("lessons")
+    if args.which is None:
+        from rich.console import Console
+        from rich.table import Table
+        t = Table(title="vllm-trace lessons (run one: vllm-trace lesson NN)")
+        for col in ("NN", "name", "title", "what it teaches"):
+            t.add_column(col)
+        for info in lessons.discover():
+            t.add_row(f"{info.number:02d}", info.name, info.title, info.summary)
+        Console().print(t)
+        return 0
+    info = lessons.find(args.which)
+    module = importlib.import_module(info.module)
+    argv = ["--model", args.model] + (["--no-pause"] if args.no_pause else [])
+    return importlib.import_module("lessons.framework").main(vars(module), argv)
