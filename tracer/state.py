@@ -232,6 +232,13 @@ def _engine(s: TraceState, ev: Event) -> None:
         _startup_stage(s, ev)
 
 
+def _cli(s: TraceState, ev: Event) -> None:
+    """`serve`'s own startup stages (args, config, HTTP ready) join the engine's; `serve`
+    itself is a span for the server's whole life, not a stage."""
+    if ev.name != "serve":
+        _engine(s, ev)
+
+
 HISTORY = 120  # steps of KV use and kernel time kept for sparklines
 
 
@@ -390,6 +397,7 @@ _HANDLERS = {
 }
 _LAYER_HANDLERS = {
     "engine": _engine,
+    "cli": _cli,
     "block_manager": _block_manager,
     "kernel": _kernel,
     "tracer": _tracer,

@@ -80,3 +80,20 @@ def test_state_survives_a_round_trip_through_json():
     assert again.to_dict() == state.to_dict()
     assert again.requests["r"].timeline == state.requests["r"].timeline
     session.close()
+
+
+def test_serve_stages_join_the_engine_stages_but_the_server_span_does_not():
+    from tracer.bus import EventBus
+    from tracer.state import fold
+    bus, state = EventBus(), TraceState()
+    for name in ("args", "config"):
+        bus.publish("cli", name, "begin")
+        bus.publish("cli", name, "end", attrs={"seconds": 0.5})
+    bus.publish("engine", "model_load", "begin")
+    bus.publish("engine", "model_load", "end", attrs={"seconds": 1.0, "params": 3})
+    bus.publish("cli", "http_ready", "begin")
+    bus.publish("cli", "serve", "begin", attrs={"url": "http://x"})
+    for ev in bus.read(0)[0]:
+        fold(state, ev)
+    assert [st["stage"] for st in state.startup] == ["args", "config", "model_load"]
+    assert state.startup_current["stage"] == "http_ready"  # in progress: serve's span is no stage

@@ -15,7 +15,7 @@ from textual.widgets import ProgressBar, Static
 from tracer.tui.fmt import fmt_bytes
 from tracer.tui.frame import Frame
 
-LABELS = {"resolve_model": "model files", "tokenizer_load": "tokenizer", "model_load": "weights",
+LABELS = {"args": "arguments", "config": "config", "resolve_model": "model files", "tokenizer_load": "tokenizer", "model_load": "weights",
           "kv_cache_alloc": "KV cache", "kernel_warmup": "kernel warm-up", "http_ready": "HTTP ready"}
 
 
