@@ -353,6 +353,8 @@ def _batch(s: TraceState, ev: Event) -> None:
 
 
 def _kernel(s: TraceState, ev: Event) -> None:
+    if ev.step is None:
+        return  # the startup warm-up's launches belong to no step
     if ev.kind != BEGIN:  # a launch is one instant, or a begin/end pair counted once, at its end
         s.kernels.append({"name": ev.name, **_attrs(ev)})
     s.phase = "execute"
