@@ -67,9 +67,14 @@ def sparkline(values, width: int = 16, top: float | None = None) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in values)
 
 
+STATUS_STYLES = {"WAITING": "yellow", "RUNNING": "green", "PREEMPTED": "bold red", "FINISHED_ABORTED": "red"}
+
+
 def status_text(status: str) -> Text:
-    style = {"WAITING": "yellow", "RUNNING": "green", "PREEMPTED": "bold red", "FINISHED_ABORTED": "red"}.get(status, "dim")
-    label = "aborted" if status == "FINISHED_ABORTED" else "finished" if status.startswith("FINISHED") else status.lower()
+    style = STATUS_STYLES.get(status, "dim")
+    if status.startswith("FINISHED"):
+        return Text("aborted" if status == "FINISHED_ABORTED" else "finished", style=style)
+    label = status.lower()
     return Text(label, style=style)
 
 

@@ -87,9 +87,11 @@ class ProgramGrid(Widget, can_focus=True):
             t.append(f"head {y:>2} ", "dim")
             for x in range(min(gx, 64)):
                 work = (self.access or {}).get((x, y, self.cursor[2]), ())
-                rid = reqs[work[0].request] if work and work[0].request is not None and work[0].request < len(reqs) else None
+                r = work[0].request if work else None
+                rid = reqs[r] if r is not None and r < len(reqs) else None
                 here = (x, y) == self.cursor[:2]
-                t.append("◆" if here else ("■" if work else "·"), ("reverse " if here else "") + colors.get(rid, "white"))
+                style = ("reverse " if here else "") + colors.get(rid, "white")
+                t.append("◆" if here else ("■" if work else "·"), style)
             if gx > 64:
                 t.append(f" … +{gx - 64}", "dim")
             t.append("\n")

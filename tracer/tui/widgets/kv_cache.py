@@ -114,7 +114,8 @@ class KVCachePanel(Vertical):
         bar_w = max(10, min(40, width - 56))
         filled = round(usage * bar_w)
         summary = Text.assemble(
-            ("KV cache ", "bold"), ("█" * filled, "green" if usage < 0.8 else "red"), ("░" * (bar_w - filled), "dim"),
+            ("KV cache ", "bold"), ("█" * filled, "green" if usage < 0.8 else "red"),
+            ("░" * (bar_w - filled), "dim"),
             f" {usage:5.1%} {used}/{total} used · {shared} shared · {len(s.cached_free)} cached",
             ("\nper step ", "dim"), (sparkline(s.kv_usage_history, max(10, width - 12), top=1.0), "green"),
             ("\n█ owned  ▓ shared prefix  ░ cached, free  · free", "dim"),

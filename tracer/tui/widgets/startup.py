@@ -15,7 +15,8 @@ from textual.widgets import ProgressBar, Static
 from tracer.tui.fmt import fmt_bytes
 from tracer.tui.frame import Frame
 
-LABELS = {"args": "arguments", "config": "config", "resolve_model": "model files", "tokenizer_load": "tokenizer", "model_load": "weights",
+LABELS = {"args": "arguments", "config": "config", "resolve_model": "model files", "tokenizer_load": "tokenizer",
+          "model_load": "weights",
           "kv_cache_alloc": "KV cache", "kernel_warmup": "kernel warm-up", "http_ready": "HTTP ready"}
 
 
@@ -24,7 +25,8 @@ def stage_details(stage: dict) -> str:
     if name == "model_load" and "params" in stage:
         return f"{stage['params']:,} parameters, {fmt_bytes(stage.get('bytes'))}"
     if name == "kv_cache_alloc" and "num_blocks" in stage:
-        return (f"{stage['num_blocks']} blocks × {stage['block_size']} tokens × {fmt_bytes(stage.get('bytes_per_block'))}"
+        per_block = fmt_bytes(stage.get("bytes_per_block"))
+        return (f"{stage['num_blocks']} blocks × {stage['block_size']} tokens × {per_block}"
                 f" = {fmt_bytes(stage.get('bytes'))}")
     if name == "tokenizer_load" and "vocab_size" in stage:
         return f"vocab {stage['vocab_size']}"
@@ -66,7 +68,8 @@ class StartupPanel(VerticalScroll):
                           f"{st.get('seconds', 0) * 1000:.1f} ms", stage_details(st))
         cur = s.startup_current
         if cur is not None:
-            table.add_row(Text("…", "yellow"), LABELS.get(cur["stage"], cur["stage"]), "", Text("in progress", "yellow"))
+            table.add_row(Text("…", "yellow"), LABELS.get(cur["stage"], cur["stage"]), "",
+                          Text("in progress", "yellow"))
         self.query_one("#startup-stages", Static).update(table)
         bar = self.query_one("#startup-progress", ProgressBar)
         # The engine reports stages, not bytes within one: a stage in progress is indeterminate.
@@ -85,5 +88,6 @@ class StartupPanel(VerticalScroll):
                                  ("Send a request from another terminal:\n", "dim"),
                                  (curl_line(self.url, self.model), "bold"), "\n\n",
                                  ("or press ctrl+p and choose 'Send a test request'. "
-                                  "Then watch it in Requests (2), KV cache (3), Step (4), Kernels (5), Log (6).", "dim"))
+                                  "Then watch it in Requests (2), KV cache (3), Step (4), Kernels (5), "
+                                  "Log (6).", "dim"))
         return Text("Ready.", "bold green")
