@@ -15,8 +15,8 @@ $(BIN)/vllm-trace: pyproject.toml
 
 setup: $(BIN)/vllm-trace
 
-demo: setup  ## generate with the built-in offline model
-	$(BIN)/vllm-trace generate tiny-gpt2 "The paged KV cache" --max-tokens 32
+demo: setup  ## the TUI on the built-in offline model (send requests from a second terminal)
+	$(BIN)/vllm-trace serve tiny-gpt2
 
 test: setup  ## the whole test suite
 	$(BIN)/python -m pytest

@@ -73,6 +73,7 @@ class GPT2Model(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, n_embd]."""
+        self.backend.prepare(meta, kv_caches[0][0].shape[1])  # once per forward: indexing all layers share
         x = self.wte(input_ids) + self.wpe(positions)
         for i, block in enumerate(self.h):
             instrument.set_tags(layer=i)  # labels kernel launches; a no-op unless observed
