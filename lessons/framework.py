@@ -36,6 +36,33 @@ class LessonCheckFailed(AssertionError):
     """A lesson's claim does not hold for the engine's real state."""
 
 
+class LessonCancelled(Exception):
+    """The learner left (quit the TUI): raised at the lesson's next checkpoint or line of narration."""
+
+
+class Presenter:
+    """Where a lesson's narration goes and how a checkpoint waits: the terminal (below) or the
+    TUI's side panel (lessons/tui.py). The lesson's text and checks are the same for both."""
+
+    def emit(self, renderable) -> None:
+        raise NotImplementedError
+
+    def wait(self, prompt: str) -> None:
+        """Block until the learner continues; the lesson does not step the engine meanwhile."""
+        raise NotImplementedError
+
+
+class ConsolePresenter(Presenter):
+    def __init__(self, console: Console):
+        self.console = console
+
+    def emit(self, renderable) -> None:
+        self.console.print(renderable)
+
+    def wait(self, prompt: str) -> None:
+        self.console.input(f"[dim]{prompt}…[/]")
+
+
 @dataclass
 class Lesson:
     number: int
@@ -44,39 +71,44 @@ class Lesson:
     model: str = "tiny-gpt2"
     console: Console = field(default_factory=Console)
     checks: list[str] = field(default_factory=list)  # claims verified so far, in order
-    sessions: list[TraceSession] = field(default_factory=list)
+    sessions: list[TraceSession] = field(default_factory=list)  # appended before the engine starts
+    presenter: Presenter | None = None  # default: the console
+
+    def __post_init__(self) -> None:
+        if self.presenter is None:
+            self.presenter = ConsolePresenter(self.console)
 
     # ---- narration --------------------------------------------------------------------------
     def intro(self, what_you_will_see: str) -> None:
-        self.console.print(Rule(f"[bold]Lesson {self.number}: {self.title}"))
-        self.console.print(Panel(Markdown(what_you_will_see), title="What you will see", border_style="cyan"))
+        self.presenter.emit(Rule(f"[bold]Lesson {self.number}: {self.title}"))
+        self.presenter.emit(Panel(Markdown(what_you_will_see), title="What you will see", border_style="cyan"))
 
     def say(self, text: str) -> None:
-        self.console.print(Markdown(text))
+        self.presenter.emit(Markdown(text))
 
     def show(self, renderable, title: str | None = None) -> None:
-        self.console.print(Panel(renderable, title=title, border_style="blue") if title else renderable)
+        self.presenter.emit(Panel(renderable, title=title, border_style="blue") if title else renderable)
 
     def pause(self, prompt: str = "Press Enter to continue") -> None:
         """A checkpoint: the engine stays exactly where it is until the learner continues."""
         if self.pause_enabled:
-            self.console.input(f"[dim]{prompt}…[/]")
+            self.presenter.wait(prompt)
 
     def predict(self, question: str, answer: str) -> None:
         """Ask the learner to predict something before showing it."""
-        self.console.print(Panel(question, title="Predict", border_style="yellow"))
+        self.presenter.emit(Panel(question, title="Predict", border_style="yellow"))
         self.pause("Think, then press Enter for the answer")
-        self.console.print(Text("Answer: ", style="bold yellow") + Text(answer))
+        self.presenter.emit(Text("Answer: ", style="bold yellow") + Text(answer))
 
     def check(self, condition: bool, claim: str) -> None:
         """Verify a claim the lesson makes against real engine state."""
         if not condition:
             raise LessonCheckFailed(f"lesson {self.number} claims: {claim} — but the engine disagrees")
         self.checks.append(claim)
-        self.console.print(Text("  ✓ ", style="green") + Text(claim, style="dim"))
+        self.presenter.emit(Text("  ✓ ", style="green") + Text(claim, style="dim"))
 
     def done(self, summary: str) -> None:
-        self.console.print(Panel(Markdown(summary), title="What you learned", border_style="green"))
+        self.presenter.emit(Panel(Markdown(summary), title="What you learned", border_style="green"))
 
     # ---- the engine -------------------------------------------------------------------------
     def engine(self, trace_file: str | None = None, **llm_kwargs) -> tuple[LLM, TraceSession]:
@@ -158,7 +190,23 @@ def parse_args(argv: list[str] | None, title: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=title)
     ap.add_argument("--no-pause", action="store_true", help="run straight through without waiting for Enter")
     ap.add_argument("--model", default="tiny-gpt2", help="model to run the lesson on (default tiny-gpt2)")
+    ap.add_argument("--tui", action="store_true",
+                    help="open the TUI on the lesson's engine, held at each checkpoint, narration beside it")
     return ap.parse_args(argv)
+
+
+def run_lesson(lesson: Lesson, run: "Run") -> int:
+    """Run a lesson to its end; the exit code: 0 every check held, 1 one failed, 130 interrupted."""
+    try:
+        run(lesson)
+    except LessonCheckFailed as e:
+        lesson.presenter.emit(Text(f"✗ {e}", style="bold red"))
+        return 1
+    except (KeyboardInterrupt, LessonCancelled):
+        return 130
+    finally:
+        lesson.close()
+    return 0
 
 
 def main(module_globals: dict, argv: list[str] | None = None) -> int:
@@ -166,19 +214,14 @@ def main(module_globals: dict, argv: list[str] | None = None) -> int:
     title, run = module_globals["TITLE"], module_globals["run"]
     number = int(module_globals["__file__"].rsplit("/", 1)[-1][:2])
     args = parse_args(argv, title)
+    if args.tui:
+        from lessons.tui import run_in_tui  # Textual only when asked for
+        lesson = Lesson(number, title, pause_enabled=not args.no_pause, model=args.model)
+        return run_in_tui(lesson, run)
     lesson = Lesson(number, title, pause_enabled=not args.no_pause and sys.stdin.isatty(), model=args.model)
-    try:
-        run(lesson)
-    except LessonCheckFailed as e:
-        lesson.console.print(f"[bold red]✗ {e}")
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        lesson.close()
-    return 0
+    return run_lesson(lesson, run)
 
 
 Run = Callable[[Lesson], None]
-__all__ = ["Lesson", "LessonCheckFailed", "main", "block_table", "queues", "kv_blocks", "table", "events_of",
-           "Group"]
+__all__ = ["Lesson", "LessonCheckFailed", "LessonCancelled", "Presenter", "ConsolePresenter", "run_lesson", "main",
+           "block_table", "queues", "kv_blocks", "table", "events_of", "Group"]

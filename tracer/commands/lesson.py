@@ -16,6 +16,8 @@ def register(sub) -> None:
     p.add_argument("which", nargs="?", help="lesson number (5) or name (paged_kv_cache)")
     p.add_argument("--no-pause", action="store_true", help="run straight through")
     p.add_argument("--model", default="tiny-gpt2", help="model to run the lesson on (default tiny-gpt2)")
+    p.add_argument("--tui", action="store_true",
+                   help="open the TUI on the lesson's engine, held at each checkpoint, narration beside it")
     p.set_defaults(handler=run)
 
 
@@ -33,5 +35,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     info = lessons.find(args.which)
     module = importlib.import_module(info.module)
-    argv = ["--model", args.model] + (["--no-pause"] if args.no_pause else [])
+    argv = ["--model", args.model] + (["--no-pause"] if args.no_pause else []) + (["--tui"] if args.tui else [])
     return importlib.import_module("lessons.framework").main(vars(module), argv)

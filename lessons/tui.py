@@ -1,0 +1,219 @@
+"""`--tui`: a lesson in the TUI, its engine held at each checkpoint, its narration beside it.
+
+The lesson's `run(lesson)` is unchanged: it runs in a thread of its own and steps its engine
+itself, so "held at a checkpoint" means that thread waits in `pause()` until the learner
+presses `c`. Meanwhile the panels fold the session's bus on the UI thread exactly as they do
+for `vllm-trace serve`; since nothing steps the engine, they show it as it was at the checkpoint.
+Every update from the lesson thread goes through `App.call_from_thread`.
+
+Quitting cancels the lesson: its next narration line or checkpoint raises LessonCancelled,
+`run_lesson` catches it and closes the sessions, and the app exits once that thread is done
+(a second `q` exits at once).
+"""
+from __future__ import annotations
+
+import threading
+import traceback
+from pathlib import Path
+
+from rich.text import Text
+from textual.binding import Binding
+from textual.widgets import RichLog
+
+import tracer.tui.app
+from lessons.framework import Lesson, LessonCancelled, Presenter, Run, run_lesson
+from tracer.state import TraceState
+from tracer.tui.app import TraceApp
+from tracer.tui.sources.base import EventBatch, Source, SourceInfo
+from tracer.tui.sources.live import LiveSource
+
+ABORTED = 130
+
+
+class LessonSource(Source):
+    """The engine of the lesson's most recent `lesson.engine()` (a lesson may build several):
+    a LiveSource on that session, replaced when a newer session appears. No step controller:
+    the lesson drives the steps, so the app hides pause/step/breakpoints."""
+
+    can_control = False
+
+    def __init__(self, lesson: Lesson):
+        self.lesson = lesson
+        # no url: nothing to send requests to (the Startup panel would print a curl line)
+        self.info = SourceInfo("lesson", model=lesson.model)
+        self.held: str | None = None  # the checkpoint's prompt while the lesson waits for the learner
+        self.ended = False
+        self._live: LiveSource | None = None
+        self._switched = False
+
+    def _follow(self) -> LiveSource | None:
+        sessions = self.lesson.sessions  # appended by the lesson thread; reading [-1] is atomic
+        if sessions and (self._live is None or self._live.session is not sessions[-1]):
+            self._live = LiveSource(sessions[-1], self.info)
+            self._switched = True  # the log starts over with the new engine
+        return self._live
+
+    def refresh(self) -> TraceState:
+        live = self._follow()
+        if live is None:
+            return TraceState()
+        state = live.refresh()
+        cfg = state.engine_config or {}
+        # The header holds this same info object: fill in what the engine's config event says.
+        self.info.device = (cfg.get("model") or {}).get("device") or self.info.device
+        self.info.backend = cfg.get("attention_backend") or self.info.backend
+        return state
+
+    def take_events(self) -> EventBatch:
+        live = self._follow()
+        batch = live.take_events() if live is not None else EventBatch()
+        batch.reset, self._switched = self._switched, False
+        return batch
+
+    def now_ns(self) -> int:
+        return self._live.now_ns() if self._live is not None else 0
+
+    def controller(self) -> dict:
+        """Held (the header says PAUSED) while the lesson waits at a checkpoint or has ended."""
+        if self.held is not None:
+            return {"paused": True, "point": "checkpoint", "reason": "the lesson waits: c continues",
+                    "breakpoints": []}
+        if self.ended:
+            return {"paused": True, "point": "end", "reason": "the lesson has ended: q quits", "breakpoints": []}
+        return {"paused": False, "breakpoints": []}
+
+    def in_flight(self) -> int:
+        return 0  # quitting a lesson loses nothing: no confirmation
+
+
+class TuiPresenter(Presenter):
+    """Narration into the app's side panel; a checkpoint blocks the lesson thread on an Event."""
+
+    def __init__(self, app: "LessonApp"):
+        self.app = app
+        self.cancelled = threading.Event()
+        self._go = threading.Event()
+
+    def _live(self) -> None:
+        if self.cancelled.is_set():
+            raise LessonCancelled("the learner quit")
+
+    def emit(self, renderable) -> None:
+        self._live()
+        self.app.call_from_thread(self.app.narrate, renderable)
+
+    def wait(self, prompt: str) -> None:
+        self._live()
+        self._go.clear()
+        self.app.call_from_thread(self.app.hold, prompt)
+        self._go.wait()
+        self._live()
+
+    def resume(self) -> None:
+        self._go.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self._go.set()
+
+
+class LessonApp(TraceApp):
+    # Relative paths resolve against the subclass's file: point at the TUI's own stylesheet.
+    CSS_PATH = str(Path(tracer.tui.app.__file__).with_name("app.tcss"))
+    CSS = """
+    #narration {
+        dock: right;
+        width: 45%;
+        min-width: 36;
+        border-left: solid $primary;
+        padding: 0 1;
+    }
+    """
+    BINDINGS = [Binding("c", "continue_lesson", "continue")]
+
+    def __init__(self, lesson: Lesson, run: Run, initial_pane: str = "requests", **kwargs):
+        super().__init__(LessonSource(lesson), initial_pane=initial_pane, **kwargs)
+        self.lesson = lesson
+        self.presenter = lesson.presenter = TuiPresenter(self)
+        self.exit_code: int | None = None  # the lesson's, once it has ended; ABORTED if quit before
+        self._thread = threading.Thread(target=self._run_lesson, args=(run,), name=f"lesson-{lesson.number:02d}",
+                                        daemon=True)
+
+    def compose(self):
+        yield from super().compose()
+        yield RichLog(id="narration", wrap=True, markup=False)
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.narration = self.query_one("#narration", RichLog)
+        self._thread.start()
+
+    def _run_lesson(self, run: Run) -> None:  # the lesson thread
+        try:
+            code = run_lesson(self.lesson, run)
+        except LessonCancelled:  # quit while run_lesson was reporting a failed check
+            code = ABORTED
+        except Exception:  # a bug, not a false claim: show it where the learner is looking
+            code = 1
+            self._report(Text(traceback.format_exc(), style="red"))
+        try:
+            self.call_from_thread(self.lesson_ended, code)
+        except RuntimeError:  # the app is gone already (a second q)
+            pass
+
+    def _report(self, renderable) -> None:
+        try:
+            self.call_from_thread(self.narrate, renderable)
+        except RuntimeError:
+            pass
+
+    # ---- called on the UI thread (through call_from_thread) ----------------------------------
+    def narrate(self, renderable) -> None:
+        self.narration.write(renderable, expand=True)
+
+    def hold(self, prompt: str) -> None:
+        self.source.held = prompt
+        self.narrate(Text(f"⏸ {prompt.replace('Enter', 'c')}", style="bold yellow"))
+        self.refresh_bindings()
+        self.tick()  # the panels show the checkpoint now, not at the next timer tick
+
+    def lesson_ended(self, code: int) -> None:
+        self.exit_code = code
+        self.source.ended = True
+        self.refresh_bindings()
+        if self.presenter.cancelled.is_set():
+            self.exit()
+            return
+        end = {0: ("✓ Lesson finished: every check held. q quits.", "bold green"),
+               1: ("✗ Lesson stopped at the failed check above. q quits.", "bold red")}
+        self.narrate(Text(*end.get(code, (f"Lesson ended (exit {code}). q quits.", "bold"))))
+        self.tick()
+
+    # ---- keys --------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action == "continue_lesson":
+            return True if self.source.held is not None else None  # shown, dimmed between checkpoints
+        return super().check_action(action, parameters)
+
+    def action_continue_lesson(self) -> None:
+        if self.source.held is None:
+            return
+        self.source.held = None
+        self.refresh_bindings()
+        self.presenter.resume()
+
+    async def action_quit(self) -> None:
+        if self.exit_code is not None or self.presenter.cancelled.is_set():
+            self.exit()  # the lesson is over, or this is the second q
+            return
+        self.presenter.cancel()
+        self.source.held = None
+        self.narrate(Text("Stopping the lesson…", style="dim"))
+
+
+def run_in_tui(lesson: Lesson, run: Run) -> int:
+    """Run the lesson in the TUI until the learner quits; the lesson's exit code."""
+    app = LessonApp(lesson, run)
+    app.run()
+    app.presenter.cancel()  # the app may have gone without q (a signal): free the lesson thread
+    return app.exit_code if app.exit_code is not None else ABORTED
