@@ -72,6 +72,7 @@ class Lesson:
     console: Console = field(default_factory=Console)
     checks: list[str] = field(default_factory=list)  # claims verified so far, in order
     sessions: list[TraceSession] = field(default_factory=list)  # appended before the engine starts
+    llms: list[LLM] = field(default_factory=list)  # appended once started (sessions[i] traces llms[i])
     presenter: Presenter | None = None  # default: the console
 
     def __post_init__(self) -> None:
@@ -117,7 +118,9 @@ class Lesson:
         session = TraceSession(hooks, trace_file=trace_file, control=False, model=self.model)
         self.sessions.append(session)
         llm_kwargs.setdefault("model", self.model)
-        return LLM(hooks=hooks, **llm_kwargs), session
+        llm = LLM(hooks=hooks, **llm_kwargs)
+        self.llms.append(llm)
+        return llm, session
 
     def close(self) -> None:
         for s in self.sessions:

@@ -23,11 +23,13 @@ from textual.widgets import RichLog
 import tracer.tui.app
 from lessons.framework import Lesson, LessonCancelled, Presenter, Run, run_lesson
 from tracer.state import TraceState
-from tracer.tui.app import TraceApp
+from tracer.tui.app import WIDE, TraceApp
 from tracer.tui.sources.base import EventBatch, Source, SourceInfo
 from tracer.tui.sources.live import LiveSource
+from tracer.tui.widgets.step import StepPanel
 
 ABORTED = 130
+NARRATION_PCT, NARRATION_MIN = 45, 36  # the side panel's share of the terminal, and its least width
 
 
 class LessonSource(Source):
@@ -57,12 +59,12 @@ class LessonSource(Source):
         live = self._follow()
         if live is None:
             return TraceState()
-        state = live.refresh()
-        cfg = state.engine_config or {}
-        # The header holds this same info object: fill in what the engine's config event says.
-        self.info.device = (cfg.get("model") or {}).get("device") or self.info.device
-        self.info.backend = cfg.get("attention_backend") or self.info.backend
-        return state
+        llms = self.lesson.llms
+        if len(llms) == len(self.lesson.sessions):  # started: the resolved device and backend
+            # (the config event only has what was asked for, often "auto"); the header holds this info
+            engine = llms[-1].llm_engine
+            self.info.device, self.info.backend = str(engine.device), engine.attention_backend
+        return live.refresh()
 
     def take_events(self) -> EventBatch:
         live = self._follow()
@@ -76,10 +78,9 @@ class LessonSource(Source):
     def controller(self) -> dict:
         """Held (the header says PAUSED) while the lesson waits at a checkpoint or has ended."""
         if self.held is not None:
-            return {"paused": True, "point": "checkpoint", "reason": "the lesson waits: c continues",
-                    "breakpoints": []}
+            return {"paused": True, "point": "a checkpoint", "reason": "c continues", "breakpoints": []}
         if self.ended:
-            return {"paused": True, "point": "end", "reason": "the lesson has ended: q quits", "breakpoints": []}
+            return {"paused": True, "point": "the end of the lesson", "reason": "q quits", "breakpoints": []}
         return {"paused": False, "breakpoints": []}
 
     def in_flight(self) -> int:
@@ -120,16 +121,16 @@ class TuiPresenter(Presenter):
 class LessonApp(TraceApp):
     # Relative paths resolve against the subclass's file: point at the TUI's own stylesheet.
     CSS_PATH = str(Path(tracer.tui.app.__file__).with_name("app.tcss"))
-    CSS = """
-    #narration {
+    CSS = f"""
+    #narration {{
         dock: right;
-        width: 45%;
-        min-width: 36;
+        width: {NARRATION_PCT}%;
+        min-width: {NARRATION_MIN};
         border-left: solid $primary;
         padding: 0 1;
-    }
+    }}
     """
-    BINDINGS = [Binding("c", "continue_lesson", "continue")]
+    BINDINGS = [Binding("c", "continue_lesson", "continue"), Binding("l", "toggle_narration", "lesson text")]
 
     def __init__(self, lesson: Lesson, run: Run, initial_pane: str = "requests", **kwargs):
         super().__init__(LessonSource(lesson), initial_pane=initial_pane, **kwargs)
@@ -141,12 +142,25 @@ class LessonApp(TraceApp):
 
     def compose(self):
         yield from super().compose()
-        yield RichLog(id="narration", wrap=True, markup=False)
+        # min_width: RichLog renders at least 78 columns wide by default, wider than the panel
+        self.narration = RichLog(id="narration", wrap=True, markup=False, min_width=20)
+        yield self.narration
 
+    # Textual runs the handlers of every class in the MRO (this one's first): no super() calls,
+    # and what must follow TraceApp's handler waits for the next refresh.
     def on_mount(self) -> None:
-        super().on_mount()
-        self.narration = self.query_one("#narration", RichLog)
-        self._thread.start()
+        self.call_after_refresh(self._thread.start)  # once TraceApp.on_mount has found its panels
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._fit)  # after TraceApp.on_resize sized the panels for the whole width
+
+    def _fit(self) -> None:
+        """TraceApp lays its panels out for the terminal's width; here they get what the
+        narration leaves (the Requests list first, its detail beside it only if that is wide)."""
+        side = max(NARRATION_MIN, self.size.width * NARRATION_PCT // 100) if self.narration.display else 0
+        wide = self.size.width - side >= WIDE
+        self.screen_stack[0].query_one("#requests-detail").display = wide
+        self.screen_stack[0].query_one(StepPanel).set_class(not wide, "-narrow")
 
     def _run_lesson(self, run: Run) -> None:  # the lesson thread
         try:
@@ -191,8 +205,8 @@ class LessonApp(TraceApp):
 
     # ---- keys --------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        if action == "continue_lesson":
-            return True if self.source.held is not None else None  # shown, dimmed between checkpoints
+        if action == "continue_lesson":  # dimmed between checkpoints, gone once the lesson has ended
+            return True if self.source.held is not None else (False if self.source.ended else None)
         return super().check_action(action, parameters)
 
     def action_continue_lesson(self) -> None:
@@ -201,6 +215,10 @@ class LessonApp(TraceApp):
         self.source.held = None
         self.refresh_bindings()
         self.presenter.resume()
+
+    def action_toggle_narration(self) -> None:
+        self.narration.display = not self.narration.display
+        self._fit()
 
     async def action_quit(self) -> None:
         if self.exit_code is not None or self.presenter.cancelled.is_set():

@@ -78,7 +78,7 @@ async def test_lesson_05_holds_the_engine_at_each_checkpoint_and_ends_with_every
         a = app.source.refresh().requests["A"]
         assert (a.status, a.block_table) == ("WAITING", [])
         assert "Predict" in narration(app) and "Answer:" not in narration(app)
-        assert "c continues" in shown(app.query_one(StatusHeader))
+        assert "held at a checkpoint: c continues" in shown(app.query_one(StatusHeader))
         assert app.active_bindings["c"].enabled
 
         await pilot.press("c")  # the answer, the prefill, three checks, then the next checkpoint
@@ -87,6 +87,12 @@ async def test_lesson_05_holds_the_engine_at_each_checkpoint_and_ends_with_every
         step = state.step
         assert state.requests["A"].block_table == [0, 1, 2]
         assert requests_row(app, "A")[1:3] == ["running", "40/40"]
+        # beside the narration the Requests list keeps the width; `l` hides the text, the detail returns
+        assert not app.query_one("#requests-detail").display
+        await pilot.press("l")
+        await pilot.pause()
+        assert not app.narration.display and app.query_one("#requests-detail").display
+        await pilot.press("l")
         await pilot.press("3")  # the KV cache panel: A's three blocks at the front of the grid
         await until(pilot, lambda: kv_row(app, 0)[:5] == ["0", "█", "█", "█", "·"], "A's blocks in the KV grid")
         text = narration(app)
@@ -111,7 +117,7 @@ async def test_lesson_05_holds_the_engine_at_each_checkpoint_and_ends_with_every
         assert "What you learned" in text and "Lesson finished: every check held" in text
         # the panels follow the lesson's newest engine: the 24-request workload
         assert len(app.source.refresh().requests) == 24
-        assert not app.active_bindings["c"].enabled
+        assert "c" not in app.active_bindings and "the end of the lesson" in shown(app.query_one(StatusHeader))
         await pilot.press("q")
     assert all(s._closed for s in lesson.sessions)
 
