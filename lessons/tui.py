@@ -104,8 +104,8 @@ class TuiPresenter(Presenter):
         self.app.call_from_thread(self.app.narrate, renderable)
 
     def wait(self, prompt: str) -> None:
+        self._go.clear()  # before the check: a cancel() from now on sets it again and wakes us
         self._live()
-        self._go.clear()
         self.app.call_from_thread(self.app.hold, prompt)
         self._go.wait()
         self._live()
