@@ -103,7 +103,7 @@ class ModelRunner:
 
         def on_launch(rec: instrument.LaunchRecord) -> None:
             launches.append(rec.name)
-            if self.hooks.active: self.hooks.emit("kernel", rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args={k: [list(s), d] for k, (s, d) in rec.args.items()}, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, warmup=True, launch=rec)
+            if self.hooks.active: self.hooks.emit("kernel", rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args=rec.args, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, warmup=True, launch=rec)
 
         with instrument.observe(on_launch, warmup=True):  # no before_launch: nothing to gate here
             for inp in batches:
@@ -122,4 +122,4 @@ class ModelRunner:
 
     def _on_launch(self, rec: instrument.LaunchRecord) -> None:
         # `launch` is the record itself (not JSON): live viewers read its lazy access map
-        self.hooks.emit("kernel", rec.name, step=rec.tags.get("step"), layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args={k: [list(s), d] for k, (s, d) in rec.args.items()}, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, launch=rec)
+        self.hooks.emit("kernel", rec.name, step=rec.tags.get("step"), layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args=rec.args, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, launch=rec)

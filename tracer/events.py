@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import orjson
+
 from engine.hooks import BEGIN, COUNTER, END, INSTANT, SNAPSHOT
 
 SCHEMA = "vllm-trace"
@@ -55,10 +57,11 @@ class Event:
             attrs = {k: v for k, v in attrs.items() if k not in LIVE_ONLY_ATTRS}
         d = {"seq": self.seq, "ts_ns": self.ts_ns, "layer": self.layer, "name": self.name, "kind": self.kind,
              "request_id": self.request_id, "step": self.step, "attrs": attrs}
-        try:  # fast path: engine attributes are almost always plain JSON data already (C encoder)
-            return _dumps(d)
-        except (TypeError, ValueError):  # a tensor, a dataclass, a NaN...: convert, then encode
-            return _dumps(self.to_dict())
+        try:  # fast path: engine attributes are almost always plain JSON data already (orjson:
+            # ~10x the stdlib's C encoder, which matters on the recorder thread, holding the GIL)
+            return orjson.dumps(d).decode()
+        except TypeError:  # a tensor, a set, a non-string key...: convert, then encode
+            return orjson.dumps(self.to_dict()).decode()
 
     @classmethod
     def from_dict(cls, d: dict) -> "Event":
@@ -68,10 +71,6 @@ class Event:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.attrs.get(key, default) if self.attrs else default
-
-
-_encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-_dumps = _encoder.encode
 
 
 def json_safe(x: Any) -> Any:
