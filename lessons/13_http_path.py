@@ -1,41 +1,23 @@
 """Lesson 13: the HTTP path — an OpenAI request through FastAPI, the async engine and back as SSE."""
 import json
 import pathlib
-import socket
 import sys
-import threading
 import time
 from collections import Counter
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
 
 from engine.async_engine import AsyncLLMEngine  # noqa: E402
 from engine.server import build_app  # noqa: E402
+from engine.server.background import start_background  # noqa: E402
 from lessons.framework import events_of, main, table  # noqa: E402
 from tracer.journey import CHAIN, layer_path, missing_links, request_events  # noqa: E402
 
 TITLE = "The HTTP path"
 SUMMARY = "An OpenAI request through FastAPI, the serving layer and the async engine, back as an SSE stream, traced."
 PROMPT = "The quick brown fox"
-
-
-class _Server(uvicorn.Server):
-    """uvicorn in a background thread; `ready` is set once it accepts connections."""
-
-    def __init__(self, config: uvicorn.Config):
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            self.ready.set()
-
-    def install_signal_handlers(self) -> None:  # not the main thread: leave Ctrl-C to the lesson
-        pass
 
 
 def run(lesson) -> None:
@@ -50,19 +32,13 @@ def run(lesson) -> None:
     llm, session = lesson.engine(num_kv_blocks=64)
     async_engine = AsyncLLMEngine(llm.llm_engine)
     app = build_app(async_engine, lesson.model)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = _Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
+    server, thread, url = start_background(app)
     try:
-        lesson.check(server.ready.wait(60), f"the server is up at {url}")
+        lesson.check(server.ready.is_set(), f"the server is up at {url}")
         _lesson_body(lesson, session, url)
     finally:
         server.should_exit = True
         thread.join(30)
-        sock.close()
     lesson.check(not thread.is_alive() and not async_engine.is_running,
                  "the server shut down cleanly: the HTTP thread and the engine loop have both stopped")
     lesson.done("An OpenAI request is parsed by FastAPI, turned into SamplingParams by the serving layer and "

@@ -4,12 +4,11 @@ also exercise preemption)."""
 from __future__ import annotations
 
 import os
-import socket
-import threading
 from dataclasses import dataclass
 
 import pytest
-import uvicorn
+
+from engine.server.background import start_background
 
 NUM_KV_BLOCKS = 48
 
@@ -26,28 +25,8 @@ def model_cache(tmp_path_factory):
         os.environ["VLLM_TRACE_CACHE"] = old
 
 
-class ThreadedServer(uvicorn.Server):
-    """uvicorn in a background thread; `ready` is set once it accepts connections."""
-
-    def __init__(self, config: uvicorn.Config):
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            self.ready.set()
-
-
-def start_server(app) -> tuple[ThreadedServer, threading.Thread, str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = ThreadedServer(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    if not server.ready.wait(60):
-        raise RuntimeError("the test server did not start")
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+def start_server(app):
+    return start_background(app)
 
 
 @dataclass
