@@ -62,7 +62,6 @@ class ModelRunner:
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),
         )
-        self.model.backend.prepare(meta, self.block_size)
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
