@@ -6,6 +6,7 @@ answers at once (the controller only flips flags), a remote one awaits HTTP.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from tracer.events import Event
@@ -30,6 +31,21 @@ class EventBatch:
     events: list[Event] = field(default_factory=list)
     missed: int = 0  # events the log never saw (a slow reader fell a whole ring behind)
     reset: bool = False  # the log must start over (a replay jumped backward)
+
+
+class LogBuffer:
+    """Events that arrived since the Log panel last took them (live and attach sources).
+    Bounded: a log panel that is not looking keeps only the newest `backlog` events."""
+
+    def __init__(self, backlog: int = 5000):
+        self.events: deque[Event] = deque(maxlen=backlog)
+        self.missed = 0
+
+    def take(self) -> EventBatch:
+        batch = EventBatch(list(self.events), self.missed)
+        self.events.clear()
+        self.missed = 0
+        return batch
 
 
 class Source:

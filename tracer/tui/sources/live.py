@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import deque
 
 from tracer.conditions import parse_condition
 from tracer.session import TraceSession
 from tracer.state import TraceState, fold
-from tracer.tui.sources.base import EventBatch, Source, SourceInfo
+from tracer.tui.sources.base import EventBatch, LogBuffer, Source, SourceInfo
 
 LOG_BACKLOG = 5000  # events kept for a log panel that is not looking (older ones are dropped)
 
@@ -26,8 +25,7 @@ class LiveSource(Source):
         self.api_key = api_key
         self._sub = session.bus.subscribe(from_start=True)  # startup stages are already in the ring
         self._state = TraceState()
-        self._log: deque = deque(maxlen=LOG_BACKLOG)
-        self._missed = 0
+        self._log = LogBuffer(LOG_BACKLOG)
         self._tasks: set[asyncio.Task] = set()
         self._ids = itertools.count(1)
         if session.controller is None:
@@ -39,18 +37,15 @@ class LiveSource(Source):
 
     def refresh(self) -> TraceState:
         pulled = self._sub.pull()
-        self._missed += pulled.missed
+        self._log.missed += pulled.missed
         self._state.events_missed += pulled.missed
         for ev in pulled.events:
             fold(self._state, ev)
-        self._log.extend(pulled.events)
+        self._log.events.extend(pulled.events)
         return self._state
 
     def take_events(self) -> EventBatch:
-        batch = EventBatch(list(self._log), self._missed)
-        self._log.clear()
-        self._missed = 0
-        return batch
+        return self._log.take()
 
     def now_ns(self) -> int:
         bus = self.session.bus

@@ -16,7 +16,7 @@ import httpx
 
 from tracer.events import Event
 from tracer.state import TraceState, fold
-from tracer.tui.sources.base import EventBatch, Source, SourceInfo, Unsupported
+from tracer.tui.sources.base import EventBatch, LogBuffer, Source, SourceInfo, Unsupported
 
 RETRY_SECONDS = 1.0
 
@@ -33,8 +33,7 @@ class RemoteSource(Source):
         self.info = SourceInfo("attach", url=self.url)
         self._state = TraceState()
         self._pending: deque[Event] = deque()
-        self._log: deque[Event] = deque(maxlen=5000)
-        self._missed = 0
+        self._log = LogBuffer()
         self._status: dict = {"paused": False, "breakpoints": []}
         self._breakpoints: list[dict] = []
         self._seq = 0
@@ -93,7 +92,7 @@ class RemoteSource(Source):
             elif line.startswith("data:"):
                 data = json.loads(line[5:])
                 if kind == "missed":
-                    self._missed += data["count"]
+                    self._log.missed += data["count"]
                     await self._take_state()  # our fold skipped events: start again from theirs
                 else:
                     ev = Event.from_dict(data)
@@ -107,15 +106,12 @@ class RemoteSource(Source):
         while self._pending:
             ev = self._pending.popleft()
             fold(self._state, ev)
-            self._log.append(ev)
+            self._log.events.append(ev)
             self._sync_clock(ev.ts_ns)
         return self._state
 
     def take_events(self) -> EventBatch:
-        batch = EventBatch(list(self._log), self._missed)
-        self._log.clear()
-        self._missed = 0
-        return batch
+        return self._log.take()
 
     def now_ns(self) -> int:
         return int(asyncio.get_running_loop().time() * 1e9 + self._offset_ns)
