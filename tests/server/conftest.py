@@ -4,13 +4,18 @@ also exercise preemption)."""
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from engine.server.background import start_background
 
 NUM_KV_BLOCKS = 48
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -23,6 +28,22 @@ def model_cache(tmp_path_factory):
         os.environ.pop("VLLM_TRACE_CACHE", None)
     else:
         os.environ["VLLM_TRACE_CACHE"] = old
+
+
+def spawn_serve(*args: str) -> tuple[subprocess.Popen, str, str]:
+    """`vllm-trace serve tiny-gpt2 --port 0 ARGS` as a subprocess, read up to its ready line.
+    Returns (process, what it printed on stderr up to then, base URL); the caller stops it."""
+    proc = subprocess.Popen([sys.executable, "-m", "tracer.cli", "serve", "tiny-gpt2", "--port", "0", *args],
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=os.environ.copy())
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("Ready:"):
+            return proc, "".join(lines), re.search(r"at (http://\S+)", line).group(1)
+    proc.kill()
+    proc.wait()
+    raise AssertionError("serve exited before its ready line:\n" + "".join(lines))
 
 
 def start_server(app):

@@ -2,19 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.server.conftest import spawn_serve
 from tracer.cli import build_parser, main
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_send_prints_text_then_usage(live, capsys):
@@ -69,20 +65,11 @@ def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path):
     """The real command in a subprocess: stages, ready line, then SIGINT with a request in flight."""
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tracer.cli", "serve", "tiny-gpt2", "--port", "0", "--num-kv-blocks", "64",
-         "--served-model-name", "tiny", "--chat-template", str(template), "--no-tui"],
-        cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    proc, banner, url = spawn_serve("--num-kv-blocks", "64", "--served-model-name", "tiny",
+                                    "--chat-template", str(template), "--no-tui")
     try:
-        lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if line.startswith("Ready:"):
-                break
-        banner = "".join(lines)
         for stage in ("args", "tokenizer_load", "model_load", "kv_cache_alloc", "http_ready"):
             assert re.search(rf"^  {stage}\s+[\d.]+ ms", banner, re.M), banner
-        url = re.search(r"at (http://\S+)", lines[-1]).group(1)
         assert "curl " + url + "/v1/completions" in next(proc.stderr)
 
         import httpx

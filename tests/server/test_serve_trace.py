@@ -2,22 +2,19 @@
 engine driven over /trace, Ctrl-C while held, and the trace file afterwards."""
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
+from tests.server.conftest import spawn_serve
 from tracer.cli import build_parser, main
 from tracer.events import read_trace
 from tracer.export import export_perfetto
 
-ROOT = Path(__file__).resolve().parents[2]
 DEADLINE = 30.0
 
 
@@ -46,21 +43,12 @@ def poll_state(url: str, pred) -> dict:
 
 def test_serve_start_paused_trace_file_and_ctrl_c_while_held(model_cache, tmp_path):
     trace = tmp_path / "serve.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tracer.cli", "serve", "tiny-gpt2", "--port", "0", "--num-kv-blocks", "32",
-         "--trace-file", str(trace), "--start-paused", "--trace-log-layers", "cli", "--drain-timeout", "10"],
-        cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    proc, startup, url = spawn_serve("--num-kv-blocks", "32", "--trace-file", str(trace), "--start-paused",
+                                     "--trace-log-layers", "cli", "--drain-timeout", "10")
     try:
-        lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if line.startswith("Ready:"):
-                break
-        startup = "".join(lines)
         for stage in ("args", "config", "model_load", "kv_cache_alloc", "kernel_warmup", "http_ready"):
             assert re.search(rf"^  {stage}\s+[\d.]+ ms", startup, re.M), startup
         assert "[TRACE] cli args (end)" in startup and "[TRACE] engine" not in startup  # --trace-log-layers cli
-        url = re.search(r"at (http://\S+)", lines[-1]).group(1)
 
         result = {}
         send = threading.Thread(target=lambda: result.update(httpx.post(
