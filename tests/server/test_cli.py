@@ -5,7 +5,6 @@ import json
 import re
 import signal
 import socket
-import sys
 
 import pytest
 

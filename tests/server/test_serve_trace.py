@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import signal
-import sys
 import threading
 import time
 
