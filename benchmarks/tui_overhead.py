@@ -67,7 +67,7 @@ async def run_once(mode: str, model: str, workload, pane: str) -> dict:
 
 
 async def main_async(args) -> None:
-    workload = make_workload(args.requests)
+    workload = make_workload(args.requests, output_len=(args.min_tokens, args.max_tokens))
     await run_once("tui", args.model, make_workload(4), args.pane)  # warm-up: model cache, imports, CSS
     results: dict[str, list[dict]] = {m: [] for m in MODES}
     for rep in range(args.reps):
@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-gpt2")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--min-tokens", type=int, default=96, help="output tokens per request, at least")
+    ap.add_argument("--max-tokens", type=int, default=160, help="output tokens per request, at most")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--pane", default="requests", choices=["startup", "requests", "kv", "step", "kernels", "log"])
     args = ap.parse_args()

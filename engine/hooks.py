@@ -25,8 +25,9 @@ class Hooks:
         self.active = False  # True while anyone listens or gates
         self._listeners: list[Listener] = []
         self._gates: list[Gate] = []
-        # Entered around every blocking gate call. AsyncLLMEngine sets it to release its
-        # engine lock, so requests can still be queued while a controller holds the engine.
+        # A gate that holds the engine waits inside `with hooks.gate_wait():`. AsyncLLMEngine
+        # sets it to release its engine lock, so requests can still be queued meanwhile. Only
+        # the wait is wrapped: a gate that lets the engine pass costs no lock traffic.
         self.gate_wait: Callable[[], AbstractContextManager] = nullcontext
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
@@ -38,7 +39,8 @@ class Hooks:
                         self._update())
 
     def add_gate(self, gate: Gate) -> Callable[[], None]:
-        """gate(point, info) is called at each control point and may block."""
+        """gate(point, info) is called at each control point; to hold the engine there it
+        blocks inside ``with hooks.gate_wait():``."""
         self._gates = [*self._gates, gate]
         self._update()
         return lambda: (setattr(self, "_gates", [x for x in self._gates if x is not gate]), self._update())
@@ -52,8 +54,5 @@ class Hooks:
             listener(layer, name, kind, request_id, step, attrs)
 
     def gate(self, point: str, **info: Any) -> None:
-        if not self._gates:
-            return
-        with self.gate_wait():
-            for g in self._gates:
-                g(point, info)
+        for g in self._gates:
+            g(point, info)

@@ -37,7 +37,9 @@ class EventBus:
         self.wall_clock_start_ns = time.time_ns() - (now - self.start_ns)
         self._ring: list[Event | None] = [None] * capacity
         self._next_seq = 0
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiters = 0  # readers blocked in wait(): only then does publish notify
         self.closed = False
         self._wake_gen = 0
 
@@ -50,11 +52,13 @@ class EventBus:
         """at_ns: when it happened, as a clock() reading, for an event published late (startup
         work timed before the bus existed). Publish such events in time order, before later ones."""
         ts = (self.clock() if at_ns is None else at_ns) - self.start_ns
-        with self._cond:
-            ev = Event(self._next_seq, ts, layer, name, kind, request_id, step, attrs or None)
-            self._ring[ev.seq % self.capacity] = ev
-            self._next_seq += 1
-            self._cond.notify_all()
+        with self._lock:
+            seq = self._next_seq
+            ev = self._ring[seq % self.capacity] = Event(seq, ts, layer, name, kind, request_id, step, attrs or None)
+            self._next_seq = seq + 1
+        if self._waiters:  # counted under the lock, so a reader that is about to wait is seen
+            with self._cond:
+                self._cond.notify_all()
         return ev
 
     def attach(self, hooks: Hooks) -> Callable[[], None]:
@@ -85,7 +89,11 @@ class EventBus:
         wake_readers() (False)."""
         with self._cond:
             gen = self._wake_gen
-            self._cond.wait_for(lambda: self._next_seq > cursor or self.closed or self._wake_gen != gen, timeout)
+            self._waiters += 1
+            try:
+                self._cond.wait_for(lambda: self._next_seq > cursor or self.closed or self._wake_gen != gen, timeout)
+            finally:
+                self._waiters -= 1
             return self._next_seq > cursor
 
     def wake_readers(self) -> None:

@@ -140,7 +140,7 @@ class StepController:
             self._cond.notify_all()
         details = {k: v for k, v in info.items() if k != "step"}  # nested: a kernel's info has a "name"
         if self.hooks.active: self.hooks.emit("tracer", "paused", step=info.get("step"), point=point, reason=reason, info=details)
-        with self._cond:
+        with self.hooks.gate_wait(), self._cond:  # parked: the engine lock is free meanwhile
             self._cond.wait_for(lambda: self._release_gen != gen or self._closed)
         if self.hooks.active: self.hooks.emit("tracer", "resumed", step=info.get("step"), point=point)
 

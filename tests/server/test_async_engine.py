@@ -88,7 +88,8 @@ async def test_requests_added_while_a_gate_holds_the_engine_reach_waiting(async_
     def gate(point, info):
         if point == "step":
             parked.set()
-            hold.wait(30)
+            with eng.hooks.gate_wait():  # parked: how a gate holds the engine
+                hold.wait(30)
 
     remove = eng.hooks.add_gate(gate)
     try:

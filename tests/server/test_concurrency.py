@@ -88,7 +88,12 @@ def test_disconnect_mid_stream_frees_blocks_within_a_step(live, recorder, monkey
 def test_disconnect_during_a_non_streaming_request_aborts_it(live, recorder):
     """The engine is held in a gate, so the request cannot finish before the client gives up."""
     hold = threading.Event()
-    remove = live.engine.hooks.add_gate(lambda point, info: hold.wait(30) if point == "step" else None)
+    def gate(point, info):
+        if point == "step":
+            with live.engine.hooks.gate_wait():
+                hold.wait(30)
+
+    remove = live.engine.hooks.add_gate(gate)
     try:
         with httpx.Client(base_url=live.url, timeout=httpx.Timeout(60, read=0.5)) as c:
             with pytest.raises(httpx.ReadTimeout):
@@ -109,7 +114,8 @@ async def test_requests_wait_while_the_engine_is_paused(live, recorder):
     def gate(point, info):  # what the tracer's controller does on pause
         if point == "step":
             parked.set()
-            hold.wait(30)
+            with eng.hooks.gate_wait():
+                hold.wait(30)
 
     remove = eng.hooks.add_gate(gate)
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from rich.text import Text
+from textual.strip import Strip
 from textual.widget import Widget
 
 from tracer.tui.frame import Frame
@@ -25,16 +26,31 @@ def engine_mode(frame: Frame, stepping: bool, mode: str) -> tuple[str, str]:
 class StatusHeader(Widget):
     """model · device · backend │ STATE step N (phase) │ URL
 
-    A plain widget rather than a Static: it changes at every step, and Static.update asks for
-    a layout pass each time; this one has a fixed height and only repaints itself."""
+    Not a Static: it changes at every step, Static.update asks for a layout pass each time,
+    and Textual's general render path costs ~2 ms a time. This one has a fixed height, renders
+    its text to lines once per change and hands those out."""
 
     def __init__(self, info: SourceInfo, **kwargs):
         super().__init__(**kwargs)
         self.info = info
         self._text = Text("")
+        self._lines: list[Strip] = []
+        self._width = -1
 
-    def render(self) -> Text:
-        return self._text
+    @property
+    def text(self) -> str:
+        return self._text.plain
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        if width != self._width:
+            options = self.app.console.options.update_width(width)
+            base = self.rich_style  # the header's own background under the text's styles
+            self._lines = [Strip(line).apply_style(base)
+                           for line in self.app.console.render_lines(self._text, options, pad=False)]
+            self._width = width
+        line = self._lines[y] if y < len(self._lines) else Strip([])
+        return line.crop_extend(0, width, self.rich_style)
 
     def show(self, frame: Frame, stepping: bool = False) -> None:
         s, c, info = frame.state, frame.controller, self.info
@@ -60,5 +76,5 @@ class StatusHeader(Widget):
         elif s.events_missed:
             t.append(f"\n {s.events_missed} events missed (the viewer fell behind)", "red")
         if t != self._text:
-            self._text = t
+            self._text, self._width = t, -1  # rendered again at the next repaint
             self.refresh()

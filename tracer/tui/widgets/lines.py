@@ -14,7 +14,19 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 
-ROUND = 8
+ROUND = 16
+
+
+def sticky_height(needed: int, current: int, visible: int, step: int = ROUND) -> int:
+    """A virtual height that changes seldom: what is visible while the content fits (so no
+    scrollbar), else it grows in steps and shrinks only once the content needs less than half
+    of it. Every change costs a layout pass, a repaint of the whole screen (10-100 ms under
+    load, taken from the engine thread through the interpreter lock)."""
+    if needed <= visible:
+        return visible
+    if needed > current or needed <= current // 2:
+        return -(-needed // step) * step
+    return current
 
 
 class LinesView(ScrollView):
@@ -47,9 +59,10 @@ class LinesView(ScrollView):
         self._resize_virtual(max((s.cell_length for s in self._strips), default=0))
 
     def _resize_virtual(self, width: int) -> None:
-        size = Size(width, -(-len(self._strips) // ROUND) * ROUND)  # in steps: fewer layout passes
+        size = Size(width, sticky_height(len(self._strips), self.virtual_size.height,
+                                         self.scrollable_content_region.height))
         if size != self.virtual_size:
-            self.virtual_size = size  # a layout pass, only when the height (or width) changed
+            self.virtual_size = size  # a layout pass: only when the size changed
         self.refresh()
 
     def _render_strips(self) -> None:
@@ -75,6 +88,8 @@ class LinesView(ScrollView):
         if self.scrollable_content_region.width != self._width and self._content:
             self._cache.clear()
             self._render_strips()
+        else:  # the height that fits without a scrollbar may have changed
+            self._resize_virtual(self.virtual_size.width)
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset

@@ -67,6 +67,7 @@ class RequestsPanel(Vertical):
     def on_mount(self) -> None:
         self.query_one("#requests-filter").display = False
         self._drawn_at = 0.0
+        self._busy = False  # the last rows built had many changes: build them at BUSY_HZ only
 
     @staticmethod
     def widths(keys: list[str], width: int) -> list[int]:
@@ -91,15 +92,16 @@ class RequestsPanel(Vertical):
 
     def show(self, frame: Frame) -> None:
         rows = self.query_one(RowList)
-        found = request_rows(frame, self.query_one("#requests-filter", Input).value.strip().lower())
-        widths = self.widths([k for k, _ in found], rows.size.width or 80)
-        new = [(k, cells_text(list(cells), widths)) for k, cells in found]
         now = time.monotonic()
-        changed = abs(len(new) - len(rows.texts)) + sum(a != b for (_, a), b in zip(new, rows.texts))
-        busy = changed > BUSY_ROWS
-        if not busy or now - self._drawn_at >= 1 / BUSY_HZ:
-            rows.set_rows(cells_text([name for name, _ in COLUMNS], widths), new)
-            self._drawn_at = now
+        if not self._busy or now - self._drawn_at >= 1 / BUSY_HZ:  # busy: not even the rows are built
+            found = request_rows(frame, self.query_one("#requests-filter", Input).value.strip().lower())
+            widths = self.widths([k for k, _ in found], rows.size.width or 80)
+            new = [(k, cells_text(list(cells), widths)) for k, cells in found]
+            changed = abs(len(new) - len(rows.texts)) + sum(a != b for (_, a), b in zip(new, rows.texts))
+            self._busy = changed > BUSY_ROWS
+            if not self._busy or now - self._drawn_at >= 1 / BUSY_HZ:
+                rows.set_rows(cells_text([name for name, _ in COLUMNS], widths), new)
+                self._drawn_at = now
         detail = self.query_one(RequestDetail)
         if detail.display:
             detail.request_id = frame.selected

@@ -18,9 +18,12 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-ROUND = 16
+from tracer.tui.widgets.lines import sticky_height
+
+ROUND = 32
 CURSOR = Style(bgcolor="#2f4a6d", bold=True)
 HEADER = Style(bold=True, dim=True)
+POSITION = Style(color="black", bgcolor="#61afef")  # "↕ 1–40 of 164" when the rows do not fit
 
 
 Cell = tuple  # (text, style or None): one cell of a row
@@ -54,6 +57,11 @@ def _segments(row: tuple) -> list[Segment]:
 
 
 class RowList(ScrollView, can_focus=True):
+    # No scrollbar: Textual redraws a bar (~3 ms) with every repaint of the list, which under
+    # load is several times a second; the header line says which rows are in view instead.
+    DEFAULT_CSS = """
+    RowList { scrollbar-size-vertical: 0; }
+    """
     BINDINGS = [Binding("up", "move(-1)", show=False), Binding("down", "move(1)", show=False),
                 Binding("pageup", "move(-10)", show=False), Binding("pagedown", "move(10)", show=False),
                 Binding("home", "move(-1000000)", show=False), Binding("end", "move(1000000)", show=False),
@@ -93,9 +101,9 @@ class RowList(ScrollView, can_focus=True):
         if not changed:
             dirty = [i for i, (a, b) in enumerate(zip(texts, self.texts)) if a != b]
         self.header, self.keys, self.texts = header, keys, texts
-        # The height in steps of ROUND rows: a new virtual size costs a layout pass (a repaint
-        # of the whole screen), and requests come and go every step under load.
-        height = -(-(len(keys) + 1) // ROUND) * ROUND
+        # Requests come and go every step under load: the height moves in steps of ROUND rows.
+        height = sticky_height(len(keys) + 1, self.virtual_size.height,
+                               self.scrollable_content_region.height, ROUND)
         size = Size(1 + sum(len(t) + 2 for t, _ in header), height)
         if size != self.virtual_size:
             self.virtual_size = size
@@ -146,7 +154,7 @@ class RowList(ScrollView, can_focus=True):
         width = self.size.width
         scroll_x, scroll_y = self.scroll_offset
         if y == 0:
-            return self._strip(self.header, HEADER, width, scroll_x)
+            return self._header_strip(width, scroll_x, scroll_y)
         i = y - 1 + scroll_y
         if i >= len(self.texts):
             return Strip.blank(width, self.rich_style)
@@ -158,9 +166,22 @@ class RowList(ScrollView, can_focus=True):
             strip = self._cache[key] = self._strip(self.texts[i], style, width, scroll_x)
         return strip
 
+    def _header_strip(self, width: int, scroll_x: int, scroll_y: int) -> Strip:
+        strip = self._strip(self.header, HEADER, width, scroll_x)
+        shown, n = max(1, self.size.height - 1), len(self.keys)
+        if n <= shown or width < 20:
+            return strip
+        where = f" ↕ {scroll_y + 1}–{min(n, scroll_y + shown)} of {n} "
+        return Strip.join([strip.crop(0, width - len(where)), Strip([Segment(where, POSITION)])])
+
     def _strip(self, row: tuple, style: Style | None, width: int, scroll_x: int) -> Strip:
         strip = Strip(_segments(row)).crop_extend(scroll_x, scroll_x + width, self.rich_style)
         return strip.apply_style(style) if style else strip
+
+    def on_resize(self) -> None:
+        height = sticky_height(len(self.keys) + 1, self.virtual_size.height, self.scrollable_content_region.height, ROUND)
+        if height != self.virtual_size.height:
+            self.virtual_size = Size(self.virtual_size.width, height)
 
     def on_focus(self) -> None:
         self._cache.clear()
