@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 from rich.text import Text
-from textual.strip import Strip
-from textual.widget import Widget
 
 from tracer.tui.frame import Frame
 from tracer.tui.sources.base import SourceInfo
+from tracer.tui.widgets.lines import FixedText
 
 
 def engine_mode(frame: Frame, stepping: bool, mode: str) -> tuple[str, str]:
@@ -23,34 +22,12 @@ def engine_mode(frame: Frame, stepping: bool, mode: str) -> tuple[str, str]:
     return "RUNNING", "bold black on green"
 
 
-class StatusHeader(Widget):
-    """model · device · backend │ STATE step N (phase) │ URL
-
-    Not a Static: it changes at every step, Static.update asks for a layout pass each time,
-    and Textual's general render path costs ~2 ms a time. This one has a fixed height, renders
-    its text to lines once per change and hands those out."""
+class StatusHeader(FixedText):
+    """model · device · backend │ STATE step N (phase) │ URL"""
 
     def __init__(self, info: SourceInfo, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(Text(""), **kwargs)
         self.info = info
-        self._text = Text("")
-        self._lines: list[Strip] = []
-        self._width = -1
-
-    @property
-    def text(self) -> str:
-        return self._text.plain
-
-    def render_line(self, y: int) -> Strip:
-        width = self.size.width
-        if width != self._width:
-            options = self.app.console.options.update_width(width)
-            base = self.rich_style  # the header's own background under the text's styles
-            self._lines = [Strip(line).apply_style(base)
-                           for line in self.app.console.render_lines(self._text, options, pad=False)]
-            self._width = width
-        line = self._lines[y] if y < len(self._lines) else Strip([])
-        return line.crop_extend(0, width, self.rich_style)
 
     def show(self, frame: Frame, stepping: bool = False) -> None:
         s, c, info = frame.state, frame.controller, self.info
@@ -75,6 +52,4 @@ class StatusHeader(Widget):
             t.append("\n will hold before the next step", "yellow")
         elif s.events_missed:
             t.append(f"\n {s.events_missed} events missed (the viewer fell behind)", "red")
-        if t != self._text:
-            self._text, self._width = t, -1  # rendered again at the next repaint
-            self.refresh()
+        self.update(t)

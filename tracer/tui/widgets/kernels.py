@@ -20,6 +20,7 @@ from textual.widgets import Static
 
 from tracer.tui.fmt import fmt_ns, sparkline
 from tracer.tui.frame import Frame
+from tracer.tui.widgets.lines import FixedText
 from tracer.tui.widgets.rows import RowList, cells_text
 
 COLUMNS = [("#", 2), ("layer", 5), ("kernel", 19), ("grid", 7), ("time", 9), ("per step", 12), ("meta", 30)]
@@ -48,10 +49,11 @@ class ProgramGrid(Widget, can_focus=True):
 
     def set_launch(self, grid, access: dict | None, frame: Frame) -> None:
         grid = tuple(grid) + (1,) * (3 - len(grid)) if grid else ()
-        if grid != self.grid:
+        resized = grid != self.grid
+        if resized:
             self.cursor = (0, 0, 0)
         self.grid, self.access, self.frame = grid, access, frame
-        self.refresh(layout=True)
+        self.refresh(layout=resized)  # a layout pass repaints the screen: only for a new shape
 
     def action_move(self, dx: int, dy: int) -> None:
         if not self.grid:
@@ -124,7 +126,7 @@ def program_text(grid: ProgramGrid) -> Text:
 
 class KernelsPanel(Vertical):
     def compose(self):
-        yield Static(id="kernels-head")
+        yield FixedText(id="kernels-head")
         yield RowList(id="kernels-table")
         with VerticalScroll(id="kernels-programs"):
             yield ProgramGrid(id="program-grid")
@@ -147,7 +149,7 @@ class KernelsPanel(Vertical):
             info = (s.paused_at or {}).get("info") or {}
             head.append(f"   held before the next launch: {info.get('name', '?')} grid {info.get('grid', [])}"
                         f" layer {info.get('layer_idx', '?')}", "yellow")
-        self.query_one("#kernels-head", Static).update(head)
+        self.query_one("#kernels-head", FixedText).update(head)
         widths = [w for _, w in COLUMNS]
         widths[-1] = max(10, (self.size.width or 80) - sum(widths[:-1]) - 2 * len(widths) - 2)
         rows = []
@@ -169,18 +171,25 @@ class KernelsPanel(Vertical):
         if frame is None or not frame.state.kernels:
             if frame is not None:
                 grid.set_launch((), None, frame)
-            self.query_one("#program-access", Static).update(Text("no launches yet in this step", "dim"))
+            self._set_access(Text("no launches yet in this step", "dim"))
             return
         k = frame.state.kernels[min(table.cursor, len(frame.state.kernels) - 1)]
         if not k.get("grid"):
             grid.set_launch((), None, frame)
-            self.query_one("#program-access", Static).update(Text(
+            self._set_access(Text(
                 f"{k['name']}: {k.get('reason', '')}.\nA PyTorch reference has no program grid; start the server with "
                 "--attention-backend triton to see the Triton grid and what each program reads.", "dim"))
             return
         from tracer.tui.access import access_map
         grid.set_launch(k["grid"], access_map(k, frame.state), frame)
-        self.query_one("#program-access", Static).update(program_text(grid))
+        self._set_access(program_text(grid))
+
+    def _set_access(self, text: Text) -> None:
+        """Static.update costs a layout pass (its height may change): only when it changed."""
+        static = self.query_one("#program-access", Static)
+        if getattr(self, "_access_text", None) != text:
+            self._access_text = text
+            static.update(text)
 
     def on_program_grid_chosen(self, _) -> None:
-        self.query_one("#program-access", Static).update(program_text(self.query_one(ProgramGrid)))
+        self._set_access(program_text(self.query_one(ProgramGrid)))

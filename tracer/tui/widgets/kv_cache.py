@@ -16,11 +16,10 @@ from rich.text import Text
 import time
 
 from textual.containers import Vertical
-from textual.widgets import Static
 
 from tracer.tui.fmt import sparkline
 from tracer.tui.frame import Frame
-from tracer.tui.widgets.lines import LinesView
+from tracer.tui.widgets.lines import FixedText, LinesView
 
 LABEL = 6  # "12345 " block id at the start of each row
 MAX_CELLS = 4096  # blocks drawn; beyond, a count (a 16k-block CPU cache would cost every refresh)
@@ -81,16 +80,9 @@ def _style(spec: str) -> Style:
     return style
 
 
-def _update(static: Static, text: Text) -> None:
-    """Static.update costs a layout pass: skip it when nothing changed (most refreshes)."""
-    if getattr(static, "_shown", None) != text:
-        static._shown = text
-        static.update(text)
-
-
 class KVCachePanel(Vertical):
     def compose(self):
-        yield Static(id="kv-summary")
+        yield FixedText(id="kv-summary")
         yield LinesView(id="kv-grid")
 
     def on_mount(self) -> None:
@@ -121,7 +113,7 @@ class KVCachePanel(Vertical):
             ("\n█ owned  ▓ shared prefix  ░ cached, free  · free", "dim"),
             ("   (select a request to highlight its blocks)" if frame.selected is None
              else f"   highlighted: request {frame.selected}", "dim"))
-        _update(self.query_one("#kv-summary", Static), summary)
+        self.query_one("#kv-summary", FixedText).update(summary)
         grid = self.query_one("#kv-grid", LinesView)
         now = time.monotonic()
         if not total:

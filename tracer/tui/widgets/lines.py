@@ -12,6 +12,7 @@ from rich.segment import Segment
 from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.widget import Widget
 
 
 ROUND = 16
@@ -98,3 +99,37 @@ class LinesView(ScrollView):
         if i >= len(self._strips):
             return Strip.blank(width, self.rich_style)
         return self._strips[i].crop_extend(scroll_x, scroll_x + width, self.rich_style)
+
+
+class FixedText(Widget):
+    """Text in a box of fixed height (set in CSS) that changes often: a header, a summary.
+
+    Not a Static: Static.update asks for a layout pass every time, and Textual's general render
+    path costs ~2 ms a time. This renders its text to lines once per change (and width) and
+    hands those out, so an update repaints only itself."""
+
+    def __init__(self, text: RenderableType = "", **kwargs):
+        super().__init__(**kwargs)
+        self._text = text
+        self._lines: list[Strip] = []
+        self._width = -1
+
+    @property
+    def text(self) -> RenderableType:
+        return self._text
+
+    def update(self, text: RenderableType) -> None:
+        if text != self._text:
+            self._text, self._width = text, -1  # rendered again at the next repaint
+            self.refresh()
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        if width != self._width:
+            console = self.app.console
+            base = self.rich_style  # the widget's own colours under the text's styles
+            self._lines = [Strip(line).apply_style(base)
+                           for line in console.render_lines(self._text, console.options.update_width(width), pad=False)]
+            self._width = width
+        line = self._lines[y] if y < len(self._lines) else Strip([])
+        return line.crop_extend(0, width, self.rich_style)
