@@ -7,7 +7,7 @@ repetitions interleaved.
   no-tui   AsyncLLMEngine, no tracer attached (serve --no-tui)
   traced   + the TraceSession the TUI needs (bus and step controller, no trace file)
   tui      + the Textual app (headless, 160x48, on the asyncio loop that consumes the streams,
-           as serve runs it next to uvicorn) refreshing at 10 Hz, the chosen pane visible
+           as serve runs it next to uvicorn) refreshing at REFRESH_HZ, the chosen pane visible
 
 Requests are streamed: each is an async iteration over AsyncLLMEngine.generate, like the
 server's SSE handlers. Reported: generated tokens per wall second and per CPU second of the

@@ -35,13 +35,14 @@ class LinesView(ScrollView):
         super().__init__(**kwargs)
         self._content: list = []
         self._cache: dict = {}
-        self._strips: list[Strip] = []
+        self._strips: list[Strip | None] = []  # None: not drawn yet (update_rows)
+        self._rows: list[list[Segment]] = []
         self._width = 0
 
     @property
     def text(self) -> str:
         """Everything it shows, as plain text (also what is scrolled out of view)."""
-        return "\n".join(s.text.rstrip() for s in self._strips)
+        return "\n".join(self._line(i).text.rstrip() for i in range(len(self._strips)))
 
     def update(self, content: RenderableType) -> None:
         self.update_sections([(None, content)])
@@ -53,18 +54,37 @@ class LinesView(ScrollView):
         self._render_strips()
 
     def update_rows(self, rows: list[list[Segment]]) -> None:
-        """Content given as ready segments, one list per line: no Rich rendering at all (the
-        KV grid, thousands of cells, redrawn several times a second)."""
-        self._content = []
-        self._strips = [Strip(segments) for segments in rows]
-        self._resize_virtual(max((s.cell_length for s in self._strips), default=0))
+        """Content given as ready segments of single-width characters, one list per line: no
+        Rich rendering at all (the KV grid, thousands of cells, redrawn several times a
+        second). Only the lines that changed are repainted, and a line becomes a Strip only
+        when it is drawn."""
+        old = self._rows if not self._content else None
+        self._content, self._rows = [], rows
+        self._strips = [None] * len(rows)
+        width = max((sum(len(seg.text) for seg in row) for row in rows), default=0)
+        if old is None or len(old) != len(rows) or not self._resize_virtual(width, repaint=False):
+            self.refresh()
+            return
+        for i, (a, b) in enumerate(zip(old, rows)):
+            if a != b:
+                self.refresh_line(i)  # (in content lines: it subtracts the scroll offset)
 
-    def _resize_virtual(self, width: int) -> None:
+    def _line(self, i: int) -> Strip:
+        strip = self._strips[i]
+        if strip is None:
+            strip = self._strips[i] = Strip(self._rows[i])
+        return strip
+
+    def _resize_virtual(self, width: int, repaint: bool = True) -> bool:
+        """Returns whether the virtual size stayed the same."""
         size = Size(width, sticky_height(len(self._strips), self.virtual_size.height,
                                          self.scrollable_content_region.height))
-        if size != self.virtual_size:
+        same = size == self.virtual_size
+        if not same:
             self.virtual_size = size  # a layout pass: only when the size changed
-        self.refresh()
+        if repaint:
+            self.refresh()
+        return same
 
     def _render_strips(self) -> None:
         width = self.scrollable_content_region.width
@@ -98,7 +118,7 @@ class LinesView(ScrollView):
         width = self.scrollable_content_region.width
         if i >= len(self._strips):
             return Strip.blank(width, self.rich_style)
-        return self._strips[i].crop_extend(scroll_x, scroll_x + width, self.rich_style)
+        return self._line(i).crop_extend(scroll_x, scroll_x + width, self.rich_style)
 
 
 class FixedText(Widget):

@@ -7,6 +7,7 @@ trace file (--trace-file), and drawing every line would slow the engine the TUI 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,6 +24,10 @@ KEEP = 2000  # events kept for re-filtering
 # Formatting a line costs more than anything else here, and a busy engine publishes thousands
 # of events a second: a refresh formats at most this many (the newest; the rest are counted).
 MAX_LINES_PER_TICK = 100
+# A busy stream scrolls every line on screen at every redraw (~10 ms of Textual's time, taken
+# from the engine thread through the interpreter lock): then the log is redrawn at most BUSY_HZ
+# times a second. A trickle (a paused or stepping engine) is drawn at once.
+BUSY_LINES, BUSY_HZ = 8, 4
 LAYER_STYLES = {"http": "blue", "api": "blue", "tokenizer": "cyan", "engine": "bold green", "scheduler": "yellow",
                 "block_manager": "magenta", "model_runner": "cyan", "kernel": "#d19a66", "sampler": "green",
                 "detokenizer": "green", "tracer": "bold red", "cli": "dim"}
@@ -73,6 +78,7 @@ class LogPanel(Vertical):
         self.events: deque[Event] = deque(maxlen=KEEP)
         self.filter = LogFilter()
         self._pending: list[Event] = []
+        self._drawn_at = 0.0
         self.query_one("#log-filter").display = False
 
     def feed(self, batch: EventBatch) -> None:
@@ -93,6 +99,11 @@ class LogPanel(Vertical):
     def show(self, frame=None, limit: int = MAX_LINES_PER_TICK) -> None:
         if not self._pending:
             return
+        now = time.monotonic()
+        running = frame is not None and not frame.controller.get("paused")  # a replay is always "paused"
+        if running and len(self._pending) > BUSY_LINES and now - self._drawn_at < 1 / BUSY_HZ:
+            return  # busy: drawn by a later refresh
+        self._drawn_at = now
         log = self.query_one(LogView)
         pending, self._pending = self._pending, []
         f = self.filter
