@@ -2,9 +2,9 @@
 
 A timer (REFRESH_HZ) folds what the source has received and redraws the header and the
 visible panel; panels that are not visible cost nothing. Under load a panel whose whole
-content changes at every step (64 streaming requests) redraws at most 4 times a second. The engine thread never waits for
-this: it only publishes into the tracer's ring buffer, and commands only flip the step
-controller's flags.
+content changes at every step (64 streaming requests) redraws at most 4 times a second.
+The engine thread never waits for this: it only publishes into the tracer's ring buffer,
+and commands only flip the step controller's flags.
 """
 from __future__ import annotations
 
