@@ -15,7 +15,7 @@ from engine import model_loader
 from engine.attention import AttentionBackend, default_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.hooks import BEGIN, END, SNAPSHOT, Hooks
+from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT, Hooks
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 from engine.model import GPT2Model
 from engine.model_runner import ModelRunner
@@ -59,7 +59,7 @@ class LLMEngine:
             torch.manual_seed(mc.seed)
             self.backend = AttentionBackend(self.attention_backend)
             self.model = GPT2Model(self.model_config, self.backend)
-            self.model.load_hf_weights(model_loader.load_state_dict(self.model_path))
+            self.model.load_hf_weights(model_loader.load_state_dict(self.model_path, self._load_progress))
             self.model.to(device=self.device, dtype=self.dtype).eval()
             info["bytes"] = sum(p.numel() * p.element_size() for p in self.model.parameters())
             info["params"] = sum(p.numel() for p in self.model.parameters())
@@ -273,6 +273,12 @@ class LLMEngine:
         h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **snap)
         h.emit("scheduler", "schedule", END, step=sched.step, num_scheduled_tokens=sched.num_scheduled_tokens)
         h.gate("execute", step=sched.step)
+
+    def _load_progress(self, done: int, total: int) -> None:
+        """Weights read so far, for the startup progress bar: about every 5 %."""
+        if self.hooks.active and (done == total or done - getattr(self, "_loaded", 0) >= total / 20):
+            self._loaded = done
+            self.hooks.emit("engine", "model_load_progress", COUNTER, bytes=done, total_bytes=total)
 
     def _stage(self, name: str, **details):
         return _Stage(self, name, details)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -113,14 +114,25 @@ def check_checkpoint(path: Path) -> None:
         raise NotAGPT2CheckpointError(f"{path} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
 
 
-def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All weights of the checkpoint with the ``transformer.`` prefix removed."""
+def load_state_dict(path: Path, progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
+    """All weights of the checkpoint with the ``transformer.`` prefix removed.
+    progress(bytes read, bytes in all): after each tensor of a safetensors file (a .bin file
+    is read in one go)."""
     files = sorted(path.glob("model*.safetensors"))
     state: dict[str, torch.Tensor] = {}
     if files:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
+        total, done = sum(f.stat().st_size for f in files), 0
         for f in files:
-            state.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    state[name] = t = st.get_tensor(name)
+                    done += t.numel() * t.element_size()
+                    if progress is not None:
+                        progress(min(done, total), total)
     else:
         state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        if progress is not None:
+            size = (path / "pytorch_model.bin").stat().st_size
+            progress(size, size)
     return {k.removeprefix("transformer."): v for k, v in state.items()}

@@ -16,7 +16,7 @@ import dataclasses
 import threading
 from dataclasses import dataclass, field
 
-from engine.hooks import BEGIN, END, SNAPSHOT
+from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT
 from tracer.bus import EventBus
 from tracer.events import Event, json_safe
 
@@ -227,6 +227,10 @@ def _step(s: TraceState, ev: Event) -> None:
 def _engine(s: TraceState, ev: Event) -> None:
     if ev.kind == BEGIN:
         s.startup_current = {"stage": ev.name, "ts_ns": ev.ts_ns, **_attrs(ev)}
+    elif ev.kind == COUNTER:  # progress within the stage in progress (weights read)
+        if s.startup_current is not None:
+            a = _attrs(ev)
+            s.startup_current = {**s.startup_current, "progress": (a.get("bytes", 0), a.get("total_bytes", 0))}
     elif ev.kind == END:
         s.startup_current = None
         _startup_stage(s, ev)

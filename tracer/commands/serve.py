@@ -171,6 +171,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, sock: socket.socket, config, hooks, session) -> int:
+    name = args.served_model_name or args.model
+    tui = None
+    if not args.no_tui:  # first, so its Startup panel shows the stages below as they run
+        from tracer.tui.serve import LiveTui
+        tui = LiveTui(session, name, _url(args.host, sock.getsockname()[1]), args.api_key)
+    try:
+        return await _start_and_serve(args, sock, config, hooks, session, name, tui)
+    except BaseException:
+        if tui is not None:
+            await tui.close()  # the terminal back before the error is printed
+        raise
+
+
+async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncLLMEngine
@@ -180,10 +194,15 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, config, hooks, s
     from engine.server.security import control_refusal
     from tracer import trace_api
 
-    engine = build_engine(config, hooks)
-    name = args.served_model_name or args.model
+    engine = await asyncio.to_thread(build_engine, config, hooks)  # the loop (the TUI) keeps running
+    if tui is not None and tui.quit:
+        await tui.close()
+        print("vllm-trace serve: quit before the server started", file=sys.stderr)
+        return 0
     template = load_chat_template(args.chat_template, engine.tokenizer)
     async_engine = AsyncLLMEngine(engine, drain_timeout=args.drain_timeout)
+    if tui is not None:
+        tui.engine_ready(async_engine)
     app = build_app(async_engine, name, args.api_key, host=args.host, chat_template=template)
     app.state.trace = session  # None with --no-trace: /trace answers 503
     app.include_router(trace_api.router)
@@ -217,6 +236,8 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, config, hooks, s
     await asyncio.wait({serving, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if not ready.is_set():
         waiter.cancel()
+        if tui is not None:
+            await tui.close()
         await serving
         return 1
     url = _url(args.host, sock.getsockname()[1])
@@ -224,11 +245,10 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, config, hooks, s
     if hooks.active: hooks.emit("cli", "http_ready", END, seconds=time.perf_counter() - t_http, url=url)
     if hooks.active: hooks.emit("cli", "serve", BEGIN, model=args.model, served_model_name=name, host=args.host, port=sock.getsockname()[1], url=url)
     _banner(args, name, url, control_refusal(args.host, args.api_key), session)
-    if args.no_tui:
+    if tui is None:
         await serving
     else:
-        from tracer.tui.serve import run_tui
-        await run_tui(server, serving, session, async_engine, name, url, args.api_key)
+        await tui.run(server, serving)
     if hooks.active: hooks.emit("cli", "serve", END)
     print("vllm-trace serve: stopped cleanly", file=sys.stderr)
     return 0

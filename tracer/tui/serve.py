@@ -56,19 +56,55 @@ def live_info(async_engine, model: str, url: str | None) -> SourceInfo:
     return SourceInfo("live", model=model, device=str(engine.device), backend=engine.attention_backend, url=url)
 
 
-async def run_tui(server, serving: asyncio.Task, session, async_engine, model: str, url: str,
-                  api_key: str | None = None) -> None:
-    """Run the TUI until the user quits or the server stops, then stop the other."""
-    app = TraceApp(LiveSource(session, live_info(async_engine, model, url), async_engine, api_key))
-    with _uvicorn_logs_to(_ToApp(app)):
-        ui = asyncio.ensure_future(app.run_async())
-        await asyncio.wait({ui, serving}, return_when=asyncio.FIRST_COMPLETED)
-        if ui.done():
-            # Let a held engine run free, so in-flight requests drain while uvicorn shuts down.
-            if session.controller is not None:
-                session.controller.close()
-            server.should_exit = True
-        else:
-            app.exit()
-        await ui
-    await serving
+class LiveTui:
+    """The TUI of `serve`, started before the engine is built, so the Startup panel shows the
+    stages as they run (tokenizer, weights, KV cache, kernel warm-up, HTTP ready).
+
+        tui = LiveTui(session, model, url)     # the app runs from here on
+        engine = await asyncio.to_thread(...)  # the build publishes its stages on the bus
+        tui.engine_ready(async_engine)
+        await tui.run(server, serving)         # until the user quits or the server stops
+    """
+
+    def __init__(self, session, model: str, url: str, api_key: str | None = None, headless: bool = False):
+        self.session = session
+        info = SourceInfo("live", model=model, device="…", backend="…", url=url)  # known once built
+        self.source = LiveSource(session, info, None, api_key)
+        self.app = TraceApp(self.source)
+        self._logs = _uvicorn_logs_to(_ToApp(self.app))
+        self._logs.__enter__()
+        self.ui = asyncio.ensure_future(self.app.run_async(headless=headless, size=(120, 40) if headless else None))
+
+    @property
+    def quit(self) -> bool:
+        """The user has closed the TUI."""
+        return self.ui.done()
+
+    def engine_ready(self, async_engine) -> None:
+        info = live_info(async_engine, self.source.info.model, self.source.info.url)
+        self.source.info.device, self.source.info.backend = info.device, info.backend
+        self.source.async_engine = async_engine
+
+    async def close(self) -> None:
+        """Close the TUI (also when startup failed or was given up). Safe to call twice."""
+        if not self.ui.done():
+            self.app.exit()
+        try:
+            await self.ui
+        finally:
+            if self._logs is not None:
+                self._logs, logs = None, self._logs
+                logs.__exit__(None, None, None)
+
+    async def run(self, server, serving: asyncio.Task) -> None:
+        """Run until the user quits or the server stops, then stop the other."""
+        try:
+            await asyncio.wait({self.ui, serving}, return_when=asyncio.FIRST_COMPLETED)
+            if self.ui.done():
+                # Let a held engine run free, so in-flight requests drain while uvicorn shuts down.
+                if self.session.controller is not None:
+                    self.session.controller.close()
+                server.should_exit = True
+        finally:
+            await self.close()
+        await serving

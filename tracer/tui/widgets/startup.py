@@ -53,7 +53,8 @@ class StartupPanel(VerticalScroll):
 
     def show(self, frame: Frame) -> None:
         s = frame.state
-        key = (len(s.startup), s.startup_current and s.startup_current["stage"], s.step is not None)
+        cur = s.startup_current
+        key = (len(s.startup), cur and (cur["stage"], cur.get("progress")), s.step is not None)
         if key == self._key:
             return  # nothing new: startup panels are static once the server is up
         self._key = key
@@ -66,20 +67,21 @@ class StartupPanel(VerticalScroll):
             ok = st.get("ok", True)
             table.add_row(Text("✓" if ok else "✗", "green" if ok else "red"), LABELS.get(st["stage"], st["stage"]),
                           f"{st.get('seconds', 0) * 1000:.1f} ms", stage_details(st))
-        cur = s.startup_current
+        done, total = (cur or {}).get("progress") or (0, None)
         if cur is not None:
-            table.add_row(Text("…", "yellow"), LABELS.get(cur["stage"], cur["stage"]), "",
-                          Text("in progress", "yellow"))
+            what = f"in progress: {fmt_bytes(done)} of {fmt_bytes(total)}" if total else "in progress"
+            table.add_row(Text("…", "yellow"), LABELS.get(cur["stage"], cur["stage"]), "", Text(what, "yellow"))
         self.query_one("#startup-stages", Static).update(table)
         bar = self.query_one("#startup-progress", ProgressBar)
-        # The engine reports stages, not bytes within one: a stage in progress is indeterminate.
+        # The weights report bytes read; other stages only begin and end (an indeterminate bar).
         bar.display = cur is not None
-        bar.update(total=None if cur is not None else 1, progress=0 if cur is not None else 1)
+        bar.update(total=total if cur is not None else 1, progress=done if cur is not None else 1)
         self.query_one("#startup-ready", Static).update(self._ready(s))
 
     def _ready(self, s) -> Text:
-        if not s.startup and s.step is None:
-            return Text("waiting for the engine to start…", "dim")
+        up = s.step is not None or any(st["stage"] == "http_ready" for st in s.startup)
+        if self.mode == "live" and not up or not s.startup and s.step is None:
+            return Text("starting: the server answers once every stage above is done…", "dim")
         if self.mode == "replay":
             return Text.assemble(("Recorded run. ", "bold"), "←/→ step back and forward, home/end jump, "
                                  "tab to the panels, ? for help.")
