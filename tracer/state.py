@@ -241,6 +241,8 @@ def _cli(s: TraceState, ev: Event) -> None:
     itself is a span for the server's whole life, not a stage."""
     if ev.name != "serve":
         _engine(s, ev)
+    elif ev.kind == BEGIN and s.phase == "startup":
+        s.phase = "idle"  # the server is up: waiting for requests
 
 
 HISTORY = 120  # steps of KV use and kernel time kept for sparklines
