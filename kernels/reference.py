@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -76,34 +77,37 @@ def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
         else:
             groups.append([i])
     groups = [g for g in groups if g]
-    tables = block_tables.long().cpu()
+    tables = block_tables.cpu().numpy()
     return AttentionPlan([_group(g, qsl, q_lens, lens, tables, block_size, block_tables.device) for g in groups])
 
 
-def _group(reqs: list[int], qsl: list[int], q_lens: list[int], lens: list[int], tables: torch.Tensor,
+def _group(reqs: list[int], qsl: list[int], q_lens: list[int], lens: list[int], tables: np.ndarray,
            block_size: int, device: torch.device) -> AttentionGroup:
+    # Built with numpy: on these small arrays it costs a fraction of the same torch ops.
     n, q = len(reqs), max(q_lens[i] for i in reqs)
     nblk = -(-max(lens[i] for i in reqs) // block_size)
-    idx = torch.tensor(reqs)
-    seq, qn = torch.tensor([lens[i] for i in reqs]), torch.tensor([q_lens[i] for i in reqs])
+    seq, qn = np.array([lens[i] for i in reqs])[:, None], np.array([q_lens[i] for i in reqs])[:, None]
     # Entries past a request's own blocks may be stale: read block 0 there (masked off) instead.
-    blocks = tables[idx, :nblk].masked_fill(torch.arange(nblk)[None, :] >= (seq[:, None] + block_size - 1) // block_size, 0)
+    blocks = np.where(np.arange(nblk) < -(-seq // block_size), tables[reqs, :nblk], 0)
     # Query row i (at position ctx + i) sees keys up to there; a padded row (i >= its q_len)
     # sees all keys, so no row is fully masked.
-    rows = torch.arange(q)[None, :]
-    last = torch.minimum(seq[:, None] - qn[:, None] + rows, seq[:, None] - 1)  # [n, q]
-    mask = torch.arange(nblk * block_size)[None, None, :] <= last[:, :, None]
+    rows = np.arange(q)
+    last = np.minimum(seq - qn + rows, seq - 1)  # [n, q]
+    mask = np.arange(nblk * block_size) <= last[:, None, :, None]  # [n, 1, q, kv]
     span = src = keep = dst = None
     if reqs == list(range(reqs[0], reqs[-1] + 1)) and all(q_lens[i] == q for i in reqs):
         span = (qsl[reqs[0]], qsl[reqs[-1] + 1])
     else:
-        start = torch.tensor([qsl[i] for i in reqs])[:, None]
-        real = rows < qn[:, None]
-        src = (start + torch.minimum(rows, qn[:, None] - 1)).flatten().to(device)
-        keep = real.flatten().nonzero().squeeze(1).to(device)
-        dst = (start + rows)[real].to(device)
-    return AttentionGroup(n, q, nblk * block_size, blocks.flatten().to(device), mask[:, None].to(device),
+        start = np.array([qsl[i] for i in reqs])[:, None]
+        real = rows < qn
+        src, keep, dst = (_tensor(x, device) for x in (
+            (start + np.minimum(rows, qn - 1)).ravel(), real.ravel().nonzero()[0], (start + rows)[real]))
+    return AttentionGroup(n, q, nblk * block_size, _tensor(blocks.ravel(), device), _tensor(mask, device),
                           span, src, keep, dst)
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(a.astype(np.int64) if a.dtype != np.bool_ else a).to(device)
 
 
 def unified_attention_ref(
