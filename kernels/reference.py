@@ -30,8 +30,8 @@ def reshape_and_cache_ref(
 ) -> None:
     """Write each token's K and V into its slot of the paged cache (in place)."""
     num_blocks, block_size = key_cache.shape[:2]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # one op when nothing is padded
+        valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     slots = slot_mapping.long()
     # A view of the cache as [num_slots, heads, head_size] makes the write one index_copy.
@@ -137,8 +137,8 @@ def unified_attention_ref(
         plan = plan_attention(query_start_loc, seq_lens, block_tables, block_size)
     for g in plan.groups:
         q = query[g.span[0]:g.span[1]] if g.span else query.index_select(0, g.src)
-        # Whole blocks are gathered (one index_select, block_size rows per index: far cheaper
-        # than gathering slots); the mask hides keys past each request's length.
+        # Whole blocks are gathered (one index_select copying block_size contiguous rows per
+        # index, cheaper than one per slot); the mask hides keys past each request's length.
         k = key_cache.index_select(0, g.blocks).view(g.n, g.kv, num_kv_heads, head_size).transpose(1, 2).float()
         v = value_cache.index_select(0, g.blocks).view(g.n, g.kv, num_kv_heads, head_size).transpose(1, 2).float()
         if group > 1:
