@@ -224,16 +224,15 @@ class LLMEngine:
         return out
 
     def _output(self, req: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids),
+        # Positional arguments: built for every running request every step, so it counts.
+        completion = CompletionOutput(0, req.output_text, list(req.output_token_ids),
                                       list(req.logprobs) if req.params.logprobs is not None else None,
-                                      req.finish_reason, req.stop_reason)],
-            finished=req.status.finished, num_cached_tokens=req.num_cached_tokens,
-            metrics=dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
-                         first_token_time=req.first_token_time, finished_time=req.finished_time,
-                         num_preemptions=req.num_preemptions),
-        )
+                                      req.finish_reason, req.stop_reason)
+        metrics = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+                       first_token_time=req.first_token_time, finished_time=req.finished_time,
+                       num_preemptions=req.num_preemptions)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.status.finished,
+                             req.num_cached_tokens, metrics)
 
     # ---- observation --------------------------------------------------------------------
     def stats(self) -> EngineStats:

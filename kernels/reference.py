@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,8 +30,8 @@ def reshape_and_cache_ref(
 ) -> None:
     """Write each token's K and V into its slot of the paged cache (in place)."""
     num_blocks, block_size = key_cache.shape[:2]
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # one op when nothing is padded
+        valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     slots = slot_mapping.long()
     # A view of the cache as [num_slots, heads, head_size] makes the write one index_copy.
@@ -39,39 +40,74 @@ def reshape_and_cache_ref(
 
 
 @dataclass
+class AttentionGroup:
+    """Requests attended as one padded batch: n requests of up to q query rows each, over up
+    to kv keys (whole blocks). Padded query rows repeat a real row; their output is dropped."""
+
+    n: int
+    q: int
+    kv: int
+    blocks: torch.Tensor  # [n * kv // block_size] physical blocks, padded with block 0
+    mask: torch.Tensor  # [n, 1, q, kv] True where a query row may see a key
+    span: tuple[int, int] | None  # its rows are query[s:e] exactly, n * q of them (no padding)
+    src: torch.Tensor | None  # else: [n * q] query row of each padded row
+    keep: torch.Tensor | None  # padded rows that are real ...
+    dst: torch.Tensor | None  # ... and the query rows they are
+
+
+@dataclass
 class AttentionPlan:
     """Host-side indexing for one batch, shared by every layer of a step (same metadata)."""
 
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    decode_rows: torch.Tensor | None  # query rows of the requests with one new token
-    decode_slots: torch.Tensor | None  # [n_decode * max_len] cache slots, padded with slot 0
-    decode_mask: torch.Tensor | None  # [n_decode, max_len] True where the key exists
-    prefill: list[tuple[int, int, torch.Tensor]]  # (first row, last row + 1, slots of its context)
+    groups: list[AttentionGroup]
 
 
 def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                    block_size: int) -> AttentionPlan:
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    tables = block_tables.long().cpu()
-    decode = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-    rows = slots = mask = None
-    if decode:
-        max_len = max(lens[i] for i in decode)
-        pos = torch.arange(max_len)
-        idx = torch.tensor(decode)
-        seq = torch.tensor([lens[i] for i in decode])
-        mask = pos[None, :] < seq[:, None]
-        slots = (tables[idx][:, pos // block_size] * block_size + pos % block_size).masked_fill(~mask, 0)
-        dev = block_tables.device
-        rows, slots, mask = torch.tensor([qsl[i] for i in decode], device=dev), slots.flatten().to(dev), mask.to(dev)
-    prefill = []
-    for i in range(len(lens)):
-        if qsl[i + 1] - qsl[i] > 1:
-            pos = torch.arange(lens[i])
-            prefill.append((qsl[i], qsl[i + 1],
-                            (tables[i, pos // block_size] * block_size + pos % block_size).to(block_tables.device)))
-    return AttentionPlan(qsl, lens, rows, slots, mask, prefill)
+    q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+    # Decodes form one group. Prefill chunks, by length, form groups as long as padding them to
+    # a common shape costs at most 1.5x their real attention work: few large ops beat many
+    # small ones on the CPU, but one long prompt must not pad every short one to its length.
+    groups = [[i for i, n in enumerate(q_lens) if n == 1]]
+    for i in sorted((i for i, n in enumerate(q_lens) if n > 1), key=lambda i: lens[i]):
+        g = groups[-1] + [i]
+        if len(groups) > 1 and len(g) * max(q_lens[j] for j in g) * lens[i] <= 1.5 * sum(q_lens[j] * lens[j] for j in g):
+            groups[-1] = g
+        else:
+            groups.append([i])
+    groups = [g for g in groups if g]
+    tables = block_tables.cpu().numpy()
+    return AttentionPlan([_group(g, qsl, q_lens, lens, tables, block_size, block_tables.device) for g in groups])
+
+
+def _group(reqs: list[int], qsl: list[int], q_lens: list[int], lens: list[int], tables: np.ndarray,
+           block_size: int, device: torch.device) -> AttentionGroup:
+    # Built with numpy: on these small arrays it costs a fraction of the same torch ops.
+    n, q = len(reqs), max(q_lens[i] for i in reqs)
+    nblk = -(-max(lens[i] for i in reqs) // block_size)
+    seq, qn = np.array([lens[i] for i in reqs])[:, None], np.array([q_lens[i] for i in reqs])[:, None]
+    # Entries past a request's own blocks may be stale: read block 0 there (masked off) instead.
+    blocks = np.where(np.arange(nblk) < -(-seq // block_size), tables[reqs, :nblk], 0)
+    # Query row i (at position ctx + i) sees keys up to there; a padded row (i >= its q_len)
+    # sees all keys, so no row is fully masked.
+    rows = np.arange(q)
+    last = np.minimum(seq - qn + rows, seq - 1)  # [n, q]
+    mask = np.arange(nblk * block_size) <= last[:, None, :, None]  # [n, 1, q, kv]
+    span = src = keep = dst = None
+    if reqs == list(range(reqs[0], reqs[-1] + 1)) and all(q_lens[i] == q for i in reqs):
+        span = (qsl[reqs[0]], qsl[reqs[-1] + 1])
+    else:
+        start = np.array([qsl[i] for i in reqs])[:, None]
+        real = rows < qn
+        src, keep, dst = (_tensor(x, device) for x in (
+            (start + np.minimum(rows, qn - 1)).ravel(), real.ravel().nonzero()[0], (start + rows)[real]))
+    return AttentionGroup(n, q, nblk * block_size, _tensor(blocks.ravel(), device), _tensor(mask, device),
+                          span, src, keep, dst)
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(a.astype(np.int64) if a.dtype != np.bool_ else a).to(device)
 
 
 def unified_attention_ref(
@@ -93,38 +129,25 @@ def unified_attention_ref(
     the indexing across layers.
     """
     num_tokens, num_q_heads, head_size = query.shape
-    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+    block_size, num_kv_heads = key_cache.shape[1:3]
     group = num_q_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
     if plan is None:
         plan = plan_attention(query_start_loc, seq_lens, block_tables, block_size)
-    # The cache viewed as one row per slot: gathering slots is one index_select (several
-    # times faster than advanced indexing by block).
-    k_slots = key_cache.view(num_blocks * block_size, num_kv_heads, head_size)
-    v_slots = value_cache.view(num_blocks * block_size, num_kv_heads, head_size)
-
-    # Decode rows (one query token each) are batched into one padded attention; prefill and
-    # mixed chunks are done one request at a time (their shapes differ).
-    if plan.decode_rows is not None:
-        n, max_len = plan.decode_mask.shape
-        k = k_slots.index_select(0, plan.decode_slots).view(n, max_len, num_kv_heads, head_size).float()
-        v = v_slots.index_select(0, plan.decode_slots).view(n, max_len, num_kv_heads, head_size).float()
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        o = F.scaled_dot_product_attention(
-            query[plan.decode_rows].float().unsqueeze(2),  # [n, Hq, 1, D]
-            k.transpose(1, 2), v.transpose(1, 2),  # [n, Hq, L, D]
-            attn_mask=plan.decode_mask[:, None, None, :], scale=scale)
-        out[plan.decode_rows] = o.squeeze(2).to(out.dtype)
-    for s, e, slots in plan.prefill:
-        seq_len, q_len = slots.numel(), e - s
-        k, v = k_slots.index_select(0, slots).float(), v_slots.index_select(0, slots).float()
+    for g in plan.groups:
+        q = query[g.span[0]:g.span[1]] if g.span else query.index_select(0, g.src)
+        # Whole blocks are gathered (one index_select copying block_size contiguous rows per
+        # index, cheaper than one per slot); the mask hides keys past each request's length.
+        k = key_cache.index_select(0, g.blocks).view(g.n, g.kv, num_kv_heads, head_size).transpose(1, 2).float()
+        v = value_cache.index_select(0, g.blocks).view(g.n, g.kv, num_kv_heads, head_size).transpose(1, 2).float()
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        ctx = seq_len - q_len
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= (ctx + torch.arange(q_len, device=query.device))[:, None]
-        o = F.scaled_dot_product_attention(
-            query[s:e].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
-        out[s:e] = o.transpose(0, 1).to(out.dtype)
+        o = F.scaled_dot_product_attention(q.view(g.n, g.q, num_q_heads, head_size).transpose(1, 2).float(),
+                                           k, v, attn_mask=g.mask, scale=scale)  # [n, Hq, q, D]
+        o = o.transpose(1, 2).to(out.dtype)
+        if g.span:
+            out[g.span[0]:g.span[1]].view_as(o).copy_(o)
+        else:
+            out.index_copy_(0, g.dst, o.reshape(g.n * g.q, num_q_heads, head_size).index_select(0, g.keep))
     return out
