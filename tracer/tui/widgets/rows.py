@@ -42,7 +42,8 @@ def cells_text(cells: list, widths: list[int]) -> tuple:
         text, style = c if isinstance(c, tuple) else (str(c), None)
         if len(text) > width:
             text = text[:max(0, width - 1)] + "…"
-        out.append((set_cell_size(text, width), style))
+        # one cell per character unless wide characters are possible (rich's check is slower)
+        out.append((text.ljust(width) if text.isascii() else set_cell_size(text, width), style))
     return tuple(out)
 
 
