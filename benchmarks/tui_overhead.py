@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.workload import make_workload
+from benchmarks.workload import make_workload, resolve_model
 from engine import LLM, Hooks
 from engine.async_engine import AsyncLLMEngine
 from tracer.session import TraceSession
@@ -38,14 +38,14 @@ async def _consume(ae: AsyncLLMEngine, rid: str, prompt: list[int], params) -> i
     return n
 
 
-async def run_once(mode: str, model: str, workload, pane: str) -> dict:
+async def run_once(mode: str, model: str, workload, pane: str, kv_cache_memory: int | None = None) -> dict:
     from tracer.tui.app import TraceApp
     from tracer.tui.serve import live_info
     from tracer.tui.sources.live import LiveSource
 
     hooks = Hooks()
     session = TraceSession(hooks, model=model) if mode != "no-tui" else None
-    ae = AsyncLLMEngine(LLM(model, hooks=hooks).llm_engine, drain_timeout=0).start()
+    ae = AsyncLLMEngine(LLM(model, hooks=hooks, kv_cache_memory=kv_cache_memory).llm_engine, drain_timeout=0).start()
     app = TraceApp(LiveSource(session, live_info(ae, model, None), ae), initial_pane=pane) if mode == "tui" else None
 
     async def workload_run() -> dict:
@@ -68,18 +68,20 @@ async def run_once(mode: str, model: str, workload, pane: str) -> dict:
 
 async def main_async(args) -> None:
     workload = make_workload(args.requests, output_len=(args.min_tokens, args.max_tokens))
-    await run_once("tui", args.model, make_workload(4), args.pane)  # warm-up: model cache, imports, CSS
+    # warm-up: model cache, imports, CSS
+    await run_once("tui", args.model, make_workload(4), args.pane, args.kv_cache_memory)
     results: dict[str, list[dict]] = {m: [] for m in MODES}
     for rep in range(args.reps):
         order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]  # rotate who goes first
         for mode in order:
-            r = await run_once(mode, args.model, workload, args.pane)
+            r = await run_once(mode, args.model, workload, args.pane, args.kv_cache_memory)
             results[mode].append(r)
             hz = f", {r['refresh_hz']:.1f} refreshes/s" if r["refresh_hz"] is not None else ""
             print(f"rep {rep} {mode:>7}: {r['tokens'] / r['seconds']:8.1f} tokens/s, "
                   f"{r['tokens'] / r['cpu']:8.1f} tokens/CPU-s ({r['tokens']} tokens, {r['seconds']:.2f} s{hz})",
                   flush=True)
-    print(f"\n{args.requests} concurrent streaming requests, {args.reps} interleaved repetitions, "
+    print(f"\nmodel {args.model}, {args.requests} concurrent streaming requests "
+          f"({args.min_tokens}-{args.max_tokens} output tokens each), {args.reps} interleaved repetitions, "
           f"{args.threads} torch thread(s), pane '{args.pane}'")
     for label, key in (("tokens/s (wall)", "seconds"), ("tokens/CPU-s", "cpu")):
         rate = {m: [r["tokens"] / r[key] for r in results[m]] for m in MODES}
@@ -94,15 +96,18 @@ async def main_async(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-gpt2")
+    ap.add_argument("--model", default="tiny-gpt2",
+                    help="a model name or path; gpt2-shaped: GPT-2 small's size, random weights, built locally")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (engine default if unset)")
     ap.add_argument("--min-tokens", type=int, default=96, help="output tokens per request, at least")
     ap.add_argument("--max-tokens", type=int, default=160, help="output tokens per request, at most")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--pane", default="requests", choices=["startup", "requests", "kv", "step", "kernels", "log"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    args.model = resolve_model(args.model)
     asyncio.run(main_async(args))
 
 

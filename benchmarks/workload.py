@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from engine import SamplingParams
 
@@ -17,3 +18,40 @@ def make_workload(num_requests: int = 32, vocab_size: int = 257, seed: int = 0,
         params = SamplingParams(temperature=0.0, max_tokens=rng.randint(*output_len), ignore_eos=True)
         work.append((prompt, params))
     return work
+
+
+GPT2_SHAPED = "gpt2-shaped"
+
+
+def gpt2_shaped_checkpoint() -> str:
+    """A local checkpoint with GPT-2 small's body (12 layers, 768 wide, 12 heads, 1024
+    positions) and transformers' random init, with the built-in byte-level tokenizer (257
+    tokens; real GPT-2's 50257-token LM head would add about 40 % to each token's compute).
+    For benchmarks that need a model of the size people serve without a download; written once
+    next to tiny-gpt2 and loaded through the same loader as any checkpoint."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from engine import builtin_model
+
+    path = builtin_model.cache_root() / f"{GPT2_SHAPED}-v1"
+    if not (path / "model.safetensors").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent))
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                            bos_token_id=256, eos_token_id=256)
+        GPT2LMHeadModel(config).save_pretrained(tmp, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(builtin_model.builtin_path() / name, tmp / name)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    return str(path)
+
+
+def resolve_model(name: str) -> str:
+    """`gpt2-shaped` becomes its local checkpoint; anything else is passed to the engine."""
+    return gpt2_shaped_checkpoint() if name == GPT2_SHAPED else name

@@ -66,8 +66,8 @@ def register(sub) -> None:
                     help="no tracer at all (engine hooks cost nothing; /trace answers 503)")
     t = p.add_argument_group("display")
     t.add_argument("--no-tui", action="store_true",
-                   help="headless: print startup and logs only (default: the TUI, once HTTP is ready; "
-                        "`vllm-trace attach` opens it on a headless server)")
+                   help="headless: print startup and logs only (default: the TUI, from the first startup "
+                        "stage on, when run in a terminal; `vllm-trace attach` opens it on a headless server)")
     add_engine_args(p)
     p.set_defaults(handler=run)
 
@@ -146,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--no-trace cannot be combined with --trace-file, --start-paused or --trace-log")
     if args.no_trace and not args.no_tui:
         raise ValueError("--no-trace turns the tracer off, and the TUI is its view: add --no-tui")
+    if not args.no_tui and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        print("vllm-trace serve: no terminal to draw the TUI in (stdin or stdout is not a TTY): "
+              "running headless, as with --no-tui (`vllm-trace attach` opens the TUI)", file=sys.stderr)
+        args.no_tui = True
     layers = check_layers(args.trace_log_layers.split(",")) if args.trace_log_layers else None
     sock = _bind(args.host, args.port)  # before loading anything: a busy port fails fast
     t_args = time.perf_counter_ns()
