@@ -180,12 +180,22 @@ def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str
     return out
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
 def _publish(frames, name, grid, meta, tensors, duration_ns, timing, reason, access_fn) -> None:
     record = LaunchRecord(
         name=name,
         grid=grid,
         meta=dict(meta),
-        args={k.removesuffix("_ptr"): (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in tensors.items()},
+        args={k.removesuffix("_ptr"): (tuple(t.shape), _dtype_name(t.dtype)) for k, t in tensors.items()},
         tags=dict(frames[-1].tags),
         duration_ns=duration_ns,
         timing=timing,

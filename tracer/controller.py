@@ -131,6 +131,12 @@ class StepController:
 
     # ---- the engine side -----------------------------------------------------------------
     def _gate(self, point: str, info: dict) -> None:
+        # Nothing armed, the usual case while it runs: no lock (twelve gates a step). A command
+        # racing this read is seen at the next control point, as it would be with the lock.
+        if not (self._pause or self._countdown or self._hit or self._until or self._breakpoints):
+            if point == "kernel":
+                self._kernel_gates = True
+            return
         with self._cond:
             reason = None if self._closed else self._stop_reason(point, info)
             if reason is None:
