@@ -19,7 +19,7 @@ from tracer.tui.widgets.rows import RowList, cell, cells_text
 # Redrawing 64 changed rows costs Textual ~25 ms, taken from the engine (same interpreter).
 BUSY_ROWS, BUSY_HZ = 16, 4
 MAX_FINISHED = 100  # the most recent; the trace file keeps them all
-COLUMNS = [("id", 23), ("state", 9), ("prompt", 7), ("output", 6), ("age", 5), ("why waiting / finish", 40)]
+COLUMNS = [("id", 23), ("state", 9), ("prompt", 7), ("output", 8), ("age", 5), ("why waiting / finish", 40)]
 ID, WHY = 0, 5  # sized to fit: the id column to the longest id shown, the reason to what is left
 MAX_ID = 21  # vLLM-style ids (cmpl-<16 hex>) fit whole: the id is what a user greps the log for
 
