@@ -1,6 +1,7 @@
 """The offline API, as in vLLM: ``LLM(model=...).generate(prompts, sampling_params)``."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -55,6 +56,8 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params must be one or one per prompt ({len(prompts)}), got {len(params)}")
+        # As vLLM's LLM: only finished requests need an output (no RequestOutput per step)
+        params = [p if p.output_kind == "final_only" else replace(p, output_kind="final_only") for p in params]
         engine = self.llm_engine
         ids = []
         try:

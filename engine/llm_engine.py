@@ -192,7 +192,8 @@ class LLMEngine:
                 self.scheduler.finish(req, status)
                 self.requests.pop(req.request_id, None)
                 if self.hooks.active: self.hooks.emit("engine", "FINISHED", request_id=req.request_id, step=sched.step, finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens, text=req.output_text)
-            outputs.append(self._output(req))
+            if status is not None or req.params.output_kind != "final_only":
+                outputs.append(self._output(req))
         if self.hooks.active: self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
         if self.hooks.active: self.hooks.gate("step_end", step=sched.step)
         self.step_count += 1

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+OUTPUT_KINDS = ("cumulative", "final_only")
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range."""
 
@@ -27,6 +30,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (sampled one included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's RequestOutputKind: "cumulative" (an output for every step, the server streams
+    # these) or "final_only" (only the finished one; LLM.generate asks for this).
+    output_kind: str = "cumulative"
     stop_strs: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +70,8 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop_strs):
             bad("stop", "strings must be non-empty")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad("output_kind", f"must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

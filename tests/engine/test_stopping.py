@@ -1,4 +1,7 @@
+import pytest
+
 from engine import SamplingParams
+from engine.sampling_params import SamplingParamsError
 from engine.tokenizer import IncrementalDetokenizer
 
 
@@ -44,3 +47,20 @@ def test_incremental_detokenizer_never_splits_a_character(llm):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert len(ids) > len(text)  # several tokens per character really happened
+
+
+def test_output_kind_final_only_returns_only_the_finished_output(llm):
+    """vLLM's RequestOutputKind: the server streams cumulative outputs, one per step;
+    LLM.generate asks for final_only, so the engine builds no RequestOutput per step."""
+    engine = llm.llm_engine
+    per_step = {}
+    for kind in ("cumulative", "final_only"):
+        engine.add_request(f"kind-{kind}", "Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                                     output_kind=kind))
+        per_step[kind] = []
+        while engine.has_unfinished_requests():
+            per_step[kind].append([(o.request_id, o.finished, len(o.outputs[0].token_ids)) for o in engine.step()])
+    assert per_step["cumulative"] == [[("kind-cumulative", n == 4, n)] for n in (1, 2, 3, 4)]
+    assert per_step["final_only"] == [[], [], [], [("kind-final_only", True, 4)]]
+    with pytest.raises(SamplingParamsError, match="output_kind"):
+        SamplingParams(output_kind="delta")
