@@ -15,11 +15,15 @@ class RequestScreen(ModalScreen):
         self.request_id = request_id
 
     def compose(self):
-        yield RequestDetail(self.request_id, id="request-screen-detail")
+        self.detail = RequestDetail(self.request_id, id="request-screen-detail")
+        yield self.detail
 
     def on_mount(self) -> None:
         if self.app.frame is not None:  # at once, not at the next refresh
             self.show(self.app.frame)
 
     def show(self, frame) -> None:
-        self.query_one(RequestDetail).show(frame)
+        # The app's timer may fire while this screen is still mounting or already closing.
+        detail = getattr(self, "detail", None)
+        if detail is not None and detail.is_mounted and detail.is_attached:
+            detail.show(frame)
