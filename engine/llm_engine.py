@@ -55,6 +55,7 @@ class LLMEngine:
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
 
+        self._loaded = 0  # weight bytes last reported (see _load_progress)
         with self._stage("model_load", path=str(self.model_path)) as info:
             torch.manual_seed(mc.seed)
             self.backend = AttentionBackend(self.attention_backend)
@@ -276,7 +277,7 @@ class LLMEngine:
 
     def _load_progress(self, done: int, total: int) -> None:
         """Weights read so far, for the startup progress bar: about every 5 %."""
-        if self.hooks.active and (done == total or done - getattr(self, "_loaded", 0) >= total / 20):
+        if self.hooks.active and (done == total or done - self._loaded >= total / 20):
             self._loaded = done
             self.hooks.emit("engine", "model_load_progress", COUNTER, bytes=done, total_bytes=total)
 

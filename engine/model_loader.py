@@ -130,6 +130,8 @@ def load_state_dict(path: Path, progress: Callable[[int, int], None] | None = No
                     done += t.numel() * t.element_size()
                     if progress is not None:
                         progress(min(done, total), total)
+        if progress is not None:  # the files also hold headers: the last tensor is not quite `total`
+            progress(total, total)
     else:
         state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
         if progress is not None:

@@ -13,9 +13,9 @@ class RequestScreen(ModalScreen):
     def __init__(self, request_id: str):
         super().__init__()
         self.request_id = request_id
+        self.detail = RequestDetail(request_id, id="request-screen-detail")
 
     def compose(self):
-        self.detail = RequestDetail(self.request_id, id="request-screen-detail")
         yield self.detail
 
     def on_mount(self) -> None:
@@ -24,6 +24,5 @@ class RequestScreen(ModalScreen):
 
     def show(self, frame) -> None:
         # The app's timer may fire while this screen is still mounting or already closing.
-        detail = getattr(self, "detail", None)
-        if detail is not None and detail.is_mounted and detail.is_attached:
-            detail.show(frame)
+        if self.detail.is_mounted and self.detail.is_attached:
+            self.detail.show(frame)

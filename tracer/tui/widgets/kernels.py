@@ -136,6 +136,7 @@ class KernelsPanel(Vertical):
         self._key = None
         self._drawn_at = 0.0
         self._frame: Frame | None = None
+        self._access_text: Text | None = None  # what #program-access shows
 
     def show(self, frame: Frame) -> None:
         s, c = frame.state, frame.controller
@@ -186,10 +187,9 @@ class KernelsPanel(Vertical):
 
     def _set_access(self, text: Text) -> None:
         """Static.update costs a layout pass (its height may change): only when it changed."""
-        static = self.query_one("#program-access", Static)
-        if getattr(self, "_access_text", None) != text:
+        if text != self._access_text:
             self._access_text = text
-            static.update(text)
+            self.query_one("#program-access", Static).update(text)
 
     def on_program_grid_chosen(self, _) -> None:
         self._set_access(program_text(self.query_one(ProgramGrid)))

@@ -102,10 +102,7 @@ class RowList(ScrollView, can_focus=True):
         if not changed:
             dirty = [i for i, (a, b) in enumerate(zip(texts, self.texts)) if a != b]
         self.header, self.keys, self.texts = header, keys, texts
-        # Requests come and go every step under load: the height moves in steps of ROUND rows.
-        height = sticky_height(len(keys) + 1, self.virtual_size.height,
-                               self.scrollable_content_region.height, ROUND)
-        size = Size(1 + sum(len(t) + 2 for t, _ in header), height)
+        size = Size(1 + sum(len(t) + 2 for t, _ in header), self._virtual_height())
         if size != self.virtual_size:
             self.virtual_size = size
         if old_key in keys and keys.index(old_key) != self.cursor:
@@ -179,8 +176,13 @@ class RowList(ScrollView, can_focus=True):
         strip = Strip(_segments(row)).crop_extend(scroll_x, scroll_x + width, self.rich_style)
         return strip.apply_style(style) if style else strip
 
+    def _virtual_height(self) -> int:
+        # Requests come and go every step under load: the height moves in steps of ROUND rows.
+        return sticky_height(len(self.keys) + 1, self.virtual_size.height,
+                             self.scrollable_content_region.height, ROUND)
+
     def on_resize(self) -> None:
-        height = sticky_height(len(self.keys) + 1, self.virtual_size.height, self.scrollable_content_region.height, ROUND)
+        height = self._virtual_height()  # what fits without scrolling may have changed
         if height != self.virtual_size.height:
             self.virtual_size = Size(self.virtual_size.width, height)
 
