@@ -33,6 +33,7 @@ class AttentionBackend:
         self.name = name
         import kernels  # turns on Triton's interpreter when there is no GPU
         self._kernels = kernels
+        self.workspace = kernels.reference.Workspace()  # the torch backend's gathered K/V
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Once per step, before the layers: work every layer would otherwise repeat."""
@@ -53,7 +54,8 @@ class AttentionBackend:
             reason="attention_backend=torch: PyTorch reference")
         return call("unified_attention_ref", kn.unified_attention_ref, dict(
             query=q, key_cache=key_cache, value_cache=value_cache, query_start_loc=meta.query_start_loc,
-            seq_lens=meta.seq_lens, block_tables=meta.block_tables, scale=scale, plan=meta.plan),
+            seq_lens=meta.seq_lens, block_tables=meta.block_tables, scale=scale, plan=meta.plan,
+            workspace=self.workspace),
             reason="attention_backend=torch: PyTorch reference")
 
 
