@@ -10,6 +10,7 @@ The engine knows nothing of who listens.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
@@ -25,6 +26,7 @@ class Hooks:
         self.active = False  # True while anyone listens or gates
         self._listeners: list[Listener] = []
         self._gates: list[Gate] = []
+        self._lock = threading.Lock()  # (un)subscribing may happen from any thread, at any time
         # A gate that holds the engine waits inside `with hooks.gate_wait():`. AsyncLLMEngine
         # sets it to release its engine lock, so requests can still be queued meanwhile. Only
         # the wait is wrapped: a gate that lets the engine pass costs no lock traffic.
@@ -33,17 +35,28 @@ class Hooks:
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """listener(layer, name, kind, request_id, step, attrs). Returns an unsubscribe function."""
         # copy on write: the engine thread may be iterating the old list right now
-        self._listeners = [*self._listeners, listener]
-        self._update()
-        return lambda: (setattr(self, "_listeners", [x for x in self._listeners if x is not listener]),
-                        self._update())
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
+            self._update()
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._listeners = [x for x in self._listeners if x is not listener]
+                self._update()
+        return unsubscribe
 
     def add_gate(self, gate: Gate) -> Callable[[], None]:
         """gate(point, info) is called at each control point; to hold the engine there it
         blocks inside ``with hooks.gate_wait():``."""
-        self._gates = [*self._gates, gate]
-        self._update()
-        return lambda: (setattr(self, "_gates", [x for x in self._gates if x is not gate]), self._update())
+        with self._lock:
+            self._gates = [*self._gates, gate]
+            self._update()
+
+        def remove() -> None:
+            with self._lock:
+                self._gates = [x for x in self._gates if x is not gate]
+                self._update()
+        return remove
 
     def _update(self) -> None:
         self.active = bool(self._listeners or self._gates)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.hooks import Hooks
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, freeze_gc_heap
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -42,6 +42,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             attention_backend=attention_backend, dtype=dtype, device=device, seed=seed)
         self.llm_engine = LLMEngine(config, hooks)
+        freeze_gc_heap()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -194,7 +194,7 @@ def _publish(frames, name, grid, meta, tensors, duration_ns, timing, reason, acc
     record = LaunchRecord(
         name=name,
         grid=grid,
-        meta=dict(meta),
+        meta=dict(meta) if meta else {},
         args={k.removesuffix("_ptr"): (tuple(t.shape), _dtype_name(t.dtype)) for k, t in tensors.items()},
         tags=dict(frames[-1].tags),
         duration_ns=duration_ns,

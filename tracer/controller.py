@@ -51,7 +51,7 @@ class StepController:
         self._release_gen = 0  # bumped on every release, so a held gate knows it may go
         self._kernel_gates = False  # seen a kernel gate: kernel conditions are matched there
         self._closed = False
-        self._unsubscribe = hooks.subscribe(self._on_event)
+        self._unsubscribe = None  # events are watched only while a condition is armed (_watch)
         self._remove_gate = hooks.add_gate(self._gate)
 
     # ---- commands (any thread) -----------------------------------------------------------
@@ -79,19 +79,23 @@ class StepController:
         """Run until an event matches the condition (once), then stop."""
         with self._cond:
             self._pause, self._countdown, self._until = None, 0, condition
+            self._watch()
             self._release()
 
     def add_breakpoint(self, condition: Condition) -> None:
         with self._cond:
             self._breakpoints += (condition,)
+            self._watch()
 
     def remove_breakpoint(self, condition: Condition) -> None:
         with self._cond:
             self._breakpoints = tuple(b for b in self._breakpoints if b != condition)
+            self._watch()
 
     def clear_breakpoints(self) -> None:
         with self._cond:
             self._breakpoints = ()
+            self._watch()
 
     @property
     def breakpoints(self) -> tuple[Condition, ...]:
@@ -118,11 +122,23 @@ class StepController:
         """Detach from the engine and let it run freely. Safe to call twice."""
         if self._closed:
             return
-        self._unsubscribe()
+        with self._cond:
+            self._breakpoints, self._until = (), None
+            self._watch()
         self._remove_gate()
         with self._cond:
             self._closed = True
             self._release()
+
+    def _watch(self) -> None:  # holding self._cond
+        """Listen to the engine's events only while a breakpoint or run-until is armed: the
+        rest of the time its every event would pay for one more call that matches nothing."""
+        armed = bool(self._breakpoints or self._until)
+        if armed and self._unsubscribe is None:
+            self._unsubscribe = self.hooks.subscribe(self._on_event)
+        elif not armed and self._unsubscribe is not None:
+            self._unsubscribe, unsubscribe = None, self._unsubscribe
+            unsubscribe()
 
     def _release(self) -> None:  # holding self._cond
         self._held = None
@@ -182,6 +198,7 @@ class StepController:
     def _match(self, event: tuple[str, str, str | None]) -> str | None:  # holding self._cond
         if self._until is not None and self._until.matches(*event):
             until, self._until = self._until, None
+            self._watch()
             return f"until {until}"
         for bp in self._breakpoints:
             if bp.matches(*event):

@@ -52,6 +52,10 @@ class Event:
                 "request_id": self.request_id, "step": self.step, "attrs": json_safe(self.attrs) if self.attrs else None}
 
     def to_json(self) -> str:
+        return self.to_json_line()[:-1].decode()
+
+    def to_json_line(self) -> bytes:
+        """The event's line in a trace file (UTF-8, newline-terminated)."""
         attrs = self.attrs or None
         if attrs and not LIVE_ONLY_ATTRS.isdisjoint(attrs):
             attrs = {k: v for k, v in attrs.items() if k not in LIVE_ONLY_ATTRS}
@@ -59,9 +63,9 @@ class Event:
              "request_id": self.request_id, "step": self.step, "attrs": attrs}
         try:  # fast path: engine attributes are almost always plain JSON data already (orjson:
             # ~10x the stdlib's C encoder, which matters on the recorder thread, holding the GIL)
-            return orjson.dumps(d).decode()
+            return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
         except TypeError:  # a tensor, a set, a non-string key...: convert, then encode
-            return orjson.dumps(self.to_dict()).decode()
+            return orjson.dumps(self.to_dict(), option=orjson.OPT_APPEND_NEWLINE)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Event":

@@ -106,7 +106,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def build_engine(config, hooks):
     """The engine, warmed up, printing its stages live (a listener attached for startup only)."""
     from engine.hooks import END
-    from engine.llm_engine import LLMEngine
+    from engine.llm_engine import LLMEngine, freeze_gc_heap
 
     def on_event(layer, name, kind, request_id, step, attrs) -> None:
         if layer == "engine" and kind == END and "seconds" in attrs:
@@ -116,6 +116,7 @@ def build_engine(config, hooks):
     try:
         engine = LLMEngine(config, hooks)
         engine.warm_up()
+        freeze_gc_heap()
         return engine
     finally:
         unsubscribe()  # without a tracer, hooks.active costs nothing from here on
