@@ -34,29 +34,22 @@ class Hooks:
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """listener(layer, name, kind, request_id, step, attrs). Returns an unsubscribe function."""
-        # copy on write: the engine thread may be iterating the old list right now
-        with self._lock:
-            self._listeners = [*self._listeners, listener]
-            self._update()
-
-        def unsubscribe() -> None:
-            with self._lock:
-                self._listeners = [x for x in self._listeners if x is not listener]
-                self._update()
-        return unsubscribe
+        return self._add("_listeners", listener)
 
     def add_gate(self, gate: Gate) -> Callable[[], None]:
         """gate(point, info) is called at each control point; to hold the engine there it
-        blocks inside ``with hooks.gate_wait():``."""
-        with self._lock:
-            self._gates = [*self._gates, gate]
-            self._update()
+        blocks inside ``with hooks.gate_wait():``. Returns a function that removes it."""
+        return self._add("_gates", gate)
 
-        def remove() -> None:
+    def _add(self, attr: str, item: Callable) -> Callable[[], None]:
+        # Copy on write: the engine thread may be iterating the old list right now.
+        def replace(items: Callable[[list], list]) -> None:
             with self._lock:
-                self._gates = [x for x in self._gates if x is not gate]
+                setattr(self, attr, items(getattr(self, attr)))
                 self._update()
-        return remove
+
+        replace(lambda xs: [*xs, item])
+        return lambda: replace(lambda xs: [x for x in xs if x is not item])
 
     def _update(self) -> None:
         self.active = bool(self._listeners or self._gates)
