@@ -122,3 +122,21 @@ def test_interpreter_rejects_bfloat16_instead_of_returning_garbage():
     b = make_batch([1], [9], q_heads=2, kv_heads=2, head_size=16, block_size=8, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="bfloat16"):
         unified_attention(*b.args())
+
+
+def test_reference_workspace_gives_the_same_result_and_reuses_its_buffers():
+    from kernels.reference import Workspace
+
+    ws = Workspace()
+    for name in ("mixed_h80", "decode", "mixed_gqa4"):
+        b = _batch(name)
+        out = unified_attention_ref(*b.args(), workspace=ws)
+        torch.testing.assert_close(out, unified_attention_ref(*b.args()), atol=0, rtol=0)
+    like = torch.zeros(1)
+    first = ws.get("x", (4, 8), like)
+    assert first.shape == (4, 8)
+    assert ws.get("x", (2, 8), like).data_ptr() == first.data_ptr()  # smaller: the same memory
+    assert ws.get("x", (5, 8), like).data_ptr() == first.data_ptr()  # within the quarter to spare
+    bigger = ws.get("x", (100, 8), like)
+    assert bigger.shape == (100, 8) and bigger.data_ptr() != first.data_ptr()
+    assert ws.get("x", (100, 8), torch.zeros(1, dtype=torch.float64)).dtype == torch.float64

@@ -192,3 +192,24 @@ def test_bad_commands_and_condition_text():
     for bad in ("nope", "layer:gpu", "event:x"):
         with pytest.raises(ValueError):
             parse_condition(bad)
+
+
+def test_controller_listens_to_events_only_while_a_condition_is_armed():
+    # Unarmed, the controller must cost the engine's events nothing: it is not a listener.
+    hooks = Hooks()
+    ctl = StepController(hooks)
+    assert hooks._listeners == [] and hooks.active  # its gate is there
+    ctl.add_breakpoint(on_finish("1"))
+    ctl.add_breakpoint(on_arrive())
+    assert len(hooks._listeners) == 1
+    ctl.remove_breakpoint(on_finish("1"))
+    assert len(hooks._listeners) == 1
+    ctl.clear_breakpoints()
+    assert hooks._listeners == []
+    ctl.run_until(on_finish("7"))
+    assert len(hooks._listeners) == 1
+    hooks.emit("engine", "FINISHED", request_id="7")  # matched: the run-until is used up
+    assert hooks._listeners == [] and "finish:7" in ctl._hit
+    ctl.add_breakpoint(on_arrive())
+    ctl.close()
+    assert hooks._listeners == [] and not hooks.active
