@@ -38,6 +38,7 @@ def freeze_gc_heap() -> None:
     imported) at whatever point of a run it falls due. Later objects are collected as usual."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however many engines a process builds
     atexit.register(gc.unfreeze)  # at exit everything is collectable again, so it is torn down cleanly
 
 
