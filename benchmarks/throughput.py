@@ -77,8 +77,7 @@ def engine_overhead(model: str, output_kind: str, batch: int = 32, steps: int = 
         inp = runner.prepare_inputs(sched)
         with torch.inference_mode():
             t = time.perf_counter()
-            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_caches, inp.meta)
-            runner.model.compute_logits(hidden[inp.logits_indices])
+            runner.forward(inp)
             fwd_times.append(time.perf_counter() - t)
     return statistics.mean(step_times[3:]), statistics.mean(fwd_times[3:])
 

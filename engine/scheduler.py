@@ -70,14 +70,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = len(req.all_token_ids) - req.num_computed_tokens
+            n = min(remaining, budget)
             while not self.block_manager.allocate_slots(req, n):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim, out, reason=f"no free blocks for {req.request_id}")
                 if victim is req:
                     break
-            else:
-                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, req.is_prefill))
+            else:  # (Request.is_prefill, inlined: this runs for every running request every step)
+                is_prefill = remaining > 1 or not req.output_token_ids
+                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, is_prefill))
                 budget -= n
                 i += 1
                 continue

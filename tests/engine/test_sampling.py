@@ -5,7 +5,7 @@ import torch
 
 from engine import SamplingParams
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, argmax
 
 
 def test_seeded_request_same_alone_and_in_batch_of_8(llm):
@@ -42,6 +42,24 @@ def test_top_k_top_p_min_p_filter_the_distribution():
     # min_p=0.4: keep tokens with p >= 0.4 * 0.4 = 0.16
     assert _draws(SamplingParams(temperature=1.0, min_p=0.4), logits) == {0, 1, 2}
     assert _draws(SamplingParams(temperature=1.0), logits) == {0, 1, 2, 3, 4}
+
+
+def test_argmax_matches_torch_first_index_on_ties():
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+    logits[2, 7] = logits[2, 200] = logits[2].max() + 1  # a tie: the first index wins, as in torch
+    logits[4, 50] = float("nan")  # NaN counts as the largest, as in torch
+    assert argmax(logits) == logits.argmax(dim=-1).tolist()
+    assert argmax(logits)[2] == 7 and argmax(logits)[4] == 50
+    assert argmax(logits[3]) == int(logits[3].argmax())
+
+
+def test_one_batch_mixes_greedy_penalised_and_sampled_requests():
+    """Each request is sorted into greedy / penalised / sampled independently of its neighbours."""
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]] * 3)
+    reqs = [_req(SamplingParams(temperature=0)),
+            _req(SamplingParams(temperature=0, presence_penalty=0.2), outputs=[0]),
+            _req(SamplingParams(temperature=1.0, top_k=1, seed=3))]
+    assert Sampler()(logits, reqs).token_ids == [0, 1, 0]
 
 
 def test_greedy_and_penalties():
