@@ -24,6 +24,7 @@ Gate = Callable[[str, dict], None]
 class Hooks:
     def __init__(self) -> None:
         self.active = False  # True while anyone listens or gates
+        self.gated = False  # True while any gate is on (a controller adds one only while armed)
         self._listeners: list[Listener] = []
         self._gates: list[Gate] = []
         self._lock = threading.Lock()  # (un)subscribing may happen from any thread, at any time
@@ -53,6 +54,7 @@ class Hooks:
 
     def _update(self) -> None:
         self.active = bool(self._listeners or self._gates)
+        self.gated = bool(self._gates)
 
     def emit(self, layer: str, name: str, kind: str = INSTANT, request_id: str | None = None,
              step: int | None = None, **attrs: Any) -> None:

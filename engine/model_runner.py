@@ -138,6 +138,8 @@ class ModelRunner:
         return dict(num_tokens=n + 1, num_launches=len(launches), kernels=sorted(set(launches)))
 
     def _before_launch(self, name: str, grid: tuple, meta: dict) -> None:
+        if not self.hooks.gated:  # nobody may stop the engine here: skip building the gate's info
+            return
         tags = instrument.current_tags()
         self.hooks.gate("kernel", name=name, grid=grid, step=tags.get("step"), layer_idx=tags.get("layer"))
 

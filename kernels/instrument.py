@@ -140,9 +140,8 @@ def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, acc
     for f in frames:
         if f.before_launch is not None:
             f.before_launch(name, grid, dict(meta))
-    tensors = {k: v for k, v in args.items() if isinstance(v, torch.Tensor)}
-    on_gpu = not INTERPRETED and any(t.is_cuda for t in tensors.values())
-    if on_gpu:
+    described, on_gpu = _describe(args)
+    if on_gpu and not INTERPRETED:
         # Events measure the kernel, not the Python launch overhead; syncing is the price of
         # observing, and is only paid when someone observes.
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -159,7 +158,7 @@ def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, acc
     if access is not None:
         snap = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in access_args)
         access_fn = functools.partial(access, *snap)
-    _publish(frames, name, grid, meta, tensors, duration_ns, timing, reason, access_fn)
+    _publish(frames, name, grid, dict(meta) if meta else {}, described, duration_ns, timing, reason, access_fn)
 
 
 def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str = "") -> Any:
@@ -171,12 +170,12 @@ def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str
     for f in frames:
         if f.before_launch is not None:
             f.before_launch(name, (), {})
-    tensors = {k: v for k, v in args.items() if isinstance(v, torch.Tensor)}
+    described, on_gpu = _describe(args)  # before the call, while its arguments are still in cache
     t0 = time.perf_counter_ns()
     out = fn(**args)
-    if any(t.is_cuda for t in tensors.values()):
+    if on_gpu:
         torch.cuda.synchronize()
-    _publish(frames, name, (), {}, tensors, time.perf_counter_ns() - t0, "wall_clock", reason, None)
+    _publish(frames, name, (), {}, described, time.perf_counter_ns() - t0, "wall_clock", reason, None)
     return out
 
 
@@ -190,17 +189,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _publish(frames, name, grid, meta, tensors, duration_ns, timing, reason, access_fn) -> None:
-    record = LaunchRecord(
-        name=name,
-        grid=grid,
-        meta=dict(meta) if meta else {},
-        args={k.removesuffix("_ptr"): (tuple(t.shape), _dtype_name(t.dtype)) for k, t in tensors.items()},
-        tags=dict(frames[-1].tags),
-        duration_ns=duration_ns,
-        timing=timing,
-        reason=reason,
-        _access_fn=access_fn,
-    )
+def _describe(args: dict[str, Any]) -> tuple[dict[str, tuple[tuple[int, ...], str]], bool]:
+    """(tensor argument -> (shape, dtype), whether any is on a GPU), in one pass: this runs
+    for every observed launch, on the engine's thread."""
+    described, on_gpu = {}, False
+    for k, v in args.items():
+        if isinstance(v, torch.Tensor):
+            described[k.removesuffix("_ptr")] = (tuple(v.shape), _DTYPE_NAMES.get(v.dtype) or _dtype_name(v.dtype))
+            on_gpu = on_gpu or v.is_cuda
+    return described, on_gpu
+
+
+def _publish(frames, name, grid, meta, described, duration_ns, timing, reason, access_fn) -> None:
+    record = LaunchRecord(name, grid, meta, described, dict(frames[-1].tags), duration_ns, timing, reason, access_fn)
     for f in frames:
         f.on_launch(record)

@@ -52,13 +52,16 @@ class StepController:
         self._kernel_gates = False  # seen a kernel gate: kernel conditions are matched there
         self._closed = False
         self._unsubscribe = None  # events are watched only while a condition is armed (_watch)
-        self._remove_gate = hooks.add_gate(self._gate)
+        self._remove_gate = None  # the gate is on the engine only while it may stop there (_watch)
+        with self._cond:
+            self._watch()
 
     # ---- commands (any thread) -----------------------------------------------------------
     def pause(self, reason: str = "pause") -> None:
         """Stop at the next step boundary."""
         with self._cond:
             self._pause = reason
+            self._watch()
 
     def resume(self) -> None:
         with self._cond:
@@ -73,7 +76,7 @@ class StepController:
             raise ValueError(f"n must be >= 1, got {n}")
         with self._cond:
             self._pause, self._countdown, self._granularity = None, n, granularity
-            self._release()
+            self._release()  # (which gates the engine again: the countdown is armed)
 
     def run_until(self, condition: Condition) -> None:
         """Run until an event matches the condition (once), then stop."""
@@ -123,20 +126,26 @@ class StepController:
         if self._closed:
             return
         with self._cond:
-            self._breakpoints, self._until = (), None
-            self._watch()
-        self._remove_gate()
-        with self._cond:
+            self._breakpoints, self._until, self._pause, self._countdown, self._hit = (), None, None, 0, None
             self._closed = True
             self._release()
 
     def _watch(self) -> None:  # holding self._cond
-        """Listen to the engine's events only while a breakpoint or run-until is armed: the
-        rest of the time its every event would pay for one more call that matches nothing."""
-        armed = bool(self._breakpoints or self._until)
-        if armed and self._unsubscribe is None:
+        """Be on the engine's hooks only while needed. The gate, while anything may stop the
+        engine (a pause or step command, a pending hit, an armed condition); the event listener,
+        while a condition is armed. Running freely, the engine pays for neither: twelve gate
+        calls and some forty events a step would each cost one more call that does nothing."""
+        gated = not self._closed and bool(self._pause or self._countdown or self._hit or self._until
+                                          or self._breakpoints)
+        listening = not self._closed and bool(self._breakpoints or self._until)
+        if gated and self._remove_gate is None:
+            self._remove_gate = self.hooks.add_gate(self._gate)
+        elif not gated and self._remove_gate is not None:
+            self._remove_gate, remove = None, self._remove_gate
+            remove()  # a gate holding the engine right now still waits for its release
+        if listening and self._unsubscribe is None:
             self._unsubscribe = self.hooks.subscribe(self._on_event)
-        elif not armed and self._unsubscribe is not None:
+        elif not listening and self._unsubscribe is not None:
             self._unsubscribe, unsubscribe = None, self._unsubscribe
             unsubscribe()
 
@@ -144,6 +153,7 @@ class StepController:
         self._held = None
         self._release_gen += 1
         self._cond.notify_all()
+        self._watch()
 
     # ---- the engine side -----------------------------------------------------------------
     def _gate(self, point: str, info: dict) -> None:
@@ -194,11 +204,11 @@ class StepController:
             reason = self._match((layer, name, request_id))
             if reason:
                 self._hit = reason
+            self._watch()  # a hit needs the gate; a consumed run-until, perhaps no listener
 
     def _match(self, event: tuple[str, str, str | None]) -> str | None:  # holding self._cond
         if self._until is not None and self._until.matches(*event):
-            until, self._until = self._until, None
-            self._watch()
+            until, self._until = self._until, None  # (callers _watch() once the hit is kept)
             return f"until {until}"
         for bp in self._breakpoints:
             if bp.matches(*event):

@@ -194,22 +194,44 @@ def test_bad_commands_and_condition_text():
             parse_condition(bad)
 
 
-def test_controller_listens_to_events_only_while_a_condition_is_armed():
-    # Unarmed, the controller must cost the engine's events nothing: it is not a listener.
+def test_controller_is_on_the_hooks_only_while_armed():
+    # Unarmed, the controller must cost the engine nothing: no listener, no gate.
     hooks = Hooks()
     ctl = StepController(hooks)
-    assert hooks._listeners == [] and hooks.active  # its gate is there
+    assert hooks._listeners == [] and hooks._gates == [] and not hooks.active
+    ctl.pause()  # a command that may stop the engine: the gate is on, events are not watched
+    assert hooks._gates and hooks._listeners == [] and hooks.gated
+    ctl.resume()
+    assert hooks._gates == [] and not hooks.active
     ctl.add_breakpoint(on_finish("1"))
     ctl.add_breakpoint(on_arrive())
-    assert len(hooks._listeners) == 1
+    assert len(hooks._listeners) == 1 and len(hooks._gates) == 1
     ctl.remove_breakpoint(on_finish("1"))
     assert len(hooks._listeners) == 1
     ctl.clear_breakpoints()
-    assert hooks._listeners == []
+    assert hooks._listeners == [] and hooks._gates == []
     ctl.run_until(on_finish("7"))
     assert len(hooks._listeners) == 1
-    hooks.emit("engine", "FINISHED", request_id="7")  # matched: the run-until is used up
+    hooks.emit("engine", "FINISHED", request_id="7")  # matched: the run-until is used up...
     assert hooks._listeners == [] and "finish:7" in ctl._hit
+    assert hooks._gates  # ...but its hit still needs the gate, to stop at the next control point
     ctl.add_breakpoint(on_arrive())
     ctl.close()
-    assert hooks._listeners == [] and not hooks.active
+    assert hooks._listeners == [] and hooks._gates == [] and not hooks.active
+    assert StepController(Hooks(), start_paused=True).hooks.gated  # held before the first step
+
+
+def test_a_step_command_gates_the_engine_until_it_is_used_up():
+    hooks = Hooks()
+    ctl = StepController(hooks)
+    ctl.step(2)
+    assert hooks.gated
+    hooks.gate("step", step=0)  # one of two: passes
+    assert ctl.held is None and hooks.gated
+    t = threading.Thread(target=hooks.gate, args=("step",), kwargs={"step": 1})
+    t.start()
+    assert ctl.wait_until_paused(timeout=5).reason == "step step"
+    assert hooks.gated  # held: the gate that holds it stays until the release
+    ctl.resume()
+    t.join(timeout=5)
+    assert not t.is_alive() and not hooks.gated and not hooks.active
