@@ -26,6 +26,7 @@ class Hooks:
         self.active = False  # True while anyone listens or gates
         self.gated = False  # True while any gate is on (a controller adds one only while armed)
         self._listeners: list[Listener] = []
+        self._many: list[Callable[[list[tuple]], None]] = []  # each listener's batch form (emit_many)
         self._gates: list[Gate] = []
         self._lock = threading.Lock()  # (un)subscribing may happen from any thread, at any time
         # A gate that holds the engine waits inside `with hooks.gate_wait():`. AsyncLLMEngine
@@ -33,24 +34,27 @@ class Hooks:
         # the wait is wrapped: a gate that lets the engine pass costs no lock traffic.
         self.gate_wait: Callable[[], AbstractContextManager] = nullcontext
 
-    def subscribe(self, listener: Listener) -> Callable[[], None]:
-        """listener(layer, name, kind, request_id, step, attrs). Returns an unsubscribe function."""
-        return self._add("_listeners", listener)
+    def subscribe(self, listener: Listener, many: Callable[[list[tuple]], None] | None = None) -> Callable[[], None]:
+        """listener(layer, name, kind, request_id, step, attrs) for each event. many(events), if
+        given, takes emit_many's events in one call (each the same six values, as a tuple);
+        without it, listener is called for each of them. Returns an unsubscribe function."""
+        return self._add(_listeners=listener, _many=many or (lambda events: [listener(*e) for e in events]))
 
     def add_gate(self, gate: Gate) -> Callable[[], None]:
         """gate(point, info) is called at each control point; to hold the engine there it
         blocks inside ``with hooks.gate_wait():``. Returns a function that removes it."""
-        return self._add("_gates", gate)
+        return self._add(_gates=gate)
 
-    def _add(self, attr: str, item: Callable) -> Callable[[], None]:
-        # Copy on write: the engine thread may be iterating the old list right now.
-        def replace(items: Callable[[list], list]) -> None:
+    def _add(self, **items: Callable) -> Callable[[], None]:
+        # Copy on write: the engine thread may be iterating the old lists right now.
+        def replace(update: Callable[[list, Callable], list]) -> None:
             with self._lock:
-                setattr(self, attr, items(getattr(self, attr)))
+                for attr, item in items.items():
+                    setattr(self, attr, update(getattr(self, attr), item))
                 self._update()
 
-        replace(lambda xs: [*xs, item])
-        return lambda: replace(lambda xs: [x for x in xs if x is not item])
+        replace(lambda xs, item: [*xs, item])
+        return lambda: replace(lambda xs, item: [x for x in xs if x is not item])
 
     def _update(self) -> None:
         self.active = bool(self._listeners or self._gates)
@@ -60,6 +64,12 @@ class Hooks:
              step: int | None = None, **attrs: Any) -> None:
         for listener in self._listeners:
             listener(layer, name, kind, request_id, step, attrs)
+
+    def emit_many(self, events: list[tuple]) -> None:
+        """Several events at once, in order, each a tuple (layer, name, kind, request_id, step,
+        attrs): a step's new tokens, one event per request, cost one call per listener."""
+        for many in self._many:
+            many(events)
 
     def gate(self, point: str, **info: Any) -> None:
         for g in self._gates:

@@ -17,7 +17,7 @@ from engine import model_loader
 from engine.attention import AttentionBackend, default_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT, Hooks
+from engine.hooks import BEGIN, COUNTER, END, INSTANT, SNAPSHOT, Hooks
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 from engine.model import GPT2Model
 from engine.model_runner import ModelRunner
@@ -186,6 +186,7 @@ class LLMEngine:
 
     def _postprocess(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
         outputs, now = [], time.monotonic()
+        traced = [] if self.hooks.active else None  # this step's NEW_TOKENS, published together (emit_many)
         for i, (s, tok) in enumerate(zip(sched.scheduled, sampled.token_ids if sampled else ())):
             req = s.request
             req.first_scheduled_time = req.first_scheduled_time or now
@@ -199,14 +200,16 @@ class LLMEngine:
             piece = req.detokenizer.add(tok)
             req.output_text = req.detokenizer.text
             status = self._check_stop(req, tok)
-            if self.hooks.active: self.hooks.emit("detokenizer", "NEW_TOKENS", request_id=req.request_id, step=sched.step, token_ids=[tok], text=piece)
+            if traced is not None: traced.append(("detokenizer", "NEW_TOKENS", INSTANT, req.request_id, sched.step, {"token_ids": [tok], "text": piece}))
             if status is not None:
+                if traced: self.hooks.emit_many(traced); traced = []  # published before its blocks are freed
                 req.finished_time = now
                 self.scheduler.finish(req, status)
                 self.requests.pop(req.request_id, None)
                 if self.hooks.active: self.hooks.emit("engine", "FINISHED", request_id=req.request_id, step=sched.step, finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens, text=req.output_text)
             if status is not None or req.params.output_kind != "final_only":
                 outputs.append(self._output(req))
+        if traced: self.hooks.emit_many(traced)
         if self.hooks.active: self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
         if self.hooks.active: self.hooks.gate("step_end", step=sched.step)
         self.step_count += 1

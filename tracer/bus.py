@@ -61,9 +61,23 @@ class EventBus:
                 self._cond.notify_all()
         return ev
 
+    def publish_many(self, events: list[tuple]) -> None:
+        """publish() for each (layer, name, kind, request_id, step, attrs), under one lock and one
+        clock reading: they happened together (a step's new tokens)."""
+        ts = self.clock() - self.start_ns
+        with self._lock:
+            seq, ring, cap = self._next_seq, self._ring, self.capacity
+            for layer, name, kind, request_id, step, attrs in events:
+                ring[seq % cap] = Event(seq, ts, layer, name, kind, request_id, step, attrs or None)
+                seq += 1
+            self._next_seq = seq
+        if self._waiters:
+            with self._cond:
+                self._cond.notify_all()
+
     def attach(self, hooks: Hooks) -> Callable[[], None]:
         """Publish everything the engine emits on these hooks. Returns a detach function."""
-        return hooks.subscribe(self.publish)
+        return hooks.subscribe(self.publish, self.publish_many)
 
     def subscribe(self, from_start: bool = False) -> "Subscription":
         """A reader starting at the next event (or at the oldest one still held)."""

@@ -40,8 +40,8 @@ class Recorder:
         self._file.flush()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one writer at a time: the thread, or close()
-        self._thread = threading.Thread(target=self._run, name="trace-recorder", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name="trace-recorder", daemon=True)  # the writer
+        self.thread.start()
 
     def _run(self) -> None:
         # Poll rather than wait on the bus: a reader waiting on the bus would be woken by every
@@ -96,7 +96,7 @@ class Recorder:
         if self._file.closed:
             return
         self._stop.set()
-        self._thread.join(timeout=5)
+        self.thread.join(timeout=5)
         self.flush()
         with self._lock:
             os.fsync(self._file.fileno())

@@ -22,6 +22,27 @@ def test_attach_publishes_hook_events_with_increasing_seq():
     assert got.events[0].ts_ns <= got.events[1].ts_ns
 
 
+def test_emit_many_reaches_batch_and_plain_listeners_in_order():
+    hooks, bus = Hooks(), EventBus(capacity=4)
+    sub = bus.subscribe()
+    bus.attach(hooks)  # the bus takes a batch in one call
+    plain = []
+    unsubscribe = hooks.subscribe(lambda *e: plain.append(e))  # no batch form: called per event
+    hooks.emit("engine", "step", "begin", step=3)
+    batch = [("detokenizer", "NEW_TOKENS", "instant", str(i), 3, {"token_ids": [i], "text": "x"}) for i in range(3)]
+    hooks.emit_many(batch)
+    got = sub.pull()
+    assert [(e.seq, e.request_id) for e in got.events] == [(0, None), (1, "0"), (2, "1"), (3, "2")]
+    assert got.events[2].attrs == {"token_ids": [1], "text": "x"} and got.events[2].step == 3
+    assert got.events[1].ts_ns == got.events[3].ts_ns >= got.events[0].ts_ns  # published together
+    assert plain[1:] == batch
+    hooks.emit_many(batch[:2])  # past the ring's end (4): slots are reused, seqs go on
+    assert [e.seq for e in sub.pull().events] == [4, 5]
+    unsubscribe()
+    hooks.emit_many(batch)
+    assert len(plain) == 6 and bus.next_seq == 9
+
+
 def test_slow_reader_is_told_how_many_it_missed():
     bus = EventBus(capacity=8)
     sub = bus.subscribe()

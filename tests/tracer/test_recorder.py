@@ -51,7 +51,7 @@ def test_a_lost_stretch_is_written_into_the_trace(tmp_path):
     path = tmp_path / "t.jsonl"
     rec = Recorder(bus, path, flush_interval=60)
     rec._stop.set()  # stop the writer thread, to fall behind deterministically
-    rec._thread.join()
+    rec.thread.join()
     for i in range(10):
         bus.publish("engine", f"e{i}")
     rec.close()
