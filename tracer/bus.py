@@ -15,6 +15,7 @@ from engine.hooks import INSTANT, Hooks
 from tracer.events import Event
 
 DEFAULT_CAPACITY = 1 << 16
+NOBODY = 1 << 62  # the wake-up seq while no reader waits: never reached
 
 
 @dataclass
@@ -39,7 +40,10 @@ class EventBus:
         self._next_seq = 0
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._waiters = 0  # readers blocked in wait(): only then does publish notify
+        # Readers blocked in wait(), as the seq each waits for: publish notifies only when it
+        # reaches the lowest (a writer can ask to sleep until many events are pending).
+        self._waiting_for: list[int] = []
+        self._wake_seq = NOBODY
         self.closed = False
         self._wake_gen = 0
 
@@ -56,7 +60,7 @@ class EventBus:
             seq = self._next_seq
             ev = self._ring[seq % self.capacity] = Event(seq, ts, layer, name, kind, request_id, step, attrs or None)
             self._next_seq = seq + 1
-        if self._waiters:  # counted under the lock, so a reader that is about to wait is seen
+        if seq >= self._wake_seq:  # set under the lock, so a reader that is about to wait is seen
             with self._cond:
                 self._cond.notify_all()
         return ev
@@ -71,7 +75,7 @@ class EventBus:
                 ring[seq % cap] = Event(seq, ts, layer, name, kind, request_id, step, attrs or None)
                 seq += 1
             self._next_seq = seq
-        if self._waiters:
+        if seq > self._wake_seq:
             with self._cond:
                 self._cond.notify_all()
 
@@ -98,16 +102,20 @@ class EventBus:
         ring, cap = self._ring, self.capacity
         return [ring[i % cap] for i in range(cursor, end)], missed, end
 
-    def wait(self, cursor: int, timeout: float | None = None) -> bool:
-        """Block until there is an event at or after `cursor` (True), or timeout, close or
-        wake_readers() (False)."""
+    def wait(self, cursor: int, timeout: float | None = None, min_pending: int = 1) -> bool:
+        """Block until there are at least `min_pending` events from seq `cursor` on (True; a
+        writer that takes events in batches asks for many, so publishing rarely wakes it), or
+        until timeout, close or wake_readers() (False unless some event is there)."""
+        target = cursor + max(1, min_pending) - 1  # the seq whose publication wakes this reader
         with self._cond:
             gen = self._wake_gen
-            self._waiters += 1
+            self._waiting_for.append(target)
+            self._wake_seq = min(self._waiting_for)
             try:
-                self._cond.wait_for(lambda: self._next_seq > cursor or self.closed or self._wake_gen != gen, timeout)
+                self._cond.wait_for(lambda: self._next_seq > target or self.closed or self._wake_gen != gen, timeout)
             finally:
-                self._waiters -= 1
+                self._waiting_for.remove(target)
+                self._wake_seq = min(self._waiting_for, default=NOBODY)
             return self._next_seq > cursor
 
     def wake_readers(self) -> None:

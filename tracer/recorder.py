@@ -1,9 +1,9 @@
 """`--trace-file PATH`: record the event stream as JSON lines.
 
-A background thread drains the bus every 50 ms to ``poll_interval`` (so the engine thread
-never serialises or touches the disk) and flushes at least every ``flush_interval``: with both
-at most half a second, an event reaches the OS within a second, so a crash loses at most the
-last one. Lines are written whole; ``close()`` drains what is left, so the file is complete
+A background thread drains the bus every ``poll_interval``, or as soon as a quarter of the
+ring is pending (so the engine thread never serialises or touches the disk), and flushes at
+least every ``flush_interval``: with both at most half a second, an event reaches the OS within
+a second, so a crash loses at most the last one. Lines are written whole; ``close()`` drains what is left, so the file is complete
 after Ctrl-C. If the writer ever falls a whole ring behind, the loss is written into the
 trace as a ``tracer events_lost`` event rather than silently skipped.
 """
@@ -18,8 +18,6 @@ from pathlib import Path
 from tracer.bus import EventBus
 from tracer.events import Event, make_header
 
-
-MIN_POLL_INTERVAL = 0.05  # seconds
 
 
 class Recorder:
@@ -44,23 +42,17 @@ class Recorder:
         self.thread.start()
 
     def _run(self) -> None:
-        # Poll rather than wait on the bus: a reader waiting on the bus would be woken by every
-        # publish, and those wake-ups (thread switches, GIL hand-offs) cost the engine thread more
-        # than the writing itself. Every poll_interval the writer takes all that piled up; rarely,
-        # because each time it holds the interpreter lock the engine thread may wait for it
-        # (polling every 50 ms cost the engine 5 % more than every second, measured).
-        # The wait adapts: short while events come fast for the ring's size (so it never laps
-        # the writer), growing to poll_interval while they come slowly.
-        last_flush, interval, shortest = time.monotonic(), MIN_POLL_INTERVAL, min(MIN_POLL_INTERVAL, self.poll_interval)
-        capacity = self.bus.capacity
-        while not self._stop.wait(interval):
-            n = 0
-            while (k := self._drain()):
-                n += k
-            if n > capacity // 8:
-                interval = max(shortest, interval / 2)
-            elif n < capacity // 32:
-                interval = min(self.poll_interval, interval * 2)
+        # Sleep on the bus until a quarter of the ring is pending or poll_interval has passed,
+        # then take everything. Rarely: each time the writer holds the interpreter lock the
+        # engine thread may wait for it (polling every 50 ms cost the engine 5 % more than every
+        # second, measured), and a reader woken by every publish would cost more still. The
+        # quarter-ring wake-up keeps a burst (64 arrivals and their prefill, a fast decode
+        # phase after an idle start-up) from lapping the writer however long it slept.
+        last_flush, wake_at = time.monotonic(), max(1, self.bus.capacity // 4)
+        while not self._stop.is_set():
+            self.bus.wait(self._sub.cursor, self.poll_interval, min_pending=wake_at)
+            while self._drain():
+                pass
             if time.monotonic() - last_flush >= self.flush_interval:
                 with self._lock:
                     if not self._file.closed:
@@ -96,6 +88,7 @@ class Recorder:
         if self._file.closed:
             return
         self._stop.set()
+        self.bus.wake_readers()  # out of its wait on the bus
         self.thread.join(timeout=5)
         self.flush()
         with self._lock:

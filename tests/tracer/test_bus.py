@@ -107,6 +107,20 @@ def test_reader_waits_for_the_next_event():
     assert sub.pull(timeout=0.01).events == []  # a timeout with nothing to read
 
 
+def test_a_batch_reader_is_woken_only_once_enough_events_are_pending():
+    bus = EventBus()
+    woke = []
+    t = threading.Thread(target=lambda: woke.append(bus.wait(0, timeout=30, min_pending=3)))
+    t.start()
+    bus.publish("engine", "a")
+    bus.publish_many([("engine", "b", "instant", None, None, None)])
+    t.join(timeout=0.2)
+    assert t.is_alive() and not woke  # two pending: it sleeps on
+    bus.publish("engine", "c")  # the third wakes it, long before its timeout
+    t.join(timeout=30)
+    assert woke == [True] and bus._wake_seq > bus.next_seq  # nobody waits: publishing notifies no one
+
+
 def test_wake_readers_interrupts_a_wait():
     bus = EventBus()
     sub = bus.subscribe()
