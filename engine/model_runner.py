@@ -20,9 +20,6 @@ from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 
 
-_ZEROS = [0] * 64  # block-table padding, sliced rather than built per row
-
-
 @dataclass
 class ModelInput:
     input_ids: torch.Tensor
@@ -72,7 +69,7 @@ class ModelRunner:
         padded = []
         for t in tables:  # block tables padded with block 0 to the longest, row after row
             padded += t
-            padded += _ZEROS[:width - len(t)] if width - len(t) <= len(_ZEROS) else [0] * (width - len(t))
+            padded += [0] * (width - len(t))
         i64 = np.array(input_ids + positions + slots + [q - 1 for q in qsl[1:]], np.int64)
         i32 = np.array(qsl + seq_lens + padded, np.int32)
         tensor = self._tensor

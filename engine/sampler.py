@@ -21,7 +21,7 @@ class SamplerOutput:
     ranks: list[int | None]  # rank of the sampled token in the raw distribution (1 = top)
 
 
-def argmax(x: torch.Tensor):
+def argmax(x: torch.Tensor) -> int | list[int]:
     """Index of the largest value along the last dimension, as Python ints (the first one on
     ties, like torch). On the CPU through numpy: torch's CPU argmax measured 7x slower here
     (32 x 50257 logits: 1.9 ms against 0.26 ms; 20 us against 3 us for the built-in model)."""

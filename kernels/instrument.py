@@ -190,7 +190,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _describe(args: dict[str, Any]) -> tuple[dict[str, tuple[tuple[int, ...], str]], bool]:
-    """(tensor argument -> (shape, dtype), whether any is on a GPU), in one pass: this runs
+    """(tensor argument -> (shape, dtype), whether they are on a GPU), in one pass: this runs
     for every observed launch, on the engine's thread."""
     described, first = {}, None
     for k, v in args.items():
