@@ -102,17 +102,20 @@ class EventBus:
         ring, cap = self._ring, self.capacity
         return [ring[i % cap] for i in range(cursor, end)], missed, end
 
-    def wait(self, cursor: int, timeout: float | None = None, min_pending: int = 1) -> bool:
+    def wait(self, cursor: int, timeout: float | None = None, min_pending: int = 1,
+             stop: threading.Event | None = None) -> bool:
         """Block until there are at least `min_pending` events from seq `cursor` on (True; a
         writer that takes events in batches asks for many, so publishing rarely wakes it), or
-        until timeout, close or wake_readers() (False unless some event is there)."""
+        until timeout, close, wake_readers() or `stop` (False unless some event is there). A
+        `stop` set before wake_readers() is seen even by a reader that had not started waiting."""
         target = cursor + max(1, min_pending) - 1  # the seq whose publication wakes this reader
         with self._cond:
             gen = self._wake_gen
             self._waiting_for.append(target)
             self._wake_seq = min(self._waiting_for)
             try:
-                self._cond.wait_for(lambda: self._next_seq > target or self.closed or self._wake_gen != gen, timeout)
+                self._cond.wait_for(lambda: self._next_seq > target or self.closed or self._wake_gen != gen
+                                    or (stop is not None and stop.is_set()), timeout)
             finally:
                 self._waiting_for.remove(target)
                 self._wake_seq = min(self._waiting_for, default=NOBODY)

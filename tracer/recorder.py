@@ -3,8 +3,8 @@
 A background thread drains the bus every ``poll_interval``, or as soon as a quarter of the
 ring is pending (so the engine thread never serialises or touches the disk), and flushes at
 least every ``flush_interval``: with both at most half a second, an event reaches the OS within
-a second, so a crash loses at most the last one. Lines are written whole; ``close()`` drains what is left, so the file is complete
-after Ctrl-C. If the writer ever falls a whole ring behind, the loss is written into the
+a second, so a crash loses at most the last one. Lines are written whole; ``close()`` drains
+what is left, so the file is complete after Ctrl-C. If the writer ever falls a whole ring behind, the loss is written into the
 trace as a ``tracer events_lost`` event rather than silently skipped.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Recorder:
         # phase after an idle start-up) from lapping the writer however long it slept.
         last_flush, wake_at = time.monotonic(), max(1, self.bus.capacity // 4)
         while not self._stop.is_set():
-            self.bus.wait(self._sub.cursor, self.poll_interval, min_pending=wake_at)
+            self.bus.wait(self._sub.cursor, self.poll_interval, min_pending=wake_at, stop=self._stop)
             while self._drain():
                 pass
             if time.monotonic() - last_flush >= self.flush_interval:
@@ -88,7 +88,7 @@ class Recorder:
         if self._file.closed:
             return
         self._stop.set()
-        self.bus.wake_readers()  # out of its wait on the bus
+        self.bus.wake_readers()  # out of its wait on the bus (which also checks _stop, so no race)
         self.thread.join(timeout=5)
         self.flush()
         with self._lock:

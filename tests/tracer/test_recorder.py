@@ -59,3 +59,15 @@ def test_a_lost_stretch_is_written_into_the_trace(tmp_path):
     assert (events[0].layer, events[0].name, events[0].attrs) == ("tracer", "events_lost", {"count": 6})
     assert [e.name for e in events[1:]] == ["e6", "e7", "e8", "e9"]
     assert rec.num_lost == 6
+
+
+def test_close_is_prompt_even_with_a_long_poll_interval(tmp_path):
+    """The writer sleeps on the bus for up to poll_interval; close() must not wait that out,
+    whether the writer is already asleep or only about to be."""
+    import time
+    bus = EventBus()
+    for _ in range(20):
+        rec = Recorder(bus, tmp_path / "t.jsonl", poll_interval=3600)
+        t = time.monotonic()
+        rec.close()
+        assert time.monotonic() - t < 3 and not rec.thread.is_alive()

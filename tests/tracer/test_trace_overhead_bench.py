@@ -11,4 +11,3 @@ def test_every_mode_runs_the_same_steps_and_tokens(tmp_path):
     assert {tokens for _, _, tokens in runs.values()} == {sum(p.max_tokens for _, p in work)}
     assert all(s > 0 for steps, _, _ in runs.values() for s in steps)
     assert runs["bypassed"][1] == runs["off"][1] == 0 and runs["on"][1] > 0  # the recorder's flush and thread
-
