@@ -5,7 +5,9 @@ Engine code writes one line per trace point::
     if self.hooks.active: self.hooks.emit("scheduler", "SCHEDULED", request_id=rid, step=s, tokens=n)
 
 so the cost when nobody listens is one attribute check. ``gate`` is where a step controller
-may hold the engine (between steps, between schedule and execute, before a kernel launch).
+may hold the engine (between steps, between schedule and execute, before a kernel launch);
+engine code calls it as ``if self.hooks.gated: self.hooks.gate(...)``, so a running engine
+makes no gate calls while nobody could stop it.
 The engine knows nothing of who listens.
 """
 from __future__ import annotations
@@ -60,8 +62,10 @@ class Hooks:
         self.active = bool(self._listeners or self._gates)
         self.gated = bool(self._gates)
 
-    def emit(self, layer: str, name: str, kind: str = INSTANT, request_id: str | None = None,
+    def emit(self, layer: str, name: str, kind: str = INSTANT, /, request_id: str | None = None,
              step: int | None = None, **attrs: Any) -> None:
+        # layer, name and kind are positional-only: CPython matches each attribute keyword
+        # against every parameter name that may be given by keyword, by value, on every call
         for listener in self._listeners:
             listener(layer, name, kind, request_id, step, attrs)
 

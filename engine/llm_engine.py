@@ -176,12 +176,12 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.hooks.active: self.hooks.gate("step", step=self.step_count)
+        if self.hooks.gated: self.hooks.gate("step", step=self.step_count)
         if self.hooks.active: self.hooks.emit("engine", "step", BEGIN, step=self.step_count)
         sched = self.scheduler.schedule(self.step_count)
         if self.hooks.active: self._trace_schedule(sched)
         sampled = self.model_runner.execute(sched) if not sched.is_empty else None
-        if self.hooks.active: self.hooks.gate("postprocess", step=sched.step)
+        if self.hooks.gated: self.hooks.gate("postprocess", step=sched.step)
         return self._postprocess(sched, sampled)
 
     def _postprocess(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
@@ -211,7 +211,7 @@ class LLMEngine:
                 outputs.append(self._output(req))
         if traced: self.hooks.emit_many(traced)
         if self.hooks.active: self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
-        if self.hooks.active: self.hooks.gate("step_end", step=sched.step)
+        if self.hooks.gated: self.hooks.gate("step_end", step=sched.step)
         self.step_count += 1
         return outputs
 
@@ -263,15 +263,16 @@ class LLMEngine:
 
     def snapshot(self, sched: SchedulerOutput | None = None) -> dict:
         """The engine's visible state, as plain data (taken at schedule time when traced)."""
-        # Dict displays, not dict(...): taken every step for every request while traced.
-        def req_state(r: Request) -> dict:
-            return {"request_id": r.request_id, "status": r.status._value_, "num_computed_tokens": r.num_computed_tokens,
-                    "num_tokens": len(r.all_token_ids), "num_prompt_tokens": len(r.prompt_token_ids),
-                    "num_output_tokens": len(r.output_token_ids), "block_table": r.block_ids.copy(),
-                    "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions}
+        # Dict displays in one comprehension, not dict(...) or a call per request: taken every step
+        # for every request while traced.
+        def rows(reqs) -> list[dict]:
+            return [{"request_id": r.request_id, "status": r.status._value_, "num_computed_tokens": r.num_computed_tokens,
+                     "num_tokens": len(r.all_token_ids), "num_prompt_tokens": len(r.prompt_token_ids),
+                     "num_output_tokens": len(r.output_token_ids), "block_table": r.block_ids.copy(),
+                     "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions} for r in reqs]
 
-        snap = {"waiting": [req_state(r) for r in self.scheduler.waiting],
-                "running": [req_state(r) for r in self.scheduler.running], "stats": vars(self.stats())}
+        snap = {"waiting": rows(self.scheduler.waiting), "running": rows(self.scheduler.running),
+                "stats": vars(self.stats())}
         if sched is not None:
             snap |= {
                 "step": sched.step, "token_budget": sched.token_budget,
@@ -289,8 +290,8 @@ class LLMEngine:
         snap = self.snapshot(sched)
         del snap["step"]  # the event's own step field carries it
         h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **snap)
-        h.emit("scheduler", "schedule", END, step=sched.step, num_scheduled_tokens=sched.num_scheduled_tokens)
-        h.gate("execute", step=sched.step)
+        h.emit("scheduler", "schedule", END, step=sched.step, num_scheduled_tokens=snap["num_scheduled_tokens"])
+        if h.gated: h.gate("execute", step=sched.step)
 
     def _load_progress(self, done: int, total: int) -> None:
         """Weights read so far, for the startup progress bar: about every 5 %."""

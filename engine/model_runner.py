@@ -88,7 +88,7 @@ class ModelRunner:
         inp = self.prepare_inputs(sched)
         if not self.hooks.active:
             return self._run(sched, inp)
-        with instrument.observe(self._on_launch, self._before_launch, step=sched.step):
+        with instrument.observe(self._on_launch, self._before_launch, access_maps=False, step=sched.step):
             return self._run(sched, inp)
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
@@ -122,9 +122,9 @@ class ModelRunner:
 
         def on_launch(rec: instrument.LaunchRecord) -> None:
             launches.append(rec.name)
-            if self.hooks.active: self.hooks.emit("kernel", rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args=rec.args, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, warmup=True, launch=rec)
+            if self.hooks.active: self.hooks.emit("kernel", rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args=rec.args, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, warmup=True)
 
-        with instrument.observe(on_launch, warmup=True):  # no before_launch: nothing to gate here
+        with instrument.observe(on_launch, access_maps=False, warmup=True):  # no before_launch: nothing to gate here
             for inp in batches:
                 self.forward(inp)
         if self.device.type == "cuda":
@@ -141,5 +141,5 @@ class ModelRunner:
         self.hooks.gate("kernel", name=name, grid=grid, step=tags.get("step"), layer_idx=tags.get("layer"))
 
     def _on_launch(self, rec: instrument.LaunchRecord) -> None:
-        # `launch` is the record itself (not JSON): live viewers read its lazy access map
-        self.hooks.emit("kernel", rec.name, step=rec.tags.get("step"), layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args=rec.args, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, launch=rec)
+        # Plain data only: viewers recompute a launch's access map from the step's batch event
+        self.hooks.emit("kernel", rec.name, step=rec.tags.get("step"), layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args=rec.args, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason)

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -50,7 +51,7 @@ class LaunchRecord:
     grid: tuple[int, ...]
     meta: dict[str, Any]  # constexpr meta-parameters, num_warps, num_stages
     args: dict[str, tuple[tuple[int, ...], str]]  # tensor argument -> (shape, dtype)
-    tags: dict[str, Any]
+    tags: dict[str, Any]  # shared by the launches made under the same tags: read, don't change
     duration_ns: int
     timing: str  # "cuda_event" or "wall_clock"
     reason: str  # why this config was chosen
@@ -62,7 +63,8 @@ class LaunchRecord:
 
         A GPU attention program handles one query block of one request; an interpreted one may
         stack several query blocks (of different requests). Programs with nothing to do are
-        absent. Computed on first access, from a snapshot of the metadata taken at launch time.
+        absent. Computed on first access, from a snapshot of the metadata taken at launch time;
+        empty when every observer passed ``access_maps=False`` (no snapshot was taken).
         """
         out: dict[tuple[int, int, int], tuple[ProgramAccess, ...]] = {}
         for a in self._access_fn() if self._access_fn is not None else ():
@@ -70,11 +72,12 @@ class LaunchRecord:
         return out
 
 
-@dataclass
 class _Frame:
-    on_launch: Callable[[LaunchRecord], None]
-    before_launch: Callable[[str, tuple, dict], None] | None
-    tags: dict[str, Any]
+    __slots__ = ("on_launch", "before_launch", "tags", "access")
+
+    def __init__(self, on_launch, before_launch, tags: dict, access: bool):
+        self.on_launch, self.before_launch, self.access = on_launch, before_launch, access
+        self.tags = tags  # replaced, never changed in place: a record shares the dict it was made with
 
 
 class _State(threading.local):
@@ -88,13 +91,17 @@ _state = _State()
 def observe(
     on_launch: Callable[[LaunchRecord], None],
     before_launch: Callable[[str, tuple, dict], None] | None = None,
+    *,
+    access_maps: bool = True,
     **tags: Any,
 ) -> Iterator[None]:
     """Call ``on_launch(record)`` after, and ``before_launch(name, grid, meta)`` before, each
-    launch made by this thread inside the block; ``tags`` are copied into every record."""
+    launch made by this thread inside the block; ``tags`` are copied into every record.
+    ``access_maps=False``: this observer never reads ``record.access_map`` (the engine's tracer
+    recomputes maps from the step's batch), so the launch need not snapshot its metadata for it."""
     outer = _state.frames
-    inherited = dict(outer[-1].tags) if outer else {}
-    _state.frames = outer + (_Frame(on_launch, before_launch, {**inherited, **tags}),)
+    inherited = outer[-1].tags if outer else {}
+    _state.frames = outer + (_Frame(on_launch, before_launch, {**inherited, **tags}, access_maps),)
     try:
         yield
     finally:
@@ -104,7 +111,8 @@ def observe(
 def set_tags(**tags: Any) -> None:
     """Update the tags of the innermost ``observe`` block (no-op when nobody observes)."""
     if _state.frames:
-        _state.frames[-1].tags.update(tags)
+        top = _state.frames[-1]
+        top.tags = {**top.tags, **tags}
 
 
 def current_tags() -> dict[str, Any]:
@@ -155,7 +163,7 @@ def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, acc
         kernel[grid](**args, **meta)
         duration_ns, timing = time.perf_counter_ns() - t0, "wall_clock"
     access_fn = None
-    if access is not None:
+    if access is not None and any(f.access for f in frames):
         snap = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in access_args)
         access_fn = functools.partial(access, *snap)
     _publish(frames, name, grid, dict(meta) if meta else {}, described, duration_ns, timing, reason, access_fn)
@@ -179,29 +187,41 @@ def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str
     return out
 
 
+# id(tensor) -> (weak reference, (shape, dtype name), is_cuda). A step passes the same KV caches
+# and metadata to every layer's launches, and each torch attribute read costs ~1.5k instructions.
+# The weak reference tells a live tensor from a new one at a reused address (a tensor resized in
+# place would keep its old entry; nothing the engine launches with is).
+_DESCRIBED: dict[int, tuple[weakref.ref, tuple[tuple[int, ...], str], bool]] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
+def _described(v: torch.Tensor) -> tuple[weakref.ref, tuple[tuple[int, ...], str], bool]:
+    if len(_DESCRIBED) >= 4096:  # entries of dead tensors pile up: start again
+        _DESCRIBED.clear()
+    name = _DTYPE_NAMES.get(v.dtype)
     if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
+        name = _DTYPE_NAMES[v.dtype] = str(v.dtype).removeprefix("torch.")
+    entry = _DESCRIBED[id(v)] = (weakref.ref(v), (tuple(v.shape), name), v.is_cuda)
+    return entry
 
 
 def _describe(args: dict[str, Any]) -> tuple[dict[str, tuple[tuple[int, ...], str]], bool]:
     """(tensor argument -> (shape, dtype), whether they are on a GPU), in one pass: this runs
-    for every observed launch, on the engine's thread."""
-    described, first = {}, None
+    for every observed launch, on the engine's thread. A kernel's tensors share one device, so
+    the first one says which."""
+    described, on_gpu = {}, None
     for k, v in args.items():
         if isinstance(v, torch.Tensor):
-            described[k.removesuffix("_ptr")] = (tuple(v.shape), _DTYPE_NAMES.get(v.dtype) or _dtype_name(v.dtype))
-            first = first if first is not None else v
-    # A kernel's tensors share one device; each torch attribute read costs ~1.5k instructions.
-    return described, first is not None and first.is_cuda
+            entry = _DESCRIBED.get(id(v))
+            if entry is None or entry[0]() is not v:
+                entry = _described(v)
+            described[k.removesuffix("_ptr")] = entry[1]
+            if on_gpu is None:
+                on_gpu = entry[2]
+    return described, bool(on_gpu)
 
 
 def _publish(frames, name, grid, meta, described, duration_ns, timing, reason, access_fn) -> None:
-    record = LaunchRecord(name, grid, meta, described, dict(frames[-1].tags), duration_ns, timing, reason, access_fn)
+    record = LaunchRecord(name, grid, meta, described, frames[-1].tags, duration_ns, timing, reason, access_fn)
     for f in frames:
         f.on_launch(record)

@@ -56,10 +56,14 @@ class EventBus:
         """at_ns: when it happened, as a clock() reading, for an event published late (startup
         work timed before the bus existed). Publish such events in time order, before later ones."""
         ts = (self.clock() if at_ns is None else at_ns) - self.start_ns
-        with self._lock:
+        lock = self._lock  # acquire/release, not `with`: in Python 3.11 `with` makes two bound methods
+        lock.acquire()
+        try:
             seq = self._next_seq
             ev = self._ring[seq % self.capacity] = Event(seq, ts, layer, name, kind, request_id, step, attrs or None)
             self._next_seq = seq + 1
+        finally:
+            lock.release()
         if seq >= self._wake_seq:  # set under the lock, so a reader that is about to wait is seen
             with self._cond:
                 self._cond.notify_all()
@@ -69,12 +73,16 @@ class EventBus:
         """publish() for each (layer, name, kind, request_id, step, attrs), under one lock and one
         clock reading: they happened together (a step's new tokens)."""
         ts = self.clock() - self.start_ns
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             seq, ring, cap = self._next_seq, self._ring, self.capacity
             for layer, name, kind, request_id, step, attrs in events:
                 ring[seq % cap] = Event(seq, ts, layer, name, kind, request_id, step, attrs or None)
                 seq += 1
             self._next_seq = seq
+        finally:
+            lock.release()
         if seq > self._wake_seq:
             with self._cond:
                 self._cond.notify_all()

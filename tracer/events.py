@@ -31,9 +31,6 @@ LAYERS = ("cli", "http", "api", "tokenizer", "engine", "scheduler", "block_manag
           "kernel", "sampler", "detokenizer", "tracer")
 KINDS = (INSTANT, BEGIN, END, COUNTER, SNAPSHOT)
 EVENT_KEYS = ("seq", "ts_ns", "layer", "name", "kind", "request_id", "step", "attrs")
-# Attributes that hand live objects to in-process viewers (a kernel event's LaunchRecord, whose
-# per-program access map is computed lazily): never serialised, never copied into exports.
-LIVE_ONLY_ATTRS = frozenset({"launch"})
 
 
 @dataclass(slots=True)
@@ -56,16 +53,7 @@ class Event:
 
     def to_json_line(self) -> bytes:
         """The event's line in a trace file (UTF-8, newline-terminated)."""
-        attrs = self.attrs or None
-        if attrs and not LIVE_ONLY_ATTRS.isdisjoint(attrs):
-            attrs = {k: v for k, v in attrs.items() if k not in LIVE_ONLY_ATTRS}
-        d = {"seq": self.seq, "ts_ns": self.ts_ns, "layer": self.layer, "name": self.name, "kind": self.kind,
-             "request_id": self.request_id, "step": self.step, "attrs": attrs}
-        try:  # fast path: engine attributes are almost always plain JSON data already (orjson:
-            # ~10x the stdlib's C encoder, which matters on the recorder thread, holding the GIL)
-            return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
-        except TypeError:  # a tensor, a set, a non-string key...: convert, then encode
-            return orjson.dumps(self.to_dict(), option=orjson.OPT_APPEND_NEWLINE)
+        return encode_lines([self])
 
     @classmethod
     def from_dict(cls, d: dict) -> "Event":
@@ -77,16 +65,41 @@ class Event:
         return self.attrs.get(key, default) if self.attrs else default
 
 
+def encode_lines(events: list[Event]) -> bytes:
+    """The events' lines in a trace file, in one call (the recorder writes batches of them).
+
+    Engine attributes are almost always plain JSON data already, so a batch goes straight to
+    orjson (a dict display per event: measured twice as fast as orjson's own encoding of the
+    slotted dataclass). Where one is not (a tensor, a set, a non-string key), the batch is
+    encoded again event by event, converting that one with json_safe."""
+    dumps, opt = orjson.dumps, orjson.OPT_APPEND_NEWLINE
+    try:
+        return b"".join([dumps({"seq": e.seq, "ts_ns": e.ts_ns, "layer": e.layer, "name": e.name, "kind": e.kind,
+                                "request_id": e.request_id, "step": e.step, "attrs": e.attrs}, option=opt)
+                         for e in events])
+    except TypeError:
+        return b"".join([_safe_line(e) for e in events])
+
+
+def _safe_line(e: Event) -> bytes:
+    d = {"seq": e.seq, "ts_ns": e.ts_ns, "layer": e.layer, "name": e.name, "kind": e.kind,
+         "request_id": e.request_id, "step": e.step, "attrs": e.attrs}
+    try:
+        return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return orjson.dumps(e.to_dict(), option=orjson.OPT_APPEND_NEWLINE)
+
+
 def json_safe(x: Any) -> Any:
     """Plain JSON data from what engine code passes as attributes: tensors and numpy arrays
     become lists, tuples and sets lists, dataclasses dicts, enums their value, dict keys strings;
-    NaN and infinities (not JSON) become strings; live-only attributes are left out."""
+    NaN and infinities (not JSON) become strings."""
     if x is None or isinstance(x, (bool, int, str)):
         return x
     if isinstance(x, float):
         return x if math.isfinite(x) else str(x)
     if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items() if k not in LIVE_ONLY_ATTRS}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple, set, frozenset)):
         return [json_safe(v) for v in (sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x)]
     if isinstance(x, enum.Enum):

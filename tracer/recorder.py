@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from tracer.bus import EventBus
-from tracer.events import Event, make_header
+from tracer.events import Event, encode_lines, make_header
 
 
 
@@ -71,7 +71,7 @@ class Recorder:
                              attrs={"count": pulled.missed})
                 self._file.write(lost.to_json_line())
             if pulled.events:
-                self._file.write(b"".join([ev.to_json_line() for ev in pulled.events]))
+                self._file.write(encode_lines(pulled.events))
                 self.num_written += len(pulled.events)
         return len(pulled.events)
 

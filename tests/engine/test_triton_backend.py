@@ -5,8 +5,10 @@ import pytest
 
 from engine import LLM, Hooks, SamplingParams
 from engine.builtin_model import builtin_path
+from kernels import instrument
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equivalence import _prompts
+from tracer.tui.access import _recompute
 
 MAX_NEW = 10
 PROMPTS = _prompts(shared_prefix=16, n=8)
@@ -46,7 +48,9 @@ def test_kernel_launches_reach_the_hooks():
     hooks.subscribe(lambda layer, name, kind, rid, step, attrs: events.append((layer, name, step, attrs)))
     hooks.add_gate(lambda point, info: gates.append((point, info)))
     llm = LLM("tiny-gpt2", attention_backend="triton", num_kv_blocks=32, hooks=hooks)
-    llm.generate(["abc", "hello"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    records = []
+    with instrument.observe(records.append):  # the runner's own observer nests inside this one
+        llm.generate(["abc", "hello"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     kernels = [e for e in events if e[0] == "kernel"]
     n_layers = 4
     # two steps (prefill, decode), each layer: one cache write and one attention launch
@@ -55,6 +59,14 @@ def test_kernel_launches_reach_the_hooks():
         for name in ("reshape_and_cache", "unified_attention")]
     first_attention = kernels[1][3]
     assert len(first_attention["grid"]) == 3 and first_attention["duration_ns"] > 0
-    access = first_attention["launch"].access_map
+    assert all(set(e[3]) == {"layer_idx", "grid", "meta", "args", "duration_ns", "timing", "reason"} for e in kernels)
+    # The events are plain data; the map a viewer recomputes from them and the step's batch is
+    # the launch's own, program for program.
+    batches = {e[2]: e[3] for e in events if e[:2] == ("model_runner", "batch")}
+    assert [r.name for r in records] == [e[1] for e in kernels]
+    for (_, name, step, attrs), rec in zip(kernels, records):
+        assert _recompute({"name": name, **attrs}, batches[step]) == rec.access_map
+        assert rec.access_map
+    access = records[1].access_map
     assert {a.request for accesses in access.values() for a in accesses} == {0, 1}
     assert [g for g in gates if g[0] == "kernel"][0][1]["name"] == "reshape_and_cache"

@@ -152,3 +152,35 @@ def test_observation_is_thread_local():
         assert seen == []  # the other thread's launch was not observed here
         reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([2]))
     assert [r.tags for r in seen] == [{"who": "main"}]
+
+
+def test_access_map_snapshot_is_taken_only_for_an_observer_that_reads_maps():
+    key = torch.randn(3, 2, 32)
+    cache = torch.zeros(4, 8, 2, 32)
+    slots = torch.tensor([17, -1, 3])
+
+    def write():
+        reshape_and_cache(key, key, cache, cache.clone(), slots)
+
+    (plain,) = _record_launches(write, access_maps=False)
+    assert plain.access_map == {} and plain.grid == (1, 1)  # no metadata snapshot was taken for it
+    outer, inner = [], []
+    with instrument.observe(outer.append):  # one observer that reads maps is enough
+        with instrument.observe(inner.append, access_maps=False):
+            write()
+    assert inner[0] is outer[0] and outer[0].access_map[(0, 0, 0)][0].blocks == (2, 0)
+
+
+def test_each_tensor_is_described_as_it_is_at_its_launch():
+    """Descriptions are remembered per live tensor (a step hands the same caches and metadata
+    to every layer); a new tensor, even at a reused address, is described afresh."""
+    seen = []
+    fn = lambda **kw: None  # noqa: E731
+    shared = torch.zeros(2, 3, dtype=torch.int32)
+    with instrument.observe(seen.append):
+        for rows in (1, 2, 3, 4):
+            fresh = torch.zeros(rows, 8)  # the previous one is freed: its address may be reused
+            instrument.call("f", fn, {"query": fresh, "block_tables": shared})
+            del fresh
+    assert [r.args["query"] for r in seen] == [((rows, 8), "float32") for rows in (1, 2, 3, 4)]
+    assert all(r.args["block_tables"] == ((2, 3), "int32") for r in seen)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tracer.events import EVENT_KEYS, LAYERS, Event, json_safe, make_header, read_trace
+from tracer.events import EVENT_KEYS, LAYERS, Event, encode_lines, json_safe, make_header, read_trace
 
 
 class Color(enum.Enum):
@@ -61,13 +61,21 @@ def test_read_trace_skips_torn_last_line_only(tmp_path):
         read_trace(p)
 
 
-class LaunchRecordLike:
-    def __init__(self):
-        self.access_map = {"huge": list(range(10))}
-
-
-def test_live_only_attributes_are_not_serialised():
-    ev = Event(1, 5, "kernel", "unified_attention", "instant", None, 0,
-               {"grid": [2, 4, 1], "duration_ns": 900, "launch": LaunchRecordLike()})
-    assert json.loads(ev.to_json())["attrs"] == {"grid": [2, 4, 1], "duration_ns": 900}
-    assert json_safe({"launch": object(), "x": 1}) == {"x": 1}
+def test_a_batch_with_one_non_json_attribute_is_still_encoded_whole():
+    """The recorder encodes a batch in one call; one event with a tensor, a set or an int key
+    sends the batch through json_safe, event by event, and every line is still there."""
+    plain = Event(0, 1, "engine", "step", "begin", None, 0, None)
+    odd = Event(1, 2, "sampler", "sampled", "instant", None, 0,
+                {"t": torch.tensor([1, 2]), "s": {3}, "k": {4: "x"}, "shape": (2, 3)})
+    tail = Event(2, 3, "engine", "step", "end", None, 0, {"num_outputs": 1})
+    lines = encode_lines([plain, odd, tail]).decode().splitlines()
+    assert [json.loads(x) for x in lines] == [
+        {"seq": 0, "ts_ns": 1, "layer": "engine", "name": "step", "kind": "begin", "request_id": None, "step": 0,
+         "attrs": None},
+        {"seq": 1, "ts_ns": 2, "layer": "sampler", "name": "sampled", "kind": "instant", "request_id": None,
+         "step": 0, "attrs": {"t": [1, 2], "s": [3], "k": {"4": "x"}, "shape": [2, 3]}},
+        {"seq": 2, "ts_ns": 3, "layer": "engine", "name": "step", "kind": "end", "request_id": None, "step": 0,
+         "attrs": {"num_outputs": 1}},
+    ]
+    assert list(json.loads(lines[0])) == list(EVENT_KEYS)  # the keys, in the schema's order
+    assert plain.to_json_line() == (lines[0] + "\n").encode()

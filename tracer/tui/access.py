@@ -1,11 +1,11 @@
 """Which physical KV blocks each program of a kernel launch reads.
 
-Live, a kernel event carries its LaunchRecord, whose ``access_map`` the kernels package
-computes from the launch's own metadata. A trace file (replay) or the /trace/events stream
-(attach) has no such object, so the map is recomputed here with the kernels' own mapping
-functions from what the events do carry: the launch's grid and meta-parameters, and the
-step's flattened batch (query_start_loc, seq_lens, block_tables, slot_mapping). One mapping,
-two inputs: the TUI never has its own idea of how programs split the work.
+The map is computed here with the kernels' own mapping functions (the ones behind
+``LaunchRecord.access_map``) from what the events carry: the launch's grid and
+meta-parameters, and the step's flattened batch (query_start_loc, seq_lens, block_tables,
+slot_mapping), which is the metadata the kernel was given. Live, replayed or attached, one
+mapping and one input: the TUI never has its own idea of how programs split the work, and the
+engine's kernel events stay plain data (a test checks the result equals the launch's own map).
 """
 from __future__ import annotations
 
@@ -14,9 +14,6 @@ from tracer.state import TraceState
 
 def access_map(kernel: dict, state: TraceState) -> dict | None:
     """pid -> tuple of kernels.instrument.ProgramAccess, or None when there is no grid."""
-    launch = kernel.get("launch")
-    if launch is not None and hasattr(launch, "access_map"):
-        return launch.access_map if launch.grid else None
     if not kernel.get("grid") or state.batch is None:
         return None
     try:
