@@ -36,11 +36,12 @@ class Hooks:
         # the wait is wrapped: a gate that lets the engine pass costs no lock traffic.
         self.gate_wait: Callable[[], AbstractContextManager] = nullcontext
 
-    def subscribe(self, listener: Listener, many: Callable[[list[tuple]], None] | None = None) -> Callable[[], None]:
-        """listener(layer, name, kind, request_id, step, attrs) for each event. many(events), if
-        given, takes emit_many's events in one call (each the same six values, as a tuple);
+    def subscribe(self, listener: Listener, many: Callable[..., None] | None = None) -> Callable[[], None]:
+        """listener(layer, name, kind, request_id, step, attrs) for each event. many(events, at_ns),
+        if given, takes emit_many's events in one call (each the same six values, as a tuple);
         without it, listener is called for each of them. Returns an unsubscribe function."""
-        return self._add(_listeners=listener, _many=many or (lambda events: [listener(*e) for e in events]))
+        return self._add(_listeners=listener,
+                         _many=many or (lambda events, at_ns=None: [listener(*e) for e in events]))
 
     def add_gate(self, gate: Gate) -> Callable[[], None]:
         """gate(point, info) is called at each control point; to hold the engine there it
@@ -69,11 +70,13 @@ class Hooks:
         for listener in self._listeners:
             listener(layer, name, kind, request_id, step, attrs)
 
-    def emit_many(self, events: list[tuple]) -> None:
+    def emit_many(self, events: list[tuple], at_ns: list[int] | None = None) -> None:
         """Several events at once, in order, each a tuple (layer, name, kind, request_id, step,
-        attrs): a step's new tokens, one event per request, cost one call per listener."""
+        attrs): a step's new tokens, one event per request, cost one call per listener. at_ns:
+        when each happened (time.perf_counter_ns()), for events reported after the fact (a
+        step's kernel launches, published once its forward pass is done); default: now."""
         for many in self._many:
-            many(events)
+            many(events, at_ns)
 
     def gate(self, point: str, **info: Any) -> None:
         for g in self._gates:

@@ -14,7 +14,7 @@ import torch
 from kernels import instrument
 
 from engine.attention import AttentionMetadata
-from engine.hooks import Hooks
+from engine.hooks import INSTANT, Hooks
 from engine.model import GPT2Model
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
@@ -39,6 +39,7 @@ class ModelRunner:
         self.hooks = hooks or Hooks()
         # numpy array -> tensor on the model's device (no copy on the CPU)
         self._tensor = torch.from_numpy if device.type == "cpu" else lambda a: torch.from_numpy(a).to(device)
+        self._launches: list[instrument.LaunchRecord] = []  # this step's, not yet published
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -88,7 +89,9 @@ class ModelRunner:
         inp = self.prepare_inputs(sched)
         if not self.hooks.active:
             return self._run(sched, inp)
-        with instrument.observe(self._on_launch, self._before_launch, access_maps=False, step=sched.step):
+        # A step's launches are kept as they happen and published together once its forward
+        # pass is done, each with its own time (or sooner, before a gate may hold the engine).
+        with instrument.observe(self._launches.append, self._before_launch, access_maps=False, step=sched.step):
             return self._run(sched, inp)
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
@@ -99,7 +102,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput:
-        logits = self.forward(inp)
+        try:
+            logits = self.forward(inp)
+        finally:
+            if self._launches: self._publish_launches()
         out = self.sampler(logits, [s.request for s in sched.scheduled])
         if self.hooks.active: self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=[s.request.request_id for s in sched.scheduled])
         return out
@@ -137,9 +143,13 @@ class ModelRunner:
     def _before_launch(self, name: str, grid: tuple, meta: dict) -> None:
         if not self.hooks.gated:  # nobody may stop the engine here: skip building the gate's info
             return
+        if self._launches:  # a viewer held here sees every launch before this one
+            self._publish_launches()
         tags = instrument.current_tags()
         self.hooks.gate("kernel", name=name, grid=grid, step=tags.get("step"), layer_idx=tags.get("layer"))
 
-    def _on_launch(self, rec: instrument.LaunchRecord) -> None:
+    def _publish_launches(self) -> None:
         # Plain data only: viewers recompute a launch's access map from the step's batch event
-        self.hooks.emit("kernel", rec.name, step=rec.tags.get("step"), layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args=rec.args, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason)
+        recs = self._launches
+        self.hooks.emit_many([("kernel", r.name, INSTANT, None, r.tags.get("step"), {"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args, "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason}) for r in recs], [r.end_ns for r in recs])
+        recs.clear()

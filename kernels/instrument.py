@@ -55,6 +55,7 @@ class LaunchRecord:
     duration_ns: int
     timing: str  # "cuda_event" or "wall_clock"
     reason: str  # why this config was chosen
+    end_ns: int  # time.perf_counter_ns() when the launch returned (after the sync, on a GPU)
     _access_fn: Callable[[], list[ProgramAccess]] | None = field(default=None, repr=False, compare=False)
 
     @functools.cached_property
@@ -157,16 +158,18 @@ def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, acc
         kernel[grid](**args, **meta)
         end.record()
         end.synchronize()
+        end_ns = time.perf_counter_ns()
         duration_ns, timing = int(start.elapsed_time(end) * 1e6), "cuda_event"
     else:
         t0 = time.perf_counter_ns()
         kernel[grid](**args, **meta)
-        duration_ns, timing = time.perf_counter_ns() - t0, "wall_clock"
+        end_ns = time.perf_counter_ns()
+        duration_ns, timing = end_ns - t0, "wall_clock"
     access_fn = None
     if access is not None and any(f.access for f in frames):
         snap = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in access_args)
         access_fn = functools.partial(access, *snap)
-    _publish(frames, name, grid, dict(meta) if meta else {}, described, duration_ns, timing, reason, access_fn)
+    _publish(frames, name, grid, dict(meta) if meta else {}, described, duration_ns, timing, reason, end_ns, access_fn)
 
 
 def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str = "") -> Any:
@@ -183,7 +186,8 @@ def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str
     out = fn(**args)
     if on_gpu:
         torch.cuda.synchronize()
-    _publish(frames, name, (), {}, described, time.perf_counter_ns() - t0, "wall_clock", reason, None)
+    end_ns = time.perf_counter_ns()
+    _publish(frames, name, (), {}, described, end_ns - t0, "wall_clock", reason, end_ns, None)
     return out
 
 
@@ -209,19 +213,26 @@ def _describe(args: dict[str, Any]) -> tuple[dict[str, tuple[tuple[int, ...], st
     """(tensor argument -> (shape, dtype), whether they are on a GPU), in one pass: this runs
     for every observed launch, on the engine's thread. A kernel's tensors share one device, so
     the first one says which."""
-    described, on_gpu = {}, None
+    described, first, get, Tensor = {}, None, _DESCRIBED.get, torch.Tensor
     for k, v in args.items():
-        if isinstance(v, torch.Tensor):
-            entry = _DESCRIBED.get(id(v))
+        if isinstance(v, Tensor):
+            entry = get(id(v))
             if entry is None or entry[0]() is not v:
                 entry = _described(v)
-            described[k.removesuffix("_ptr")] = entry[1]
-            if on_gpu is None:
-                on_gpu = entry[2]
-    return described, bool(on_gpu)
+            described[_ARG_NAMES.get(k) or _arg_name(k)] = entry[1]
+            first = first or entry
+    return described, first is not None and first[2]
 
 
-def _publish(frames, name, grid, meta, described, duration_ns, timing, reason, access_fn) -> None:
-    record = LaunchRecord(name, grid, meta, described, frames[-1].tags, duration_ns, timing, reason, access_fn)
+_ARG_NAMES: dict[str, str] = {}  # a Triton kernel's `q_ptr` is its argument `q`
+
+
+def _arg_name(k: str) -> str:
+    name = _ARG_NAMES[k] = k.removesuffix("_ptr")
+    return name
+
+
+def _publish(frames, name, grid, meta, described, duration_ns, timing, reason, end_ns, access_fn) -> None:
+    record = LaunchRecord(name, grid, meta, described, frames[-1].tags, duration_ns, timing, reason, end_ns, access_fn)
     for f in frames:
         f.on_launch(record)

@@ -69,17 +69,24 @@ class EventBus:
                 self._cond.notify_all()
         return ev
 
-    def publish_many(self, events: list[tuple]) -> None:
-        """publish() for each (layer, name, kind, request_id, step, attrs), under one lock and one
-        clock reading: they happened together (a step's new tokens)."""
-        ts = self.clock() - self.start_ns
+    def publish_many(self, events: list[tuple], at_ns: list[int] | None = None) -> None:
+        """publish() for each (layer, name, kind, request_id, step, attrs), under one lock: they
+        happened together (a step's new tokens: one clock reading), or at the clock() readings
+        in at_ns (a step's kernel launches, reported once its forward pass is done)."""
+        start = self.start_ns
+        now = self.clock() - start
         lock = self._lock
         lock.acquire()
         try:
             seq, ring, cap = self._next_seq, self._ring, self.capacity
-            for layer, name, kind, request_id, step, attrs in events:
-                ring[seq % cap] = Event(seq, ts, layer, name, kind, request_id, step, attrs or None)
-                seq += 1
+            if at_ns is None:
+                for layer, name, kind, request_id, step, attrs in events:
+                    ring[seq % cap] = Event(seq, now, layer, name, kind, request_id, step, attrs or None)
+                    seq += 1
+            else:
+                for (layer, name, kind, request_id, step, attrs), at in zip(events, at_ns):
+                    ring[seq % cap] = Event(seq, at - start, layer, name, kind, request_id, step, attrs or None)
+                    seq += 1
             self._next_seq = seq
         finally:
             lock.release()

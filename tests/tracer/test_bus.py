@@ -43,6 +43,19 @@ def test_emit_many_reaches_batch_and_plain_listeners_in_order():
     assert len(plain) == 6 and bus.next_seq == 9
 
 
+def test_emit_many_with_the_time_each_event_happened():
+    clock = iter(range(1000, 10**6, 1000)).__next__
+    hooks, bus = Hooks(), EventBus(clock=clock)  # starts at 1000
+    bus.attach(hooks)
+    plain = []
+    hooks.subscribe(lambda *e: plain.append(e))
+    hooks.emit_many([("kernel", "a", "instant", None, 0, {"grid": [1]}), ("kernel", "b", "instant", None, 0, None)],
+                    [1200, 1700])  # before the publishing clock reading (2000)
+    events, _, _ = bus.read(0)
+    assert [(e.name, e.ts_ns, e.seq) for e in events] == [("a", 200, 0), ("b", 700, 1)]
+    assert [e[1] for e in plain] == ["a", "b"]  # a listener without a batch form still gets each
+
+
 def test_slow_reader_is_told_how_many_it_missed():
     bus = EventBus(capacity=8)
     sub = bus.subscribe()

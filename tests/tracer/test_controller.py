@@ -235,3 +235,43 @@ def test_a_step_command_gates_the_engine_until_it_is_used_up():
     ctl.resume()
     t.join(timeout=5)
     assert not t.is_alive() and not hooks.gated and not hooks.active
+
+
+def test_a_viewer_held_before_a_launch_sees_every_launch_before_it():
+    """A step's launch events are published together once its forward pass is done (each with
+    the time it ended), unless the engine may be held before a launch: a viewer stopped at a
+    launch then sees each earlier one of the step."""
+    session, engine = make()
+    ctl = session.controller
+    engine.add_request("a", "kernels", greedy(2))
+    loop = EngineThread(engine).start()
+    try:
+        ctl.wait_until_paused(T)
+        seen = []
+        while len(seen) < 4:
+            ctl.step(1, "kernel")
+            stop = ctl.wait_until_paused(T)
+            if stop.point == "kernel":
+                shown = [e.name for e in session.bus.read(0)[0] if e.layer == "kernel" and e.step == stop.step]
+                seen.append((stop.step, stop.info["name"], shown))
+        ctl.resume()
+        loop.join(T)
+    finally:
+        session.close()
+    cache, attn = "reshape_and_cache_ref", "unified_attention_ref"
+    assert seen == [(0, cache, []), (0, attn, [cache]), (0, cache, [cache, attn]), (0, attn, [cache, attn, cache])]
+
+
+def test_launch_events_keep_the_time_each_launch_ended():
+    hooks = Hooks()
+    with TraceSession(hooks) as session:
+        llm = LLM("tiny-gpt2", hooks=hooks)
+        llm.generate(["one", "two two"], greedy(3), use_tqdm=False)
+        events = session.bus.read(0)[0]
+    for step in range(3):
+        ev = {(e.layer, e.name): e for e in events if e.step == step and e.layer in ("model_runner", "sampler")}
+        kernels = [e for e in events if e.layer == "kernel" and e.step == step]
+        ts = [e.ts_ns for e in kernels]
+        assert len(kernels) == 8 and ts == sorted(set(ts))  # one launch after another, each its own time
+        assert ev["model_runner", "batch"].ts_ns < ts[0] and ts[-1] <= ev["sampler", "sampled"].ts_ns
+        assert [e.seq for e in kernels] == list(range(kernels[0].seq, kernels[0].seq + 8))
