@@ -1,7 +1,7 @@
 """What tracing costs: the shared workload with tracing bypassed, off, on, and on with a
 TUI-like reader, in one run, repetitions interleaved.
 
-    python -m benchmarks.trace_overhead [--requests 32] [--reps 7] [--model tiny-gpt2]
+    python -m benchmarks.trace_overhead [--requests 32] [--reps 11] [--model tiny-gpt2]
 
   bypassed  Hooks whose `active` is never set: the engine's trace points cost one check
   off       the tracer attached and detached again: what `serve` costs with tracing off
@@ -131,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-gpt2")
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
+    ap.add_argument("--reps", type=int, default=11, help="interleaved repetitions")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
