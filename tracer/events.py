@@ -53,7 +53,8 @@ class Event:
 
     def to_json_line(self) -> bytes:
         """The event's line in a trace file (UTF-8, newline-terminated)."""
-        return encode_lines([self])
+        return encode_event(self.seq, self.ts_ns, self.layer, self.name, self.kind, self.request_id, self.step,
+                            self.attrs)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Event":
@@ -65,29 +66,24 @@ class Event:
         return self.attrs.get(key, default) if self.attrs else default
 
 
-def encode_lines(events: list[Event]) -> bytes:
-    """The events' lines in a trace file, in one call (the recorder writes batches of them).
-
-    Engine attributes are almost always plain JSON data already, so a batch goes straight to
-    orjson (a dict display per event: measured twice as fast as orjson's own encoding of the
-    slotted dataclass). Where one is not (a tensor, a set, a non-string key), the batch is
-    encoded again event by event, converting that one with json_safe."""
-    dumps, opt = orjson.dumps, orjson.OPT_APPEND_NEWLINE
-    try:
-        return b"".join([dumps({"seq": e.seq, "ts_ns": e.ts_ns, "layer": e.layer, "name": e.name, "kind": e.kind,
-                                "request_id": e.request_id, "step": e.step, "attrs": e.attrs}, option=opt)
-                         for e in events])
-    except TypeError:
-        return b"".join([_safe_line(e) for e in events])
-
-
-def _safe_line(e: Event) -> bytes:
-    d = {"seq": e.seq, "ts_ns": e.ts_ns, "layer": e.layer, "name": e.name, "kind": e.kind,
-         "request_id": e.request_id, "step": e.step, "attrs": e.attrs}
+def encode_event(seq: int, ts_ns: int, layer: str, name: str, kind: str, request_id: str | None,
+                 step: int | None, attrs: dict | None) -> bytes:
+    """An event's line in a trace file (UTF-8, newline-terminated), with exactly EVENT_KEYS.
+    Engine attributes are almost always plain JSON data already and go straight to orjson;
+    the rest (a tensor, a set, a non-string key) is converted with json_safe first."""
+    d = {"seq": seq, "ts_ns": ts_ns, "layer": layer, "name": name, "kind": kind, "request_id": request_id,
+         "step": step, "attrs": attrs or None}
     try:
         return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
     except TypeError:
-        return orjson.dumps(e.to_dict(), option=orjson.OPT_APPEND_NEWLINE)
+        d["attrs"] = json_safe(attrs)
+        return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def decode_line(line: bytes | str) -> Event:
+    """The event of one trace line (as encode_event wrote it)."""
+    d = orjson.loads(line)
+    return Event(d["seq"], d["ts_ns"], d["layer"], d["name"], d["kind"], d["request_id"], d["step"], d["attrs"])
 
 
 def json_safe(x: Any) -> Any:

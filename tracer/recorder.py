@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from tracer.bus import EventBus
-from tracer.events import Event, encode_lines, make_header
+from tracer.events import Event, decode_line, make_header
 
 
 
@@ -61,19 +61,18 @@ class Recorder:
 
     def _drain(self) -> int:
         """Write up to one batch of pending events; returns how many."""
-        pulled = self._sub.pull(max_events=4096)
+        lines, missed = self._sub.pull_lines(max_events=4096)  # already encoded by the bus
         with self._lock:
             if self._file.closed:
                 return 0
-            if pulled.missed:
-                self.num_lost += pulled.missed
-                lost = Event(-1, pulled.events[0].ts_ns if pulled.events else 0, "tracer", "events_lost",
-                             attrs={"count": pulled.missed})
-                self._file.write(lost.to_json_line())
-            if pulled.events:
-                self._file.write(encode_lines(pulled.events))
-                self.num_written += len(pulled.events)
-        return len(pulled.events)
+            if missed:
+                self.num_lost += missed
+                ts = decode_line(lines[0]).ts_ns if lines else 0
+                self._file.write(Event(-1, ts, "tracer", "events_lost", attrs={"count": missed}).to_json_line())
+            if lines:
+                self._file.write(b"".join(lines))
+                self.num_written += len(lines)
+        return len(lines)
 
     def flush(self) -> None:
         """Write everything published so far, and flush it to the OS."""

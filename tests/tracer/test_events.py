@@ -5,7 +5,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tracer.events import EVENT_KEYS, LAYERS, Event, encode_lines, json_safe, make_header, read_trace
+from tracer.bus import EventBus
+from tracer.events import EVENT_KEYS, LAYERS, Event, decode_line, json_safe, make_header, read_trace
 
 
 class Color(enum.Enum):
@@ -61,21 +62,25 @@ def test_read_trace_skips_torn_last_line_only(tmp_path):
         read_trace(p)
 
 
-def test_a_batch_with_one_non_json_attribute_is_still_encoded_whole():
-    """The recorder encodes a batch in one call; one event with a tensor, a set or an int key
-    sends the batch through json_safe, event by event, and every line is still there."""
-    plain = Event(0, 1, "engine", "step", "begin", None, 0, None)
-    odd = Event(1, 2, "sampler", "sampled", "instant", None, 0,
-                {"t": torch.tensor([1, 2]), "s": {3}, "k": {4: "x"}, "shape": (2, 3)})
-    tail = Event(2, 3, "engine", "step", "end", None, 0, {"num_outputs": 1})
-    lines = encode_lines([plain, odd, tail]).decode().splitlines()
+def test_the_bus_holds_each_event_as_its_trace_line():
+    """Events are encoded as they are published; one with a tensor, a set or an int key goes
+    through json_safe. Readers get what a replay of the file would give them."""
+    bus = EventBus(clock=iter(range(10, 10**6, 10)).__next__)  # starts at 10
+    bus.publish("engine", "step", "begin", step=0)
+    bus.publish("sampler", "sampled", step=0, attrs={"t": torch.tensor([1, 2]), "s": {3}, "k": {4: "x"}, "shape": (2, 3)})
+    bus.publish("engine", "step", "end", step=0, attrs={})
+    lines, missed, end = bus.read_lines(0)
+    assert (missed, end) == (0, 3) and all(isinstance(x, bytes) and x.endswith(b"\n") for x in lines)
     assert [json.loads(x) for x in lines] == [
-        {"seq": 0, "ts_ns": 1, "layer": "engine", "name": "step", "kind": "begin", "request_id": None, "step": 0,
+        {"seq": 0, "ts_ns": 10, "layer": "engine", "name": "step", "kind": "begin", "request_id": None, "step": 0,
          "attrs": None},
-        {"seq": 1, "ts_ns": 2, "layer": "sampler", "name": "sampled", "kind": "instant", "request_id": None,
+        {"seq": 1, "ts_ns": 20, "layer": "sampler", "name": "sampled", "kind": "instant", "request_id": None,
          "step": 0, "attrs": {"t": [1, 2], "s": [3], "k": {"4": "x"}, "shape": [2, 3]}},
-        {"seq": 2, "ts_ns": 3, "layer": "engine", "name": "step", "kind": "end", "request_id": None, "step": 0,
-         "attrs": {"num_outputs": 1}},
+        {"seq": 2, "ts_ns": 30, "layer": "engine", "name": "step", "kind": "end", "request_id": None, "step": 0,
+         "attrs": None},
     ]
     assert list(json.loads(lines[0])) == list(EVENT_KEYS)  # the keys, in the schema's order
-    assert plain.to_json_line() == (lines[0] + "\n").encode()
+    events, _, _ = bus.read(0)
+    assert events[1] == Event(1, 20, "sampler", "sampled", "instant", None, 0,
+                              {"t": [1, 2], "s": [3], "k": {"4": "x"}, "shape": [2, 3]})
+    assert [e.to_json_line() for e in events] == lines and decode_line(lines[2]) == events[2]
