@@ -1,11 +1,13 @@
 """`--trace-file PATH`: record the event stream as JSON lines.
 
-A background thread drains the bus every ``poll_interval``, or as soon as a quarter of the
-ring is pending (so the engine thread never serialises or touches the disk), and flushes at
-least every ``flush_interval``: with both at most half a second, an event reaches the OS within
-a second, so a crash loses at most the last one. Lines are written whole; ``close()`` drains
-what is left, so the file is complete after Ctrl-C. If the writer ever falls a whole ring behind, the loss is written into the
-trace as a ``tracer events_lost`` event rather than silently skipped.
+The bus holds each event as its line already (encoded as it was published), so the writer
+only joins lines and writes them. A background thread drains the bus every
+``poll_interval``, or as soon as a quarter of the ring is pending (so the engine thread
+never touches the disk), and flushes at least every ``flush_interval``: with both at most
+half a second, an event reaches the OS within a second, so a crash loses at most the last
+one. Lines are written whole; ``close()`` drains what is left, so the file is complete after
+Ctrl-C. If the writer ever falls a whole ring behind, the loss is written into the trace as
+a ``tracer events_lost`` event rather than silently skipped.
 """
 from __future__ import annotations
 
