@@ -5,6 +5,7 @@ import json
 import re
 import signal
 import socket
+import time
 
 import pytest
 
@@ -84,6 +85,33 @@ def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path):
         assert rest[-1]["usage"]["completion_tokens"] == 150  # it was allowed to finish
         assert proc.wait(60) == 0
         assert "stopped cleanly" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(model_cache):
+    """The first Ctrl-C lets requests in flight finish; a second one aborts them and stops the
+    engine now: exit 0, a line that says so, no traceback."""
+    proc, _, url = spawn_serve("--num-kv-blocks", "64", "--no-tui")
+    try:
+        import httpx
+        body = {"model": "tiny-gpt2", "prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            chunks = r.iter_lines()
+            assert next(chunks).startswith("data: ")  # generating
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            try:
+                got = sum(1 for line in chunks if line.startswith("data: {"))
+            except httpx.HTTPError:  # the connection may be cut rather than ended
+                got = 0
+        assert got < 499  # aborted, not drained
+        assert proc.wait(60) == 0
+        err = proc.stderr.read()
+        assert "stopped at a second Ctrl-C" in err and "Traceback" not in err, err
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -229,6 +229,14 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
             if session is not None and session.controller is not None:
                 session.controller.close()
             await super().shutdown(sockets)
+            if self.force_exit:
+                # A second Ctrl-C: uvicorn skips the app's shutdown, whose task asyncio.run would
+                # then cancel (a traceback logged by Starlette). Stop the engine now, without
+                # waiting for the requests in flight, which are aborted.
+                async_engine.drain_timeout = 0
+                await self.lifespan.shutdown()
+                if self.server_state.tasks:  # their streams end now, as aborted: let them say so
+                    await asyncio.wait(list(self.server_state.tasks), timeout=2)
             # uvicorn re-raises a caught Ctrl-C once it has shut down (exit 130 with a
             # KeyboardInterrupt); ours was handled, requests drained: exit 0 instead
             self._captured_signals.clear()
@@ -255,7 +263,10 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
     else:
         await tui.run(server, serving)
     if hooks.active: hooks.emit("cli", "serve", END)
-    print("vllm-trace serve: stopped cleanly", file=sys.stderr)
+    if server.force_exit:
+        print("vllm-trace serve: stopped at a second Ctrl-C (requests in flight were aborted)", file=sys.stderr)
+    else:
+        print("vllm-trace serve: stopped cleanly", file=sys.stderr)
     return 0
 
 
