@@ -9,18 +9,28 @@ Python objects: the garbage collector has nothing to walk in it (at 64 running r
 collector walking the events kept as objects was half of what tracing cost the engine
 thread, measured), the recorder writes lines as they are, and every reader sees exactly what
 a replay of the file sees. Readers that want events decode them (``read``, ``pull``).
+
+The lines are copied into one preallocated byte ring rather than kept as ``bytes`` objects.
+Tens of thousands of live lines scattered through the heap kept glibc from reusing the
+memory the model's larger tensors had freed: each prefill then wrote its activations to
+fresh pages (2,500 page faults a generate of the 32-request benchmark, measured, and ~10 %
+of the step time, for untraced engines in the same process as well). So the ring is bounded
+twice: ``capacity`` events and ``capacity_bytes`` bytes of lines; whichever fills first
+decides which events a slow reader misses, and it is told how many either way.
 """
 from __future__ import annotations
 
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.hooks import INSTANT, Hooks
 from tracer.events import Event, decode_line, encode_event
 
-DEFAULT_CAPACITY = 1 << 16
+DEFAULT_CAPACITY = 1 << 16  # events
+BYTES_PER_EVENT = 512  # capacity_bytes defaults to this many bytes an event (lines average 150-500)
 NOBODY = 1 << 62  # the wake-up seq while no reader waits: never reached
 
 
@@ -32,24 +42,33 @@ class Pulled:
 
 class EventBus:
     def __init__(self, capacity: int = DEFAULT_CAPACITY, clock: Callable[[], int] = time.perf_counter_ns,
-                 start_ns: int | None = None):
-        """start_ns: a clock() reading to count ts_ns from (default: now); earlier lets a
-        program trace what it did before the bus existed (see publish's at_ns)."""
+                 start_ns: int | None = None, capacity_bytes: int | None = None):
+        """capacity: events held; capacity_bytes: bytes of their lines held (default capacity x
+        BYTES_PER_EVENT; a single larger line grows it). start_ns: a clock() reading to count
+        ts_ns from (default: now); earlier lets a program trace what it did before the bus
+        existed (see publish's at_ns)."""
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self.capacity_bytes = max(1, capacity_bytes or capacity * BYTES_PER_EVENT)
         self.clock = clock
         now = clock()
         self.start_ns = now if start_ns is None else min(start_ns, now)  # ts_ns of an event counts from here
         self.wall_clock_start_ns = time.time_ns() - (now - self.start_ns)
-        self._ring: list[bytes | None] = [None] * capacity  # each event's trace-file line
+        # The lines form one stream of bytes, stored circularly in _buf: event seq's line starts
+        # at stream offset _at[seq % capacity] and ends where the next one starts (or at
+        # _written). A line is held while its start is within the last capacity_bytes written.
+        self._buf = bytearray(self.capacity_bytes)
+        self._at = array("q", [0]) * capacity
+        self._written = 0
+        self._floor = 0  # no event before this seq is held (the ring was regrown past them)
         self._next_seq = 0
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        # Readers blocked in wait(), as the seq each waits for: publish notifies only when it
-        # reaches the lowest (a writer can ask to sleep until many events are pending).
-        self._waiting_for: list[int] = []
-        self._wake_seq = NOBODY
+        # Readers blocked in wait(), as (seq, stream offset) targets: publish notifies only when
+        # it reaches the lowest of either (a writer can ask to sleep until many are pending).
+        self._waiting_for: list[tuple[int, int]] = []
+        self._wake_seq = self._wake_bytes = NOBODY
         self.closed = False
         self._wake_gen = 0
 
@@ -66,11 +85,11 @@ class EventBus:
         lock.acquire()
         try:
             seq = self._next_seq
-            self._ring[seq % self.capacity] = encode_event(seq, ts, layer, name, kind, request_id, step, attrs)
+            self._store(seq, encode_event(seq, ts, layer, name, kind, request_id, step, attrs))
             self._next_seq = seq + 1
         finally:
             lock.release()
-        if seq >= self._wake_seq:  # set under the lock, so a reader that is about to wait is seen
+        if seq >= self._wake_seq or self._written >= self._wake_bytes:  # set under the lock, so a reader about to wait is seen
             with self._cond:
                 self._cond.notify_all()
 
@@ -83,21 +102,70 @@ class EventBus:
         lock = self._lock
         lock.acquire()
         try:
-            seq, ring, cap = self._next_seq, self._ring, self.capacity
+            seq, store = self._next_seq, self._store
             if at_ns is None:
                 for layer, name, kind, request_id, step, attrs in events:
-                    ring[seq % cap] = encode_event(seq, now, layer, name, kind, request_id, step, attrs)
+                    store(seq, encode_event(seq, now, layer, name, kind, request_id, step, attrs))
                     seq += 1
             else:
                 for (layer, name, kind, request_id, step, attrs), at in zip(events, at_ns):
-                    ring[seq % cap] = encode_event(seq, at - start, layer, name, kind, request_id, step, attrs)
+                    store(seq, encode_event(seq, at - start, layer, name, kind, request_id, step, attrs))
                     seq += 1
             self._next_seq = seq
         finally:
             lock.release()
-        if seq > self._wake_seq:
+        if seq > self._wake_seq or self._written >= self._wake_bytes:
             with self._cond:
                 self._cond.notify_all()
+
+    def _store(self, seq: int, line: bytes) -> None:
+        """Copy event seq's line into the ring (under the lock; the line object is freed at once)."""
+        w, size, n = self._written, self.capacity_bytes, len(line)
+        if n > size:
+            self._regrow(seq, n)
+            size = self.capacity_bytes
+        pos = w % size
+        end = pos + n
+        if end <= size:
+            self._buf[pos:end] = line
+        else:  # the line wraps round the end of the buffer
+            view = memoryview(line)
+            self._buf[pos:] = view[:size - pos]
+            self._buf[:end - size] = view[size - pos:]
+        self._at[seq % self.capacity] = w
+        self._written = w + n
+
+    def _regrow(self, seq: int, n: int) -> None:
+        # One line longer than the whole ring (a snapshot of thousands of requests): a larger
+        # buffer, in which nothing older is held (readers are told what they missed).
+        self.capacity_bytes = 1 << (2 * n - 1).bit_length()
+        self._buf = bytearray(self.capacity_bytes)
+        self._floor = seq
+
+    def _oldest(self) -> int:
+        """The oldest seq still held (== next_seq when none is); under the lock."""
+        nxt, cap, at = self._next_seq, self.capacity, self._at
+        lo = max(self._floor, nxt - cap, 0)
+        limit = self._written - self.capacity_bytes
+        if lo >= nxt or at[lo % cap] >= limit:
+            return lo
+        hi = nxt  # at[] rises with seq: the first held line, by bisection
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if at[mid % cap] >= limit:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _line(self, seq: int) -> bytes:
+        cap, size = self.capacity, self.capacity_bytes
+        start = self._at[seq % cap]
+        stop = self._at[(seq + 1) % cap] if seq + 1 < self._next_seq else self._written
+        pos, n = start % size, stop - start
+        if pos + n <= size:
+            return bytes(self._buf[pos:pos + n])
+        return bytes(self._buf[pos:]) + bytes(self._buf[:pos + n - size])
 
     def attach(self, hooks: Hooks) -> Callable[[], None]:
         """Publish everything the engine emits on these hooks. Returns a detach function."""
@@ -106,7 +174,7 @@ class EventBus:
     def subscribe(self, from_start: bool = False) -> "Subscription":
         """A reader starting at the next event (or at the oldest one still held)."""
         with self._cond:
-            start = max(0, self._next_seq - self.capacity) if from_start else self._next_seq
+            start = self._oldest() if from_start else self._next_seq
         return Subscription(self, start)
 
     def read(self, cursor: int, max_events: int | None = None) -> tuple[list[Event], int, int]:
@@ -117,31 +185,44 @@ class EventBus:
     def read_lines(self, cursor: int, max_events: int | None = None) -> tuple[list[bytes], int, int]:
         """read(), as the events' trace-file lines."""
         with self._cond:
-            oldest = max(0, self._next_seq - self.capacity)
+            oldest = self._oldest()
             missed = max(0, oldest - cursor)
             cursor = max(cursor, oldest)
             end = self._next_seq if max_events is None else min(self._next_seq, cursor + max_events)
-            ring, cap = self._ring, self.capacity
-            return [ring[i % cap] for i in range(cursor, end)], missed, end
+            line = self._line
+            return [line(i) for i in range(cursor, end)], missed, end
 
     def wait(self, cursor: int, timeout: float | None = None, min_pending: int = 1,
-             stop: threading.Event | None = None) -> bool:
-        """Block until there are at least `min_pending` events from seq `cursor` on (True; a
-        writer that takes events in batches asks for many, so publishing rarely wakes it), or
-        until timeout, close, wake_readers() or `stop` (False unless some event is there). A
-        `stop` set before wake_readers() is seen even by a reader that had not started waiting."""
-        target = cursor + max(1, min_pending) - 1  # the seq whose publication wakes this reader
+             stop: threading.Event | None = None, min_bytes: int | None = None) -> bool:
+        """Block until there are at least `min_pending` events from seq `cursor` on, or (if
+        given) `min_bytes` bytes of their lines (True; a writer that takes events in batches asks
+        for many, so publishing rarely wakes it), or until timeout, close, wake_readers() or
+        `stop` (False unless some event is there). A `stop` set before wake_readers() is seen
+        even by a reader that had not started waiting."""
         with self._cond:
+            target = cursor + max(1, min_pending) - 1  # the seq whose publication wakes this reader
+            if min_bytes is None:
+                byte_target = NOBODY
+            else:  # where event `cursor` starts in the stream of lines (lost: as far back as held)
+                nxt, at = self._next_seq, self._at
+                start = self._written if cursor >= nxt else at[cursor % self.capacity] if cursor >= self._oldest() \
+                    else self._written - self.capacity_bytes
+                byte_target = start + max(1, min_bytes)
             gen = self._wake_gen
-            self._waiting_for.append(target)
-            self._wake_seq = min(self._waiting_for)
+            entry = (target, byte_target)
+            self._waiting_for.append(entry)
+            self._set_wake_targets()
             try:
-                self._cond.wait_for(lambda: self._next_seq > target or self.closed or self._wake_gen != gen
-                                    or (stop is not None and stop.is_set()), timeout)
+                self._cond.wait_for(lambda: self._next_seq > target or self._written >= byte_target or self.closed
+                                    or self._wake_gen != gen or (stop is not None and stop.is_set()), timeout)
             finally:
-                self._waiting_for.remove(target)
-                self._wake_seq = min(self._waiting_for, default=NOBODY)
+                self._waiting_for.remove(entry)
+                self._set_wake_targets()
             return self._next_seq > cursor
+
+    def _set_wake_targets(self) -> None:
+        self._wake_seq = min((t for t, _ in self._waiting_for), default=NOBODY)
+        self._wake_bytes = min((b for _, b in self._waiting_for), default=NOBODY)
 
     def wake_readers(self) -> None:
         """Make every wait() return now (a reader that is shutting down uses this)."""

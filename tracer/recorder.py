@@ -2,7 +2,7 @@
 
 The bus holds each event as its line already (encoded as it was published), so the writer
 only joins lines and writes them. A background thread drains the bus every
-``poll_interval``, or as soon as a quarter of the ring is pending (so the engine thread
+``poll_interval``, or as soon as a quarter of the ring (events or bytes) is pending (so the engine thread
 never touches the disk), and flushes at least every ``flush_interval``: with both at most
 half a second, an event reaches the OS within a second, so a crash loses at most the last
 one. Lines are written whole; ``close()`` drains what is left, so the file is complete after
@@ -50,9 +50,11 @@ class Recorder:
         # second, measured), and a reader woken by every publish would cost more still. The
         # quarter-ring wake-up keeps a burst (64 arrivals and their prefill, a fast decode
         # phase after an idle start-up) from lapping the writer however long it slept.
-        last_flush, wake_at = time.monotonic(), max(1, self.bus.capacity // 4)
+        last_flush = time.monotonic()
+        wake_at, wake_bytes = max(1, self.bus.capacity // 4), max(1, self.bus.capacity_bytes // 4)
         while not self._stop.is_set():
-            self.bus.wait(self._sub.cursor, self.poll_interval, min_pending=wake_at, stop=self._stop)
+            self.bus.wait(self._sub.cursor, self.poll_interval, min_pending=wake_at, stop=self._stop,
+                          min_bytes=wake_bytes)
             while self._drain():
                 pass
             if time.monotonic() - last_flush >= self.flush_interval:

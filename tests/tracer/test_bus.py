@@ -151,3 +151,63 @@ def test_wake_readers_interrupts_a_wait():
         bus.wake_readers()  # repeated: the reader may not be inside wait() yet
         t.join(0.05)
     assert result[0].events == []
+
+
+def test_the_ring_is_bounded_in_bytes_too_and_lines_that_wrap_come_back_whole():
+    bus = EventBus(capacity=1000, capacity_bytes=1000)
+    sub = bus.subscribe()
+    for i in range(40):
+        bus.publish("engine", f"e{i}", attrs={"pad": "x" * (i % 7 * 10)})  # lines of ~100-160 bytes
+    got = sub.pull()
+    assert got.missed > 0 and got.missed + len(got.events) == 40  # far fewer than 1000 events fit
+    assert [e.name for e in got.events] == [f"e{i}" for i in range(got.missed, 40)]
+    assert all(e.attrs == {"pad": "x" * (int(e.name[1:]) % 7 * 10)} for e in got.events)  # decoded intact
+    lines, _, _ = bus.read_lines(got.missed)
+    assert sum(map(len, lines)) <= 1000  # what is held fits the buffer
+
+
+def test_a_line_longer_than_the_ring_grows_it():
+    bus = EventBus(capacity=16, capacity_bytes=256)
+    sub = bus.subscribe()
+    bus.publish("engine", "small")
+    bus.publish("scheduler", "schedule", "snapshot", attrs={"rows": ["r" * 50] * 20})  # ~1.1 kB
+    bus.publish("engine", "after")
+    got = sub.pull()
+    assert got.missed == 1 and [e.name for e in got.events] == ["schedule", "after"]
+    assert got.events[0].attrs == {"rows": ["r" * 50] * 20} and bus.capacity_bytes >= 2048
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(1, 12), capacity_bytes=st.integers(1, 2000),
+       ops=st.lists(st.one_of(st.integers(0, 300), st.none()), max_size=40))
+def test_with_a_byte_bound_every_event_is_delivered_intact_in_order_or_counted_missed(capacity, capacity_bytes, ops):
+    bus = EventBus(capacity=capacity, capacity_bytes=capacity_bytes)
+    sub = bus.subscribe()
+    seen, missed, published = [], 0, []
+    for op in ops:
+        if op is None:
+            got = sub.pull(max_events=capacity)
+            seen += got.events
+            missed += got.missed
+        else:
+            published.append("y" * op)
+            bus.publish("engine", "x", attrs={"pad": published[-1]})
+    got = sub.pull()
+    seen += got.events
+    missed += got.missed
+    assert [e.seq for e in seen] == sorted({e.seq for e in seen})
+    assert all(e.attrs == {"pad": published[e.seq]} for e in seen)
+    assert len(seen) + missed == len(published)
+
+
+def test_a_batch_reader_is_woken_once_enough_bytes_are_pending():
+    bus = EventBus(capacity=1000)
+    woke = []
+    t = threading.Thread(target=lambda: woke.append(bus.wait(0, timeout=30, min_pending=1000, min_bytes=500)))
+    t.start()
+    bus.publish("engine", "a")  # ~120 bytes: it sleeps on
+    t.join(timeout=0.2)
+    assert t.is_alive() and not woke
+    bus.publish("engine", "b", attrs={"pad": "z" * 500})  # past 500 bytes: woken, far short of 1000 events
+    t.join(timeout=30)
+    assert woke == [True] and bus._wake_bytes > 10**9  # nobody waits
