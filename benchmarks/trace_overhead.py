@@ -1,5 +1,5 @@
 """What tracing costs: the shared workload with tracing bypassed, off, on, and on with a
-TUI-like reader, in one run, repetitions interleaved.
+TUI-like reader, in one process, their engines stepped in lockstep.
 
     python -m benchmarks.trace_overhead [--requests 32] [--reps 11] [--model tiny-gpt2]
 
@@ -11,17 +11,19 @@ TUI-like reader, in one run, repetitions interleaved.
 Targets: on >= 0.90x off; off within 2% of bypassed. Then one 64-request run checks that the
 recorder lost no event.
 
-How it is measured. Each repetition runs LLM.generate over the workload once per mode, modes
-interleaved, the first mode rotating. The workload is greedy and seeded, so step k of every run
-schedules the same batch; every engine step is timed. A mode's time is the sum over steps of
-that step's median over the repetitions, plus the median of its helpers' time: the recorder's
-final flush and the CPU time of its threads (the recorder's writer, the TUI reader), counted in
-full although much of it overlaps the engine's work. A stall that hits one run hits one sample
-of each step; whatever tracing itself does on the engine's thread, such as collecting its
-events' garbage, happens at the same steps in every run and stays in. Medians of whole runs are
-printed too. On this shared VM the machine's speed changes by tens of percent from one second
-to the next: even so, `off` and `bypassed` (the same engine code) still come out up to 5 % apart
-in one invocation, which is the resolution to read every ratio with.
+How it is measured. Each repetition builds one engine per mode, in one process, and steps them
+in lockstep: step k of every mode runs back to back (the first mode rotating from step to step)
+before step k + 1 of any, so the four samples of a step are taken within milliseconds of each
+other. The workload is greedy and seeded, so step k schedules the same batch in every mode. A
+mode's time is the sum over steps of that step's median over the repetitions, plus the median of
+its helpers' time: the recorder's final flush and the CPU time of its threads (the recorder's
+writer, the TUI reader), counted in full although much of it overlaps the engine's work.
+Whole-run medians are printed too. Why lockstep: this shared VM's speed drifts by tens of percent
+from one second to the next, and whole runs a third of a second apart (the previous method) left
+`off` and `bypassed`, the same engine code, up to 5-10 % apart in one invocation; paired steps
+cancel the drift. What still differs between modes is only their own work, and what their helper
+threads take from the interpreter lock while another mode steps (the TUI reader's 10 Hz folds land
+on every mode's steps alike, which understates on+tui's cost a little).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -77,39 +80,63 @@ def thread_cpu(thread: threading.Thread) -> float:
         return 0.0
 
 
-def run_once(mode: str, model: str, workload, trace_dir: Path) -> tuple[list[float], float, int]:
-    """(each engine step's seconds, the helpers' seconds, generated tokens) of LLM.generate."""
-    hooks = BypassedHooks() if mode == "bypassed" else Hooks()
-    session = reader = None
-    if mode == "off":
-        TraceSession(hooks).close()
-    elif mode.startswith("on"):
-        session = TraceSession(hooks, trace_file=trace_dir / f"{mode}.jsonl")
-        reader = TuiReader(session) if mode == "on+tui" else None
-    llm = LLM(model, hooks=hooks)
-    helpers = [t.thread for t in (session and session.recorder, reader) if t is not None]
-    cpu0 = [thread_cpu(th) for th in helpers]
-    engine, steps = llm.llm_engine, []
-    step = engine.step
+class Mode:
+    """One mode's engine (with its tracer and helper threads, if any) and what it measured."""
 
-    def timed_step():
-        t = time.perf_counter()
-        out = step()
-        steps.append(time.perf_counter() - t)
-        return out
+    def __init__(self, mode: str, model: str, trace_dir: Path):
+        hooks = BypassedHooks() if mode == "bypassed" else Hooks()
+        self.session = self.reader = None
+        if mode == "off":
+            TraceSession(hooks).close()
+        elif mode.startswith("on"):
+            self.session = TraceSession(hooks, trace_file=trace_dir / f"{mode}.jsonl")
+            self.reader = TuiReader(self.session) if mode == "on+tui" else None
+        self.engine = LLM(model, hooks=hooks).llm_engine
+        self.helpers = [t.thread for t in (self.session and self.session.recorder, self.reader) if t is not None]
+        self.steps: list[float] = []
+        self.tokens = 0
 
-    engine.step = timed_step
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in workload], [s for _, s in workload], use_tqdm=False)
-    helper_seconds = 0.0
-    if session is not None and session.recorder is not None:
+    def add(self, workload) -> None:
+        # as LLM.generate does: only finished requests produce an output
+        for prompt, params in workload:
+            self.engine.add_request(None, {"prompt_token_ids": prompt}, replace(params, output_kind="final_only"))
+        self.cpu0 = [thread_cpu(th) for th in self.helpers]
+
+    def step(self) -> None:
         t = time.perf_counter()
-        session.recorder.flush()  # the recorder's work on this run's events counts
-        helper_seconds = time.perf_counter() - t
-    helper_seconds += sum(thread_cpu(th) - c for th, c in zip(helpers, cpu0))
-    for x in (reader, session):
-        if x is not None:
-            x.close()
-    return steps, helper_seconds, sum(len(o.outputs[0].token_ids) for o in outs)
+        outs = self.engine.step()
+        self.steps.append(time.perf_counter() - t)
+        self.tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+
+    def finish(self) -> float:
+        """The helpers' seconds: the recorder's final flush and its threads' CPU time."""
+        helper_seconds = 0.0
+        if self.session is not None and self.session.recorder is not None:
+            t = time.perf_counter()
+            self.session.recorder.flush()  # the recorder's work on this run's events counts
+            helper_seconds = time.perf_counter() - t
+        helper_seconds += sum(thread_cpu(th) - c for th, c in zip(self.helpers, self.cpu0))
+        for x in (self.reader, self.session):
+            if x is not None:
+                x.close()
+        return helper_seconds
+
+
+def run_lockstep(modes: list[str], model: str, workload, trace_dir: Path,
+                 rotate: int = 0) -> dict[str, tuple[list[float], float, int]]:
+    """Mode -> (each engine step's seconds, the helpers' seconds, generated tokens), the modes'
+    engines stepped in lockstep over the same workload."""
+    runs = {mode: Mode(mode, model, trace_dir) for mode in modes}
+    for run in runs.values():
+        run.add(workload)
+    k = rotate
+    while any(run.engine.has_unfinished_requests() for run in runs.values()):
+        for i in range(len(modes)):
+            run = runs[modes[(k + i) % len(modes)]]
+            if run.engine.has_unfinished_requests():
+                run.step()
+        k += 1
+    return {mode: (run.steps, run.finish(), run.tokens) for mode, run in runs.items()}
 
 
 def check_no_loss(model: str, trace_dir: Path, num_requests: int = 64) -> str:
@@ -131,7 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-gpt2")
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=11, help="interleaved repetitions")
+    ap.add_argument("--reps", type=int, default=11, help="repetitions (each runs every mode in lockstep)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -141,11 +168,9 @@ def main() -> None:
     tokens = 0
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(tmp)
-        run_once("off", args.model, make_workload(4), trace_dir)  # warm-up: model cache, allocator
+        run_lockstep(MODES, args.model, make_workload(4), trace_dir)  # warm-up: model cache, allocator
         for rep in range(args.reps):
-            order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]  # rotate who goes first
-            for mode in order:
-                step_s, helper_s, tokens = run_once(mode, args.model, workload, trace_dir)
+            for mode, (step_s, helper_s, tokens) in run_lockstep(MODES, args.model, workload, trace_dir, rep).items():
                 steps[mode].append(step_s)
                 helpers[mode].append(helper_s)
                 print(f"rep {rep} {mode:>8}: {tokens / (sum(step_s) + helper_s):8.1f} tokens/s ({len(step_s)} steps, "
@@ -155,7 +180,7 @@ def main() -> None:
         raise SystemExit("runs took different numbers of steps: the per-step comparison needs the same schedule")
     per_step = {m: sum(map(statistics.median, zip(*steps[m]))) + statistics.median(helpers[m]) for m in MODES}
     whole = {m: statistics.median(sum(s) + h for s, h in zip(steps[m], helpers[m])) for m in MODES}
-    print(f"\n{args.requests} requests ({tokens} tokens), {args.reps} interleaved repetitions, "
+    print(f"\n{args.requests} requests ({tokens} tokens), {args.reps} repetitions in lockstep, "
           f"{args.threads} torch thread(s), {len(steps['off'][0])} steps a run")
     for label, secs in (("sum of per-step medians (the measure)", per_step), ("median of whole runs", whole)):
         print(f"{label}: " + ", ".join(f"{m} {tokens / secs[m]:.1f} tok/s" for m in MODES))

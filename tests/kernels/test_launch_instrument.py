@@ -172,15 +172,19 @@ def test_access_map_snapshot_is_taken_only_for_an_observer_that_reads_maps():
 
 
 def test_each_tensor_is_described_as_it_is_at_its_launch():
-    """Descriptions are remembered per live tensor (a step hands the same caches and metadata
-    to every layer); a new tensor, even at a reused address, is described afresh."""
+    """Shapes are read at launch time (converted to plain data later, on first access), so a
+    tensor changed after its launch is still described as it was; launches whose arguments
+    look the same share one description."""
     seen = []
     fn = lambda **kw: None  # noqa: E731
     shared = torch.zeros(2, 3, dtype=torch.int32)
     with instrument.observe(seen.append):
-        for rows in (1, 2, 3, 4):
+        for rows in (1, 2, 3, 4, 4):
             fresh = torch.zeros(rows, 8)  # the previous one is freed: its address may be reused
-            instrument.call("f", fn, {"query": fresh, "block_tables": shared})
+            instrument.call("f", fn, {"query": fresh, "block_tables": shared, "scale": 0.5})
+            fresh.resize_(7, 7)  # after the launch: not what it was launched with
             del fresh
-    assert [r.args["query"] for r in seen] == [((rows, 8), "float32") for rows in (1, 2, 3, 4)]
+    assert [r.args["query"] for r in seen] == [((rows, 8), "float32") for rows in (1, 2, 3, 4, 4)]
     assert all(r.args["block_tables"] == ((2, 3), "int32") for r in seen)
+    assert all(set(r.args) == {"query", "block_tables"} for r in seen)  # tensors only
+    assert seen[3].args is seen[4].args and seen[2].args is not seen[3].args
