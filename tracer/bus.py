@@ -192,6 +192,25 @@ class EventBus:
             line = self._line
             return [line(i) for i in range(cursor, end)], missed, end
 
+    def read_bytes(self, cursor: int, max_events: int | None = None) -> tuple[bytes, int, int, int]:
+        """read_lines(), joined: (the lines from seq `cursor` on as one bytes object, how many
+        events it holds, how many before them were lost, the next cursor). The ring keeps the
+        lines as one stream, so this is one or two copies, whatever the number of events (what
+        the recorder writes)."""
+        with self._cond:
+            oldest = self._oldest()
+            missed = max(0, oldest - cursor)
+            cursor = max(cursor, oldest)
+            nxt = self._next_seq
+            end = nxt if max_events is None else min(nxt, cursor + max_events)
+            if end <= cursor:
+                return b"", 0, missed, cursor
+            cap, size, buf = self.capacity, self.capacity_bytes, self._buf
+            start, stop = self._at[cursor % cap], self._at[end % cap] if end < nxt else self._written
+            pos, n = start % size, stop - start
+            data = bytes(buf[pos:pos + n]) if pos + n <= size else bytes(buf[pos:]) + bytes(buf[:pos + n - size])
+            return data, end - cursor, missed, end
+
     def wait(self, cursor: int, timeout: float | None = None, min_pending: int = 1,
              stop: threading.Event | None = None, min_bytes: int | None = None) -> bool:
         """Block until there are at least `min_pending` events from seq `cursor` on, or (if
@@ -258,6 +277,13 @@ class Subscription:
         lines, missed, self.cursor = self.bus.read_lines(self.cursor, max_events)
         self.missed += missed
         return lines, missed
+
+    def pull_bytes(self, max_events: int | None = None) -> tuple[bytes, int, int]:
+        """pull(), as the events' trace-file lines joined: (bytes, how many events, how many
+        were missed before them)."""
+        data, count, missed, self.cursor = self.bus.read_bytes(self.cursor, max_events)
+        self.missed += missed
+        return data, count, missed
 
     @property
     def pending(self) -> int:

@@ -185,6 +185,8 @@ def test_with_a_byte_bound_every_event_is_delivered_intact_in_order_or_counted_m
     sub = bus.subscribe()
     seen, missed, published = [], 0, []
     for op in ops:
+        lines, n_missed, end = bus.read_lines(0)  # the stream as one copy: the same lines, joined
+        assert bus.read_bytes(0) == (b"".join(lines), len(lines), n_missed, end)
         if op is None:
             got = sub.pull(max_events=capacity)
             seen += got.events
@@ -211,3 +213,15 @@ def test_a_batch_reader_is_woken_once_enough_bytes_are_pending():
     bus.publish("engine", "b", attrs={"pad": "z" * 500})  # past 500 bytes: woken, far short of 1000 events
     t.join(timeout=30)
     assert woke == [True] and bus._wake_bytes > 10**9  # nobody waits
+
+
+def test_read_bytes_is_read_lines_joined_with_losses_counted():
+    bus = EventBus(capacity=8, capacity_bytes=600)
+    for i in range(12):
+        bus.publish("engine", f"e{i}", attrs={"i": i, "pad": "p" * (i * 5)})
+    lines, missed, end = bus.read_lines(0)
+    data, count, missed2, end2 = bus.read_bytes(0)
+    assert data == b"".join(lines) and (count, missed2, end2) == (len(lines), missed, end) and missed > 0
+    data, count, _, end = bus.read_bytes(end - 2, max_events=1)
+    assert count == 1 and data == lines[-2] and end == bus.next_seq - 1
+    assert bus.read_bytes(bus.next_seq) == (b"", 0, 0, bus.next_seq)
