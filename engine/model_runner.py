@@ -91,7 +91,10 @@ class ModelRunner:
             return self._run(sched, inp)
         # A step's launches are kept as they happen and published together once its forward
         # pass is done, each with its own time (or sooner, before a gate may hold the engine).
-        with instrument.observe(self._launches.append, self._before_launch, access_maps=False, step=sched.step):
+        # Kernel gates are consulted only if a gate is on as the step starts: a stop at kernels
+        # asked for in the middle of a forward pass takes effect from the next step's launches.
+        before = self._before_launch if self.hooks.gated else None
+        with instrument.observe(self._launches.append, before, access_maps=False, step=sched.step):
             return self._run(sched, inp)
 
     def forward(self, inp: ModelInput) -> torch.Tensor:

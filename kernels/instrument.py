@@ -12,12 +12,11 @@ When nobody observes, :func:`launch` costs one thread-local attribute check.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -102,25 +101,29 @@ class _State(threading.local):
 _state = _State()
 
 
-@contextlib.contextmanager
-def observe(
-    on_launch: Callable[[LaunchRecord], None],
-    before_launch: Callable[[str, tuple, dict], None] | None = None,
-    *,
-    access_maps: bool = True,
-    **tags: Any,
-) -> Iterator[None]:
-    """Call ``on_launch(record)`` after, and ``before_launch(name, grid, meta)`` before, each
-    launch made by this thread inside the block; ``tags`` are copied into every record.
+class observe:
+    """``with observe(on_launch, before_launch=None, *, access_maps=True, **tags):`` calls
+    ``on_launch(record)`` after, and ``before_launch(name, grid, meta)`` before, each launch
+    made by this thread inside the block; ``tags`` are copied into every record.
     ``access_maps=False``: this observer never reads ``record.access_map`` (the engine's tracer
-    recomputes maps from the step's batch), so the launch need not snapshot its metadata for it."""
-    outer = _state.frames
-    inherited = outer[-1].tags if outer else {}
-    _state.frames = outer + (_Frame(on_launch, before_launch, {**inherited, **tags}, access_maps),)
-    try:
-        yield
-    finally:
-        _state.frames = outer
+    recomputes maps from the step's batch), so the launch need not snapshot its metadata for it.
+    (A class, not a generator context manager: the engine enters one every traced step.)"""
+
+    __slots__ = ("_frame_args", "_outer")
+
+    def __init__(self, on_launch: Callable[[LaunchRecord], None],
+                 before_launch: Callable[[str, tuple, dict], None] | None = None, *,
+                 access_maps: bool = True, **tags: Any):
+        self._frame_args = (on_launch, before_launch, tags, access_maps)
+
+    def __enter__(self) -> None:
+        outer = self._outer = _state.frames
+        on_launch, before_launch, tags, access_maps = self._frame_args
+        inherited = outer[-1].tags if outer else {}
+        _state.frames = outer + (_Frame(on_launch, before_launch, {**inherited, **tags}, access_maps),)
+
+    def __exit__(self, *exc) -> None:
+        _state.frames = self._outer
 
 
 def set_tags(**tags: Any) -> None:
