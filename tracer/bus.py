@@ -13,8 +13,8 @@ a replay of the file sees. Readers that want events decode them (``read``, ``pul
 The lines are copied into one preallocated byte ring rather than kept as ``bytes`` objects.
 Tens of thousands of live lines scattered through the heap kept glibc from reusing the
 memory the model's larger tensors had freed: each prefill then wrote its activations to
-fresh pages (2,500 page faults a generate of the 32-request benchmark, measured, and ~10 %
-of the step time, for untraced engines in the same process as well). So the ring is bounded
+fresh pages (measured: ~2,500 page faults a generate of the 32-request benchmark, ~80 with
+this ring; untraced engines in the same process paid for it as well). So the ring is bounded
 twice: ``capacity`` events and ``capacity_bytes`` bytes of lines; whichever fills first
 decides which events a slow reader misses, and it is told how many either way.
 """
