@@ -158,14 +158,25 @@ class EventBus:
                 lo = mid + 1
         return lo
 
-    def _line(self, seq: int) -> bytes:
-        cap, size = self.capacity, self.capacity_bytes
-        start = self._at[seq % cap]
-        stop = self._at[(seq + 1) % cap] if seq + 1 < self._next_seq else self._written
+    def _offset(self, seq: int) -> int:
+        """Where event seq's line starts in the stream of lines (next_seq: where the next will)."""
+        return self._at[seq % self.capacity] if seq < self._next_seq else self._written
+
+    def _copy(self, start: int, stop: int) -> bytes:
+        """Stream offsets [start, stop) out of the ring, which may hold them in two pieces."""
+        size, view = self.capacity_bytes, memoryview(self._buf)
         pos, n = start % size, stop - start
         if pos + n <= size:
-            return bytes(self._buf[pos:pos + n])
-        return bytes(self._buf[pos:]) + bytes(self._buf[:pos + n - size])
+            return view[pos:pos + n].tobytes()
+        return view[pos:].tobytes() + view[:pos + n - size].tobytes()
+
+    def _span(self, cursor: int, max_events: int | None) -> tuple[int, int, int]:
+        """(the first seq still held from cursor on, how many before it were lost, the end)."""
+        oldest = self._oldest()
+        missed = max(0, oldest - cursor)
+        cursor = max(cursor, oldest)
+        end = self._next_seq if max_events is None else min(self._next_seq, cursor + max_events)
+        return cursor, missed, max(cursor, end)
 
     def attach(self, hooks: Hooks) -> Callable[[], None]:
         """Publish everything the engine emits on these hooks. Returns a detach function."""
@@ -185,12 +196,9 @@ class EventBus:
     def read_lines(self, cursor: int, max_events: int | None = None) -> tuple[list[bytes], int, int]:
         """read(), as the events' trace-file lines."""
         with self._cond:
-            oldest = self._oldest()
-            missed = max(0, oldest - cursor)
-            cursor = max(cursor, oldest)
-            end = self._next_seq if max_events is None else min(self._next_seq, cursor + max_events)
-            line = self._line
-            return [line(i) for i in range(cursor, end)], missed, end
+            cursor, missed, end = self._span(cursor, max_events)
+            offset, copy = self._offset, self._copy
+            return [copy(offset(i), offset(i + 1)) for i in range(cursor, end)], missed, end
 
     def read_bytes(self, cursor: int, max_events: int | None = None) -> tuple[bytes, int, int, int]:
         """read_lines(), joined: (the lines from seq `cursor` on as one bytes object, how many
@@ -198,18 +206,8 @@ class EventBus:
         lines as one stream, so this is one or two copies, whatever the number of events (what
         the recorder writes)."""
         with self._cond:
-            oldest = self._oldest()
-            missed = max(0, oldest - cursor)
-            cursor = max(cursor, oldest)
-            nxt = self._next_seq
-            end = nxt if max_events is None else min(nxt, cursor + max_events)
-            if end <= cursor:
-                return b"", 0, missed, cursor
-            cap, size, buf = self.capacity, self.capacity_bytes, self._buf
-            start, stop = self._at[cursor % cap], self._at[end % cap] if end < nxt else self._written
-            pos, n = start % size, stop - start
-            data = bytes(buf[pos:pos + n]) if pos + n <= size else bytes(buf[pos:]) + bytes(buf[:pos + n - size])
-            return data, end - cursor, missed, end
+            cursor, missed, end = self._span(cursor, max_events)
+            return self._copy(self._offset(cursor), self._offset(end)), end - cursor, missed, end
 
     def wait(self, cursor: int, timeout: float | None = None, min_pending: int = 1,
              stop: threading.Event | None = None, min_bytes: int | None = None) -> bool:
@@ -222,10 +220,8 @@ class EventBus:
             target = cursor + max(1, min_pending) - 1  # the seq whose publication wakes this reader
             if min_bytes is None:
                 byte_target = NOBODY
-            else:  # where event `cursor` starts in the stream of lines (lost: as far back as held)
-                nxt, at = self._next_seq, self._at
-                start = self._written if cursor >= nxt else at[cursor % self.capacity] if cursor >= self._oldest() \
-                    else self._written - self.capacity_bytes
+            else:  # from where event `cursor` starts in the stream (lost: as far back as is held)
+                start = self._offset(cursor) if cursor >= self._oldest() else self._written - self.capacity_bytes
                 byte_target = start + max(1, min_bytes)
             gen = self._wake_gen
             entry = (target, byte_target)
@@ -272,15 +268,9 @@ class Subscription:
         self.missed += missed
         return Pulled(events, missed)
 
-    def pull_lines(self, max_events: int | None = None) -> tuple[list[bytes], int]:
-        """pull(), as the events' trace-file lines: (lines, how many were missed before them)."""
-        lines, missed, self.cursor = self.bus.read_lines(self.cursor, max_events)
-        self.missed += missed
-        return lines, missed
-
     def pull_bytes(self, max_events: int | None = None) -> tuple[bytes, int, int]:
         """pull(), as the events' trace-file lines joined: (bytes, how many events, how many
-        were missed before them)."""
+        were missed before them). What the recorder writes."""
         data, count, missed, self.cursor = self.bus.read_bytes(self.cursor, max_events)
         self.missed += missed
         return data, count, missed
