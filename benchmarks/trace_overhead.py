@@ -161,6 +161,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=11, help="repetitions (each runs every mode in lockstep)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
+    for name in ("requests", "reps", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     workload = make_workload(args.requests)
     steps: dict[str, list[list[float]]] = {m: [] for m in MODES}

@@ -49,8 +49,10 @@ class EventBus:
         existed (see publish's at_ns)."""
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if capacity_bytes is not None and capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
         self.capacity = capacity
-        self.capacity_bytes = max(1, capacity_bytes or capacity * BYTES_PER_EVENT)
+        self.capacity_bytes = capacity_bytes or capacity * BYTES_PER_EVENT
         self.clock = clock
         now = clock()
         self.start_ns = now if start_ns is None else min(start_ns, now)  # ts_ns of an event counts from here

@@ -225,3 +225,10 @@ def test_read_bytes_is_read_lines_joined_with_losses_counted():
     data, count, _, end = bus.read_bytes(end - 2, max_events=1)
     assert count == 1 and data == lines[-2] and end == bus.next_seq - 1
     assert bus.read_bytes(bus.next_seq) == (b"", 0, 0, bus.next_seq)
+
+
+def test_a_ring_of_no_room_is_refused():
+    import pytest
+    for kwargs in ({"capacity": 0}, {"capacity": 4, "capacity_bytes": 0}, {"capacity": 4, "capacity_bytes": -1}):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            EventBus(**kwargs)
