@@ -93,7 +93,7 @@ def main() -> None:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm_path = str(LLM(args.model, num_kv_blocks=1).llm_engine.model_path)
+    llm_path = str(LLM(args.model, num_kv_blocks=2).llm_engine.model_path)
     from engine.model_loader import read_config
     from pathlib import Path
     cfg = read_config(Path(llm_path))

@@ -1,5 +1,9 @@
 """The block manager: physical KV-cache blocks, block tables and the prefix cache.
 
+- Block 0 is the **null block**, as in vLLM V1's block pool: it is never handed to a request,
+  so a block table padded with 0 (a batch's ``block_tables`` rows are padded to the widest)
+  points at a block that holds no request's data. ``num_blocks`` counts it; the free queue
+  and ``num_usable_blocks`` do not.
 - ``free``: the free-block queue, least recently used first. Blocks whose contents are still
   in the prefix cache stay here (they count as free) until they are reused: taking one for a
   new purpose *evicts* it from the cache.
@@ -29,13 +33,21 @@ def hash_block(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+NULL_BLOCK_ID = 0
+
+
 class BlockManager:
+    """Hands out physical blocks 1..num_blocks-1 to requests' block tables, shares full blocks
+    through the prefix cache (reference counts), and takes them back when requests finish."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, hooks: Hooks | None = None):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block {NULL_BLOCK_ID} is the null block), got {num_blocks}")
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(NULL_BLOCK_ID + 1, num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> physical block id
         self.hooks = hooks or Hooks()
         self.step: int | None = None  # set by the scheduler, for trace events
@@ -45,6 +57,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request can hold: all but the null block."""
+        return self.num_blocks - 1
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -145,5 +162,6 @@ class BlockManager:
         req.num_cached_blocks = 0
 
     def usage(self) -> float:
-        """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction of usable blocks held by running requests (cached-but-free blocks count as
+        free; the null block is not counted, as in vLLM's ``get_usage``)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks

@@ -45,8 +45,8 @@ class CacheConfig:
         _check(isinstance(self.block_size, int) and self.block_size >= 1 and
                self.block_size & (self.block_size - 1) == 0,
                f"block_size must be a power of two >= 1, got {self.block_size}")
-        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
-               f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+               f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}")
         _check(self.kv_cache_memory is None or self.kv_cache_memory > 0,
                f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,

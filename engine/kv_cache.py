@@ -32,8 +32,8 @@ def num_blocks_for(cache: CacheConfig, model: GPT2Config, dtype: torch.dtype, de
     else:
         budget, why = DEFAULT_CPU_KV_CACHE_MEMORY, f"default CPU budget of {DEFAULT_CPU_KV_CACHE_MEMORY} bytes"
     n = budget // per_block
-    if n < 1:
-        raise ValueError(f"KV-cache budget too small: {why} holds no block of {per_block} bytes "
+    if n < 2:  # block 0 is the null block: one more is the least a request can use
+        raise ValueError(f"KV-cache budget too small: {why} holds fewer than 2 blocks of {per_block} bytes "
                          f"(block_size={cache.block_size}); raise kv_cache_memory or set num_kv_blocks")
     return n, f"{why} / {per_block} bytes per block"
 

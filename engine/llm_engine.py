@@ -143,10 +143,11 @@ class LLMEngine:
             raise ValueError(f"max_tokens={max_tokens} plus the prompt's {n} tokens exceeds max_model_len={limit}; "
                              f"max_tokens must be <= {limit - n}")
         bm = self.block_manager
-        if bm.blocks_needed(n + max_tokens) > bm.num_blocks:
+        if bm.blocks_needed(n + max_tokens) > bm.num_usable_blocks:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {bm.blocks_needed(n + max_tokens)} KV-cache "
-                f"blocks of {bm.block_size} tokens but the cache has only {bm.num_blocks}; it could never finish. "
+                f"blocks of {bm.block_size} tokens but the cache has only {bm.num_usable_blocks} (besides the null "
+                f"block); it could never finish. "
                 f"Lower max_tokens or enlarge the cache (num_kv_blocks / kv_cache_memory)")
         if n > self.config.scheduler.max_num_batched_tokens and not self.config.scheduler.enable_chunked_prefill:
             raise ValueError(f"prompt is {n} tokens, more than max_num_batched_tokens="
@@ -256,7 +257,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             step=self.step_count, num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
-            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_usable_blocks,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, kv_cache_usage=bm.usage(),
         )

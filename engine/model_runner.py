@@ -68,7 +68,7 @@ class ModelRunner:
         # (cold caches), so this path makes as few as it can (measured: split() was slower).
         n, T, width = len(seq_lens), len(input_ids), max(map(len, tables))
         padded = []
-        for t in tables:  # block tables padded with block 0 to the longest, row after row
+        for t in tables:  # block tables padded with the null block (0) to the longest, row after row
             padded += t
             padded += [0] * (width - len(t))
         i64 = np.array(input_ids + positions + slots + [q - 1 for q in qsl[1:]], np.int64)

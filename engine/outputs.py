@@ -41,7 +41,7 @@ class EngineStats:
     num_waiting: int
     num_running: int
     num_free_blocks: int
-    num_total_blocks: int
+    num_total_blocks: int  # blocks requests can hold: the null block (block 0) is not counted
     num_preemptions: int
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there

@@ -155,11 +155,28 @@ def run(lesson) -> None:
         from engine.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY as budget
         lesson.check(kv["num_blocks"] == budget // per_block, f"num_blocks = {budget:,} byte budget // {per_block:,}")
     capacity = kv["num_blocks"] * kv["block_size"]
+    usable = (kv["num_blocks"] - 1) * kv["block_size"]
     ratio = kv["bytes"] / ml["bytes"]
-    lesson.say(f"That is room for **{capacity:,} tokens** of context, shared by all requests: "
-               f"{capacity // engine.max_model_len} requests at the full {engine.max_model_len}-token "
-               f"length, or many more short ones. The cache is {ratio:.1f}× the size of the weights "
-               f"({kv['bytes'] / 2**20:.0f} MiB versus {ml['bytes'] / 2**20:.1f} MiB).")
+    lesson.say(f"That is room for **{usable:,} tokens** of context, shared by all requests (block 0 is "
+               "the *null block*, as in vLLM V1: never given to a request, so padding in a batch's block "
+               f"tables can point at it harmlessly): {usable // engine.max_model_len} requests at the full "
+               f"{engine.max_model_len}-token length, or many more short ones. The cache is {ratio:.1f}× the "
+               f"size of the weights ({kv['bytes'] / 2**20:.0f} MiB versus {ml['bytes'] / 2**20:.1f} MiB).")
+    lesson.check(engine.block_manager.num_usable_blocks == kv["num_blocks"] - 1 and 0 not in engine.block_manager.free,
+                 f"{kv['num_blocks'] - 1} blocks are usable: block 0, the null block, is not in the free queue")
+    # A real model on a GPU, by the same arithmetic (public Llama-3-8B config: 32 layers, 8 KV heads
+    # of 128 dims, bf16; 8.03e9 parameters) on an 80 GB H100 at gpu_memory_utilization 0.9.
+    w8b, kv_tok = 8.03e9 * 2, 2 * 32 * 8 * 128 * 2
+    left = 0.9 * 80e9 - w8b - 2e9  # ~2 GB for activations and the CUDA context (vLLM measures this)
+    lesson.say(
+        f"That {ratio:.0f}× is an artefact of this setup: a fixed CPU budget of {kv['bytes'] / 2**20:.0f} MiB "
+        f"against a {ml['bytes'] / 2**20:.1f} MiB toy model. On a GPU with a real model, weights and KV cache "
+        f"are **comparable**: Llama-3-8B in bf16 is {w8b / 1e9:.0f} GB of weights; on an 80 GB H100 at "
+        f"gpu_memory_utilization 0.9 about {left / 1e9:.0f} GB is left for the cache, "
+        f"{left / w8b:.1f}× the weights, at {kv_tok // 1024} KiB per token "
+        f"(2 × 32 layers × 8 KV heads × 128 × 2 bytes) ≈ {left / kv_tok / 1e3:.0f}k tokens. A 70B model "
+        "split over GPUs has even less cache per byte of weights.")
+    lesson.check(1 < left / w8b < 5, f"the 8B example's cache is {left / w8b:.1f}× its weights, not {ratio:.0f}×")
 
     lesson.predict("With block_size 8 instead of 16 and the same budget, how many blocks fit?",
                    "Twice as many, each half the size: the number of token slots does not change.")

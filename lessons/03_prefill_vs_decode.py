@@ -186,9 +186,14 @@ def run(lesson) -> None:
         + (f"fit in this CPU's {cache / 2**20:.0f} MiB cache, " if fits else "are small, ")
         + "so here a decode step is limited less by memory bandwidth than by fixed per-step work "
         "(Python scheduling, about a hundred small PyTorch calls). Both kinds of cost are paid once per "
-        "step whatever the batch, which is why the decode curve is nearly flat on both machines. On a GPU with "
-        "a real model (billions of parameters, gigabytes of weights read every step) the flat part is "
-        "the weight reads themselves, and the gap between prefill and decode throughput is larger still.")
+        f"step whatever the batch, which is why, measured above on this CPU, a decode step of {BATCHES[-1]} "
+        f"requests took {dec[BATCHES[-1]] / dec[1]:.1f}× the time of one ({dec[1] * 1e3:.2f} → "
+        f"{dec[BATCHES[-1]] * 1e3:.2f} ms) for {BATCHES[-1]}× the tokens. On a GPU with "
+        "a real model (billions of parameters, gigabytes of weights read every step) the shared part is "
+        "the weight reads themselves, and the gap between prefill and decode throughput is larger still "
+        "(not measured here: this machine has no GPU).")
+    lesson.check(dec[BATCHES[-1]] / dec[1] < BATCHES[-1] / 2,
+                 f"a decode step of {BATCHES[-1]} costs less than half of {BATCHES[-1]} steps of one")
     if fits:
         lesson.check(fits, f"the weights ({weight_bytes / 2**20:.1f} MiB) fit in the CPU's largest cache")
     lesson.done(

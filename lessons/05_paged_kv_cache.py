@@ -24,15 +24,21 @@ def run(lesson) -> None:
     bm = engine.block_manager
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
+    free0 = bm.num_free_blocks
+    lesson.say(f"The cache has {bm.num_blocks} blocks of {BLOCK} slots, but only {free0} are in the free-block "
+               "queue: block 0 is the **null block**. As in vLLM V1's block pool, it is taken out once at "
+               "startup and never given to a request, so a block-table entry of 0 can only mean *nothing here*.")
+    lesson.check(free0 == bm.num_blocks - 1 and 0 not in bm.free, "block 0 is not in the free queue")
     a = engine.add_request("A", {"prompt_token_ids": list(range(40))}, greedy)
-    lesson.say(f"Request **A** has a 40-token prompt. The cache has {bm.num_blocks} free blocks of {BLOCK} slots.")
+    lesson.say("Request **A** has a 40-token prompt.")
     lesson.predict("How many blocks does A's prefill take, and how full is the last one?",
                    f"ceil(40 / {BLOCK}) = {math.ceil(40 / BLOCK)} blocks; the last holds 40 - 2×16 = 8 tokens.")
     engine.step()  # the prefill: all 40 prompt tokens in one step
     lesson.show(block_table(a, BLOCK))
     lesson.check(len(a.block_ids) == 3, "after the prefill of a 40-token prompt, A's block table holds 3 blocks")
     lesson.check(a.num_computed_tokens - 2 * BLOCK == 8, "the last block holds 8 tokens; 8 slots are still free")
-    lesson.check(bm.num_free_blocks == 61, "3 blocks left the free-block queue: 61 remain")
+    lesson.check(bm.num_free_blocks == free0 - 3, f"3 blocks left the free-block queue: {free0 - 3} remain")
+    lesson.check(a.block_ids == [1, 2, 3], "they came from the front of the queue: physical blocks 1, 2, 3")
     lesson.pause()
 
     b = engine.add_request("B", {"prompt_token_ids": list(range(100, 120))}, greedy)
@@ -40,7 +46,7 @@ def run(lesson) -> None:
     lesson.say("Request **B** (20 tokens) arrives. Blocks come from the front of the free queue, so B "
                "takes the next two physical blocks.")
     lesson.show(block_table(b, BLOCK))
-    lesson.check(b.block_ids == [3, 4], "B's blocks are physical blocks 3 and 4")
+    lesson.check(b.block_ids == [4, 5], "B's blocks are physical blocks 4 and 5")
     lesson.pause()
 
     lesson.predict("A keeps decoding one token per step. At which step does A need a 4th block?",
@@ -51,17 +57,17 @@ def run(lesson) -> None:
         steps += 1
     lesson.show(block_table(a, BLOCK, title="A after it crossed a block boundary"))
     lesson.check(a.num_computed_tokens == 49, "A got its 4th block in the step that computed position 48")
-    lesson.check(a.block_ids[:3] == [0, 1, 2] and a.block_ids[3] not in (0, 1, 2, 3, 4),
+    lesson.check(a.block_ids[:3] == [1, 2, 3] and a.block_ids[3] not in (1, 2, 3, 4, 5),
                  "A's 4th logical block is physical block %d: logically contiguous, physically not" % a.block_ids[3])
     lesson.say("Every attention kernel reads A's keys through this table: slot = "
                "block_table[pos // 16] × 16 + pos % 16. Nothing needs to be contiguous.")
-    lesson.show(kv_blocks(llm), title="the KV cache (A/B = owner, blank = free)")
+    lesson.show(kv_blocks(llm), title="the KV cache (A/B = owner, ∅ = the null block, blank = free)")
     lesson.pause()
 
     # ---- fragmentation: paged versus contiguous pre-allocation ----
     while engine.has_unfinished_requests():
         engine.step()
-    lesson.check(bm.num_free_blocks == bm.num_blocks, "finished requests return every block to the free queue")
+    lesson.check(bm.num_free_blocks == free0, "finished requests return every block to the free queue")
     lesson.say("Now a workload of 24 requests with varied lengths, stopped mid-run. For each running "
                "request we count slots **allocated** and slots **used**, paged (16-token blocks) versus "
                "the older scheme that reserves `max_model_len` contiguous slots per request.")

@@ -8,6 +8,7 @@ from rich.markup import escape
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import SamplingParams  # noqa: E402
+from engine.block_manager import NULL_BLOCK_ID  # noqa: E402
 from engine.hooks import SNAPSHOT  # noqa: E402
 from lessons.framework import events_of, main, queues, table  # noqa: E402
 
@@ -100,8 +101,15 @@ def run(lesson) -> None:
                          s.request.all_token_ids[s.num_computed_before:s.num_computed_before + s.num_tokens]],
                  "input_ids are those positions' tokens (A's is the token it sampled last step)")
     width = max(len(r.block_ids) for r in reqs)
-    lesson.check(all(row == r.block_ids + [0] * (width - len(r.block_ids)) for row, r in zip(tables, reqs)),
+    lesson.check(all(row == r.block_ids + [NULL_BLOCK_ID] * (width - len(r.block_ids)) for row, r in zip(tables, reqs)),
                  f"block_tables is each request's block table, padded with 0 to the widest ({width} entries)")
+    lesson.say(
+        "The padding is block 0, the **null block**: as in vLLM V1, the block manager takes it out of the "
+        "free queue at startup and never gives it to a request, so a padded entry can never be mistaken "
+        "for a real block of someone's data. The kernels stop at `seq_lens` anyway; the null block makes "
+        "a stray read harmless rather than a silent read of another request's keys.")
+    lesson.check(all(NULL_BLOCK_ID not in r.block_ids for r in reqs),
+                 "no request's real block table contains block 0: every 0 in block_tables is padding")
     lesson.pause()
 
     row = qsl[1] + 17  # one of B's tokens

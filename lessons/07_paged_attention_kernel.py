@@ -23,8 +23,11 @@ def greedy(n: int) -> SamplingParams:
 
 def run(lesson) -> None:
     lesson.intro(
-        "Attention in a paged engine is one kernel, `unified_attention`, for prefill, decode and mixed "
-        "batches alike. Each query token attends over its request's whole context, whose keys and values "
+        "In vLLM's Triton attention backend (and FlashAttention's varlen call), attention is one kernel, "
+        "`unified_attention`, for prefill, decode and mixed batches alike. Not every backend works so: "
+        "FlashInfer and the MLA backends run prefill and decode tokens through separate kernels, and in all "
+        "of them writing the step's new keys and values into the cache is a kernel of its own "
+        "(`reshape_and_cache`), launched before attention. Each query token attends over its request's whole context, whose keys and values "
         "sit in scattered cache blocks found through the **block table**. You will take a real step's "
         "batch and KV cache from the engine, run our Triton kernel on it ("
         + ("through Triton's interpreter: there is no GPU here" if kernels.INTERPRETED else "compiled for this GPU")
@@ -44,9 +47,9 @@ def run(lesson) -> None:
 
     engine.model.backend.forward = keep_layer0  # the engine's own attention (the PyTorch reference on CPU)
     a = engine.add_request("A", {"prompt_token_ids": list(range(47))}, greedy(8))
-    engine.step()  # A's prefill: positions 0-46 in blocks 0, 1, 2
+    engine.step()  # A's prefill: positions 0-46 in blocks 1, 2, 3 (block 0 is the null block)
     engine.add_request("B", {"prompt_token_ids": list(range(100, 120))}, greedy(8))
-    engine.step()  # A decodes position 47 (block 2 is now full); B's prefill takes blocks 3, 4
+    engine.step()  # A decodes position 47 (its 3rd block is now full); B's prefill takes blocks 4, 5
     engine.add_request("C", {"prompt_token_ids": list(range(50, 74))}, greedy(8))
     engine.step()  # the step we study: A decodes position 48 (a new block), B decodes, C prefills
     q, meta, scale = captured["q"], captured["meta"], captured["scale"]
@@ -59,8 +62,9 @@ def run(lesson) -> None:
     lesson.say(
         f"The query is `[{num_tokens} tokens, {num_heads} heads, {head_size}]`; the layer's key and value "
         f"caches are `{list(key_cache.shape)}` = [blocks, slots per block, heads, head_size]. A crossed into "
-        "a fourth logical block this step and got physical block 5 — its table is not contiguous.")
-    lesson.check(tables[0] == a.block_ids == [0, 1, 2, 5], "A's block table is [0, 1, 2, 5]")
+        f"a fourth logical block this step and got physical block {a.block_ids[3]} — its table is not "
+        "contiguous. (Block 0 is the null block, never a request's.)")
+    lesson.check(tables[0] == a.block_ids == [1, 2, 3, 6], "A's block table is [1, 2, 3, 6]")
     lesson.check(qsl == [0, 1, 2, 26] and seq_lens == [49, 21, 24],
                  "A and B bring one query token each, C 24; they attend over 49, 21 and 24 keys")
     lesson.pause()
@@ -93,7 +97,7 @@ def run(lesson) -> None:
         "need, how many programs run, and which physical blocks does the program for A, head 2 read?",
         f"A {qb[0]}, B {qb[1]}, C {qb[2]} (24 tokens → 16 + 8): {sum(qb)} query blocks × "
         f"{shape['num_kv_heads']} heads = {sum(qb) * shape['num_kv_heads']} programs. A's program walks "
-        "A's block table: physical blocks 0, 1, 2, 5.")
+        "A's block table: physical blocks 1, 2, 3, 6.")
     access = rec.access_map
     lesson.show(table(["program (x, y, z)", "request", "query rows", "KV head", "key positions", "physical blocks"], [
         [pid, "ABC"[w.request], f"{w.rows[0]}–{w.rows[1] - 1}", w.kv_heads,
@@ -103,8 +107,8 @@ def run(lesson) -> None:
     lesson.check(rec.grid == (sum(qb), shape["num_kv_heads"], 1) and len(access) == sum(qb) * shape["num_kv_heads"],
                  f"grid {rec.grid}: one program per (query block, KV head), {len(access)} programs")
     a_prog = access[(0, 2, 0)][0]
-    lesson.check(a_prog.request == 0 and a_prog.blocks == (0, 1, 2, 5) and a_prog.kv_positions == (0, 49),
-                 "program (0, 2, 0) handles A, head 2: keys 0–48 from physical blocks 0, 1, 2, 5")
+    lesson.check(a_prog.request == 0 and a_prog.blocks == (1, 2, 3, 6) and a_prog.kv_positions == (0, 49),
+                 "program (0, 2, 0) handles A, head 2: keys 0–48 from physical blocks 1, 2, 3, 6")
     lesson.check(all(w.blocks == tuple(tables[w.request][:-(-w.kv_positions[1] // BLOCK)])
                      for works in access.values() for w in works),
                  "every program reads exactly its request's blocks, in block-table order")
@@ -120,7 +124,11 @@ def run(lesson) -> None:
         "position (causal), and fold the scores into an **online softmax**: a running max *m*, a running "
         "sum *l* of exp(s − m), and a running weighted sum of values *acc*, rescaled by exp(m_old − m_new) "
         "whenever the max grows. At the end, out = acc / l. That is one softmax over the **whole** "
-        "sequence, computed in pieces — no block is ever normalised on its own.")
+        "sequence, computed in pieces — no block is ever normalised on its own.\n\n"
+        f"By hand we use tiles of {BLOCK} keys (one block), so this row's keys make several tiles and the "
+        f"rescaling shows. The launch above uses TILE_N = {m['TILE_N']}: each iteration folds "
+        f"{m['TILE_N']} keys ({m['TILE_N'] // BLOCK} blocks) at once, so fewer rescales. The tile size "
+        "changes how the work is cut, not the answer — checked below.")
     # Pick a query row and head whose running max grows after the first tile, so the rescaling shows.
     row, h, req_i = max(((r, hh, i) for i in range(len(seq_lens)) for r in range(qsl[i], qsl[i + 1])
                          for hh in range(num_heads)),
@@ -162,6 +170,17 @@ def run(lesson) -> None:
                  f"softmaxing each block on its own is wrong: its weights sum to {per_block.sum():.0f}, not 1")
     lesson.check((out_gpu[row, h].float() - exact).abs().max() < 1e-4,
                  "the kernel's output for this row and head is the same")
+    tile = m["TILE_N"]
+    m2, l2, acc2 = torch.tensor(float("-inf")), torch.tensor(0.0), torch.zeros(head_size)
+    for t in range(0, n_keys, tile):
+        s = s_all[t:t + tile]
+        m_new = torch.maximum(m2, s.max())
+        alpha = torch.exp(m2 - m_new)
+        p = torch.exp(s - m_new)
+        l2, acc2, m2 = l2 * alpha + p.sum(), acc2 * alpha + p @ v[t:t + tile], m_new
+    lesson.check(torch.allclose(acc2 / l2, exact, atol=1e-5),
+                 f"with the launch's TILE_N = {tile} ({-(-n_keys // tile)} tile(s) for {n_keys} keys) the online "
+                 "softmax gives the same output")
     lesson.pause()
 
     # ---- the interpreter's own launch, and the comparison ----
@@ -187,6 +206,16 @@ def run(lesson) -> None:
     lesson.check(d_gpu < 1e-3 and d_cpu < 1e-3, "both launches match the PyTorch reference (max abs diff < 1e-3)")
     lesson.check(d_engine < 1e-5, "and the reference reproduces what the engine computed in that step")
     lesson.say(
+        "**Two kernels per layer.** An engine on the Triton backend, one mixed step (a decode and a "
+        "prefill): which kernels does each layer launch?")
+    launches = triton_step_launches(lesson)
+    lesson.show(table(["layer", "kernels launched, in order"],
+                      [[layer, " → ".join(names)] for layer, names in sorted(launches.items())]))
+    lesson.check(len(launches) == engine.model_config.n_layer
+                 and all(names == ["reshape_and_cache", "unified_attention"] for names in launches.values()),
+                 "each layer writes the new K/V with reshape_and_cache, then runs ONE unified_attention "
+                 "for the whole mixed batch")
+    lesson.say(
         "In the engine, `attention_backend='triton'` runs this kernel (the default on CUDA); on the CPU "
         "the engine uses the PyTorch reference, because the interpreter is slow. In vLLM, attention on "
         "NVIDIA GPUs usually runs FlashAttention (CUDA kernels); vLLM's Triton attention backend, "
@@ -197,6 +226,22 @@ def run(lesson) -> None:
         "keys and values from wherever the blocks are, and keeps one online softmax (running max, "
         "running sum, rescaled accumulator) over the whole context. The result equals plain softmax "
         "attention, which the reference computes directly.")
+
+
+def triton_step_launches(lesson) -> dict[int, list[str]]:
+    """The kernels one mixed step (B decodes while C prefills) launches, per layer, on the Triton backend."""
+    llm, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=8, enable_prefix_caching=False, attention_backend="triton")
+    engine = llm.llm_engine
+    engine.add_request("B", list(range(1, 9)), greedy(4))
+    engine.step()
+    engine.add_request("C", list(range(20, 26)), greedy(4))
+    records = []
+    with instrument.observe(records.append):
+        engine.step()  # B decodes, C prefills: one mixed batch
+    out: dict[int, list[str]] = {}
+    for r in records:
+        out.setdefault(r.tags.get("layer"), []).append(r.name)
+    return out
 
 
 def gather(cand, q, key_cache, value_cache, qsl, seq_lens, tables, scale):

@@ -33,17 +33,22 @@ def run(lesson) -> None:
     lesson.intro(
         "Requests grow by one token per step, so their KV caches keep needing new blocks. vLLM admits "
         "requests optimistically; when a running request needs a block and none is free, the scheduler "
-        "**preempts** the *most recently admitted* running request: all its blocks are freed and it goes "
+        "**preempts** a running request. Under the default **FCFS** policy (the only one this engine has) "
+        "that is the *most recently admitted* one; under vLLM's `--scheduling-policy priority` it is the "
+        "lowest-priority one (largest priority value, latest arrival breaking ties). All its blocks are "
+        "freed and it goes "
         "back to the **front** of the waiting queue. vLLM V1 preempts only by **recompute**: nothing is "
         "copied anywhere; when the request is admitted again, its prompt *and the tokens it already "
         "generated* are prefilled again to rebuild its KV cache, and decoding continues where it stopped. "
-        "You will fill a tiny 6-block cache until that happens.")
-    llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=6, max_num_seqs=3, enable_prefix_caching=False)
+        "You will fill a tiny cache of 6 usable blocks until that happens.")
+    llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=7, max_num_seqs=3, enable_prefix_caching=False)
     engine, bm = llm.llm_engine, llm.llm_engine.block_manager
     sub = session.bus.subscribe()
     reqs = {rid: engine.add_request(rid, prompt(rid), greedy(rid)) for rid in WORKLOAD}
     lesson.say("Four requests: **A** (30-token prompt), **B** and **C** (16), **D** (8), in that order. "
-               "`max_num_seqs=3`, so D waits for a free seat. The cache has 6 blocks of 16 slots.")
+               "`max_num_seqs=3`, so D waits for a free seat. The cache has 7 blocks of 16 slots; block 0 is "
+               "the null block, so 6 can hold tokens.")
+    lesson.check(bm.num_free_blocks == 6, "6 blocks are free for requests")
 
     for _ in range(3):
         snap, _ = traced_step(engine, sub)
@@ -55,7 +60,7 @@ def run(lesson) -> None:
     lesson.check(a.num_computed_tokens == 32 and len(a.block_ids) == 2,
                  "A has filled its 2 blocks exactly (32 tokens): its next token needs a 3rd block")
     lesson.predict("In step 3, A needs a new block and none is free. Which request loses its blocks?",
-                   "C: the most recently admitted running request, even though A is the one asking. "
+                   "C: under FCFS, the most recently admitted running request, even though A is the one asking. "
                    "(Had A itself been the newest, A would have been preempted.)")
     lesson.pause()
 
@@ -68,6 +73,9 @@ def run(lesson) -> None:
     lesson.show(queues(llm))
     lesson.check(snap["preempted"] == ["C"] and [e.request_id for e in pre] == ["C"],
                  "step 3 preempted exactly one request, C, the newest running one")
+    lesson.check(not hasattr(engine.config.scheduler, "policy") and [r.request_id for r in engine.scheduler.running]
+                 == sorted(r.request_id for r in engine.scheduler.running),
+                 "this engine schedules FCFS only (no priority policy): running stays in admission order")
     lesson.check(pre[0].attrs["reason"] == "no free blocks for A", "the reason: A needed a block and none was free")
     lesson.check(c.block_ids == [] and c.num_computed_tokens == 0 and c.status.value == "PREEMPTED",
                  f"C's blocks {c_blocks_before} were freed and its computed-token count reset to 0")
@@ -124,7 +132,7 @@ def run(lesson) -> None:
     lesson.check(ref.stats().num_preemptions == 0, "the roomy engine preempted nothing")
     lesson.check(outputs["C"] == ref_outputs["C"], "C's output is token for token the same as without preemption")
     lesson.check(outputs == ref_outputs, "so are everybody else's")
-    lesson.done("When the KV cache runs out, vLLM V1 frees the newest running request's blocks and puts it "
+    lesson.done("When the KV cache runs out, vLLM V1 (FCFS) frees the newest running request's blocks and puts it "
                 "back at the front of the queue. Its tokens are kept; its KV cache is rebuilt by one prefill "
                 "over prompt + generated tokens when it is admitted again. That costs compute, not correctness: "
                 "here the output is the same token for token. On a GPU, prefill and decode kernels may round "

@@ -35,7 +35,7 @@ def run(lesson) -> None:
         "**hash** of their contents *and everything before them*, and a new request whose prompt starts "
         "the same way reuses them instead of computing them again. You will watch the hashes, the hits, "
         "shared blocks with reference counts, and what happens when the cache runs short.")
-    llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=12)
+    llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=13)  # 12 usable besides the null block
     engine, bm = llm.llm_engine, llm.llm_engine.block_manager
     sub = session.bus.subscribe()
 
@@ -120,7 +120,7 @@ def run(lesson) -> None:
     lesson.show(table(["queue position", "block", "cached contents"],
                       [[i, bid, short(bm.blocks[bid].hash) if bm.blocks[bid].hash is not None else ""]
                        for i, bid in enumerate(queue)], title="the free-block queue, front first"))
-    lesson.check(bm.num_free_blocks == bm.num_blocks and all(h in bm.cached for h in hs),
+    lesson.check(bm.num_free_blocks == bm.num_usable_blocks and all(h in bm.cached for h in hs),
                  "every block is free, and the system prompt's 3 hashes are still in the cache")
     uncached = [bid for bid in queue if bm.blocks[bid].hash is None]
     cached_order = [bid for bid in queue if bm.blocks[bid].hash is not None]

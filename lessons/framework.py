@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine import LLM, Hooks
+from engine.block_manager import NULL_BLOCK_ID
 from engine.request import Request
 from tracer.events import Event
 from tracer.session import TraceSession
@@ -163,7 +164,7 @@ def queues(llm: LLM) -> Table:
 
 def kv_blocks(llm: LLM, width: int = 32) -> Text:
     """Every physical block as a cell: a request's id if it holds the block, · if cached-free,
-    blank if free."""
+    ∅ for the null block (block 0, never a request's), blank if free."""
     bm = llm.llm_engine.block_manager
     owner: dict[int, str] = {}
     for r in list(llm.llm_engine.scheduler.running) + list(llm.llm_engine.scheduler.waiting):
@@ -172,7 +173,9 @@ def kv_blocks(llm: LLM, width: int = 32) -> Text:
     out = Text()
     for b in range(bm.num_blocks):
         cell = owner.get(b)
-        if cell is None:
+        if b == NULL_BLOCK_ID:
+            cell = "∅"
+        elif cell is None:
             cell = "·" if bm.blocks[b].hash is not None else " "
         out.append(f"{cell[-1]:>1}", style="bold" if b in owner else "dim")
         out.append("\n" if (b + 1) % width == 0 else "")

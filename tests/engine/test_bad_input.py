@@ -75,7 +75,7 @@ def test_abort_frees_blocks(llm):
     engine = llm.llm_engine
     engine.add_request("to-abort", "some prompt text", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
-    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_usable_blocks
     engine.abort_request("to-abort")
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
     assert not engine.has_unfinished_requests()

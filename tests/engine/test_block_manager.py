@@ -1,8 +1,10 @@
 """Property-based tests of the block manager: blocks are conserved, never owned twice, and
-reference counts never go negative, whatever sequence of allocations and frees happens."""
+reference counts never go negative, whatever sequence of allocations and frees happens;
+block 0 is the null block, never handed out."""
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.block_manager import BlockManager
+from engine.block_manager import NULL_BLOCK_ID, BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -17,14 +19,15 @@ def _check_invariants(bm: BlockManager, live: list[Request]) -> None:
         assert len(set(r.block_ids)) == len(r.block_ids), "a request holds a block twice"
         for b in r.block_ids:
             refs[b] += 1
-    for block in bm.blocks:
+    assert refs[NULL_BLOCK_ID] == 0 and NULL_BLOCK_ID not in bm.free, "the null block was handed out"
+    for block in bm.blocks[NULL_BLOCK_ID + 1:]:
         assert block.ref_cnt >= 0
         assert block.ref_cnt == refs[block.block_id], "ref count disagrees with the block tables"
         # a block is in the free queue exactly when nobody references it
         assert (block.block_id in bm.free) == (block.ref_cnt == 0)
     for h, bid in bm.cached.items():
         assert bm.blocks[bid].hash == h
-    assert bm.num_free_blocks + sum(1 for r in refs if r) == bm.num_blocks
+    assert bm.num_free_blocks + sum(1 for r in refs if r) == bm.num_usable_blocks == bm.num_blocks - 1
 
 
 ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free"]), st.integers(0, 7), st.integers(1, 40)),
@@ -32,7 +35,7 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free"]), st.integers
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 8]),
+@given(ops=ops, num_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 2, 4, 8]),
        prefix=st.booleans(), vocab=st.integers(1, 3))
 def test_allocate_free_conserves_blocks(ops, num_blocks, block_size, prefix, vocab):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
@@ -63,7 +66,18 @@ def test_allocate_free_conserves_blocks(ops, num_blocks, block_size, prefix, voc
         _check_invariants(bm, list(live.values()))
     for req in live.values():
         bm.free_request(req)
-    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_block_0_is_the_null_block():
+    """As vLLM V1's block pool: block 0 never joins a block table, so padding with 0 is harmless."""
+    with pytest.raises(ValueError, match="null block"):
+        BlockManager(1, 4, enable_prefix_caching=False)
+    bm = BlockManager(3, 4, enable_prefix_caching=False)
+    assert bm.num_free_blocks == bm.num_usable_blocks == 2 and bm.usage() == 0.0
+    a = _req(0, list(range(8)))
+    assert bm.allocate_slots(a, 8) and a.block_ids == [1, 2] and bm.usage() == 1.0
+    assert not bm.allocate_slots(_req(1, [5]), 1), "only the null block is left, and it is not for requests"
 
 
 def test_prefix_hit_shares_blocks_and_leaves_last_token():
@@ -79,7 +93,7 @@ def test_prefix_hit_shares_blocks_and_leaves_last_token():
 
 
 def test_hash_collision_is_verified():
-    bm = BlockManager(4, 2, enable_prefix_caching=True)
+    bm = BlockManager(5, 2, enable_prefix_caching=True)
     a = _req(0, [1, 2, 3])
     bm.allocate_slots(a, 3)
     h = a.block_hashes[0]
@@ -89,7 +103,7 @@ def test_hash_collision_is_verified():
 
 
 def test_freed_cached_blocks_count_as_free_and_are_evicted_lru():
-    bm = BlockManager(3, 2, enable_prefix_caching=True)
+    bm = BlockManager(4, 2, enable_prefix_caching=True)  # 3 usable blocks besides the null block
     a = _req(0, [1, 2, 3, 4, 5])
     bm.allocate_slots(a, 5)
     bm.free_request(a)

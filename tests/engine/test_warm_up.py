@@ -13,7 +13,7 @@ def test_warm_up_is_no_request_and_no_step(backend):
     engine = llm.llm_engine
     info = engine.warm_up()
     assert engine.step_count == 0 and not engine.requests
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
     assert all(not k.any() and not v.any() for k, v in engine.kv_caches)  # the cache is left as found
     stage = [(name, kind) for layer, name, kind, *_ in events if layer == "engine" and name == "kernel_warmup"]
     assert stage == [("kernel_warmup", "begin"), ("kernel_warmup", "end")]

@@ -62,7 +62,7 @@ class Live:
 
     def all_blocks_free(self) -> bool:
         bm = self.engine.block_manager
-        return bm.num_free_blocks == bm.num_blocks and not self.engine.requests
+        return bm.num_free_blocks == bm.num_usable_blocks and not self.engine.requests
 
 
 def make_engine(**kwargs):

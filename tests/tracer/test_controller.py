@@ -75,7 +75,7 @@ def test_step_into_phases():
 
 
 def test_breakpoint_on_finish_and_run_until_preempted():
-    session, engine = make(num_kv_blocks=6, max_num_batched_tokens=16)
+    session, engine = make(num_kv_blocks=7, max_num_batched_tokens=16)  # 6 usable besides the null block
     ctl = session.controller
     for i in range(3):
         engine.add_request(str(i), f"prompt {i} is long", greedy(6 - i))
