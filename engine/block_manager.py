@@ -116,14 +116,15 @@ class BlockManager:
                     del self.free[bid]
                 block.ref_cnt += 1
                 req.block_ids.append(bid)
-            new = [self._take_free_block() for _ in range(self.blocks_needed(total) - len(req.block_ids))]
+            new = [self.take_free_block() for _ in range(self.blocks_needed(total) - len(req.block_ids))]
             req.block_ids.extend(new)
             if new and self.hooks.active: self.hooks.emit("block_manager", "allocate", request_id=req.request_id, step=self.step, block_ids=new, block_table=list(req.block_ids))
         if self.enable_prefix_caching and total // bs > req.num_cached_blocks:
-            self._cache_full_blocks(req, total // bs)
+            self.cache_full_blocks(req, total // bs)
         return True
 
-    def _take_free_block(self) -> int:
+    def take_free_block(self) -> int:
+        """The front of the free queue, for a request (ref_cnt 1); its cached contents, if any, are evicted."""
         bid, _ = self.free.popitem(last=False)  # least recently used
         block = self.blocks[bid]
         if block.hash is not None:  # its old contents leave the prefix cache now
@@ -134,7 +135,7 @@ class BlockManager:
         block.ref_cnt = 1
         return bid
 
-    def _cache_full_blocks(self, req: Request, num_full: int) -> None:
+    def cache_full_blocks(self, req: Request, num_full: int) -> None:
         """Register the request's full blocks (their K/V are written this step) in the cache."""
         bs, hashes = self.block_size, self._block_hashes(req, num_full)
         for i in range(req.num_cached_blocks, num_full):

@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # One module per subcommand, in the order `--help` lists them.
-COMMANDS = ["generate", "serve", "attach", "replay", "send", "bench", "export", "lesson"]
+COMMANDS = ["generate", "serve", "attach", "replay", "send", "bench", "export", "lesson", "exercise"]
 
 
 class UserError(Exception):

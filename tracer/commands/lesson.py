@@ -21,17 +21,24 @@ def register(sub) -> None:
     p.set_defaults(handler=run)
 
 
+WIDTH = 80
+
+
+def listing(rows: list[tuple[int, str, str, str]], width: int = WIDTH) -> str:
+    """One line per lesson, at most `width` columns: number, name, title — and as much of the
+    summary as fits (cut with …)."""
+    name_w = max(len(name) for _, name, _, _ in rows)
+    lines = [f"vllm-trace lessons (run one: vllm-trace lesson NN, or by name; --no-pause, --tui)"[:width]]
+    for number, name, title, summary in rows:
+        line = f"{number:02d}  {name:<{name_w}}  {title}: {summary}"
+        lines.append(line if len(line) <= width else line[:width - 1] + "…")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     lessons = importlib.import_module("lessons")
     if args.which is None:
-        from rich.console import Console
-        from rich.table import Table
-        t = Table(title="vllm-trace lessons (run one: vllm-trace lesson NN)")
-        for col in ("NN", "name", "title", "what it teaches"):
-            t.add_column(col)
-        for info in lessons.discover():
-            t.add_row(f"{info.number:02d}", info.name, info.title, info.summary)
-        Console().print(t)
+        print(listing([(info.number, info.name, info.title, info.summary) for info in lessons.discover()]))
         return 0
     info = lessons.find(args.which)
     module = importlib.import_module(info.module)
