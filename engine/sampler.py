@@ -1,6 +1,7 @@
 """The sampler: logits of each request's last position -> its next token.
 
-Order, as in vLLM V1: logprobs of the raw model output (if asked) → penalties (repetition,
+Order, as in vLLM V1: logprobs of the raw model output (if asked) → min_tokens (EOS and
+stop_token_ids get -inf until a request has min_tokens outputs) → penalties (repetition,
 presence, frequency) → greedy argmax when temperature is 0, otherwise temperature → min-p →
 top-k → top-p → draw. Each request draws from its own seeded generator, so its tokens do
 not depend on what else is in the batch.
@@ -33,16 +34,20 @@ def argmax(x: torch.Tensor) -> int | list[int]:
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.float()
-        want, penalised, sampled = [], [], []  # one pass sorts the batch: it runs every step
+        want, penalised, sampled, too_short = [], [], [], []  # one pass sorts the batch: it runs every step
         for i, r in enumerate(requests):
             p = r.params
             if p.logprobs is not None:
                 want.append(i)
+            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+                too_short.append(i)
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 penalised.append(i)
             if p.temperature != 0.0:
                 sampled.append(i)
         raw_logprobs = torch.log_softmax(logits[want], dim=-1) if want else None
+        if too_short:
+            logits = self._block_stop_tokens(logits, requests, too_short)
 
         if penalised:
             logits = self._apply_penalties(logits, requests, penalised)
@@ -61,6 +66,20 @@ class Sampler:
             logprobs[i] = entry
             ranks[i] = int((lp > lp[tok]).sum()) + 1
         return SamplerOutput(token_ids, logprobs, ranks)
+
+    @staticmethod
+    def _block_stop_tokens(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+        """vLLM V1's min-tokens logits processor: a request that has fewer than min_tokens outputs
+        cannot produce its stop tokens (EOS unless ignore_eos, and stop_token_ids)."""
+        logits = logits.clone()
+        for i in rows:
+            r = requests[i]
+            stops = list(r.params.stop_token_ids)
+            if not r.params.ignore_eos and r.eos_token_id is not None:
+                stops.append(r.eos_token_id)
+            if stops:
+                logits[i, stops] = float("-inf")
+        return logits
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:

@@ -64,3 +64,16 @@ def test_output_kind_final_only_returns_only_the_finished_output(llm):
     assert per_step["final_only"] == [[], [], [], [("kind-final_only", True, 4)]]
     with pytest.raises(SamplingParamsError, match="output_kind"):
         SamplingParams(output_kind="delta")
+
+
+def test_min_tokens_keeps_stop_tokens_from_being_generated(llm):
+    """vLLM V1's min-tokens logits processor: below min_tokens, a stop token id cannot be sampled
+    (its logit is -inf), so greedy picks the next best token instead of emitting and ignoring it."""
+    full = _greedy(llm, "Hello", max_tokens=12, ignore_eos=True)
+    first = full.token_ids[2]
+    k = full.token_ids.index(first)  # its first occurrence
+    out = _greedy(llm, "Hello", max_tokens=12, ignore_eos=True, stop_token_ids=[first])
+    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:k + 1]
+    held = _greedy(llm, "Hello", max_tokens=12, ignore_eos=True, stop_token_ids=[first], min_tokens=8)
+    assert first not in held.token_ids[:8]
+    assert held.token_ids[:k] == full.token_ids[:k] and held.token_ids[k] != first
