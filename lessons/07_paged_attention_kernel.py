@@ -27,7 +27,8 @@ def run(lesson) -> None:
         "`unified_attention`, for prefill, decode and mixed batches alike. Not every backend works so: "
         "FlashInfer and the MLA backends run prefill and decode tokens through separate kernels, and in all "
         "of them writing the step's new keys and values into the cache is a kernel of its own "
-        "(`reshape_and_cache`), launched before attention. Each query token attends over its request's whole context, whose keys and values "
+        "(`reshape_and_cache`), launched before attention. "
+        "Each query token attends over its request's whole context, whose keys and values "
         "sit in scattered cache blocks found through the **block table**. You will take a real step's "
         "batch and KV cache from the engine, run our Triton kernel on it ("
         + ("through Triton's interpreter: there is no GPU here" if kernels.INTERPRETED else "compiled for this GPU")

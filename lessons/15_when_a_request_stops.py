@@ -92,7 +92,8 @@ def run(lesson) -> None:
                      f"{len(ended)} request(s) ended on EOS (id {eos}): finish_reason 'stop', stop_reason None")
         more, _ = gen(greedy(max_tokens=len(out.token_ids) + 8, ignore_eos=True), prompt=p)
         lesson.check(more.token_ids[:len(out.token_ids)] == out.token_ids and len(more.token_ids) > len(out.token_ids),
-                     f"with ignore_eos=True the same prompt ({escape(repr(p))}) runs on past EOS, same tokens before it")
+                     "with ignore_eos=True the same prompt"
+                     f" ({escape(repr(p))}) runs on past EOS, same tokens before it")
     else:
         lesson.say(
             "None of them produced EOS: this built-in model puts little probability on it (see the last "
@@ -282,7 +283,8 @@ def penalties(lesson, gen, tok) -> None:
                          "(logprobs are of the raw distribution, before penalties)")
         if reranked:
             lesson.check(out.token_ids != outs["none"].token_ids,
-                         f"{name}: {reranked} chosen token(s) were not the raw favourite (rank > 1), so the text changed")
+                         f"{name}: {reranked} chosen token(s) were not the raw favourite (rank > 1), "
+                         "so the text changed")
     changed = outs["repetition_penalty=1.5"].token_ids != outs["none"].token_ids
     lesson.say(f"Here repetition_penalty=1.5 {'changed' if changed else 'did not change'} the greedy text. "
                "A penalty does not promise fewer repeats in a short text (compare the 'most repeated' column): "

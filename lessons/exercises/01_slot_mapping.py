@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from lessons.exercises import Grader, learner_call
 
 TITLE = "Slot mapping for a batch"
-SUMMARY = "Where each token's K/V goes: slot = block_table[pos // bs] × bs + pos % bs, request by request."
+SUMMARY = "slot = block_table[pos // bs] × bs + pos % bs for a batch"
 FUNCTION = "slot_mapping"
 SIGNATURE = ("def slot_mapping(block_tables: list[list[int]], starts: list[int], num_tokens: list[int],\n"
              "                 block_size: int) -> list[int]:")

@@ -12,7 +12,7 @@ from engine.request import Request
 from lessons.exercises import Grader, learner_call
 
 TITLE = "Blocks and a block table"
-SUMMARY = "allocate_slots: new blocks from the free queue, prefix-cache hits shared, all or nothing."
+SUMMARY = "new blocks, prefix-cache hits shared, all or nothing"
 FUNCTION = "allocate_slots"
 SIGNATURE = "def allocate_slots(bm, req, num_new_tokens: int, computed_blocks: list[int]) -> bool:"
 CONTRACT = """
@@ -78,7 +78,8 @@ def invariants(bm: BlockManager, reqs) -> str:
             return (f"block {block.block_id} has ref_cnt {block.ref_cnt} but {refs[block.block_id]} block "
                     "table(s) hold it")
         if (block.block_id in bm.free) != (block.ref_cnt == 0):
-            return f"block {block.block_id} has ref_cnt {block.ref_cnt} yet is {'' if block.block_id in bm.free else 'not '}in the free queue"
+            where = "in" if block.block_id in bm.free else "not in"
+            return f"block {block.block_id} has ref_cnt {block.ref_cnt} yet is {where} the free queue"
     return ""
 
 

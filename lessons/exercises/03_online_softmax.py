@@ -12,11 +12,12 @@ from kernels.reference import reshape_and_cache_ref
 from lessons.exercises import Grader, learner_call
 
 TITLE = "Online softmax over paged K/V"
-SUMMARY = "One query row, one head: walk the block table tile by tile with a running max, sum and acc."
+SUMMARY = "online softmax over one request's paged K/V, tile by tile"
 FUNCTION = "attend_one_row"
 IMPORTS = "import torch"
 SIGNATURE = ("def attend_one_row(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, head: int,\n"
-             "                   block_table: list[int], context_len: int, scale: float, tile: int = 16) -> torch.Tensor:")
+             "                   block_table: list[int], context_len: int, scale: float,\n"
+             "                   tile: int = 16) -> torch.Tensor:")
 CONTRACT = """
 Paged attention for one query token and one head, by online softmax, tile by tile.
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
-import sys
 import textwrap
 import traceback
 from dataclasses import dataclass, field
@@ -77,8 +76,9 @@ class ExerciseInfo:
     def source(self, body: str) -> str:
         m = self.module
         doc = textwrap.indent('"""' + m.CONTRACT.strip() + '\n"""', "    ")
+        imports = m.IMPORTS + "\n\n\n" if getattr(m, "IMPORTS", "") else "\n\n"
         return (f'"""Exercise {self.number}: {self.title}.\n\nCheck it with: vllm-trace exercise {self.number} '
-                f'--check {self.stub_file}\n"""\n{getattr(m, "IMPORTS", "")}\n\n{m.SIGNATURE}\n{doc}\n'
+                f'--check {self.stub_file}\n"""\n{imports}{m.SIGNATURE}\n{doc}\n'
                 f'{textwrap.indent(textwrap.dedent(body).strip(), "    ")}\n')
 
     def stub(self) -> str:
