@@ -1,0 +1,59 @@
+"""Lessons 15-16 and the null block: a lesson fails when the behaviour it teaches is broken on purpose."""
+import importlib
+
+import lessons
+from lessons.framework import main
+
+
+def run_lesson(name: str) -> int:
+    return main(vars(importlib.import_module(lessons.find(name).module)), ["--no-pause"])
+
+
+def said(capsys) -> str:
+    """The lesson's output with rich's line wrapping undone."""
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_paged_kv_cache_lesson_fails_if_block_0_is_handed_out(monkeypatch, capsys):
+    """Break the block manager: block 0, the null block, goes back into the free queue."""
+    from engine.block_manager import BlockManager
+    original = BlockManager.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.free[0] = None
+        self.free.move_to_end(0, last=False)
+
+    monkeypatch.setattr(BlockManager, "__init__", init)
+    assert run_lesson("paged_kv_cache") == 1
+    assert "claims: block 0 is not in the free queue" in said(capsys)
+
+
+def test_stopping_lesson_fails_if_min_tokens_only_delays_the_stop(monkeypatch, capsys):
+    """Break the sampler as it was before vLLM's rule: stop tokens are sampled below min_tokens
+    (and merely not obeyed), instead of being masked out."""
+    from engine.sampler import Sampler
+    monkeypatch.setattr(Sampler, "_block_stop_tokens", staticmethod(lambda logits, requests, rows: logits))
+    assert run_lesson("when_a_request_stops") == 1
+    assert "claims: with min_tokens=" in said(capsys)
+
+
+def test_stopping_lesson_fails_if_streams_send_a_partial_stop_string(monkeypatch, capsys):
+    from engine.server.serving import StopHoldback
+    monkeypatch.setattr(StopHoldback, "_held", lambda self, text: 0)
+    assert run_lesson("when_a_request_stops") == 1
+    assert "a prefix of the stop string: it was held back" in said(capsys)
+
+
+def test_latency_lesson_fails_if_the_chunk_size_is_ignored(monkeypatch, capsys):
+    """Break the scheduler: every step may take a whole prompt, whatever max_num_batched_tokens says."""
+    from engine.config import SchedulerConfig
+    original = SchedulerConfig.__post_init__
+
+    def post_init(self):
+        original(self)
+        self.max_num_batched_tokens = 4096
+
+    monkeypatch.setattr(SchedulerConfig, "__post_init__", post_init)
+    assert run_lesson("latency") == 1
+    assert "the engine disagrees" in said(capsys)
