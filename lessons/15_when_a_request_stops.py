@@ -35,13 +35,21 @@ class Runner:
         self.engine, self.k = engine, 0
 
     def __call__(self, params: SamplingParams, prompt: str = PROMPT) -> tuple:
-        self.k += 1
-        rid = f"r{self.k}"
-        self.engine.add_request(rid, prompt, params)
-        steps = []
-        while not (steps and steps[-1].finished):
-            steps += [o for o in self.engine.step() if o.request_id == rid]
-        return steps[-1].outputs[0], [s.outputs[0].text for s in steps]
+        return self.many([(params, prompt)])[0]
+
+    def many(self, runs: list[tuple[SamplingParams, str]]) -> list[tuple]:
+        """Several requests in one batch, to take fewer steps: per request, its final output and
+        its text after every step."""
+        rids = []
+        for params, prompt in runs:
+            self.k += 1
+            rids.append(f"r{self.k}")
+            self.engine.add_request(rids[-1], prompt, params)
+        steps = {rid: [] for rid in rids}
+        while any(not (s and s[-1].finished) for s in steps.values()):
+            for o in self.engine.step():
+                steps[o.request_id].append(o)
+        return [(steps[r][-1].outputs[0], [s.outputs[0].text for s in steps[r]]) for r in rids]
 
 
 def run(lesson) -> None:
@@ -78,8 +86,7 @@ def run(lesson) -> None:
                "Unless `ignore_eos` is set, sampling it ends the request with 'stop' and no stop_reason. "
                f"Three prompts, greedy, up to 40 tokens, with `logprobs=20` to see how likely EOS was:")
     rows, ended = [], []
-    for p in EOS_PROMPTS:
-        out, _ = gen(greedy(max_tokens=40, logprobs=20), prompt=p)
+    for p, (out, _) in zip(EOS_PROMPTS, gen.many([(greedy(max_tokens=40, logprobs=20), p) for p in EOS_PROMPTS])):
         in_top = sum(1 for entry in out.logprobs if eos in entry)
         rows.append([escape(repr(p)), len(out.token_ids), out.finish_reason, repr(out.stop_reason),
                      f"{in_top} of {len(out.logprobs)}"])
@@ -110,15 +117,15 @@ def run(lesson) -> None:
                    f"token {k + 1}. Same request with `stop_token_ids=[{t}]`: how many tokens come back?",
                    f"{k + 1}: the stop token itself is generated and kept in token_ids; finish_reason 'stop', "
                    f"stop_reason {t}.")
-    out, _ = gen(greedy(max_tokens=N, ignore_eos=True, stop_token_ids=[t]))
+    m = k + 3
+    (out, _), (held, _) = gen.many([(greedy(max_tokens=N, ignore_eos=True, stop_token_ids=[t]), PROMPT),
+                                    (greedy(max_tokens=N, ignore_eos=True, stop_token_ids=[t], min_tokens=m), PROMPT)])
     lesson.check(out.token_ids == base.token_ids[:k + 1] and out.finish_reason == "stop" and out.stop_reason == t,
                  f"it stopped on token {t} after {k + 1} tokens: finish_reason 'stop', stop_reason {t}")
-    m = k + 3
     lesson.predict(f"Now also `min_tokens={m}`. Below min_tokens vLLM V1 sets the logits of EOS and every stop "
-                   "token to −∞. What does greedy pick at output token {k + 1}?".replace("{k + 1}", str(k + 1)),
-                   "Its second choice: token {t} cannot be generated before output {m}, so the text changes "
-                   "from there on (rather than emitting {t} and ignoring it).".format(t=t, m=m))
-    held, _ = gen(greedy(max_tokens=N, ignore_eos=True, stop_token_ids=[t], min_tokens=m))
+                   f"token to −∞. What does greedy pick at output token {k + 1}?",
+                   f"Its second choice: token {t} cannot be generated before output {m}, so the text changes "
+                   f"from there on (rather than emitting {t} and ignoring it).")
     lesson.show(table(["run", "token ids", "finish_reason", "stop_reason"], [
         ["no stop tokens", " ".join(map(str, base.token_ids[:m + 2])) + " …", base.finish_reason, "None"],
         [f"stop_token_ids=[{t}]", " ".join(map(str, out.token_ids)), out.finish_reason, repr(out.stop_reason)],
@@ -142,11 +149,12 @@ def run(lesson) -> None:
                    f"starts token {i + 2}. What is the final text, and how many tokens were generated?",
                    f"{escape(repr(full[:at]))}: the text up to the stop string, which is cut out. {i + 2} tokens: the "
                    "match is only seen once the token that completes it has been generated.")
-    s_out, s_texts = gen(greedy(max_tokens=N, ignore_eos=True, stop=[stop]))
+    (s_out, s_texts), (inc, _) = gen.many([
+        (greedy(max_tokens=N, ignore_eos=True, stop=[stop]), PROMPT),
+        (greedy(max_tokens=N, ignore_eos=True, stop=[stop], include_stop_str_in_output=True), PROMPT)])
     lesson.check(s_out.text == full[:at] and s_out.finish_reason == "stop" and s_out.stop_reason == stop,
                  f"text {escape(repr(s_out.text))}, finish_reason 'stop', stop_reason {escape(repr(stop))}")
     lesson.check(len(s_out.token_ids) == i + 2, f"{i + 2} tokens were generated; the last one's text was cut")
-    inc, _ = gen(greedy(max_tokens=N, ignore_eos=True, stop=[stop], include_stop_str_in_output=True))
     lesson.check(inc.text == full[:at + len(stop)], "with include_stop_str_in_output=True the stop string is kept")
 
     hold, rows, sent = StopHoldback([stop]), [], []
@@ -264,7 +272,7 @@ def penalties(lesson, gen, tok) -> None:
             "presence_penalty=1.5": greedy(max_tokens=n, ignore_eos=True, presence_penalty=1.5, logprobs=20),
             "frequency_penalty=1.0": greedy(max_tokens=n, ignore_eos=True, frequency_penalty=1.0, logprobs=20),
             "repetition_penalty=1.5": greedy(max_tokens=n, ignore_eos=True, repetition_penalty=1.5)}
-    outs = {name: gen(p)[0] for name, p in runs.items()}
+    outs = {name: out for name, (out, _) in zip(runs, gen.many([(p, PROMPT) for p in runs.values()]))}
     rows = []
     for name, out in outs.items():
         top, count = collections.Counter(out.token_ids).most_common(1)[0]
