@@ -85,7 +85,7 @@ async def test_lesson_05_holds_the_engine_at_each_checkpoint_and_ends_with_every
         await next_checkpoint(pilot, app)
         state = app.source.refresh()
         step = state.step
-        assert state.requests["A"].block_table == [0, 1, 2]
+        assert state.requests["A"].block_table == [1, 2, 3]  # block 0 is the null block
         assert requests_row(app, "A")[1:3] == ["running", "40/40"]
         # beside the narration the Requests list keeps the width; `l` hides the text, the detail returns
         assert not app.query_one("#requests-detail").display
@@ -94,13 +94,13 @@ async def test_lesson_05_holds_the_engine_at_each_checkpoint_and_ends_with_every
         assert not app.narration.display and app.query_one("#requests-detail").display
         await pilot.press("l")
         await pilot.press("3")  # the KV cache panel: A's three blocks at the front of the grid
-        await until(pilot, lambda: kv_row(app, 0)[:5] == ["0", "█", "█", "█", "·"], "A's blocks in the KV grid")
+        await until(pilot, lambda: kv_row(app, 0)[2:6] == ["█", "█", "█", "·"], "A's blocks in the KV grid")
         text = narration(app)
         assert "Lesson 5: The paged KV cache" in text and "The KV cache is cut into fixed-size blocks" in text
         assert "Answer: ceil(40 / 16) = 3 blocks" in text
-        assert lesson.checks == console_checks[:3]
-        assert all(f"✓ {claim}" in text for claim in console_checks[:3])
-        assert console_checks[3] not in text  # nothing past the checkpoint ran
+        assert lesson.checks == console_checks[:5]  # the null block's, then the prefill's four
+        assert all(f"✓ {claim}" in text for claim in console_checks[:5])
+        assert console_checks[5] not in text  # nothing past the checkpoint ran
         await pilot.pause(0.2)
         app.tick()
         assert app.source.refresh().step == step  # held: the engine did not step while we looked
@@ -131,7 +131,7 @@ async def test_q_at_a_checkpoint_stops_the_lesson_and_closes_its_engine():
         await next_checkpoint(pilot, app)
         await pilot.press("q")
         await until(pilot, lambda: not app.is_running, "the app to exit once the lesson thread stopped")
-    assert app.exit_code == ABORTED and lesson.checks == []
+    assert app.exit_code == ABORTED and lesson.checks == ["block 0 is not in the free queue"]
     assert all(s._closed for s in lesson.sessions)
 
 
