@@ -57,3 +57,23 @@ def test_latency_lesson_fails_if_the_chunk_size_is_ignored(monkeypatch, capsys):
     monkeypatch.setattr(SchedulerConfig, "__post_init__", post_init)
     assert run_lesson("latency") == 1
     assert "the engine disagrees" in said(capsys)
+
+
+def test_stopping_lesson_holds_when_the_model_does_produce_eos(monkeypatch, capsys):
+    """The built-in model may not produce EOS today; a trained one will. Make a token that greedy
+    decoding does produce the EOS token, and the lesson's EOS branch must hold."""
+    from engine import LLM, SamplingParams
+    from engine.llm_engine import LLMEngine
+    out = LLM("tiny-gpt2", num_kv_blocks=16).generate("Once upon a time", SamplingParams(temperature=0, max_tokens=6),
+                                                      use_tqdm=False)[0].outputs[0]
+    eos = out.token_ids[3]
+    original = LLMEngine.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.eos_token_id = eos
+
+    monkeypatch.setattr(LLMEngine, "__init__", init)
+    assert run_lesson("when_a_request_stops") == 0
+    text = said(capsys)
+    assert "ended on EOS" in text and "runs on to max_tokens" in text
