@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import LLM, SamplingParams
-from lessons.exercises import Grader, learner_call
+from engine import LLM
+from lessons.exercises import Grader, greedy, learner_call, run_to_end
 
 TITLE = "Slot mapping for a batch"
 SUMMARY = "slot = block_table[pos // bs] × bs + pos % bs for a batch"
@@ -65,18 +65,12 @@ def call(fn, tables, starts, counts, bs) -> list[int]:
 
 def workload(engine) -> dict[str, list[int]]:
     """Lesson 6's mixed steps: a decode beside the last chunk of one prompt and the first of another."""
-    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     engine.add_request("A", {"prompt_token_ids": list(range(1, 21))}, greedy(8))
     engine.step()
     engine.add_request("B", {"prompt_token_ids": [(3 * i) % 250 for i in range(100)]}, greedy(6))
     engine.step()
     engine.add_request("C", {"prompt_token_ids": [(7 * i + 1) % 250 for i in range(40)]}, greedy(6))
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o.outputs[0].token_ids
-    return out
+    return run_to_end(engine)
 
 
 def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from kernels.reference import reshape_and_cache_ref
-from lessons.exercises import Grader, learner_call
+from lessons.exercises import Grader, greedy, learner_call, run_to_end
 
 TITLE = "Online softmax over paged K/V"
 SUMMARY = "online softmax over one request's paged K/V, tile by tile"
@@ -109,16 +109,10 @@ def by_hand(fn, g: Grader) -> None:
 
 
 def run_workload(engine) -> dict[str, list[int]]:
-    greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     engine.add_request("A", {"prompt_token_ids": [(3 * i + 1) % 250 for i in range(20)]}, greedy(6))
     engine.step()
     engine.add_request("B", {"prompt_token_ids": [(7 * i) % 250 for i in range(12)]}, greedy(6))
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o.outputs[0].token_ids
-    return out
+    return run_to_end(engine)
 
 
 def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:

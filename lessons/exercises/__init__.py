@@ -25,6 +25,8 @@ from types import ModuleType
 from rich.console import Console
 from rich.text import Text
 
+from engine import SamplingParams
+
 HERE = Path(__file__).parent
 
 
@@ -51,6 +53,20 @@ class Grader:
 
     def say(self, text: str) -> None:
         self.console.print(Text(text))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def run_to_end(engine) -> dict[str, list[int]]:
+    """Step until every request has finished: request id -> its output token ids."""
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.outputs[0].token_ids
+    return out
 
 
 def learner_call(fn, *args, **kwargs):
