@@ -18,7 +18,7 @@ def record(path: Path) -> Path:
     raw = path.with_suffix(".raw.jsonl")
     hooks = Hooks()
     session = TraceSession(hooks, trace_file=raw, control=False, model="tiny-gpt2")
-    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=24, max_num_batched_tokens=24,
+    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=25, max_num_batched_tokens=24,
               attention_backend="triton", device="cpu")
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

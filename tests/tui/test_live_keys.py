@@ -147,7 +147,7 @@ async def test_enter_opens_the_request_with_its_tokens_timeline_and_blocks(live)
         text = live.app.screen.query_one(RequestDetail).text
         assert "request r0" in text and "H72" in text  # 'H' is token 72
         assert "QUEUED" in text and "SCHEDULED" in text and "tokens 0..10 (11)" in text
-        assert "0→0  1→1  2→2" in text and "last block: 3/4 slots used" in text
+        assert "0→1  1→2  2→3" in text and "last block: 3/4 slots used" in text
         await pilot.press("escape")
         assert not isinstance(live.app.screen, RequestScreen)
 
