@@ -99,7 +99,7 @@ def run(lesson) -> None:
                      f"{len(ended)} request(s) ended on EOS (id {eos}): finish_reason 'stop', stop_reason None")
         more, _ = gen(greedy(max_tokens=len(out.token_ids) + 8, ignore_eos=True), prompt=p)
         lesson.check(len(more.token_ids) == len(out.token_ids) + 8 and more.finish_reason == "length",
-                     f"with ignore_eos=True the same prompt ({escape(repr(p))}) runs on to max_tokens")
+                     f"with ignore_eos=True the same prompt ({p!r}) runs on to max_tokens")
     else:
         lesson.say(
             "None of them produced EOS: this built-in model puts little probability on it (see the last "
@@ -152,7 +152,7 @@ def run(lesson) -> None:
         (greedy(max_tokens=N, ignore_eos=True, stop=[stop]), PROMPT),
         (greedy(max_tokens=N, ignore_eos=True, stop=[stop], include_stop_str_in_output=True), PROMPT)])
     lesson.check(s_out.text == full[:at] and s_out.finish_reason == "stop" and s_out.stop_reason == stop,
-                 f"text {escape(repr(s_out.text))}, finish_reason 'stop', stop_reason {escape(repr(stop))}")
+                 f"text {s_out.text!r}, finish_reason 'stop', stop_reason {stop!r}")
     lesson.check(len(s_out.token_ids) == i + 2, f"{i + 2} tokens were generated; the last one's text was cut")
     lesson.check(inc.text == full[:at + len(stop)], "with include_stop_str_in_output=True the stop string is kept")
 
@@ -167,7 +167,7 @@ def run(lesson) -> None:
     lesson.show(table(["step", "text so far", "sent now", "held back"], rows[max(0, i - 2):],
                       title=f"stop={escape(repr(stop))}: the last steps of the stream"))
     lesson.check(s_texts[i].endswith(stop[0]) and rows[i][3] == escape(repr(stop[0])),
-                 f"after token {i + 1} the text ends with {escape(repr(stop[0]))}, a prefix of the stop string: "
+                 f"after token {i + 1} the text ends with {stop[0]!r}, a prefix of the stop string: "
                  "it was held back")
     lesson.check("".join(sent) == s_out.text, "the chunks sent add up to exactly the final text: nothing to take back")
     lesson.pause()
@@ -258,7 +258,7 @@ def abort_on_disconnect(lesson) -> None:
                  "every block is free again")
     line = next((ln for ln in metrics.splitlines()
                  if ln.startswith("vllm:request_success_total") and 'finished_reason="abort"' in ln), "")
-    lesson.check(line.endswith(" 1.0"), f"/metrics counts it: {line}")
+    lesson.check(line.endswith(" 1.0"), '/metrics counts it: vllm:request_success_total{finished_reason="abort"} is 1')
 
 
 def penalties(lesson, gen, tok) -> None:

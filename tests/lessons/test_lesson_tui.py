@@ -136,8 +136,9 @@ async def test_q_at_a_checkpoint_stops_the_lesson_and_closes_its_engine():
 
 
 @pytest.mark.asyncio
-async def test_no_pause_runs_another_lesson_straight_through():
-    mod = module("slot_mapping")
+@pytest.mark.parametrize("name", ["slot_mapping", "when_a_request_stops", "latency"])
+async def test_no_pause_runs_another_lesson_straight_through(name):
+    mod = module(name)
     lesson = new_lesson(mod, pause=False)
     app = LessonApp(lesson, mod.run)
     async with app.run_test(size=SIZE) as pilot:
