@@ -1,13 +1,16 @@
-"""The built-in offline model ``tiny-gpt2``.
+"""The built-in offline models.
 
-A real GPT-2-architecture checkpoint (4 layers, 128 wide, 4 heads) with deterministic
-weights from a fixed seed, written once in Hugging Face format (config.json,
-model.safetensors, tokenizer.json) to a cache directory, and then loaded through exactly
-the same loader as downloaded checkpoints. Hugging Face transformers loads it too, which is
-how the tests compare outputs.
+``tiny-gpt2``: a small GPT-2 (4 layers, 192 wide, 3 heads, 512 positions) with a 4,096-token
+byte-level BPE tokenizer, trained on English documentation that ships with Python and with
+permissively licensed packages (``python -m engine.train_tiny_gpt2``; model card in the
+README). Its files are package data (``engine/builtin/tiny-gpt2/``) with a SHA256SUMS file
+that ``model_loader.check_checkpoint`` verifies, so it loads with no network through the same
+loader as any Hugging Face checkpoint.
 
-Its tokenizer is byte-level: token id b (0..255) is the byte b, and 256 is <|endoftext|>.
-Any text round-trips, and one character can take several tokens (UTF-8).
+``tiny-gpt2-random``: the same architecture at 4 layers, 128 wide, with deterministic random
+weights from a fixed seed and a byte-level tokenizer without merges (token id b is the byte b,
+256 is <|endoftext|>). Written once in Hugging Face format to a cache directory. Tests whose
+subject is the engine, not the text, use it: its ids are bytes, and its greedy outputs vary.
 """
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 NAME = "tiny-gpt2"
+RANDOM_NAME = "tiny-gpt2-random"
+NAMES = (NAME, RANDOM_NAME)
+PACKAGED = Path(__file__).resolve().parent / "builtin" / NAME
 SEED = 1234
 CONFIG = dict(
     model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=257, n_positions=512,
@@ -31,21 +35,36 @@ CONFIG = dict(
 VERSION = "2"  # bump when CONFIG, SEED or the init changes, so stale caches are rebuilt
 
 
+class BuiltinModelMissingError(ValueError):
+    """The trained tiny-gpt2's files are not installed next to the code."""
+
+
 def cache_root() -> Path:
     base = os.environ.get("VLLM_TRACE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm-trace")
     return Path(base)
 
 
-def builtin_path() -> Path:
-    """Directory of the built-in checkpoint, writing it first if needed."""
+def builtin_path(name: str = NAME) -> Path:
+    """Directory of a built-in checkpoint (NAME or RANDOM_NAME); the random one is written
+    to the cache first if needed."""
+    if name == NAME:
+        if not (PACKAGED / "model.safetensors").exists():
+            raise BuiltinModelMissingError(
+                f"the built-in model's files are missing from {PACKAGED} (an install without package data?). "
+                f"Reinstall vllm-trace, or rebuild them: python -m engine.train_tiny_gpt2")
+        return PACKAGED
+    if name != RANDOM_NAME:
+        raise ValueError(f"{name!r} is not a built-in model; those are {', '.join(NAMES)}")
     path = cache_root() / f"{NAME}-v{VERSION}"
     if not (path / "model.safetensors").exists():
         _write(path)
     return path
 
 
-def _weights() -> dict[str, torch.Tensor]:
+def _weights() -> dict:
+    import torch
+
     g = torch.Generator().manual_seed(SEED)
     d, v, p, L = CONFIG["n_embd"], CONFIG["vocab_size"], CONFIG["n_positions"], CONFIG["n_layer"]
 

@@ -1,11 +1,14 @@
 """Find a GPT-2-family checkpoint and load its weights by name.
 
-A model name resolves, in order: the built-in ``tiny-gpt2``; a local directory; the Hugging
-Face cache; the Hugging Face hub (download). Every checkpoint, the built-in one included,
-goes through ``load_checkpoint``.
+A model name resolves, in order: the built-in ``tiny-gpt2`` (and ``tiny-gpt2-random``); a local
+directory; the Hugging Face cache; the Hugging Face hub (download). Every checkpoint, the
+built-in ones included, goes through the same checks and ``load_state_dict``. A checkpoint
+directory holding a ``SHA256SUMS`` file (as the built-in one does) has every file listed there
+verified before use, so a corrupted or truncated file is an error, not a silently wrong model.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,7 @@ from engine import builtin_model
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+CHECKSUM_FILE = "SHA256SUMS"
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "tokenizer*", "vocab.json",
                 "merges.txt", "special_tokens_map.json"]
 
@@ -27,6 +31,10 @@ class ModelNotFoundError(ValueError):
 
 class NotAGPT2CheckpointError(ValueError):
     """The directory exists but is not a GPT-2-architecture checkpoint."""
+
+
+class ChecksumMismatchError(ValueError):
+    """A file of the checkpoint differs from its line in the checkpoint's SHA256SUMS."""
 
 
 @dataclass
@@ -48,8 +56,8 @@ class GPT2Config:
 
 def resolve(model: str) -> Path:
     """Model name or path -> local checkpoint directory."""
-    if model == builtin_model.NAME:
-        return builtin_model.builtin_path()
+    if model in builtin_model.NAMES:
+        return builtin_model.builtin_path(model)
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -106,7 +114,32 @@ def read_config(path: Path) -> GPT2Config:
     )
 
 
+def verify_checksums(path: Path) -> int:
+    """Check every file listed in path/SHA256SUMS (``sha256sum`` format); return how many.
+    No SHA256SUMS file: nothing to check, 0."""
+    sums = path / CHECKSUM_FILE
+    if not sums.exists():
+        return 0
+    n = 0
+    for line in sums.read_text().splitlines():
+        if not line.strip():
+            continue
+        want, name = line.split(maxsplit=1)
+        name = name.lstrip("*")
+        f = path / name
+        if not f.exists():
+            raise ChecksumMismatchError(f"{f} is missing (listed in {sums})")
+        got = hashlib.sha256(f.read_bytes()).hexdigest()
+        if got != want:
+            raise ChecksumMismatchError(
+                f"{f} is corrupted: its sha256 is {got[:12]}…, {sums.name} says {want[:12]}…. "
+                f"Restore the file (e.g. `git checkout -- {name}` in its directory, or reinstall)")
+        n += 1
+    return n
+
+
 def check_checkpoint(path: Path) -> None:
+    verify_checksums(path)
     read_config(path)
     if not any((path / f).exists() for f in WEIGHT_FILES) and not list(path.glob("model-*.safetensors")):
         raise NotAGPT2CheckpointError(f"{path} has no weights (looked for {', '.join(WEIGHT_FILES)})")
