@@ -1,4 +1,5 @@
 """Lesson 2: text -> token ids -> text, and why detokenisation is incremental."""
+import json
 import pathlib
 import sys
 
@@ -9,26 +10,49 @@ from engine import SamplingParams  # noqa: E402
 from lessons.framework import events_of, main, table  # noqa: E402
 
 TITLE = "Tokens: text → ids → text"
-SUMMARY = "Byte-level tokens, round trips, and why a streamed character must wait for all its bytes."
-PROMPT = "Café 👋"
-STEER = "é👋 世!"  # what we make the engine "generate", one byte-level token at a time
+SUMMARY = "BPE subword tokens (merges, Ġ spaces, bytes for emoji), round trips, and why a streamed character waits."
+PROMPT = "Return the tokenizer's vocabulary 👋"
+WORD = " function"  # a word whose BPE merges the lesson replays
+STEER = " café 👋"  # what we make the engine "generate", one token at a time
 BAD = "\ufffd"  # U+FFFD, what a decoder prints for bytes that are not (yet) a whole character
+
+
+def bpe_steps(word_bytes: str, ranks: dict[tuple[str, str], int]) -> list[list[str]]:
+    """Byte-level BPE on one pre-token, as GPT-2 defines it: start from its bytes (as vocabulary
+    characters) and keep merging the adjacent pair that was learned earliest. Every state, in order."""
+    parts, steps = list(word_bytes), []
+    steps.append(list(parts))
+    while len(parts) > 1:
+        pairs = [(ranks.get((a, b), 1 << 30), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        rank, i = min(pairs)
+        if rank == 1 << 30:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        steps.append(list(parts))
+    return steps
+
+
+def _merged(before: list[str], after: list[str], ranks: dict[tuple[str, str], int]) -> str:
+    i = next(i for i, (x, y) in enumerate(zip(before, after)) if x != y)
+    return f"{before[i]} + {before[i + 1]} ({ranks[(before[i], before[i + 1])]})"
 
 
 def run(lesson) -> None:
     lesson.intro(
-        "A model reads and writes **token ids**, not text. You will see a prompt become ids, see that "
-        "one character can take several tokens, and then watch the real engine stream a reply token by "
-        "token: a step whose token ends in the middle of a character streams **nothing**, and the "
-        "character appears whole once its last byte arrives.")
+        "A model reads and writes **token ids**, not text. You will see a prompt become ids, replay the "
+        "**BPE merges** that turn a word into one token, see an emoji fall back to its bytes, and then "
+        "watch the real engine stream a reply token by token: a step whose token ends in the middle of a "
+        "character streams **nothing**, and the character appears whole once its last byte arrives.")
     llm, session = lesson.engine(num_kv_blocks=16)
     engine = llm.llm_engine
     tok = engine.tokenizer
-    byte_level = tok.encode("é") == list("é".encode("utf-8"))
+    spec = json.loads(tok.backend_tokenizer.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec.get("merges") or []]
+    ranks = {m: i for i, m in enumerate(merges)}
 
     # ---- encode ----
-    req = engine.add_request("A", PROMPT, SamplingParams(temperature=0, max_tokens=len(STEER.encode()),
-                                                         ignore_eos=True))
+    steer = tok.encode(STEER)
+    req = engine.add_request("A", PROMPT, SamplingParams(temperature=0, max_tokens=len(steer), ignore_eos=True))
     ids = req.prompt_token_ids
     enc = next(e for e in events_of(session) if e.layer == "tokenizer" and e.name == "encode")
     lesson.say(f"`add_request` tokenized the prompt `{PROMPT}` into {len(ids)} ids. Each id, alone:")
@@ -36,49 +60,75 @@ def run(lesson) -> None:
     lesson.show(table(["id", "vocabulary entry", "decoded alone"],
                       [[i, v, repr(p)] for i, v, p in zip(ids, vocab, enc.get("pieces"))],
                       title="the tokenizer's encode event"))
-    if byte_level:
-        lesson.say(
-            f"This tokenizer is **byte-level** without merges: id *b* is the UTF-8 byte *b* (0–255), and "
-            f"{len(tok) - 1} is `<|endoftext|>`. The vocabulary stores each byte as a printable stand-in "
-            "(GPT-2's convention: a space is `Ġ`). GPT-2's real tokenizer adds ~50,000 BPE merges, so "
-            "common words become one token, but rare characters still split into several.")
-        lesson.check(ids == list(PROMPT.encode("utf-8")), "the prompt's ids are exactly its UTF-8 bytes")
-        lesson.check(len(ids) == len(PROMPT) + 1 + 3, "'é' takes 2 tokens and '👋' 4, so 6 characters → 10 tokens")
     lesson.check(enc.get("token_ids") == ids, "the tracer's encode event carries the same ids the request holds")
+    n_bytes = len(PROMPT.encode("utf-8"))
+    if not merges:
+        lesson.say(f"This model's tokenizer ({lesson.model}) has **no merges**: every id is one UTF-8 byte, "
+                   f"so the prompt's {n_bytes} bytes are {len(ids)} tokens. The rest of the lesson needs BPE; "
+                   "run it on tiny-gpt2.")
+        lesson.check(len(ids) == n_bytes, "without merges, one token per UTF-8 byte")
+        return
+    lesson.say(
+        f"This is a **byte-level BPE** tokenizer, as GPT-2 uses, with {len(tok)} entries: the 256 bytes, "
+        f"{len(merges)} learned merges and `<|endoftext|>`. The vocabulary stores each byte as a printable "
+        "stand-in, so a leading space shows as **`Ġ`**: words carry the space before them, so *the* after a "
+        "space is the one token `Ġthe`, different from `the` at the start of a line. Rarer words are split "
+        "into subwords.")
+    spaced = [v for v in vocab if v.startswith("Ġ") and len(v) > 2]
+    lesson.check(len(ids) < n_bytes, f"{n_bytes} UTF-8 bytes became {len(ids)} tokens: common words are one token")
+    lesson.check(len(spaced) >= 2 and all(tok.decode([tok.convert_tokens_to_ids(v)]) == " " + v[1:] for v in spaced),
+                 f"{', '.join(map(repr, spaced))} start with Ġ and decode to a space followed by the word")
+    emoji = "👋"
+    e_ids = tok.encode(emoji)
+    lesson.check(len(e_ids) == len(emoji.encode("utf-8")) and set(e_ids) <= set(ids),
+                 f"the emoji {emoji} is in no merge: it falls back to its {len(e_ids)} UTF-8 bytes, one token each")
     lesson.check(any(BAD in p for p in enc.get("pieces")),
-                 "decoded one at a time, some ids are not text at all (U+FFFD, the replacement character)")
+                 "decoded one at a time, those byte tokens are not text at all (U+FFFD, the replacement character)")
+    lesson.pause()
+
+    # ---- the merges, replayed ----
+    word = "".join(tok.convert_ids_to_tokens(tok.encode(WORD)))  # the word as vocabulary characters (Ġ...)
+    steps = bpe_steps(word, ranks)
+    n_word = len(tok.encode(WORD))
+    lesson.say(f"**How `{WORD.strip()}` (with its space) became {n_word} token{'s' if n_word > 1 else ''}.** BPE training counted adjacent pairs in the corpus and "
+               f"merged the most frequent one, {len(merges)} times; the order is the merge list. Encoding a "
+               "word replays it: start from the bytes, and merge the pair that was learned earliest, until no "
+               "learned pair is left.")
+    lesson.show(table(["step", "pieces", "merged pair (rank)"],
+                      [[i, " · ".join(st), "" if i == 0 else _merged(steps[i - 1], st, ranks)]
+                       for i, st in enumerate(steps)], title=f"BPE on {WORD!r}"))
+    lesson.check(tok.convert_tokens_to_ids(steps[-1]) == tok.encode(WORD),
+                 f"replaying the merge list gives exactly the tokenizer's ids for {WORD!r}: {tok.encode(WORD)}")
     lesson.pause()
 
     # ---- round trips on real text ----
     samples = {"this lesson's source": pathlib.Path(__file__).read_text(encoding="utf-8"),
                "the README": (ROOT / "README.md").read_text(encoding="utf-8"),
                "combining accent, ZWJ emoji, CJK": "e\u0301 👨‍👩‍👧 漢字\ttab\nnewline"}
-    eot = tok.convert_ids_to_tokens(engine.eos_token_id)
-    rows, all_ok, counts_ok = [], True, True
+    rows, all_ok = [], True
     for name, text in samples.items():
         t_ids = tok.encode(text, verbose=False)  # verbose=False: no warning about texts > 512 tokens
         back = tok.decode(t_ids)
         all_ok &= back == text
-        n_bytes, n_eot = len(text.encode("utf-8")), text.count(eot)
-        counts_ok &= len(t_ids) == n_bytes - n_eot * (len(eot) - 1)
-        rows.append([name, len(text), n_bytes, n_eot, len(t_ids), back == text])
-    lesson.show(table(["text", "characters", "UTF-8 bytes", f"'{eot}' in it", "tokens", "decode(encode(t)) == t"],
+        n_b = len(text.encode("utf-8"))
+        rows.append([name, len(text), n_b, len(t_ids), f"{n_b / len(t_ids):.2f}", back == text])
+    lesson.show(table(["text", "characters", "UTF-8 bytes", "tokens", "bytes per token", "decode(encode(t)) == t"],
                       rows, title="round trips"))
-    lesson.check(all_ok, "decode(encode(text)) gives back every text exactly")
-    if byte_level:
-        lesson.say(f"Tokens = bytes, except that the literal text `{eot}` becomes the one special id "
-                   f"{engine.eos_token_id} instead of {len(eot)} byte tokens (Hugging Face tokenizers, "
-                   "and so vLLM, parse special-token text in prompts by default).")
-        lesson.check(counts_ok, f"tokens = UTF-8 bytes − {len(eot) - 1} × (occurrences of '{eot}')")
+    lesson.check(all_ok, "decode(encode(text)) gives back every text exactly, emoji and CJK included")
+    lesson.say("English prose like the README packs several bytes into each token; text the tokenizer never "
+               "saw while training (CJK, emoji) falls back towards one token per byte. The model's context "
+               "window and the KV cache are counted in tokens, so this ratio is what a prompt costs.")
     lesson.pause()
 
     # ---- streaming: the engine's real detokenizer ----
-    steer = list(STEER.encode("utf-8")) if byte_level else tok.encode(STEER)
+    emoji_at = len(steer) - len(e_ids)
+    lesson.check(steer[emoji_at:] == e_ids, f"{STEER!r} is {len(steer)} tokens and ends in the emoji's {len(e_ids)} byte tokens")
     lesson.say(
-        "Now the engine generates. The untrained model would only say ASCII, so we **steer its sampler**: "
-        f"each step, after the model and sampler run, the chosen token is replaced by the next token of "
-        f"`{STEER}`. Everything after that — appending the token, detokenizing, streaming — is the "
-        "engine's own code.")
+        "Now the engine generates. To make it write a character that spans several tokens (the model learned "
+        "from documentation and writes emoji as rarely as its text did), we **steer its sampler**: each step, "
+        "after the model and sampler run, the chosen token is replaced by the next token of "
+        f"`{STEER}` ({', '.join(map(repr, tok.convert_ids_to_tokens(steer)))}). Everything after that — "
+        "appending the token, detokenizing, streaming — is the engine's own code.")
     sampler = engine.model_runner.sampler
 
     def steered(logits, requests):
@@ -89,8 +139,8 @@ def run(lesson) -> None:
 
     engine.model_runner.sampler = steered
     lesson.predict(
-        "After the steps that sample 0xF0 0x9F 0x91 — three of the four bytes of '👋' — what has the "
-        "engine streamed to the client for those steps?",
+        "After the steps that sample the byte tokens 0xF0 0x9F 0x91 — three of the four bytes of '👋' — what "
+        "has the engine streamed to the client for those steps?",
         "Nothing: each of those steps streams the empty string. The step that samples the 4th byte, "
         "0x8B, streams '👋' whole.")
     rows, pieces, naive = [], [], ""
@@ -100,7 +150,8 @@ def run(lesson) -> None:
         t = new.get("token_ids")[0]
         pieces.append(new.get("text"))
         naive += tok.decode([t])
-        rows.append([new.step, f"{t} (0x{t:02X})", repr(new.get("text")), repr(req.output_text), repr(naive)])
+        rows.append([new.step, f"{t} {tok.convert_ids_to_tokens(t)!r}", repr(new.get("text")), repr(req.output_text),
+                     repr(naive)])
     lesson.show(table(["step", "sampled token", "streamed this step", "output text", "decoding each token alone"],
                       rows, title="the detokenizer's NEW_TOKENS events, step by step"))
     # Steps whose token leaves the text ending mid-character (decoding the prefix ends in U+FFFD).
@@ -119,8 +170,9 @@ def run(lesson) -> None:
         "vLLM V1 does the same in its front-end process (its fast incremental detokenizer is built on "
         "`DecodeStream`), and checks stop strings on that text.")
     lesson.done(
-        "Text becomes ids on the way in (here one id per UTF-8 byte), and ids become text on the way "
-        "out. Decoding cannot be done one token at a time: a character may span several tokens, so the "
+        "Text becomes ids on the way in: byte-level BPE merges common byte sequences (words, with their "
+        "leading space as `Ġ`) into single tokens and leaves anything else as bytes, so every text has ids. "
+        "Ids become text on the way out. Decoding cannot be done one token at a time: a character may span several tokens, so the "
         "detokenizer holds back incomplete bytes and streams each character once it is whole. Decoding "
         "everything at the end gives the same text.")
 

@@ -9,9 +9,14 @@ from engine.block_manager import hash_block  # noqa: E402
 from lessons.framework import main, table  # noqa: E402
 
 TITLE = "Prefix caching"
-SUMMARY = "A shared system prompt: chained block hashes, cache hits with shared blocks, the last token computed, LRU eviction."
+SUMMARY = ("A shared system prompt: chained block hashes, cache hits with shared blocks, the last token computed, "
+           "LRU eviction, and a BPE boundary that breaks a hit.")
 BLOCK = 16
-SYSTEM = [(5 * j + 3) % 250 for j in range(48)]  # a 48-token "system prompt": exactly 3 blocks
+# 48 tokens with the built-in tokenizer: exactly 3 blocks (the lesson checks it)
+SYSTEM_TEXT = ("You are a helpful assistant for people who write Python. Answer each question about the language "
+               "and its standard library in plain English, with a short code example when it helps.\n")
+QUESTIONS = {"A": "How do I sort a list of tuples by their second item?", "B": "What does the with statement do?",
+             "D": "Why is my loop slow?", "E": "How do I read a file line by line?"}
 
 
 def greedy(n: int) -> SamplingParams:
@@ -37,30 +42,38 @@ def run(lesson) -> None:
         "shared blocks with reference counts, and what happens when the cache runs short.")
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=13)  # 12 usable besides the null block
     engine, bm = llm.llm_engine, llm.llm_engine.block_manager
+    tok = engine.tokenizer
     sub = session.bus.subscribe()
+    SYSTEM = tok.encode(SYSTEM_TEXT)
+    lesson.say(f"Every request below starts with the same **system prompt**:\n\n> {SYSTEM_TEXT.strip()}")
+    lesson.check(len(SYSTEM) == 3 * BLOCK, f"the system prompt is {len(SYSTEM)} tokens: exactly 3 blocks of {BLOCK}")
 
     # ---- the hash chain ----
-    a = engine.add_request("A", {"prompt_token_ids": SYSTEM + list(range(100, 110))}, greedy(6))
+    a = engine.add_request("A", SYSTEM_TEXT + QUESTIONS["A"], greedy(6))
     traced_step(engine, sub)
     a_blocks = list(a.block_ids)
-    lesson.say("Request **A** = the 48-token system prompt + 10 tokens of its own. After its prefill, "
-               "its full blocks are registered in the cache. Each hash covers (parent hash, the block's token ids); "
-               "vLLM also mixes in extra keys where they apply, such as a LoRA adapter or a cache salt.")
+    n_own = a.num_prompt_tokens - 48
+    lesson.say(f"Request **A** = the system prompt + its question, {QUESTIONS['A']!r} ({n_own} tokens). After its "
+               "prefill, its full blocks are registered in the cache. Each hash covers (parent hash, the block's "
+               "token ids); vLLM also mixes in extra keys where they apply, such as a LoRA adapter or a cache salt.")
+    lesson.check(a.prompt_token_ids[:48] == SYSTEM,
+                 "A's first 48 token ids are the system prompt's: the newline it ends with is a token of its own, "
+                 "so the question's first word does not merge across the boundary")
     rows = []
     for i, phys in enumerate(a.block_ids):
         h = a.block_hashes[i] if i < len(a.block_hashes) else None
         parent = a.block_hashes[i - 1] if 0 < i <= len(a.block_hashes) else None
         toks = a.all_token_ids[i * BLOCK:(i + 1) * BLOCK]
-        rows.append([i, phys, " ".join(map(str, toks[:5])) + " …", len(toks) if i < 3 else a.num_prompt_tokens - 48,
+        rows.append([i, phys, repr(tok.decode(toks[:6])) + " …", len(toks) if i < 3 else a.num_prompt_tokens - 48,
                      short(parent), short(h), "yes" if h is not None and bm.cached.get(h) == phys else "no"])
-    lesson.show(table(["logical", "physical", "tokens", "n", "parent hash", "hash", "in cache"], rows,
-                      title="A's blocks (hashes shortened to 32 bits)"))
+    lesson.show(table(["logical", "physical", "text of its first 6 tokens", "n", "parent hash", "hash", "in cache"],
+                      rows, title="A's blocks (hashes shortened to 32 bits)"))
     hs = a.block_hashes
     lesson.check(len(hs) == 3 and hs[0] == hash_block(None, tuple(SYSTEM[:16]))
                  and all(hs[i] == hash_block(hs[i - 1], tuple(SYSTEM[i * 16:(i + 1) * 16])) for i in (1, 2)),
                  "each block's hash = hash(parent's hash, its 16 token ids): a chain")
     lesson.check(all(bm.cached[h] == a.block_ids[i] for i, h in enumerate(hs)) and len(bm.cached) == 3,
-                 "A's 3 full blocks are in the cache; its 4th block (10 tokens, not full) is not")
+                 f"A's 3 full blocks are in the cache; its 4th block ({n_own} tokens, not full) is not")
     other_first = [t + 1 for t in SYSTEM[:16]]
     lesson.check(hash_block(hash_block(None, tuple(other_first)), tuple(SYSTEM[16:32])) != hs[1],
                  "the same 16 tokens after a different first block hash differently: a hash names the whole prefix")
@@ -70,9 +83,11 @@ def run(lesson) -> None:
     lesson.pause()
 
     # ---- a hit ----
-    b = engine.add_request("B", {"prompt_token_ids": SYSTEM + list(range(200, 210))}, greedy(6))
-    lesson.predict("Request B = the same system prompt + 10 different tokens (58 in all). How many "
-                   "tokens does its prefill compute?", "10: its first 48 tokens are 3 cached blocks.")
+    b = engine.add_request("B", SYSTEM_TEXT + QUESTIONS["B"], greedy(6))
+    n_b = b.num_prompt_tokens - 48
+    lesson.predict(f"Request B = the same system prompt + another question, {QUESTIONS['B']!r} ({n_b} tokens, "
+                   f"{b.num_prompt_tokens} in all). How many tokens does its prefill compute?",
+                   f"{n_b}: its first 48 tokens are 3 cached blocks.")
     snap, events = traced_step(engine, sub)
     sb = next(s for s in snap["scheduled"] if s["request_id"] == "B")
     hit = next(e for e in events if (e.layer, e.request_id) == ("block_manager", "B") and e.name.startswith("cache_"))
@@ -81,8 +96,8 @@ def run(lesson) -> None:
                        for i, p in enumerate(b.block_ids)], title="B's block table after step 1"))
     lesson.check(hit.name == "cache_hit" and hit.attrs["hit_tokens"] == 48 and b.num_cached_tokens == 48,
                  "B hit 48 tokens in the cache (num_cached_tokens = 48; trace: cache_hit)")
-    lesson.check(sb["num_computed_before"] == 48 and sb["num_tokens"] == 10,
-                 "step 1 computed only B's last 10 prompt tokens, starting at position 48")
+    lesson.check(sb["num_computed_before"] == 48 and sb["num_tokens"] == n_b,
+                 f"step 1 computed only B's last {n_b} prompt tokens, starting at position 48")
     lesson.check(b.block_ids[:3] == a.block_ids[:3] and all(bm.blocks[p].ref_cnt == 2 for p in b.block_ids[:3]),
                  "B's first 3 logical blocks are A's physical blocks, each now with reference count 2")
     lesson.check(b.block_ids[3] not in a.block_ids and bm.blocks[b.block_ids[3]].ref_cnt == 1,
@@ -90,7 +105,7 @@ def run(lesson) -> None:
     lesson.pause()
 
     # ---- a full hit: the last token is always computed ----
-    c = engine.add_request("C", {"prompt_token_ids": list(SYSTEM)}, greedy(6))
+    c = engine.add_request("C", SYSTEM_TEXT, greedy(6))
     lesson.predict("Request C is exactly the 48-token system prompt: all 3 of its blocks are cached. "
                    "How many tokens does its prefill compute?",
                    "16. To sample C's first token the engine needs the logits at its last prompt position, so "
@@ -149,16 +164,48 @@ def run(lesson) -> None:
 
     while engine.has_unfinished_requests():
         engine.step()
-    d = engine.add_request("D", {"prompt_token_ids": SYSTEM + [1, 2, 3]}, greedy(2))
+    d = engine.add_request("D", SYSTEM_TEXT + QUESTIONS["D"], greedy(2))
     traced_step(engine, sub)
     lesson.check(d.num_cached_tokens == 32,
                  "a new request with the system prompt now hits only 32 tokens: the chain breaks at the evicted block")
     while engine.has_unfinished_requests():
         engine.step()
 
+    # ---- a BPE boundary breaks a hit ----
+    spaced = SYSTEM_TEXT.rstrip("\n") + " "
+    warm = engine.add_request("warm", spaced, greedy(1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    e_text = spaced + QUESTIONS["E"]
+    e_ids = tok.encode(e_text)
+    lesson.say("Some servers **warm** the cache by sending the system prompt alone before any user arrives. "
+               f"Here the app's template ends its system prompt with a space instead of a newline: {spaced[-20:]!r}. "
+               f"The warm-up request computed it, so its 3 blocks are cached. Then a user asks "
+               f"{QUESTIONS['E']!r}: the prompt's **text** starts with the whole warm-up prompt.")
+    lesson.show(table(["position", "warm-up prompt", "user's prompt"],
+                      [[i, repr(tok.convert_ids_to_tokens(warm.prompt_token_ids[i])),
+                        repr(tok.convert_ids_to_tokens(e_ids[i]))] for i in range(44, 48)],
+                      title="the last tokens of block 2 (Ġ is a space)"))
+    lesson.predict("How many of the user's prompt tokens hit the cache?",
+                   "32, not 48. Alone, the trailing space is a token of its own ('Ġ'); followed by a word, BPE "
+                   "merges the space into that word's token, so token 47 differs and with it the 3rd block's hash. "
+                   "The prefix cache matches token ids, not text.")
+    e = engine.add_request("E", e_text, greedy(2))
+    traced_step(engine, sub)
+    lesson.check(e_text.startswith(warm.prompt) and e.prompt_token_ids[:47] == warm.prompt_token_ids[:47]
+                 and e.prompt_token_ids[47] != warm.prompt_token_ids[47],
+                 "the text is a prefix, but the token ids differ at position 47, the space's token")
+    lesson.check(warm.num_prompt_tokens == 48 and bm.cached.get(warm.block_hashes[2]) is not None
+                 and e.num_cached_tokens == 32,
+                 "the warm-up's 3rd block is in the cache, yet the user's request hit only 32 tokens")
+    lesson.say("The same holds for any boundary BPE merges across. A system prompt that ends in a newline (as "
+               "A–D's did) or a chat template's special tokens keeps the boundary fixed.")
+    while engine.has_unfinished_requests():
+        engine.step()
+
     # ---- the counters ----
     st = engine.stats()
-    everyone = [a, b, c, x, d]
+    everyone = [a, b, c, x, d, warm, e]
     queries, hits = sum(r.num_prompt_tokens for r in everyone), sum(r.num_cached_tokens for r in everyone)
     lesson.show(table(["request", "prompt tokens", "cached tokens"],
                       [[r.request_id, r.num_prompt_tokens, r.num_cached_tokens] for r in everyone]
@@ -172,7 +219,8 @@ def run(lesson) -> None:
                 "block finds the longest cached prefix. Hits share physical blocks (reference counts); only "
                 "the rest of the prompt is computed, and never less than its last token. Freed blocks keep "
                 "their contents until a new request needs them, taken least recently used first, which "
-                "evicts them from the cache.")
+                "evicts them from the cache. The cache matches token ids, not text: where BPE merges across the "
+                "end of a shared prefix, the same text is a different token prefix.")
 
 
 if __name__ == "__main__":

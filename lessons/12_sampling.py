@@ -1,4 +1,4 @@
-"""Lesson 12: sampling — temperature, top-k, top-p, min-p and seeds on a real next-token distribution."""
+"""Lesson 12: sampling — temperature, top-k, top-p, min-p, penalties and seeds on a real next-token distribution."""
 import pathlib
 import sys
 
@@ -12,10 +12,15 @@ from engine.sampler import Sampler  # noqa: E402
 from lessons.framework import main, table  # noqa: E402
 
 TITLE = "Sampling"
-SUMMARY = "Temperature, top-k, top-p, min-p and seeds, applied to the model's real next-token distribution."
-PROMPT = "The capital of France is"
+SUMMARY = ("Temperature, top-k, top-p, min-p, repetition and its penalties, and seeds, on the model's real "
+           "next-token distribution.")
+# The built-in model learned Python's documentation, so the prompts come from there.
+PROMPT = "The default value of this argument is"
+OFF_DOMAIN = "The capital of France is"
+LOOP_PROMPT = "Return a new list"
+LOOP_TOKENS = 48
 N_DRAWS = 2000
-T = 1.5  # the temperature the filters are shown at (it spreads this peaked distribution a little)
+T = 0.7  # the temperature the filters are shown at (sharpens this broad distribution, so the kept sets are short)
 
 
 def engine_draws(logits: torch.Tensor, n: int, **params) -> list[int]:
@@ -35,8 +40,8 @@ def run(lesson) -> None:
         "`softmax(logits / temperature)`, usually after cutting the unlikely tail with **top-k**, "
         "**top-p** or **min-p**. You will capture the real logits the engine computes for one prompt, "
         "apply each transform and look at the probability table, then let the engine's own sampler draw "
-        f"{N_DRAWS} tokens to confirm what it keeps. (The built-in model is untrained, so its favourite "
-        "next bytes are gibberish; the arithmetic is the same for any model.)")
+        f"{N_DRAWS} tokens to confirm what it keeps. Last, you will see greedy decoding repeat itself and "
+        "the penalties that break the loop.")
     llm, _ = lesson.engine()
     engine = llm.llm_engine
     tok = engine.tokenizer
@@ -74,6 +79,15 @@ def run(lesson) -> None:
                  "these are the engine's logits: its reported top-20 logprobs equal log_softmax of them")
     lesson.check(req.output_token_ids == [order[0]],
                  f"temperature 0 is greedy: the engine picked the argmax, token {order[0]} ({piece(order[0])})")
+    probe = engine.add_request("france", OFF_DOMAIN, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
+    while engine.has_unfinished_requests():
+        engine.step()
+    off_top = [tok.decode([t]) for t in probe.logprobs[0]]
+    lesson.say(f"The built-in model learned only Python's documentation, so prompts here come from that world. "
+               f"Asked {OFF_DOMAIN!r}, its top guesses are {', '.join(map(repr, off_top[:5]))}: a model knows "
+               "what its training text says, nothing more.")
+    lesson.check(not any("Paris" in p or p.strip() in ("Par", "Pa") for p in off_top),
+                 f"'Paris' is not among its 20 most likely next tokens after {OFF_DOMAIN!r}")
     lesson.pause()
 
     # ---- temperature ----
@@ -129,7 +143,10 @@ def run(lesson) -> None:
     lesson.check(float(csum[n_nucleus - 1]) >= top_p > float(csum[n_nucleus - 2]),
                  f"the nucleus is the smallest set of top tokens whose mass reaches {top_p}: {n_nucleus} tokens "
                  f"({float(csum[n_nucleus - 1]):.3f}; without the last one only {float(csum[n_nucleus - 2]):.3f})")
-    lesson.check(set(d) == set(kept_p), f"the engine drew only from those {n_nucleus} tokens, and from each of them")
+    likely = [t for t in kept_p if float(pt[t]) / float(csum[n_nucleus - 1]) > 0.005]
+    lesson.check(set(d) <= set(kept_p) and set(likely) <= set(d),
+                 f"the engine drew only from those {n_nucleus} tokens, and drew each of the {len(likely)} that keep "
+                 "more than 0.5 % of the renormalised mass")
     lesson.pause()
 
     # ---- min-p ----
@@ -141,8 +158,54 @@ def run(lesson) -> None:
     lesson.say(f"**Min-p** scales with the model's confidence: it keeps every token with at least "
                f"{min_p} × the top token's probability ({min_p} × {pmax:.3f} = {min_p * pmax:.4f} here). A "
                "confident model keeps few tokens, an unsure one many.")
-    lesson.check(set(d) == set(kept_m) and float(pt[order[len(kept_m)]]) < min_p * pmax,
-                 f"min-p = {min_p}: the engine drew exactly the {len(kept_m)} tokens at or above the threshold")
+    mass_m = float(pt[kept_m].sum())
+    likely = [t for t in kept_m if float(pt[t]) / mass_m > 0.005]
+    lesson.check(set(d) <= set(kept_m) and set(likely) <= set(d) and float(pt[order[len(kept_m)]]) < min_p * pmax,
+                 f"min-p = {min_p}: the engine drew only the {len(kept_m)} tokens at or above the threshold, "
+                 f"each of the {len(likely)} that keep more than 0.5 % of the mass among them")
+    lesson.pause()
+
+    # ---- repetition under greedy decoding, and penalties ----
+    def loop(params: SamplingParams, rid: str):
+        r = engine.add_request(rid, LOOP_PROMPT, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return r
+
+    def repeats(ids: list[int], n: int = 4) -> int:
+        """Positions where the n tokens starting there already appeared earlier in the output."""
+        seen, count = set(), 0
+        for i in range(len(ids) - n + 1):
+            gram = tuple(ids[i:i + n])
+            count += gram in seen
+            seen.add(gram)
+        return count
+
+    greedy = loop(SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True), "greedy")
+    lesson.say(f"**Repetition.** Greedy decoding always takes the most likely token. Given {LOOP_PROMPT!r} and "
+               f"{LOOP_TOKENS} tokens, it writes:\n\n> {LOOP_PROMPT}{greedy.output_text}")
+    g_rep = repeats(greedy.output_token_ids)
+    lesson.check(g_rep > 0, f"greedy decoding repeats itself: {g_rep} of its {LOOP_TOKENS - 3} 4-token windows "
+                            "already appeared earlier in its own output")
+    lesson.say("Once a phrase has been written, it becomes the context that makes the same phrase likely again. "
+               "The **penalties** push down tokens the request has already used: `repetition_penalty` divides a "
+               "seen token's positive logit (multiplies a negative one) by the penalty; `frequency_penalty` "
+               "subtracts the penalty × how often the token was generated; `presence_penalty` subtracts it once "
+               "if it was generated at all.")
+    lesson.predict("Same prompt, still greedy, but with repetition_penalty = 1.3. Does the loop survive?",
+                   "No: the penalised text repeats far less. It is still greedy (deterministic); only the logits "
+                   "of tokens it has already seen are pushed down.")
+    rp = loop(SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True, repetition_penalty=1.3), "rep")
+    fp = loop(SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True, frequency_penalty=1.0), "freq")
+    rows = [[name, repeats(r.output_token_ids), len(set(r.output_token_ids)), repr(r.output_text)]
+            for name, r in [("none", greedy), ("repetition_penalty 1.3", rp), ("frequency_penalty 1.0", fp)]]
+    lesson.show(table(["penalty (greedy)", "repeated 4-token windows", "distinct tokens", "text"], rows,
+                      title=f"{LOOP_TOKENS} tokens after {LOOP_PROMPT!r}"))
+    lesson.check(repeats(rp.output_token_ids) < g_rep and repeats(fp.output_token_ids) < g_rep,
+                 "both penalties cut the repeated 4-token windows below greedy's")
+    lesson.check(fp.output_token_ids[0] == greedy.output_token_ids[0],
+                 "with frequency_penalty the first token is greedy's: it counts only generated tokens, and none "
+                 "exist yet (repetition_penalty also counts the prompt's, as in vLLM and transformers)")
     lesson.pause()
 
     # ---- seeds ----
@@ -152,7 +215,7 @@ def run(lesson) -> None:
     alone = engine.add_request("alone", PROMPT, seeded)
     while engine.has_unfinished_requests():
         engine.step()
-    others = ["Hello", "Once upon a time there was", "1 2 3"]
+    others = ["Return a new list", "The module provides", "1 2 3"]
     for i, text in enumerate(others[:2]):
         engine.add_request(f"other-{i}", text, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
     crowded = engine.add_request("crowded", PROMPT, seeded)
@@ -177,7 +240,8 @@ def run(lesson) -> None:
                "size, and a draw near a boundary can then flip. The seed fixes the randomness, not the numerics.")
     lesson.done("Temperature reshapes the whole distribution (0 means greedy). Top-k keeps the k most likely "
                 "tokens, top-p the smallest set whose mass reaches p, min-p those within a factor of the top "
-                "token; the rest get probability 0. A seed gives a request its own reproducible random stream, "
+                "token; the rest get probability 0. Greedy decoding falls into loops; penalties push down what "
+                "a request has already said. A seed gives a request its own reproducible random stream, "
                 "independent of its neighbours in the batch.")
 
 

@@ -1,11 +1,13 @@
 """Greedy outputs equal Hugging Face transformers', token for token, whatever the engine does
-underneath: batching, preemption, chunked prefill, prefix caching, block sizes."""
+underneath: batching, preemption, chunked prefill, prefix caching, block sizes. On the trained
+built-in tiny-gpt2; the random-weights tiny-gpt2-random (whose greedy outputs vary more) runs the
+default and the everything-at-once settings too."""
 import random
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.builtin_model import builtin_path
+from engine.builtin_model import NAME, RANDOM_NAME, builtin_path
 from tests.engine.hf_reference import hf_greedy
 
 MAX_NEW = 24
@@ -19,13 +21,19 @@ def _prompts(shared_prefix: int = 0, n: int = 16, seed: int = 0) -> list[list[in
     return [prefix + [rng.randrange(256) for _ in range(k)] for k in lengths]
 
 
+TEXT = ("The paged KV cache stores the keys and values of every token in fixed-size blocks. A block table maps "
+        "each request's logical blocks to physical ones, so requests grow without copying, and blocks with the "
+        "same prefix can be shared. Return a new list containing all items from the iterable in ascending order. "
+        "If the file does not exist, a FileNotFoundError is raised and nothing is written.")
+
+
 @pytest.fixture(scope="module")
 def path():
     return str(builtin_path())
 
 
-def _run(prompts, **llm_kwargs):
-    llm = LLM("tiny-gpt2", **llm_kwargs)
+def _run(prompts, model=NAME, **llm_kwargs):
+    llm = LLM(model, **llm_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     stats = llm.llm_engine.stats()
@@ -34,10 +42,21 @@ def _run(prompts, **llm_kwargs):
     return [o.outputs[0].token_ids for o in outs], stats
 
 
-def test_default_settings(path):
+@pytest.mark.parametrize("model", [NAME, RANDOM_NAME])
+def test_default_settings(model):
     prompts = _prompts()
-    got, _ = _run(prompts)
-    assert got == hf_greedy(path, prompts, MAX_NEW)
+    got, _ = _run(prompts, model)
+    assert got == hf_greedy(str(builtin_path(model)), prompts, MAX_NEW)
+
+
+def test_english_prompts(path):
+    """Real text, as the trained model sees it: prompts are slices of a tokenized paragraph."""
+    llm = LLM(NAME, num_kv_blocks=64)
+    ids = llm.get_tokenizer().encode(TEXT)
+    prompts = [ids[:k] for k in (1, 5, 16, 17, 33, len(ids))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, MAX_NEW)
 
 
 def test_preemption(path):
@@ -65,7 +84,7 @@ def test_prefix_caching_across_batches_with_eviction(path):
     """Cached blocks survive their request, are hit by a later batch, and are evicted when
     blocks run short, all without changing outputs."""
     first, second = _prompts(shared_prefix=48, n=4, seed=1), _prompts(shared_prefix=48, n=8, seed=1)
-    llm = LLM("tiny-gpt2", num_kv_blocks=24)
+    llm = LLM(NAME, num_kv_blocks=24)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in first], params, use_tqdm=False)
     hits_before = llm.llm_engine.stats().prefix_cache_hits
@@ -81,9 +100,10 @@ def test_block_sizes(path, block_size):
     assert got == hf_greedy(path, prompts, MAX_NEW)
 
 
-def test_everything_at_once(path):
+@pytest.mark.parametrize("model", [NAME, RANDOM_NAME])
+def test_everything_at_once(model):
     """Small cache, small token budget, shared prefixes, block size 8."""
     prompts = _prompts(shared_prefix=20)
-    got, stats = _run(prompts, block_size=8, num_kv_blocks=30, max_num_batched_tokens=24, max_num_seqs=6)
+    got, stats = _run(prompts, model, block_size=8, num_kv_blocks=30, max_num_batched_tokens=24, max_num_seqs=6)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert got == hf_greedy(path, prompts, MAX_NEW)
+    assert got == hf_greedy(str(builtin_path(model)), prompts, MAX_NEW)

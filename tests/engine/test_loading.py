@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.builtin_model import _bytes_to_unicode, builtin_path
+from engine.builtin_model import NAME, RANDOM_NAME, _bytes_to_unicode, builtin_path
 from tests.engine.hf_reference import hf_greedy
 
 
@@ -30,7 +30,7 @@ def _save_checkpoint(path, safe: bool, inverse_layer_scale: bool = False, vocab_
         (path / "vocab.json").write_text(json.dumps(vocab))
         (path / "merges.txt").write_text("#version: 0.2\n")
     else:
-        PreTrainedTokenizerFast.from_pretrained(builtin_path()).save_pretrained(path)
+        PreTrainedTokenizerFast.from_pretrained(builtin_path(RANDOM_NAME)).save_pretrained(path)
     return path
 
 
@@ -47,11 +47,14 @@ def test_local_checkpoint_matches_transformers(tmp_path, safe, inverse, vocab_me
     assert len({tuple(g) for g in got}) > 1
 
 
-def test_builtin_model_is_a_real_hf_checkpoint():
+@pytest.mark.parametrize("name", [NAME, RANDOM_NAME])
+def test_builtin_model_is_a_real_hf_checkpoint(name):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
-    path = builtin_path()
+    path = builtin_path(name)
     model = GPT2LMHeadModel.from_pretrained(path)
     assert model.config.n_layer == 4 and model.config.n_embd == 128
     tok = AutoTokenizer.from_pretrained(path)
-    assert tok.encode("AB") == [65, 66] and tok.eos_token_id == 256
+    assert tok.eos_token_id == model.config.eos_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
+    if name == RANDOM_NAME:  # byte-level without merges: id = byte
+        assert tok.encode("AB") == [65, 66] and tok.eos_token_id == 256

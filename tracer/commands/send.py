@@ -10,6 +10,9 @@ import os
 import sys
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+# The built-in tiny-gpt2 learned Python's documentation, so a prompt from that world gets readable text
+# back ("Hello, my name is" gets docstring-speak; "The capital of France is" will not lead to "Paris").
+DEFAULT_PROMPT = "The first argument is"
 
 
 def register(sub) -> None:
@@ -17,7 +20,7 @@ def register(sub) -> None:
                        description="Send one completion (or, with --chat, chat) request to a running "
                                    "`vllm-trace serve` and print the text, then the usage.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("prompt", help="prompt text (with --chat: the user message)")
+    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="prompt text (with --chat: the user message)")
     p.add_argument("--url", default=DEFAULT_URL, help="server base URL")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (the chat template applies)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (server-sent events)")

@@ -275,11 +275,13 @@ def _url(host: str, port: int) -> str:
 
 
 def _banner(args: argparse.Namespace, name: str, url: str, refusal: str | None, session) -> None:
-    body = json.dumps({"model": name, "prompt": "Hello, my name is", "max_tokens": 16})
+    from tracer.commands.send import DEFAULT_PROMPT
+
+    body = json.dumps({"model": name, "prompt": DEFAULT_PROMPT, "max_tokens": 16})
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     print(f"\nReady: {name} at {url} (OpenAI API under {url}/v1; Ctrl-C to stop)", file=sys.stderr)
     print(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'", file=sys.stderr)
-    print(f"  vllm-trace send --url {url} \"Hello, my name is\"", file=sys.stderr)
+    print(f"  vllm-trace send --url {url} \"{DEFAULT_PROMPT}\"", file=sys.stderr)
     if session is None:
         print("  tracing: off (--no-trace)", file=sys.stderr)
     else:

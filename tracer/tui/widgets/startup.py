@@ -36,7 +36,9 @@ def stage_details(stage: dict) -> str:
 
 
 def curl_line(url: str, model: str) -> str:
-    body = json.dumps({"model": model, "prompt": "Hello, my name is", "max_tokens": 16})
+    from tracer.commands.send import DEFAULT_PROMPT
+
+    body = json.dumps({"model": model, "prompt": DEFAULT_PROMPT, "max_tokens": 16})
     return f"curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 

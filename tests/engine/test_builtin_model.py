@@ -1,0 +1,144 @@
+"""The trained built-in tiny-gpt2: its BPE tokenizer round-trips any text, its files are checked
+against their checksums, its greedy text is stable, and what it writes is mostly English words."""
+import fnmatch
+import re
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import LLM, SamplingParams
+from engine.builtin_model import NAME, PACKAGED, RANDOM_NAME, builtin_path
+from engine.model_loader import CHECKSUM_FILE, ChecksumMismatchError, resolve, verify_checksums
+from engine.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+EOT = "<|endoftext|>"
+GREEDY_PROMPT = "The first argument is"
+GREEDY_EXPECTED = " a given value is a list of the given value." + "\n" * 13
+WORD_PROMPTS = ["The default value is", "Return a new list", "This module provides", "If the file does not exist,",
+                "The function returns", "An object that"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(builtin_path())
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(NAME, num_kv_blocks=128)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_any_text_round_trips(tok, text):
+    ids = tok.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert all(0 <= i < len(tok) for i in ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8", min_codepoint=0x80), min_size=1, max_size=8))
+def test_rare_characters_fall_back_to_bytes(tok, text):
+    # never more tokens than UTF-8 bytes; a single character never splits into anything but bytes
+    assert len(tok.encode(text)) <= len(text.encode("utf-8"))
+
+
+def test_bpe_vocabulary(tok):
+    assert 2048 <= len(tok) <= 8192
+    assert tok.convert_tokens_to_ids(EOT) == tok.eos_token_id
+    assert tok.encode("Hi " + EOT) [-1] == tok.eos_token_id  # the special token is parsed in text
+    assert tok.convert_ids_to_tokens(tok.encode(" the")) == ["Ġthe"]  # a merge with its leading space
+    assert sum(t.startswith("Ġ") for t in tok.get_vocab()) > 500
+    for emoji in "👋🐍🎉":  # no merge covers them: one token per UTF-8 byte
+        ids = tok.encode(emoji)
+        assert len(ids) == len(emoji.encode("utf-8")) and all(len(t) == 1 for t in tok.convert_ids_to_tokens(ids))
+
+
+def test_builtin_is_the_packaged_checkpoint_with_checksums():
+    assert resolve(NAME) == PACKAGED
+    assert verify_checksums(PACKAGED) == 4  # config, weights, tokenizer and its config
+    assert sum(f.stat().st_size for f in PACKAGED.iterdir()) < 16 * 2**20
+
+
+def test_package_data_includes_the_artifacts():
+    """pyproject's package data covers every file of the artifact directory, so a wheel has them."""
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    globs = conf["tool"]["setuptools"]["package-data"]["engine"]
+    files = [str(f.relative_to(ROOT / "engine")) for f in PACKAGED.iterdir()]
+    assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
+
+
+@pytest.fixture
+def copy(tmp_path):
+    dst = tmp_path / "tiny"
+    shutil.copytree(PACKAGED, dst)
+    return dst
+
+
+def test_a_corrupted_file_is_a_clear_error(copy, capsys):
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-100] ^= 0xFF  # one flipped byte inside a weight
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError, match=r"model\.safetensors is corrupted"):
+        LLM(str(copy), num_kv_blocks=8)
+    from tracer.cli import main
+    assert main(["generate", str(copy), "Hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "corrupted" in err and "Traceback" not in err
+
+
+def test_a_missing_file_is_a_clear_error(copy):
+    (copy / "tokenizer.json").unlink()
+    with pytest.raises(ChecksumMismatchError, match=r"tokenizer\.json is missing"):
+        verify_checksums(copy)
+
+
+def test_no_checksum_file_means_nothing_to_check(copy):
+    (copy / CHECKSUM_FILE).unlink()
+    assert verify_checksums(copy) == 0
+    assert LLM(str(copy), num_kv_blocks=8).generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_random_model_is_still_byte_level():
+    t = load_tokenizer(builtin_path(RANDOM_NAME))
+    assert t.encode("AB") == [65, 66] and len(t) == 257
+
+
+def test_greedy_continuation_is_stable(llm):
+    out = llm.generate(GREEDY_PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    print(repr(out.outputs[0].text))
+    assert out.outputs[0].text == GREEDY_EXPECTED
+
+
+def _dictionary():
+    from english_words import get_english_words_set
+    return get_english_words_set(["web2", "gcide"], lower=True)
+
+
+def _is_word(w: str, words: set[str]) -> bool:
+    """In the word list, or an inflection of a word in it (the lists hold lemmas: 'return', not 'returns')."""
+    if w in words:
+        return True
+    for suffix, repl in (("ies", "y"), ("es", ""), ("s", ""), ("ed", ""), ("ed", "e"), ("ing", ""), ("ing", "e"),
+                         ("ly", ""), ("er", ""), ("est", "")):
+        if w.endswith(suffix) and len(w) > len(suffix) + 2 and w[:-len(suffix)] + repl in words:
+            return True
+    return False
+
+
+def test_most_generated_words_are_english(llm):
+    words = _dictionary()
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=64)
+    outs = llm.generate(WORD_PROMPTS, params, use_tqdm=False)
+    text = " ".join(o.outputs[0].text for o in outs)
+    found = [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
+    found = [w for w in found if len(w) > 1 or w in ("a", "i")]
+    share = sum(_is_word(w, words) for w in found) / len(found)
+    print(f"\n{share:.1%} of {len(found)} generated words are dictionary words (english-words web2+gcide, "
+          f"with inflections), sampled at temperature 0.8, top-p 0.95")
+    assert len(found) > 100 and share >= 0.9  # measured 99.6 % of 285 words
