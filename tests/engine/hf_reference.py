@@ -13,13 +13,17 @@ def hf_model(path: str):
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The argmax of transformers' logits at every step, through its own KV cache; <|endoftext|> is
+    an ordinary token here, as with the engine's ignore_eos (generate's min_new_tokens would mask it
+    out, which a trained model, unlike a random one, often picks)."""
     model = hf_model(path)
     outs = []
     with torch.inference_mode():
         for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                               pad_token_id=model.config.eos_token_id)
-            outs.append(y[0, len(ids):].tolist())
+            out = model(torch.tensor([ids]), use_cache=True)
+            new = []
+            for _ in range(max_new_tokens):
+                new.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([[new[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            outs.append(new)
     return outs
