@@ -11,14 +11,17 @@ from engine import LLM, Hooks, SamplingParams
 from tracer.session import TraceSession
 
 SHARED = "A shared prefix, a shared prefix! "
+# The byte-level random model: the prompts were sized in bytes to make this run preempt, share prefix
+# blocks and chunk a prefill; the TUI's panels do not depend on what the text says.
+MODEL = "tiny-gpt2-random"
 PROMPTS = {"req-0": SHARED + "one", "req-1": SHARED + "two", "req-2": "Hello there", "req-3": "x" * 30}
 
 
 def record(path: Path) -> Path:
     raw = path.with_suffix(".raw.jsonl")
     hooks = Hooks()
-    session = TraceSession(hooks, trace_file=raw, control=False, model="tiny-gpt2")
-    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=25, max_num_batched_tokens=24,
+    session = TraceSession(hooks, trace_file=raw, control=False, model=MODEL)
+    llm = LLM(MODEL, hooks=hooks, block_size=4, num_kv_blocks=25, max_num_batched_tokens=24,
               attention_backend="triton", device="cpu")
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
