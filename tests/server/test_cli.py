@@ -74,7 +74,10 @@ def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path):
 
         import httpx
         r = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
-        assert r.json()["count"] == len("<user>Hi<assistant>")  # the --chat-template file is used
+        from engine.builtin_model import builtin_path
+        from engine.tokenizer import load_tokenizer
+        want = len(load_tokenizer(builtin_path()).encode("<user>Hi<assistant>"))
+        assert r.json()["count"] == want  # the --chat-template file is used
         body = {"model": "tiny", "prompt": "Hi", "max_tokens": 150, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
