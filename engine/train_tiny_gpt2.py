@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
-        bar.set_postfix(train=f"{smooth:.3f}", tok_s=f"{(step + 1) * cfg.batch_size * cfg.seq_len / (time.perf_counter() - t_train):.0f}")
+        tok_s = (step + 1) * cfg.batch_size * cfg.seq_len / (time.perf_counter() - t_train)
+        bar.set_postfix(train=f"{smooth:.3f}", tok_s=f"{tok_s:.0f}")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             v = evaluate(model, val, cfg)
             log.append({"step": step + 1, "train": round(smooth, 4), "val": round(v, 4)})

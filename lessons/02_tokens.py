@@ -90,7 +90,8 @@ def run(lesson) -> None:
     word = "".join(tok.convert_ids_to_tokens(tok.encode(WORD)))  # the word as vocabulary characters (Ġ...)
     steps = bpe_steps(word, ranks)
     n_word = len(tok.encode(WORD))
-    lesson.say(f"**How `{WORD.strip()}` (with its space) became {n_word} token{'s' if n_word > 1 else ''}.** BPE training counted adjacent pairs in the corpus and "
+    plural = "s" if n_word > 1 else ""
+    lesson.say(f"**How `{WORD.strip()}` (with its space) became {n_word} token{plural}.** BPE training counted adjacent pairs in the corpus and "
                f"merged the most frequent one, {len(merges)} times; the order is the merge list. Encoding a "
                "word replays it: start from the bytes, and merge the pair that was learned earliest, until no "
                "learned pair is left.")
@@ -122,7 +123,8 @@ def run(lesson) -> None:
 
     # ---- streaming: the engine's real detokenizer ----
     emoji_at = len(steer) - len(e_ids)
-    lesson.check(steer[emoji_at:] == e_ids, f"{STEER!r} is {len(steer)} tokens and ends in the emoji's {len(e_ids)} byte tokens")
+    lesson.check(steer[emoji_at:] == e_ids,
+                 f"{STEER!r} is {len(steer)} tokens and ends in the emoji's {len(e_ids)} byte tokens")
     lesson.say(
         "Now the engine generates. To make it write a character that spans several tokens (the model learned "
         "from documentation and writes emoji as rarely as its text did), we **steer its sampler**: each step, "
@@ -172,8 +174,8 @@ def run(lesson) -> None:
     lesson.done(
         "Text becomes ids on the way in: byte-level BPE merges common byte sequences (words, with their "
         "leading space as `Ġ`) into single tokens and leaves anything else as bytes, so every text has ids. "
-        "Ids become text on the way out. Decoding cannot be done one token at a time: a character may span several tokens, so the "
-        "detokenizer holds back incomplete bytes and streams each character once it is whole. Decoding "
+        "Ids become text on the way out. Decoding cannot be done one token at a time: a character may span "
+        "several tokens, so the detokenizer holds back incomplete bytes and streams each character once it is whole. Decoding "
         "everything at the end gives the same text.")
 
 

@@ -51,7 +51,7 @@ def test_rare_characters_fall_back_to_bytes(tok, text):
 def test_bpe_vocabulary(tok):
     assert 2048 <= len(tok) <= 8192
     assert tok.convert_tokens_to_ids(EOT) == tok.eos_token_id
-    assert tok.encode("Hi " + EOT) [-1] == tok.eos_token_id  # the special token is parsed in text
+    assert tok.encode("Hi " + EOT)[-1] == tok.eos_token_id  # the special token is parsed in text
     assert tok.convert_ids_to_tokens(tok.encode(" the")) == ["Ġthe"]  # a merge with its leading space
     assert sum(t.startswith("Ġ") for t in tok.get_vocab()) > 500
     for emoji in "👋🐍🎉":  # no merge covers them: one token per UTF-8 byte
