@@ -56,10 +56,11 @@ class Live:
 @pytest.fixture
 def live(model_cache):
     hooks = Hooks()
-    session = TraceSession(hooks, start_paused=True, model="tiny-gpt2")
-    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=64)
+    # the byte-level random model: these tests count prompt tokens as bytes
+    session = TraceSession(hooks, start_paused=True, model="tiny-gpt2-random")
+    llm = LLM("tiny-gpt2-random", hooks=hooks, block_size=4, num_kv_blocks=64)
     engine = AsyncLLMEngine(llm.llm_engine, drain_timeout=0).start()
-    source = LiveSource(session, SourceInfo("live", "tiny-gpt2", "cpu", "torch"), engine)
+    source = LiveSource(session, SourceInfo("live", "tiny-gpt2-random", "cpu", "torch"), engine)
     yield Live(session, engine, source, TraceApp(source, initial_pane="requests"))
     session.close()
     engine.stop(drain_timeout=0)
