@@ -172,6 +172,10 @@ class LLMEngine:
             info |= self.model_runner.warm_up(self.max_model_len)
         return info
 
+    def held_attention_on_triton(self) -> dict:
+        """A utility for viewers: see ModelRunner.held_attention_on_triton."""
+        return self.model_runner.held_attention_on_triton()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
