@@ -69,7 +69,10 @@ class ReplaySource(Source):
     async def travel(self, where: str) -> None:
         r = self.replay
         if where == "back":
+            before = r.step
             r.prev()
+            if before is not None and r.step == before:  # at `end`, past the last step's end: one more
+                r.prev()
         elif where == "forward":
             r.next()
         elif where == "home":
