@@ -126,6 +126,8 @@ async def test_t_runs_the_held_attention_launch_through_the_triton_kernel(live):
             await pilot.press("k")
             stop = await live.held()
         assert stop.info["name"] == "unified_attention_ref"
+        await live.settle(pilot)
+        assert footer_shows(live.app, "t", "on Triton")
         await pilot.press("t")
         panel = live.app.query_one(KernelsPanel)
         for _ in range(600):  # interpreted on the CPU: a few seconds on a busy machine
@@ -224,7 +226,7 @@ async def test_question_mark_explains_every_panel_and_key(live):
         await pilot.press("question_mark")
         assert isinstance(live.app.screen, HelpScreen)
         text = live.app.screen.query_one("Markdown").source
-        for word in ("Requests", "KV cache", "Step", "Kernels", "Log", "Startup", "`space`", "`n`", "`s`", "`k`",
+        for word in ("Overview", "Requests", "KV cache", "Step", "Kernels", "Log", "Startup", "`space`", "`n`", "`s`", "`k`", "`t`", "`tab`",
                      "`b`", "`enter`", "`/`", "`ctrl+p`", "`q`", "`←` / `→`"):
             assert word in text
         await pilot.press("escape")

@@ -82,6 +82,7 @@ class TraceApp(App):
         self._initial_pane = initial_pane or ("overview" if source.info.mode == "replay" else "startup")
         self._busy = False  # the engine had requests at the last refresh
         self._chosen_at = -1e9  # when the user last chose a panel (monotonic seconds)
+        self._held_name: str | None = None  # the launch the engine is held before
     # ---- layout ----------------------------------------------------------------------------
     def compose(self):
         info = self.source.info
@@ -120,6 +121,10 @@ class TraceApp(App):
             return False
         if action in PANE_ACTIONS and (len(self.screen_stack) > 1 or isinstance(self.focused, Input)):
             return False  # the key goes on to the dialog or the field being typed in
+        if action == "triton" and self.frame is not None:
+            from tracer.tui.widgets.kernels import held_launch
+            held = held_launch(self.frame) or {}
+            return True if str(held.get("name", "")).startswith("unified_attention") else None  # None: dimmed
         return True
 
     # ---- the refresh -----------------------------------------------------------------------
@@ -138,6 +143,10 @@ class TraceApp(App):
         if controller.get("paused"):
             self.stepping = False
         self.frame = frame = Frame.of(state, controller, self.source.now_ns(), self.selected)
+        held = (frame.state.paused_at or {}).get("info", {}).get("name") if controller.get("paused") else None
+        if held != self._held_name:  # the footer shows `t` only before an attention launch
+            self._held_name = held
+            self.refresh_bindings()
         self.header.connection = self.source.disconnected()
         self.header.show(frame, self.stepping)
         self.log_panel.feed(self.source.take_events())
@@ -149,8 +158,13 @@ class TraceApp(App):
         if isinstance(self.screen, RequestScreen):
             self.screen.show(frame)
         else:
-            self.active_panel().show(frame, force=went_idle)
+            self._show(self.active_panel(), frame, went_idle)
         self.ticks += 1
+
+    @staticmethod
+    def _show(panel: Panel, frame: Frame, force: bool) -> None:
+        if panel.is_mounted:  # (its widgets are built after the first refresh under load)
+            panel.show(frame, force=force)
 
     def _may_follow(self) -> bool:
         return (self.source.info.mode != "replay" and len(self.screen_stack) == 1
@@ -176,7 +190,7 @@ class TraceApp(App):
         if event.pane.id != self.panes.active:
             return  # an older switch: the panel now active has had (or will have) its own
         if self.frame is not None:
-            panel.show(self.frame, force=True)
+            self._show(panel, self.frame, True)
         if len(self.screen_stack) == 1:
             panel.focus_list()
 

@@ -26,6 +26,21 @@ class SourceInfo:
     url: str | None = None  # where to send requests (live, attach) or the trace file (replay)
 
 
+def engine_identity(state: TraceState, fallback: tuple[str, str] = ("?", "?")) -> tuple[str, str]:
+    """(device, attention backend) the engine really uses, from its startup stages (the config
+    may say None or auto); `fallback` while they have not been seen."""
+    device, backend = fallback
+    cfg = state.engine_config or {}
+    device = (cfg.get("model") or {}).get("device") or device
+    backend = cfg.get("attention_backend") or backend
+    for st in state.startup:
+        if st["stage"] == "model_load":
+            device, backend = st.get("device", device), st.get("attention_backend", backend)
+        elif st["stage"] == "kernel_warmup" and st.get("backend"):
+            backend = st["backend"]
+    return device, backend
+
+
 @dataclass
 class EventBatch:
     events: list[Event] = field(default_factory=list)

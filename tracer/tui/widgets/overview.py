@@ -70,7 +70,7 @@ def overview(frame: Frame, width: int, height: int) -> Text:
     t.append(" " * max(3, width - len(head) - len(gauge)) if width >= len(head) + len(gauge) + 3 else "\n")
     t.append_text(gauge)
     # rows for the two queues: what is left after the fixed lines, shared, each at least 2
-    fixed = 9 + min(4, len({k["name"] for k in s.kernels}))
+    fixed = 10 + min(4, len({k["name"] for k in s.kernels}))
     budget = max(4, height - fixed)
     n_run = min(len(s.running), max(2, budget - min(len(s.waiting), budget // 2)))
     n_wait = min(len(s.waiting), max(2, budget - n_run))
@@ -78,7 +78,7 @@ def overview(frame: Frame, width: int, height: int) -> Text:
     t.append("\n\nrunning", "bold green")
     t.append(f"  ({plural(len(s.running), 'request')} in the batch the scheduler keeps)\n" if s.running
              else "  (none: no request holds KV blocks)\n", "dim")
-    idw = min(24, max([10] + [len(r) for r in s.running[:n_run] + s.waiting[:n_wait]]))
+    idw = min(24, max([10] + [len(r) for r in s.running[:n_run] + s.waiting[:n_wait] + s.finished[-3:]]))
     for rid in s.running[:n_run]:
         r = s.requests[rid]
         out = f"{len(r.output_token_ids)}/{r.max_tokens}" if r.max_tokens else str(len(r.output_token_ids))
@@ -103,6 +103,17 @@ def overview(frame: Frame, width: int, height: int) -> Text:
         t.append(f"  {waiting_why(frame, r) or 'arrived after this step was scheduled'}\n", "yellow")
     if len(s.waiting) > n_wait:
         t.append(f"  … {len(s.waiting) - n_wait} more (Requests, 2)\n", "dim")
+    # the newest finished ones, while there is room (a short request is gone before a key is pressed)
+    n_done = min(len(s.finished), 3, max(0, budget - n_run - n_wait - 1))
+    if n_done:
+        t.append("\nfinished", "bold")
+        t.append(f"  ({len(s.finished)}, newest first)\n", "dim")
+        for rid in reversed(s.finished[-n_done:]):
+            r = s.requests[rid]
+            t.append("  ■ ", frame.color(rid))
+            t.append(f"{rid[:idw]:<{idw}}", "bold" if rid == frame.selected else "")
+            t.append(f"  {len(r.output_token_ids)} tokens out, {r.finish_reason or '?'}", "dim")
+            t.append(f"  {r.text[:max(0, width - idw - 30)]!r}\n" if r.text else "\n", "green")
     t.append("\n")
     snap = s.snapshot if s.snapshot_step == s.step and s.snapshot else None
     if s.step is None:
