@@ -81,6 +81,7 @@ class TraceApp(App):
         self._timer = None
         self._initial_pane = initial_pane or ("overview" if source.info.mode == "replay" else "startup")
         self._busy = False  # the engine had requests at the last refresh
+        self._known = 0  # requests the state had at the last refresh
         self._chosen_at = -1e9  # when the user last chose a panel (monotonic seconds)
         self._held_name: str | None = None  # the launch the engine is held before
     # ---- layout ----------------------------------------------------------------------------
@@ -151,8 +152,10 @@ class TraceApp(App):
         self.header.show(frame, self.stepping)
         self.log_panel.feed(self.source.take_events())
         busy = bool(state.waiting or state.running)
-        went_idle, went_busy = self._busy and not busy, busy and not self._busy
-        self._busy = busy
+        arrived = len(state.requests) > self._known  # (a short request may come and go between two refreshes)
+        went_idle = not busy and (self._busy or arrived)
+        went_busy = (busy or arrived) and not self._busy
+        self._busy, self._known = busy, len(state.requests)
         if went_busy and self._may_follow():
             self.show_pane("overview")
         if isinstance(self.screen, RequestScreen):
