@@ -114,7 +114,7 @@ class RequestsPanel(Panel):
             new = [(k, cells_text(list(cells), widths)) for k, cells in found]
             changed = abs(len(new) - len(rows.texts)) + sum(a != b for (_, a), b in zip(new, rows.texts))
             self._busy = changed > BUSY_ROWS
-            if not self._busy or now - self._drawn_at >= 1 / BUSY_HZ:
+            if force or not self._busy or now - self._drawn_at >= 1 / BUSY_HZ:
                 rows.set_rows(cells_text([name for name, _ in COLUMNS], widths), new)
                 self._drawn_at = now
                 if self.following:
