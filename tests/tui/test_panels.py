@@ -10,12 +10,10 @@ import pytest
 from engine import SamplingParams
 from tests.tui.helpers import shown
 from tracer.tui.app import TraceApp
-from tracer.tui.frame import Frame
 from tracer.tui.sources.replay import ReplaySource
 from tracer.tui.widgets.header import StatusHeader
 from tracer.tui.widgets.kv_cache import blocks_per_cell, draw_blocks
 
-pytestmark = pytest.mark.asyncio
 BURST = [f"burst {i}" for i in range(12)]
 
 
@@ -26,6 +24,7 @@ async def run_burst(live, pilot, params=SamplingParams(max_tokens=6, temperature
         assert [o async for o in s][-1].finished
 
 
+@pytest.mark.asyncio
 async def test_every_panel_agrees_with_the_header_after_a_burst(live):
     async with live.app.run_test(size=(120, 36)) as pilot:
         await pilot.pause()
@@ -41,6 +40,7 @@ async def test_every_panel_agrees_with_the_header_after_a_burst(live):
             assert says in shown(live.app.query_one(panel))
 
 
+@pytest.mark.asyncio
 async def test_the_kv_grid_fits_the_screen_and_says_how_many_blocks_a_cell_is(live):
     async with live.app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
@@ -57,6 +57,7 @@ async def test_the_kv_grid_fits_the_screen_and_says_how_many_blocks_a_cell_is(li
         assert "each cell" not in summary and "█ owned" in summary  # 64 blocks: one a cell
 
 
+@pytest.mark.asyncio
 async def test_the_scroll_indicator_leaves_the_column_names_alone_and_the_full_reason_shows(live):
     async with live.app.run_test(size=(160, 20)) as pilot:
         await pilot.pause()
@@ -74,6 +75,7 @@ async def test_the_scroll_indicator_leaves_the_column_names_alone_and_the_full_r
         assert "waiting: not scheduled yet: the engine is held" in detail.text  # in full, beside the list
 
 
+@pytest.mark.asyncio
 async def test_the_header_never_wraps_and_keeps_q_quit(recorded_trace):
     for size in ((80, 24), (100, 30), (160, 48)):
         app = TraceApp(ReplaySource.load(recorded_trace))
@@ -103,7 +105,3 @@ def test_the_startup_hint_names_a_real_command():
         resolve("./nonexistent-model")
     assert "vllm-trace serve tiny-gpt2" in str(e.value) and "--model" not in str(e.value)
 
-
-def test_frame_is_plain():  # (the panels read only what the trace says: a Frame of a TraceState)
-    from tracer.state import TraceState
-    assert Frame.of(TraceState(), {}, 0, None).state.step is None
