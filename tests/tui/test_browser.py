@@ -5,6 +5,7 @@ terminal object where the test can reach it. Load the page, see the header, send
 with curl's equivalent and see its id, press a key and see it act."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -36,9 +37,10 @@ def test_the_browser_view_shows_requests_and_takes_keys(model_cache, tmp_path):
     port, web_port = free_port(), free_port()
     url, web = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{web_port}"
     log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "tracer.cli", "serve", "tiny-gpt2", "--no-tui", "--port", str(port),
-                               "--web-port", str(web_port), "--num-kv-blocks", "64"], cwd=ROOT, stderr=log,
-                              stdout=log, env={**__import__("os").environ, "VLLM_TRACE_CACHE": model_cache})
+    command = [sys.executable, "-m", "tracer.cli", "serve", "tiny-gpt2", "--no-tui", "--port", str(port),
+               "--web-port", str(web_port), "--num-kv-blocks", "64"]
+    server = subprocess.Popen(command, cwd=ROOT, stderr=log, stdout=log,
+                              env={**os.environ, "VLLM_TRACE_CACHE": model_cache})
     try:
         wait_for(lambda: healthy(url), 90, "the server")
         wait_for(lambda: _answers(web), 30, "the browser view")

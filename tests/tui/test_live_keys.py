@@ -226,7 +226,8 @@ async def test_question_mark_explains_every_panel_and_key(live):
         await pilot.press("question_mark")
         assert isinstance(live.app.screen, HelpScreen)
         text = live.app.screen.query_one("Markdown").source
-        for word in ("Overview", "Requests", "KV cache", "Step", "Kernels", "Log", "Startup", "`space`", "`n`", "`s`", "`k`", "`t`", "`tab`",
+        for word in ("Overview", "Requests", "KV cache", "Step", "Kernels", "Log", "Startup", "`space`", "`n`", "`s`",
+                     "`k`", "`t`", "`tab`",
                      "`b`", "`enter`", "`/`", "`ctrl+p`", "`q`", "`←` / `→`"):
             assert word in text
         await pilot.press("escape")

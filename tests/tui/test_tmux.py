@@ -97,7 +97,7 @@ def test_serve_shows_a_curl_request_in_the_terminal(model_cache, tmp_path):
 
         tmux("send-keys", "-t", f"{SESSION}:0", "2")  # the Requests panel; at 160 columns the detail is beside it
         try:
-            screen = wait_for(lambda: "why waiting" in pane() and rid in pane() and text.strip()[:8] in pane() and pane(),
+            screen = wait_for(lambda: all(w in pane() for w in ("why waiting", rid, text.strip()[:8])) and pane(),
                               15, "")
         except AssertionError:
             raise AssertionError(f"request {rid} and its text {text!r} are not on screen:\n{pane()}") from None

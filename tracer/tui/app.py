@@ -70,10 +70,12 @@ class TraceApp(App):
           for i, (pane, title) in enumerate(PANES)],
     ]
 
-    def __init__(self, source: Source, initial_pane: str | None = None, refresh_hz: float = REFRESH_HZ):
+    def __init__(self, source: Source, initial_pane: str | None = None, refresh_hz: float = REFRESH_HZ,
+                 follow: bool = True):
         super().__init__()
         self.source = source
         self.refresh_hz = refresh_hz
+        self.follow = follow  # open the Overview when the engine goes busy (a benchmark keeps its panel)
         self.selected: str | None = None
         self.stepping = False
         self.ticks = 0  # refreshes done (the overhead benchmark counts them)
@@ -125,7 +127,7 @@ class TraceApp(App):
         if action == "triton" and self.frame is not None:
             from tracer.tui.widgets.kernels import held_launch
             held = held_launch(self.frame) or {}
-            return True if str(held.get("name", "")).startswith("unified_attention") else None  # None: dimmed
+            return str(held.get("name", "")).startswith("unified_attention")  # (the footer shows t only then)
         return True
 
     # ---- the refresh -----------------------------------------------------------------------
@@ -170,7 +172,7 @@ class TraceApp(App):
             panel.show(frame, force=force)
 
     def _may_follow(self) -> bool:
-        return (self.source.info.mode != "replay" and len(self.screen_stack) == 1
+        return (self.follow and self.source.info.mode != "replay" and len(self.screen_stack) == 1
                 and not isinstance(self.focused, Input) and time.monotonic() - self._chosen_at > FOLLOW_QUIET)
 
     def active_panel(self) -> Panel:

@@ -17,7 +17,7 @@ import contextlib
 import logging
 
 from tracer.tui.app import TraceApp
-from tracer.tui.sources.base import SourceInfo
+from tracer.tui.sources.base import SourceInfo, engine_identity
 from tracer.tui.sources.live import LiveSource
 
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
@@ -81,8 +81,9 @@ class LiveTui:
         return self.ui.done()
 
     def engine_ready(self, async_engine) -> None:
-        info = live_info(async_engine, self.source.info.model, self.source.info.url)
-        self.source.info.device, self.source.info.backend = info.device, info.backend
+        # device and backend: from the engine's own startup stages (the trace), not its objects
+        info = self.source.info
+        info.device, info.backend = engine_identity(self.source.refresh(), (info.device, info.backend))
         self.source.async_engine = async_engine
 
     async def close(self) -> None:

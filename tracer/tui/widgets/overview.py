@@ -37,8 +37,8 @@ def kv_gauge(frame: Frame, width: int = 20) -> Text:
     used = total - s.stats.get("num_free_blocks", total)
     usage = used / total
     filled = round(usage * width)
-    return Text.assemble("KV cache ", ("█" * filled, "green" if usage < 0.8 else "red"), ("░" * (width - filled), "dim"),
-                         f" {usage:.0%} · {used}/{total} blocks")
+    return Text.assemble("KV cache ", ("█" * filled, "green" if usage < 0.8 else "red"),
+                         ("░" * (width - filled), "dim"), f" {usage:.0%} · {used}/{total} blocks")
 
 
 def this_step(frame: Frame) -> dict:
@@ -127,13 +127,18 @@ def overview(frame: Frame, width: int, height: int) -> Text:
         t.append(f"step {s.step}", "bold")
         t.append(f" ({s.phase}) batch: {plural(len(kinds), 'request')}, {kinds.count('prefill')} prefill "
                  f"{kinds.count('decode')} decode, {snap.get('num_scheduled_tokens', 0)}/"
-                 f"{snap.get('token_budget', 0)} tokens (Step, 4)\n")
+                 f"{snap.get('token_budget', 0)} tokens" + (" (Step, 4)\n" if width >= 100 else "\n"))
     if s.kernels:
         t.append(f"kernels of step {s.step}", "bold")
         t.append(f"  ({plural(len(s.kernels), 'launch')}; Kernels, 5)\n", "dim")
         for line in kernel_lines(frame, 4):
             t.append_text(line)
             t.append("\n")
+    elif s.kernel_history:  # mid-step (the launches are published once the forward pass is done): the last step's
+        t.append("kernels of the last step", "bold")
+        t.append("  (all layers; Kernels, 5)\n", "dim")
+        for name, times in list(s.kernel_history.items())[:4]:
+            t.append(f"  {name:<24}        {fmt_ns(times[-1]):>9} total\n")
     elif s.step is not None:
         t.append("kernels", "bold")
         t.append("  no launch yet in this step\n", "dim")
