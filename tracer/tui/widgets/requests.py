@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 
+from rich.text import Text
 from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import Input
 
 from tracer.tui.fmt import fmt_age_coarse, shorten, status_text
 from tracer.tui.frame import Frame
+from tracer.tui.widgets.lines import FixedText
 from tracer.tui.widgets.panel import Panel
 from tracer.tui.widgets.request_detail import RequestDetail, waiting_why
 from tracer.tui.widgets.rows import RowList, cell, cells_text
@@ -69,6 +71,7 @@ class RequestsPanel(Panel):
         with Horizontal():
             yield RowList(id="requests-table")
             yield RequestDetail(id="requests-detail")
+        yield FixedText(id="requests-why")  # narrow: the selected request's reason, in full
 
     def on_mount(self) -> None:
         self.query_one("#requests-filter").display = False
@@ -81,6 +84,7 @@ class RequestsPanel(Panel):
 
     def on_resize(self) -> None:
         self.query_one(RequestDetail).display = self.wide
+        self.query_one("#requests-why").display = not self.wide
 
     @staticmethod
     def widths(keys: list[str], width: int) -> list[int]:
@@ -123,6 +127,12 @@ class RequestsPanel(Panel):
         if detail.display:
             detail.request_id = frame.selected
             detail.show(frame)
+        else:
+            r = frame.state.requests.get(frame.selected) if frame.selected else None
+            why = waiting_why(frame, r) if r is not None else ""
+            self.query_one("#requests-why", FixedText).update(
+                Text.assemble((f"{frame.selected}: ", "bold"), (why, "yellow"), ("  (enter: its detail)", "dim"))
+                if why else Text("enter: the selected request's detail", "dim"))
 
     def _follow_newest(self, frame: Frame, rows: RowList) -> None:
         active = set(frame.state.running) | set(frame.state.waiting)
