@@ -32,7 +32,7 @@ from tracer.tui.widgets.kernels import KernelsPanel
 from tracer.tui.widgets.kv_cache import KVCachePanel
 from tracer.tui.widgets.log import LogPanel
 from tracer.tui.widgets.overview import OverviewPanel
-from tracer.tui.widgets.panel import Panel
+from tracer.tui.widgets.panel import WIDE, Panel  # noqa: F401  (WIDE: lessons.tui lays out by it too)
 from tracer.tui.widgets.requests import RequestsPanel
 from tracer.tui.widgets.startup import StartupPanel
 from tracer.tui.widgets.step import StepPanel
@@ -172,7 +172,7 @@ class TraceApp(App):
             panel.show(frame, force=force)
 
     def _may_follow(self) -> bool:
-        return (self.follow and self.source.info.mode != "replay" and len(self.screen_stack) == 1
+        return (self.follow and self.source.info.mode in ("live", "attach") and len(self.screen_stack) == 1
                 and not isinstance(self.focused, Input) and time.monotonic() - self._chosen_at > FOLLOW_QUIET)
 
     def active_panel(self) -> Panel:

@@ -41,9 +41,11 @@ def engine_mode(frame: Frame, stepping: bool, mode: str, connected: bool = True)
 def held_text(frame: Frame) -> str:
     """'held before step 4: n runs it, … (you paused (space))'."""
     c = frame.controller
+    if c.get("point") not in POINTS:  # a point a source defines itself (a lesson's checkpoint)
+        return f"held at {c.get('point')}: {c.get('reason') or ''}"
     info = (frame.state.paused_at or {}).get("info") or {}
     step = c.get("step") if c.get("step") is not None else frame.state.step
-    what = POINTS.get(c.get("point"), "at {point}").format(step=step, point=c.get("point"), name=info.get("name", "?"),
+    what = POINTS[c.get("point")].format(step=step, point=c.get("point"), name=info.get("name", "?"),
                                                            layer=info.get("layer_idx", "?"))
     if c.get("point") == "kernel" and str(info.get("name", "")).startswith("unified_attention"):
         what += ", t runs it on Triton"

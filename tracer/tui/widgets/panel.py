@@ -31,7 +31,9 @@ class Panel(Vertical):
 
     @property
     def wide(self) -> bool:
-        return self.app.size.width >= WIDE
+        """Room to put things side by side: the panel's own width (a lesson's narration may
+        take part of the terminal), plus the tab's padding, against WIDE terminal columns."""
+        return self.size.width + 2 >= WIDE
 
     def open_filter(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no filter")
