@@ -40,7 +40,7 @@ def register(sub) -> None:
     h.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network, where trace "
                         "control then needs --api-key)")
-    h.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    h.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0 picks a free one)")
     h.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` and /v1/models lists (default: MODEL)")
     h.add_argument("--api-key", default=None,
@@ -68,8 +68,22 @@ def register(sub) -> None:
     t.add_argument("--no-tui", action="store_true",
                    help="headless: print startup and logs only (default: the TUI, from the first startup "
                         "stage on, when run in a terminal; `vllm-trace attach` opens it on a headless server)")
+    t.add_argument("--web-port", type=port_number, default=None, metavar="PORT",
+                   help="also serve the TUI in a browser on http://127.0.0.1:PORT (textual-serve; each tab runs "
+                        "its own `vllm-trace attach`), with or without the terminal TUI")
     add_engine_args(p)
     p.set_defaults(handler=run)
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range (0-65535)")
+    return port
 
 
 def _fmt_details(stage: str, d: dict) -> str:
@@ -84,7 +98,12 @@ def _fmt_details(stage: str, d: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in d.items() if k not in ("seconds", "ok"))
 
 
+_SHOW_STAGES = True  # off while the TUI owns the terminal: its Startup panel shows them
+
+
 def _stage(name: str, seconds: float, details: str = "") -> None:
+    if not _SHOW_STAGES:
+        return
     print(f"  {name:<16} {seconds * 1000:8.1f} ms  {details}", file=sys.stderr, flush=True)
 
 
@@ -142,15 +161,18 @@ def run(args: argparse.Namespace) -> int:
     from tracer.tracelog import check_layers
 
     t0 = time.perf_counter_ns()
-    print(f"vllm-trace serve {args.model}", file=sys.stderr)
     if args.no_trace and (args.trace_file or args.start_paused or args.trace_log or args.trace_log_layers):
         raise ValueError("--no-trace cannot be combined with --trace-file, --start-paused or --trace-log")
     if args.no_trace and not args.no_tui:
         raise ValueError("--no-trace turns the tracer off, and the TUI is its view: add --no-tui")
-    if not args.no_tui and not (sys.stdin.isatty() and sys.stdout.isatty()):
-        print("vllm-trace serve: no terminal to draw the TUI in (stdin or stdout is not a TTY): "
+    if not args.no_tui and not (sys.stdin.isatty() and sys.stdout.isatty() and sys.stderr.isatty()):
+        print("vllm-trace serve: no terminal to draw the TUI in (stdin, stdout or stderr is not a TTY): "
               "running headless, as with --no-tui (`vllm-trace attach` opens the TUI)", file=sys.stderr)
         args.no_tui = True
+    global _SHOW_STAGES
+    _SHOW_STAGES = args.no_tui
+    if args.no_tui:
+        print(f"vllm-trace serve {args.model}", file=sys.stderr)
     layers = check_layers(args.trace_log_layers.split(",")) if args.trace_log_layers else None
     sock = _bind(args.host, args.port)  # before loading anything: a busy port fails fast
     t_args = time.perf_counter_ns()
@@ -258,10 +280,24 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
     if hooks.active: hooks.emit("cli", "http_ready", END, seconds=time.perf_counter() - t_http, url=url)
     if hooks.active: hooks.emit("cli", "serve", BEGIN, model=args.model, served_model_name=name, host=args.host, port=sock.getsockname()[1], url=url)
     _banner(args, name, url, control_refusal(args.host, args.api_key), session)
-    if tui is None:
-        await serving
-    else:
-        await tui.run(server, serving)
+    web = None
+    if args.web_port is not None:
+        from tracer.tui.web import WebView
+        web = await WebView(url, args.web_port, args.api_key).start()
+        if tui is None:
+            print(f"  browser view: {web.url} (the TUI, one `vllm-trace attach` per tab)", file=sys.stderr)
+        else:
+            tui.app.notify(f"browser view: {web.url}", timeout=15)
+    try:
+        if tui is None:
+            await serving
+        else:
+            await tui.run(server, serving)
+    finally:
+        if web is not None:
+            await web.stop()
+    if tui is not None:
+        print(tui.summary(args.trace_file), file=sys.stderr)
     if hooks.active: hooks.emit("cli", "serve", END)
     if server.force_exit:
         print("vllm-trace serve: stopped at a second Ctrl-C (requests in flight were aborted)", file=sys.stderr)
