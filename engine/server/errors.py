@@ -5,19 +5,22 @@ are 400, as in vLLM and OpenAI, rather than FastAPI's default 422.
 """
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 from engine.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
-               404: "invalid_request_error", 503: "service_unavailable", 500: "internal_error"}
+               404: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+               503: "service_unavailable", 500: "internal_error"}
 
 
 class APIError(Exception):
@@ -31,7 +34,15 @@ class APIError(Exception):
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status)
+        return ErrorJSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+class ErrorJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a message quoting what a client sent can then never fail
+    to encode (a lone surrogate has no UTF-8 form, yet ``"\\ud800"`` is valid JSON)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def bad_request(e: ValueError) -> APIError:
@@ -67,7 +78,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        resp = APIError(exc.status_code, str(exc.detail)).response()
+        message, limit = str(exc.detail), request.scope.get(MAX_BODY_SIZE_SCOPE_KEY)
+        if exc.status_code == 413 and limit is not None:
+            message = (f"the request body is larger than this server accepts ({limit:,} bytes; "
+                       f"serve --max-request-body-mib raises it)")
+        resp = APIError(exc.status_code, message, code="body_too_large" if exc.status_code == 413 else None).response()
         resp.headers.update(exc.headers or {})
         return resp
 
