@@ -31,6 +31,7 @@ from tracer.events import Event, json_safe
 
 FINISHED = "FINISHED"
 MAX_FINISHED = 256  # finished requests a live state keeps (the TUI lists the latest 100)
+FOLLOW_INTERVAL = 0.1  # s between folds of a LiveState that follows the bus by itself
 
 
 @dataclass
@@ -494,6 +495,8 @@ class LiveState:
         self._sub = bus.subscribe(from_start=from_start)
         self._lock = threading.Lock()
         self.state = TraceState(max_finished=max_finished)
+        self._follower: threading.Thread | None = None
+        self._follower_stop = threading.Event()
 
     @property
     def max_finished(self) -> int | None:
@@ -506,6 +509,25 @@ class LiveState:
         with self._lock:
             self.state.max_finished = n
             trim_finished(self.state)
+
+    def follow(self, interval: float = FOLLOW_INTERVAL) -> None:
+        """Fold in a daemon thread every `interval` s, so a reader never meets a backlog
+        (``serve`` does this: 2,000 requests unread took ~5 s to fold at the first
+        /trace/state; a TUI already updates ten times a second). ``stop_following`` ends it."""
+        if self._follower is None:
+            self._follower_stop.clear()
+            self._follower = threading.Thread(target=self._follow, args=(interval,), name="trace-state", daemon=True)
+            self._follower.start()
+
+    def stop_following(self) -> None:
+        self._follower_stop.set()
+        if self._follower is not None:
+            self._follower.join()
+            self._follower = None
+
+    def _follow(self, interval: float) -> None:
+        while not self._follower_stop.wait(interval):
+            self.update()
 
     def update(self, max_events: int | None = None) -> int:
         """Fold the pending events; returns how many."""

@@ -32,7 +32,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from engine.server.errors import ERROR_RESPONSES, APIError
-from engine.server.protocol import ErrorResponse
+from engine.server.protocol import ErrorResponse, Text
 from engine.server.security import require_control, require_trace_read
 from tracer.bus import Subscription
 from tracer.conditions import Condition, parse_condition
@@ -85,10 +85,13 @@ def _stop_dict(stop) -> dict | None:
 async def trace_state(session: SessionDep, request: Request) -> Response:
     """The engine as the tracer sees it now (folded from every event so far; the latest
     finished requests only: see serve --trace-max-finished)."""
+    t = time.perf_counter()
     view = session.state.view()
     body = view.to_json(controller=_status(session.controller),
                         step=request.app.state.server.engine.engine.step_count, seq=session.bus.next_seq)
-    return Response(body, media_type="application/json")
+    # how long the fold's catch-up, the copy and the JSON took (a browser's devtools show it)
+    timing = {"Server-Timing": f"state;dur={(time.perf_counter() - t) * 1000:.1f}"}
+    return Response(body, media_type="application/json", headers=timing)
 
 
 # ---- the event stream -----------------------------------------------------------------------
@@ -189,7 +192,7 @@ class Breakpoint(BaseModel):
 
 
 class ConditionBody(BaseModel):
-    condition: str = Field(description="arrive[:ID], finish[:ID], preempt[:ID], request:ID, layer:LAYER, "
+    condition: Text = Field(description="arrive[:ID], finish[:ID], preempt[:ID], request:ID, layer:LAYER, "
                                        "kernel:NAME or event:LAYER.NAME", examples=["finish"])
 
 

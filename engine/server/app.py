@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from engine.async_engine import AsyncLLMEngine
 from engine.server.chat_template import DEFAULT_CHAT_TEMPLATE
-from engine.server.errors import install_error_handlers
+from engine.server.errors import RefuseLargeBodies, install_error_handlers
 from engine.server.input_processor import InputProcessor
 from engine.server.metrics import ServerMetrics
 from engine.server.routers import completions, health, metrics, models, tokenize
@@ -53,12 +53,14 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
             await async_engine.shutdown()
         processor.close()
 
-    app = FastAPI(title="vllm-trace", version=package_version(), lifespan=lifespan, max_body_size=max_body_size,
+    app = FastAPI(title="vllm-trace", version=package_version(), lifespan=lifespan,
                   description="OpenAI-compatible serving of a traced paged-attention engine.")
     app.state.server = ServerState(engine=async_engine, model_name=served_model_name,
                                    chat_template=chat_template or DEFAULT_CHAT_TEMPLATE, api_key=api_key, host=host,
                                    metrics=ServerMetrics(async_engine, served_model_name), processor=processor)
     install_error_handlers(app)
+    if max_body_size is not None:
+        app.add_middleware(RefuseLargeBodies, max_body_size=max_body_size)
     for router in ROUTERS:
         app.include_router(router)
     return app

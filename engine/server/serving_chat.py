@@ -94,6 +94,7 @@ class _Ctx:
             async for out in stream:
                 pass
         except EngineClosedError as e:
+            self.state.num_cut_at_shutdown += 1
             raise APIError(503, str(e)) from None
         return out
 
@@ -131,7 +132,8 @@ class _Ctx:
             if opts and opts.include_usage and final is not None:
                 yield sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.state.model_name,
                                               choices=[], usage=_usage(final)))
-        except EngineClosedError as e:
+        except EngineClosedError as e:  # the server is shutting down: say so, then [DONE]
+            self.state.num_cut_at_shutdown += 1
             yield sse(APIError(503, str(e)).body())
         except Exception as e:  # the status line is gone already: report it in the stream
             log.exception("chat stream %s failed", self.rid)
