@@ -29,7 +29,7 @@ from typing import Annotated, AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine.server.errors import ERROR_RESPONSES, APIError
 from engine.server.protocol import ErrorResponse, Text
@@ -174,6 +174,12 @@ async def trace_events(session: SessionDep, request: Request,
 
 
 # ---- step control ---------------------------------------------------------------------------
+class EmptyBody(BaseModel):
+    """Pause and resume take no parameters, but their POST must be JSON (``{}``): see
+    engine.server.security.require_control."""
+    model_config = ConfigDict(extra="allow")
+
+
 class StepBody(BaseModel):
     n: int = Field(1, ge=1, description="how many control points of this granularity to run")
     granularity: Literal["step", "phase", "kernel"] = Field(
@@ -204,14 +210,14 @@ def _condition(text: str) -> Condition:
 
 
 @router.post("/pause", dependencies=control, responses=JSON_ONLY)
-async def pause(controller: ControllerDep) -> dict:
+async def pause(controller: ControllerDep, body: EmptyBody | None = None) -> dict:
     """Hold the engine at its next step boundary (new requests still arrive and wait)."""
     controller.pause()
     return {"controller": controller.status()}
 
 
 @router.post("/resume", dependencies=control, responses=JSON_ONLY)
-async def resume(controller: ControllerDep) -> dict:
+async def resume(controller: ControllerDep, body: EmptyBody | None = None) -> dict:
     """Run freely; a pending run_until is disarmed (breakpoints stay)."""
     controller.resume()
     return {"controller": controller.status()}

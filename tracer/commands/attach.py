@@ -19,8 +19,8 @@ def register(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("url", nargs="?", default=DEFAULT_URL, help="the server's base URL")
     p.add_argument("--api-key", default=os.environ.get("VLLM_TRACE_API_KEY"),
-                   help="the server's --api-key, needed for control on a non-loopback server "
-                        "(default: $VLLM_TRACE_API_KEY)")
+                   help="the server's --api-key: a server started with one wants it for every /trace "
+                        "endpoint, reads included (default: $VLLM_TRACE_API_KEY)")
     p.set_defaults(handler=run)
 
 

@@ -60,9 +60,9 @@ def register(sub) -> None:
     h.add_argument("--drain-timeout", type=float, default=5.0,
                    help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish; then each ends with an "
                         "error (a stream: an error event and [DONE]). Again: abort them now (default 5)")
-    h.add_argument("--max-request-body-mib", type=float, default=4.0, metavar="MIB",
-                   help="refuse larger request bodies with 413 as they arrive (default 4 MiB; a max_model_len "
-                        "prompt of GPT-2 tokens is well under 1 MiB)")
+    h.add_argument("--max-request-body-mib", type=float, default=1.0, metavar="MIB",
+                   help="refuse larger request bodies with 413 as they arrive (default 1 MiB; a whole GPT-2 "
+                        "context is some 5 KB of text)")
     h.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level; 'info' logs every request (default warning)")
@@ -266,7 +266,8 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
             in_flight = stats.num_running + stats.num_waiting
             if in_flight:
                 print(f"vllm-trace serve: stopping; {in_flight} request(s) in flight get --drain-timeout "
-                      f"{args.drain_timeout:g} s to finish (a second Ctrl-C or SIGTERM aborts them now)", file=sys.stderr, flush=True)
+                      f"{args.drain_timeout:g} s to finish (a second Ctrl-C or SIGTERM aborts them now)",
+                      file=sys.stderr, flush=True)
             # The drain's deadline is the engine's: it ends what still runs with an error each
             # response reports, before uvicorn's timeout (DRAIN_GRACE later) would cut them.
             drain = asyncio.ensure_future(async_engine.shutdown(args.drain_timeout))

@@ -43,7 +43,8 @@ class StatusHeader(FixedText):
             t.append(f" ({where})", "dim")
         if info.mode == "replay" and c.get("last_step") is not None:
             t.append(f"/{c['first_step']}..{c['last_step']}", "dim")
-        t.append(f"  W{len(s.waiting)} R{len(s.running)} F{max(s.num_finished, len(s.finished))}", "")  # all, not the kept
+        finished = max(s.num_finished, len(s.finished))  # all that finished, not only the ones kept
+        t.append(f"  W{len(s.waiting)} R{len(s.running)} F{finished}", "")
         if info.url:
             t.append("  " + info.url, "underline" if info.mode != "replay" else "")
         if c.get("paused") and c.get("reason"):
