@@ -215,4 +215,4 @@ def test_a_second_sigterm_forces_the_exit(model_cache):
     finally:
         proc.kill()
     assert all(lines[-1] == "[DONE]" for lines in results), results
-    assert "stopped at a second signal" in err and "Traceback" not in err, err
+    assert "stopped at a second Ctrl-C or SIGTERM" in err and "Traceback" not in err, err

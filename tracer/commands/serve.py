@@ -309,8 +309,8 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
     if hooks.active: hooks.emit("cli", "serve", END)
     cut = app.state.server.num_cut_at_shutdown
     if server.force_exit:
-        print(f"vllm-trace serve: stopped at a second signal; {cut} response(s) in flight were aborted, each "
-              f"ended with an error", file=sys.stderr)
+        print(f"vllm-trace serve: stopped at a second Ctrl-C or SIGTERM; {cut} response(s) in flight were "
+              f"aborted, each ended with an error", file=sys.stderr)
     elif cut:
         print(f"vllm-trace serve: stopped; {cut} response(s) still running at the --drain-timeout deadline "
               f"({args.drain_timeout:g} s) were ended with an error (server shutting down)", file=sys.stderr)
