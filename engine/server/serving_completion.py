@@ -96,6 +96,7 @@ class _Ctx:
                 async for i, out in merged:
                     finals[i] = out
         except EngineClosedError as e:
+            self.state.num_cut_at_shutdown += 1
             raise APIError(503, str(e)) from None
         return finals
 
@@ -121,7 +122,8 @@ class _Ctx:
             if opts and opts.include_usage:
                 yield sse(CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
                                              choices=[], usage=_usage(self.finals)))
-        except EngineClosedError as e:
+        except EngineClosedError as e:  # the server is shutting down: say so, then [DONE]
+            self.state.num_cut_at_shutdown += 1
             yield sse(APIError(503, str(e)).body())
         except Exception as e:  # the status line is gone already: report it in the stream
             log.exception("completion stream %s failed", self.rid)

@@ -24,8 +24,8 @@ def register(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("url", nargs="?", default=DEFAULT_URL, help="the server's base URL")
     p.add_argument("--api-key", default=os.environ.get("VLLM_TRACE_API_KEY"),
-                   help="the server's --api-key, needed for control on a non-loopback server "
-                        "(default: $VLLM_TRACE_API_KEY)")
+                   help="the server's --api-key: a server started with one wants it for every /trace "
+                        "endpoint, reads included (default: $VLLM_TRACE_API_KEY)")
     p.add_argument("--web-port", type=port_number, default=None, metavar="PORT",
                    help="serve this TUI in a browser on http://127.0.0.1:PORT instead of the terminal "
                         "(each browser tab runs its own attach); Ctrl-C stops it")

@@ -140,7 +140,7 @@ class RemoteSource(Source):
 
     # ---- commands ------------------------------------------------------------------------
     async def _post(self, path: str, body: dict | None = None) -> dict:
-        resp = await self.client.post(path, json=body)
+        resp = await self.client.post(path, json={} if body is None else body)  # JSON: the server requires it
         if resp.status_code >= 400:
             raise Unsupported(_error(resp))
         return resp.json() if resp.content else {}

@@ -55,7 +55,8 @@ def held_text(frame: Frame) -> str:
 
 def queue_counts(frame: Frame, short: bool) -> str:
     s = frame.state
-    w, r, f = len(s.waiting), len(s.running), len(s.finished)
+    w, r = len(s.waiting), len(s.running)
+    f = max(s.num_finished, len(s.finished))  # all that finished, not only the ones kept
     return f"W{w} R{r} F{f}" if short else f"waiting {w} · running {r} · finished {f}"
 
 
