@@ -8,8 +8,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import LLM, SamplingParams  # noqa: E402
-from lessons.framework import events_of, main, table  # noqa: E402
+from engine import LLM  # noqa: E402
+from lessons.framework import events_of, greedy, main, table  # noqa: E402
 
 TITLE = "Prefill versus decode"
 SUMMARY = "What a prefill step and a decode step compute, and which is compute-bound or memory-bound, measured."
@@ -29,10 +29,6 @@ def largest_cpu_cache() -> int | None:
         if text.rstrip("KMG").isdigit():
             sizes.append(int(text.rstrip("KMG")) * unit)
     return max(sizes, default=None)
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def step_cost(cfg, weight_bytes: int, queries: list[tuple[int, int]]) -> tuple[int, int]:

@@ -7,17 +7,12 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import SamplingParams  # noqa: E402
-from lessons.framework import main, table  # noqa: E402
+from lessons.framework import greedy, main, table  # noqa: E402
 
 TITLE = "The KV cache: recompute versus cache"
 SUMMARY = "Generate with and without the KV cache: tokens the model runs (quadratic vs linear), time, same output."
 PROMPT_LEN = 64
 GEN = 96
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def count_model_tokens(engine) -> list[int]:

@@ -7,19 +7,14 @@ from rich.markup import escape
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import SamplingParams  # noqa: E402
 from engine.block_manager import NULL_BLOCK_ID  # noqa: E402
 from engine.hooks import SNAPSHOT  # noqa: E402
-from lessons.framework import events_of, main, queues, table  # noqa: E402
+from lessons.framework import events_of, greedy, main, queues, table  # noqa: E402
 
 TITLE = "Slot mapping and the flattened batch"
 SUMMARY = "input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables of one mixed step."
 BLOCK = 16
 BUDGET = 64  # max_num_batched_tokens: small, so prompts are chunked
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def capture_inputs(engine) -> list:

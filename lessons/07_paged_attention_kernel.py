@@ -7,18 +7,13 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 import kernels  # noqa: E402  (turns on Triton's interpreter when there is no GPU)
-from engine import SamplingParams  # noqa: E402
 from kernels import instrument  # noqa: E402
-from lessons.framework import main, table  # noqa: E402
+from lessons.framework import greedy, main, table  # noqa: E402
 
 TITLE = "The paged-attention kernel"
 SUMMARY = "Run the Triton unified-attention kernel on a real batch: grid, one program's work, online softmax."
 BLOCK = 16
 GPU_SMS = 132  # an H100, for the GPU-style launch configuration
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def run(lesson) -> None:

@@ -5,16 +5,11 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import SamplingParams  # noqa: E402
-from lessons.framework import main, queues, table  # noqa: E402
+from lessons.framework import greedy, main, queues, table  # noqa: E402
 
 TITLE = "Continuous batching"
 SUMMARY = "Requests join and leave the running batch step by step; measured against static batching."
 BLOCK = 16
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def prompt(i: int, n: int = 12) -> dict:

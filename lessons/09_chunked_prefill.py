@@ -4,18 +4,14 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import LLM, SamplingParams  # noqa: E402
-from lessons.framework import main, queues, table  # noqa: E402
+from engine import LLM  # noqa: E402
+from lessons.framework import greedy, main, queues, table  # noqa: E402
 
 TITLE = "Chunked prefill and the token budget"
 SUMMARY = "A long prompt is split over steps under max_num_batched_tokens while other requests keep decoding."
 BLOCK = 16
 BUDGET = 64
 LONG = 200
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def run(lesson) -> None:

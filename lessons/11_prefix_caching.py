@@ -4,9 +4,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import SamplingParams  # noqa: E402
 from engine.block_manager import hash_block  # noqa: E402
-from lessons.framework import main, table  # noqa: E402
+from lessons.framework import greedy, main, table  # noqa: E402
 
 TITLE = "Prefix caching"
 SUMMARY = ("A shared system prompt: chained block hashes, cache hits with shared blocks, the last token computed, "
@@ -17,10 +16,6 @@ SYSTEM_TEXT = ("You are a helpful assistant for people who write Python. Answer 
                "and its standard library in plain English, with a short code example when it helps.\n")
 QUESTIONS = {"A": "How do I sort a list of tuples by their second item?", "B": "What does the with statement do?",
              "D": "Why is my loop slow?", "E": "How do I read a file line by line?"}
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def short(h) -> str:

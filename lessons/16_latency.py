@@ -15,22 +15,18 @@ import torch  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from rich.text import Text  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM  # noqa: E402
 from engine.async_engine import AsyncLLMEngine  # noqa: E402
 from engine.kv_cache import bytes_per_block  # noqa: E402
 from engine.server import build_app  # noqa: E402
 from engine.server.background import start_background  # noqa: E402
-from lessons.framework import main, table  # noqa: E402
+from lessons.framework import greedy, main, table  # noqa: E402
 from tracer.commands import bench  # noqa: E402
 
 TITLE = "Latency and its trade-offs"
 SUMMARY = "TTFT, ITL/TPOT, E2E and queue time; chunk size and max_num_seqs trade TTFT against ITL, measured."
 BUDGETS = (32, 64, 128, 512)  # max_num_batched_tokens, the chunk size, for the first sweep
 SEQS = (2, 4, 12)  # max_num_seqs, for the second
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def run(lesson) -> None:

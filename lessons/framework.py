@@ -27,7 +27,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from engine import LLM, Hooks
+from engine import LLM, Hooks, SamplingParams
 from engine.block_manager import NULL_BLOCK_ID
 from engine.request import Request
 from tracer.events import Event
@@ -130,6 +130,11 @@ class Lesson:
 
 
 # ---- state, drawn ------------------------------------------------------------------------------
+def greedy(n: int) -> SamplingParams:
+    """n greedy tokens, EOS ignored: the lessons' runs must have the lengths their checks expect."""
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
 def events_of(session: TraceSession) -> list[Event]:
     """Every event the session's bus still holds, oldest first."""
     return session.bus.subscribe(from_start=True).pull().events
