@@ -6,6 +6,7 @@ a model that cannot load is one clean line, stderr sent to a file gets no escape
 `attach` shows DISCONNECTED when its server stops."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -20,14 +21,26 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SESSION = f"vllm-trace-tui-{os.getpid()}"
+SESSION = "vllm-trace-tui"
+# Each test gets its own tmux server (socket). With one shared server, killing a test's last session makes
+# the server exit while the next test's new-session connects: "server exited unexpectedly" (seen in CI).
+SOCKET = f"vllm-trace-tui-{os.getpid()}"
+_servers = itertools.count()
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None or shutil.which("curl") is None,
                                 reason="needs tmux and curl (apt-get install -y tmux curl)")
 
 
 def tmux(*args: str) -> str:
-    return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
+    return subprocess.run(["tmux", "-L", SOCKET, *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(autouse=True)
+def own_tmux_server():
+    global SOCKET
+    SOCKET = f"vllm-trace-tui-{os.getpid()}-{next(_servers)}"  # short: a socket path has a ~100-byte limit
+    yield
+    subprocess.run(["tmux", "-L", SOCKET, "kill-server"], capture_output=True)
 
 
 def free_port() -> int:
@@ -124,7 +137,7 @@ def test_serve_shows_a_curl_request_in_the_terminal(model_cache, tmp_path):
         summary = wait_for(lambda: "served" in pane() and pane(), 15, "the exit summary")
         assert "9 requests served" in summary and "vllm-trace replay" in summary and "Traceback" not in summary
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
+        subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", SESSION], capture_output=True)
 
 
 @pytest.mark.parametrize("model", ["./nonexistent-model", "no-such-org/no-such-model"])
@@ -137,7 +150,7 @@ def test_a_model_that_cannot_load_is_one_clean_line(model_cache, model):
         assert "Traceback" not in screen and "AttributeError" not in screen, screen
         assert "--model" not in screen  # the hint names a real command
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
+        subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", SESSION], capture_output=True)
 
 
 def test_stderr_to_a_file_runs_headless_without_escape_codes(model_cache, tmp_path):
@@ -152,7 +165,7 @@ def test_stderr_to_a_file_runs_headless_without_escape_codes(model_cache, tmp_pa
         text = log.read_text()
         assert "running headless" in text and "\x1b" not in text, text
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
+        subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", SESSION], capture_output=True)
 
 
 def test_attach_shows_the_disconnect(model_cache):
@@ -171,4 +184,4 @@ def test_attach_shows_the_disconnect(model_cache):
         wait_for(lambda: "DISCONNECTED" in pane(1), 10, "DISCONNECTED")
         assert time.monotonic() - t0 < 2.5  # (polled every 0.2 s)
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
+        subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", SESSION], capture_output=True)

@@ -77,7 +77,6 @@ class RequestsPanel(Panel):
         self.query_one("#requests-filter").display = False
         self._drawn_at = 0.0
         self._busy = False  # the last rows built had many changes: build them at BUSY_HZ only
-        self.following = True  # the cursor stays on the newest active request until the user moves it
 
     def focus_list(self) -> None:
         self.query_one(RowList).focus()
@@ -121,7 +120,7 @@ class RequestsPanel(Panel):
             if force or not self._busy or now - self._drawn_at >= 1 / BUSY_HZ:
                 rows.set_rows(cells_text([name for name, _ in COLUMNS], widths), new)
                 self._drawn_at = now
-                if self.following:
+                if not rows.moved_by_user:  # the cursor stays on the newest active request until then
                     self._follow_newest(frame, rows)
         detail = self.query_one(RequestDetail)
         if detail.display:
@@ -139,9 +138,6 @@ class RequestsPanel(Panel):
         first = next((i for i, k in enumerate(rows.keys) if k in active), None)
         if first is not None and first != rows.cursor:
             rows.move_cursor(first)
-
-    def on_row_list_user_moved(self, event: RowList.UserMoved) -> None:
-        self.following = False
 
     def on_row_list_highlighted(self, event: RowList.Highlighted) -> None:
         self.post_message(self.Selected(event.key))

@@ -74,9 +74,6 @@ class RowList(ScrollView, can_focus=True):
             super().__init__()
             self.row_list, self.key = row_list, key
 
-    class UserMoved(Message):
-        """The user moved the cursor (keys or a click), as opposed to a list that follows."""
-
     class Selected(Message):
         def __init__(self, row_list: "RowList", key: str):
             super().__init__()
@@ -88,6 +85,9 @@ class RowList(ScrollView, can_focus=True):
         self.keys: list[str] = []
         self.texts: list[tuple] = []
         self._cache: dict[tuple, Strip] = {}
+        # Set at once (not by a message) when the user moves the cursor with a key or a click: a list that
+        # follows checks it on its next refresh, which may run before any message posted now is handled.
+        self.moved_by_user = False
 
     @property
     def row_count(self) -> int:
@@ -126,7 +126,7 @@ class RowList(ScrollView, can_focus=True):
             self.cursor = max(0, min(len(self.keys) - 1, row))
 
     def action_move(self, delta: int) -> None:
-        self.post_message(self.UserMoved())
+        self.moved_by_user = True
         self.move_cursor(self.cursor + delta)
 
     def action_select(self) -> None:
@@ -148,7 +148,7 @@ class RowList(ScrollView, can_focus=True):
     def on_click(self, event) -> None:
         row = event.y - 1 + int(self.scroll_offset.y)
         if event.y >= 1 and 0 <= row < len(self.keys):
-            self.post_message(self.UserMoved())
+            self.moved_by_user = True
             if row == self.cursor:
                 self.action_select()
             self.cursor = row
