@@ -80,7 +80,7 @@ async def trace_state(session: SessionDep, request: Request) -> dict:
     """The engine as the tracer sees it now (folded from every event so far)."""
     view = session.state.view()
     return {"state": view.to_dict(), "controller": _status(session.controller),
-            "step": request.app.state.server.engine.engine.step_count, "seq": session.bus.next_seq}
+            "step": request.app.state.server.engine.step_count, "seq": session.bus.next_seq}
 
 
 # ---- the event stream -----------------------------------------------------------------------
