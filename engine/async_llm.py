@@ -72,7 +72,7 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(self.model_path)
         self.stats: EngineStats | None = None
         self.max_model_len = self.num_blocks = self.block_size = None
-        self.device = self.attention_backend = None
+        self.device = self.attention_backend = self.vocab_size = None
         self.processor = OutputProcessor(self.tokenizer, self.hooks)
         self.client = MPClient(config, self._on_message, self._on_dead, core_options)
         self._streams: dict[str, _Stream] = {}  # guarded by _lock, with the processor's requests
@@ -123,6 +123,7 @@ class AsyncLLM:
         ready = self.client.wait_ready(timeout)
         self.max_model_len, self.num_blocks, self.block_size = ready["max_model_len"], ready["num_blocks"], ready["block_size"]
         self.device, self.attention_backend = ready["device"], ready["attention_backend"]
+        self.vocab_size = ready["vocab_size"]
         self.stats = EngineStats(**ready["stats"])
         if self.hooks.active: self.hooks.emit(CLI, CORE_HANDSHAKE, END, seconds=time.perf_counter() - t0, num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len)
         self._started = True
@@ -159,6 +160,7 @@ class AsyncLLM:
         if self._stopping or not self._started:
             raise EngineClosedError("the engine is not running (shutting down?)")
         text, ids = self._tokenize(prompt, request_id)
+        self._check_ids(ids)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
@@ -206,6 +208,14 @@ class AsyncLLM:
             if not self._streams:
                 self._idle.set()
         return found
+
+    def _check_ids(self, ids: list[int]) -> None:
+        """What the detokenizer here needs; the core checks the rest (lengths, the KV cache)."""
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}]")
 
     def _tokenize(self, prompt, request_id: str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -381,7 +381,7 @@ def _new_tokens(s: TraceState, ev: Event) -> None:
 # ---- the tracer itself --------------------------------------------------------------------
 def _tracer(s: TraceState, ev: Event) -> None:
     if ev.name == "paused":
-        s.paused_at = _attrs(ev)
+        s.paused_at = {k: v for k, v in _attrs(ev).items() if k not in ("gen", "pid")}  # where, not plumbing
     elif ev.name == "resumed":
         s.paused_at = None
     elif ev.name == "events_lost":
