@@ -93,6 +93,10 @@ def _fmt_details(stage: str, d: dict) -> str:
         return f"{d['num_blocks']} blocks x {d['block_size']} tokens, {d['bytes'] / 2**20:.1f} MiB ({d['reason']})"
     if stage == "tokenizer_load" and "vocab_size" in d:
         return f"vocab {d['vocab_size']}"
+    if stage == "core_process_start" and "pid" in d:
+        return f"engine core pid {d['pid']}"
+    if stage == "core_handshake" and "num_blocks" in d:
+        return f"ready: {d['num_blocks']} blocks x {d['block_size']} tokens, max_model_len {d['max_model_len']}"
     if stage == "kernel_warmup" and "kernels" in d:
         return f"{d['backend']}: {d['num_launches']} launches of {', '.join(d['kernels'])}, {d['num_tokens']} tokens"
     return " ".join(f"{k}={v}" for k, v in d.items() if k not in ("seconds", "ok", "pid"))
