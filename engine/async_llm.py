@@ -169,12 +169,15 @@ class AsyncLLM:
             self.processor.add(request_id, text, ids, params)
             self._idle.clear()
         req = EngineCoreRequest(request_id, ids, _wire_params(params), time.monotonic(), text)
+
+        def trace_send(nbytes: int) -> None:
+            self.hooks.emit(IPC, IPC_SEND, request_id=request_id, type="ADD", request_ids=[request_id], bytes=nbytes,
+                            num_prompt_tokens=len(ids))
         try:
-            nbytes = self.client.add_request(req)
+            self.client.add_request(req, trace_send if self.hooks.active else None)
         except RuntimeError as e:
             self._drop(request_id)
             raise EngineClosedError(str(e)) from None
-        if self.hooks.active: self.hooks.emit(IPC, IPC_SEND, request_id=request_id, type="ADD", request_ids=[request_id], bytes=nbytes, num_prompt_tokens=len(ids))
         try:
             await stream.accepted
         except asyncio.CancelledError:
@@ -195,11 +198,12 @@ class AsyncLLM:
         """Stop a request; the core frees its blocks at its next step boundary. Unknown ids: no-op."""
         if not self._drop(request_id) or self.client.dead is not None:
             return
+        def trace_send(nbytes: int) -> None:
+            self.hooks.emit(IPC, IPC_SEND, request_id=request_id, type="ABORT", request_ids=[request_id], bytes=nbytes)
         try:
-            nbytes = self.client.abort_requests([request_id])
+            self.client.abort_requests([request_id], before=trace_send if self.hooks.active else None)
         except RuntimeError:
-            return  # shutting down: the core aborts everything anyway
-        if self.hooks.active: self.hooks.emit(IPC, IPC_SEND, request_id=request_id, type="ABORT", request_ids=[request_id], bytes=nbytes)
+            pass  # shutting down: the core aborts everything anyway
 
     def _drop(self, request_id: str) -> bool:
         with self._lock:
@@ -237,8 +241,7 @@ class AsyncLLM:
         if msg.events and hooks.active:
             self._republish(msg.events)
         if hooks.active and (msg.outputs or msg.accepted or msg.rejected or msg.failed):
-            ids = [o.request_id for o in msg.outputs] + msg.accepted + [r for r, _ in msg.rejected] + msg.failed
-            hooks.emit(IPC, IPC_RECV, type="OUTPUTS" if msg.outputs else "ADDED", request_ids=ids, bytes=nbytes)
+            self._trace_recv(msg, nbytes)
         if msg.stats is not None:
             self.stats = EngineStats(**msg.stats)
         for rid in msg.accepted:
@@ -251,6 +254,12 @@ class AsyncLLM:
         results = self._deliver(msg) if msg.outputs else []
         if msg.step:
             self._notify(results, msg.aborted)
+
+    def _trace_recv(self, msg: EngineCoreOutputs, nbytes: int) -> None:
+        ids = [o.request_id for o in msg.outputs] + msg.accepted + [r for r, _ in msg.rejected] + msg.failed
+        step = msg.stats["step"] - 1 if msg.step and msg.stats else None  # the step these outputs are from
+        self.hooks.emit(IPC, IPC_RECV, step=step, type="OUTPUTS" if msg.outputs else "ADDED", request_ids=ids,
+                        bytes=nbytes, num_events=len(msg.events))
 
     def _republish(self, events: list) -> None:
         for ev in events:
@@ -275,8 +284,11 @@ class AsyncLLM:
         for loop, batch in by_loop.items():
             _call_soon(loop, _deliver, batch)
         for rid, stop in stopped:  # the core cannot see text: it finishes these as stopped when told
+            def trace_send(nbytes: int, rid=rid, stop=stop) -> None:
+                self.hooks.emit(IPC, IPC_SEND, request_id=rid, type="ABORT", request_ids=[rid], finish_reason="stop",
+                                stop_reason=stop, bytes=nbytes)
             try:
-                self.client.abort_requests([rid], "stop", stop)
+                self.client.abort_requests([rid], "stop", stop, before=trace_send if self.hooks.active else None)
             except RuntimeError:
                 pass
         return results

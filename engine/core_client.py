@@ -147,20 +147,23 @@ class MPClient:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- sends (any thread) -----------------------------------------------------------------
-    def _send(self, kind: EngineCoreRequestType, obj) -> int:
+    def _send(self, kind: EngineCoreRequestType, obj, before: Callable[[int], None] | None = None) -> int:
         payload = self._encode(obj)
+        if before is not None:
+            before(len(payload))  # e.g. trace the send: before the answer can possibly be traced
         with self._send_lock:
             if self._closing:
                 raise RuntimeError("the engine core client is closed")
             self._input.send_multipart((kind.value, payload), copy=False)
         return len(payload)
 
-    def add_request(self, req: EngineCoreRequest) -> int:
-        """Returns the message's size in bytes (for the ipc trace event)."""
-        return self._send(EngineCoreRequestType.ADD, req)
+    def add_request(self, req: EngineCoreRequest, before: Callable[[int], None] | None = None) -> int:
+        """Send an ADD. before(size in bytes) runs once it is encoded, before it is sent."""
+        return self._send(EngineCoreRequestType.ADD, req, before)
 
-    def abort_requests(self, request_ids: list[str], finish_reason: str = "abort", stop_reason: str | None = None) -> int:
-        return self._send(EngineCoreRequestType.ABORT, EngineCoreAbort(request_ids, finish_reason, stop_reason))
+    def abort_requests(self, request_ids: list[str], finish_reason: str = "abort", stop_reason: str | None = None,
+                       before: Callable[[int], None] | None = None) -> int:
+        return self._send(EngineCoreRequestType.ABORT, EngineCoreAbort(request_ids, finish_reason, stop_reason), before)
 
     def call(self, method: str, *args: Any, wait: bool = True, timeout: float = CALL_TIMEOUT_S) -> Any:
         """A utility call in the core. With wait, its result (its error raised as RuntimeError)."""

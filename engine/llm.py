@@ -131,14 +131,16 @@ class _CoreProcess:
         return asyncio.run_coroutine_threadsafe(self._generate(prompts, params, use_tqdm), self.loop).result()
 
     async def _generate(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
-        streams = []
-        try:
-            for prompt, p in zip(prompts, params):
-                streams.append(await self.llm.add_request(str(next(self._ids)), prompt, p))
-        except ValueError:
-            for s in streams:  # all or nothing: don't leave half a batch queued
-                s.abort()
-            raise
+        # all sent at once (the core takes them in one step, as LLMEngine would), all or nothing
+        added = await asyncio.gather(*(self.llm.add_request(str(next(self._ids)), prompt, p)
+                                       for prompt, p in zip(prompts, params)), return_exceptions=True)
+        errors = [x for x in added if isinstance(x, BaseException)]
+        if errors:
+            for x in added:
+                if not isinstance(x, BaseException):
+                    x.abort()
+            raise errors[0]
+        streams = added
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

@@ -57,4 +57,7 @@ def test_bad_prompt_is_a_value_error_and_nothing_is_queued(both):
     _, mp = both
     with pytest.raises(ValueError, match="max_model_len"):
         mp.generate(["fine", "x" * 600], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert mp._core.llm.client.call("stats")["num_waiting"] == 0
+    end = time.monotonic() + 30  # the abort of "fine" reaches the core's next step boundary
+    while (stats := mp._core.llm.client.call("stats"))["num_waiting"] + stats["num_running"] and time.monotonic() < end:
+        time.sleep(0.01)
+    assert stats["num_waiting"] + stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
