@@ -37,7 +37,8 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.output_processor import OutputProcessor
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from engine.trace_names import CLI, CORE_HANDSHAKE, CORE_PROCESS_START, IPC, IPC_RECV, IPC_SEND, PAUSED, RESUMED, TRACER
+from engine.trace_names import (CLI, CORE_DIED, CORE_HANDSHAKE, CORE_PROCESS_START, IPC, IPC_RECV, IPC_SEND, PAUSED,
+                                RESUMED, TOKENIZER, TRACER)
 
 log = logging.getLogger(__name__)
 
@@ -110,22 +111,29 @@ class AsyncLLM:
         if not self._launched:
             self._launched = True
             self._t_launch = time.perf_counter()
-            if self.hooks.active: self.hooks.emit(CLI, CORE_PROCESS_START, BEGIN, model=self.config.model.model)
+            if self.hooks.active:
+                self.hooks.emit(CLI, CORE_PROCESS_START, BEGIN, model=self.config.model.model)
             self.client.launch()
-            if self.hooks.active: self.hooks.emit(CLI, CORE_PROCESS_START, END, seconds=time.perf_counter() - self._t_launch, pid=self.client.pid)
+            if self.hooks.active:
+                self.hooks.emit(CLI, CORE_PROCESS_START, END, seconds=time.perf_counter() - self._t_launch,
+                                pid=self.client.pid)
         return self
 
     def wait_ready(self, timeout: float = HANDSHAKE_TIMEOUT_S) -> dict:
         """Block until the core has built its engine and answered the handshake. Raises
         EngineStartupError (one line: the core's own error, its death or a timeout)."""
         t0 = time.perf_counter()
-        if self.hooks.active: self.hooks.emit(CLI, CORE_HANDSHAKE, BEGIN, pid=self.client.pid)
+        if self.hooks.active:
+            self.hooks.emit(CLI, CORE_HANDSHAKE, BEGIN, pid=self.client.pid)
         ready = self.client.wait_ready(timeout)
-        self.max_model_len, self.num_blocks, self.block_size = ready["max_model_len"], ready["num_blocks"], ready["block_size"]
+        self.max_model_len, self.num_blocks = ready["max_model_len"], ready["num_blocks"]
+        self.block_size = ready["block_size"]
         self.device, self.attention_backend = ready["device"], ready["attention_backend"]
         self.vocab_size = ready["vocab_size"]
         self.stats = EngineStats(**ready["stats"])
-        if self.hooks.active: self.hooks.emit(CLI, CORE_HANDSHAKE, END, seconds=time.perf_counter() - t0, num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len)
+        if self.hooks.active:
+            self.hooks.emit(CLI, CORE_HANDSHAKE, END, seconds=time.perf_counter() - t0, num_blocks=self.num_blocks,
+                            block_size=self.block_size, max_model_len=self.max_model_len)
         self._started = True
         return ready
 
@@ -228,7 +236,9 @@ class AsyncLLM:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-            if self.hooks.active: self.hooks.emit("tokenizer", "encode", request_id=request_id, token_ids=ids, pieces=[self.tokenizer.decode([t]) for t in ids])
+            if self.hooks.active:
+                self.hooks.emit(TOKENIZER, "encode", request_id=request_id, token_ids=ids,
+                                pieces=[self.tokenizer.decode([t]) for t in ids])
             return prompt, ids
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
@@ -328,6 +338,8 @@ class AsyncLLM:
         self._fail(ids, exc)
 
     def _on_dead(self, reason: str) -> None:
+        if self.hooks.active:  # in the trace, the log panel and the file: why everything stopped
+            self.hooks.emit(IPC, CORE_DIED, reason=reason, pid=self.client.pid)
         self._fail_all(EngineDeadError(reason))
         if self.on_dead is not None:
             self.on_dead(reason)  # (serve says so and stops)

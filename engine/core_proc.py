@@ -7,9 +7,9 @@ Three threads, so that socket work overlaps the step:
     output IO                              encode EngineCoreOutputs and send them
 
 The process is a fresh interpreter (``python -m engine.core_proc``, its arguments pickled on
-stdin; fork with live threads and torch is unsafe), connects to the two sockets the front end bound, builds the engine (its startup
-stages are traced and shipped live), then answers the handshake with num_blocks, block_size
-and max_model_len. It never outlives the front end: PR_SET_PDEATHSIG (Linux) kills it when
+stdin; fork with live threads and torch is unsafe). It connects to the two sockets the front
+end bound, builds the engine (its startup stages are traced and shipped live), then answers
+the handshake with num_blocks, block_size and max_model_len. It never outlives the front end: PR_SET_PDEATHSIG (Linux) kills it when
 its parent dies, even by SIGKILL, and a watcher thread exits if the parent pid changes
 (other systems, or a parent whose launching thread ended first).
 """
@@ -161,7 +161,8 @@ class EngineCoreProc:
                 self._add(decode_add.decode(payload.buffer))
             elif kind is EngineCoreRequestType.ABORT:
                 msg = decode_abort.decode(payload.buffer)
-                status = RequestStatus.FINISHED_STOPPED if msg.finish_reason == "stop" else RequestStatus.FINISHED_ABORTED
+                stopped = msg.finish_reason == "stop"
+                status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
                 for rid in msg.request_ids:
                     self.core.abort(rid, status, msg.stop_reason)
             else:

@@ -28,6 +28,7 @@ from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from engine.trace_names import ABORTED, DETOKENIZER, ENGINE, FINISHED, NEW_TOKENS, QUEUED, SCHEDULED, SCHEDULER
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -120,7 +121,7 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
-        if self.hooks.active: self.hooks.emit("engine", "QUEUED", request_id=request_id, step=self.step_count, num_prompt_tokens=len(ids), max_tokens=max_tokens, params=vars(params))
+        if self.hooks.active: self.hooks.emit(ENGINE, QUEUED, request_id=request_id, step=self.step_count, num_prompt_tokens=len(ids), max_tokens=max_tokens, params=vars(params))
         return req
 
     def _tokenize(self, prompt, request_id: str) -> tuple[str | None, list[int]]:
@@ -176,9 +177,9 @@ class LLMEngine:
         if not self.hooks.active:
             return
         if status is RequestStatus.FINISHED_ABORTED:
-            self.hooks.emit("engine", "ABORTED", request_id=request_id, step=self.step_count)
+            self.hooks.emit(ENGINE, ABORTED, request_id=request_id, step=self.step_count)
         else:
-            self.hooks.emit("engine", "FINISHED", request_id=request_id, step=self.step_count,
+            self.hooks.emit(ENGINE, FINISHED, request_id=request_id, step=self.step_count,
                             finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens)
 
     def warm_up(self) -> dict:
@@ -220,14 +221,14 @@ class LLMEngine:
             if req.detokenizer is not None:
                 piece = req.detokenizer.add(tok)
                 req.output_text = req.detokenizer.text
-                if traced is not None: traced.append(("detokenizer", "NEW_TOKENS", INSTANT, req.request_id, sched.step, {"token_ids": [tok], "text": piece}))
+                if traced is not None: traced.append((DETOKENIZER, NEW_TOKENS, INSTANT, req.request_id, sched.step, {"token_ids": [tok], "text": piece}))
             status = self._check_stop(req, tok)
             if status is not None:
                 if traced: self.hooks.emit_many(traced); traced = []  # published before its blocks are freed
                 req.finished_time = now
                 self.scheduler.finish(req, status)
                 self.requests.pop(req.request_id, None)
-                if self.hooks.active: self.hooks.emit("engine", "FINISHED", request_id=req.request_id, step=sched.step, finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens, text=req.output_text)
+                if self.hooks.active: self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=sched.step, finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens, text=req.output_text)
             if not self.detokenize:
                 outputs.append(self._core_output(req))  # every step: the front end detokenizes
             elif status is not None or req.params.output_kind != "final_only":
@@ -325,7 +326,7 @@ class LLMEngine:
     def _trace_schedule(self, sched: SchedulerOutput) -> None:
         h = self.hooks
         for rid in sched.admitted:
-            h.emit("scheduler", "SCHEDULED", request_id=rid, step=sched.step)
+            h.emit(SCHEDULER, SCHEDULED, request_id=rid, step=sched.step)
         snap = self.snapshot(sched)
         del snap["step"]  # the event's own step field carries it
         h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **snap)

@@ -20,6 +20,6 @@ QUEUED, SCHEDULED, PREEMPTED, FINISHED, ABORTED = "QUEUED", "SCHEDULED", "PREEMP
 NEW_TOKENS = "NEW_TOKENS"  # detokenizer
 PAUSED, RESUMED = "paused", "resumed"  # tracer: the step controller holds / lets go of the engine
 # ipc: one event per message across the process boundary (type, request ids, bytes)
-IPC_SEND, IPC_RECV = "send", "recv"
+IPC_SEND, IPC_RECV, CORE_DIED = "send", "recv", "core_died"
 # startup stages of the engine-core process, traced by the front end (cli layer)
 CORE_PROCESS_START, CORE_HANDSHAKE = "core_process_start", "core_handshake"

@@ -126,8 +126,10 @@ def _lesson_body(lesson, session, url: str, core_pid: int) -> None:
                                              for layer in dict.fromkeys(path)], title="the process boundary"))
     lesson.check(where["tokenizer"] == where["detokenizer"] == {None} and where["http"] == {None},
                  "tokenizing and detokenizing ran in the API-server process, with HTTP (no core pid on their events)")
-    lesson.check(all(where[layer] == {core_pid} for layer in ("engine", "scheduler", "model_runner", "kernel", "sampler")),
-                 f"the engine, scheduler, model runner, kernels and sampler ran in the engine-core process (pid {core_pid})")
+    core_layers = ("engine", "scheduler", "model_runner", "kernel", "sampler")
+    lesson.check(all(where[layer] == {core_pid} for layer in core_layers),
+                 f"the engine, scheduler, model runner, kernels and sampler ran in the engine-core process "
+                 f"(pid {core_pid})")
     lesson.check(mine[0].layer == "http" and mine[0].kind == "begin" and mine[-1].layer == "http"
                  and mine[-1].kind == "end", "its first event is the HTTP handler's begin and its last the handler's end")
     new_tokens = [e for e in mine if (e.layer, e.name) == ("detokenizer", "NEW_TOKENS")]

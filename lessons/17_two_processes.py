@@ -82,7 +82,8 @@ def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, 
     lesson.show(table(["", "one process", "two processes"], [
         ["output tokens/s", f"{tokens / one_s:,.0f}", f"{tokens / two_s:,.0f}"],
         ["engine steps", len(one_steps), len(two_steps)],
-        ["median step (ms, in the engine)", f"{statistics.median(one_steps):.2f}", f"{statistics.median(two_steps):.2f}"],
+        ["median step (ms, in the engine)", f"{statistics.median(one_steps):.2f}",
+         f"{statistics.median(two_steps):.2f}"],
         ["startup (s)", "—", f"{started_s:.1f} (a new interpreter imports torch, loads the model)"],
     ], title=f"the same load: {len(prompts)} requests x {params.max_tokens} tokens"))
     lesson.say("On a machine this small, two processes share the same few cores, so neither column is "

@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.hooks import Hooks
+from engine.trace_names import PAUSED, RESUMED, TRACER
 from tracer.conditions import Condition
 
 GRANULARITIES = {"step": 0, "phase": 1, "kernel": 2}
@@ -186,10 +187,10 @@ class StepController:
             gen = self._release_gen
             self._cond.notify_all()
         details = {k: v for k, v in info.items() if k != "step"}  # nested: a kernel's info has a "name"
-        if self.hooks.active: self.hooks.emit("tracer", "paused", step=info.get("step"), point=point, reason=reason, info=details, gen=gen)
+        if self.hooks.active: self.hooks.emit(TRACER, PAUSED, step=info.get("step"), point=point, reason=reason, info=details, gen=gen)
         with self.hooks.gate_wait(), self._cond:  # parked: the engine lock is free meanwhile
             self._cond.wait_for(lambda: self._release_gen != gen or self._closed)
-        if self.hooks.active: self.hooks.emit("tracer", "resumed", step=info.get("step"), point=point)
+        if self.hooks.active: self.hooks.emit(TRACER, RESUMED, step=info.get("step"), point=point)
 
     def _stop_reason(self, point: str, info: dict) -> str | None:  # holding self._cond
         level = POINT_LEVEL.get(point, 2)
