@@ -16,6 +16,18 @@ the order the core emitted them, before anything the message they came with caus
 (the QUEUED of a request before its add returns; a step's events before its NEW_TOKENS).
 Each message across the boundary is also traced in the ``ipc`` layer (type, request ids,
 bytes), except messages that carry only trace events.
+
+Design choices (and why):
+* One process (``serve --no-multiprocessing``) keeps ``AsyncLLMEngine``: the same EngineCore
+  loop, with the LLMEngine detokenizing itself, rather than V1's InprocClient + this class.
+  It is there for comparison and for the tests and lessons that read engine objects; the
+  server, the TUI and the trace schema are the same over both (the tests run in both modes).
+* The core is started as ``python -m engine.core_proc`` (a fresh interpreter, like 'spawn')
+  rather than multiprocessing's spawn, which re-runs the caller's ``__main__``: a lesson or a
+  user's script then needs no ``if __name__ == "__main__"`` guard.
+* Outputs are processed on the client's IO thread, not on the event loop: the loop (HTTP, the
+  TUI) never detokenizes. A stop string found here is sent to the core as an ABORT with
+  finish_reason "stop", so the core frees the blocks and traces FINISHED(stop), as vLLM V1.
 """
 from __future__ import annotations
 
