@@ -120,10 +120,13 @@ def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, 
     lesson.check(pids("detokenizer") == {None} and pids("tokenizer") == {None},
                  "tokenizing and detokenizing happened in the API-server process (their events carry no core pid)")
 
-    full = one_outs[0].outputs[0].text
-    at = next(i for i in range(4, len(full) - 3) if full.find(full[i:i + 3]) == i)  # its first occurrence
-    stop = full[at:at + 3]
-    out = two.generate(prompts[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+    stop_prompt = "The first argument is"
+    full = two.generate(stop_prompt, params, use_tqdm=False)[0].outputs[0].text
+    # a piece of the greedy text that first occurs after its start (the model may repeat itself)
+    at, n = next((i, n) for n in range(3, len(full)) for i in range(1, len(full) - n + 1)
+                 if full[i:i + n].strip() and full.find(full[i:i + n]) == i)
+    stop = full[at:at + n]
+    out = two.generate(stop_prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                                                   stop=[stop]), use_tqdm=False)[0].outputs[0]
     rid = [e for e in events_of(session) if (e.layer, e.name) == ("ipc", "send")][-1].request_id  # its ADD
 
