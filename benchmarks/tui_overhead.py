@@ -27,6 +27,7 @@ from benchmarks.workload import make_workload, resolve_model
 from engine import LLM, Hooks
 from engine.async_engine import AsyncLLMEngine
 from tracer.session import TraceSession
+from tracer.tui.app import PANES
 
 MODES = ["no-tui", "traced", "tui"]
 
@@ -46,7 +47,8 @@ async def run_once(mode: str, model: str, workload, pane: str, kv_cache_memory: 
     hooks = Hooks()
     session = TraceSession(hooks, model=model) if mode != "no-tui" else None
     ae = AsyncLLMEngine(LLM(model, hooks=hooks, kv_cache_memory=kv_cache_memory).llm_engine, drain_timeout=0).start()
-    app = TraceApp(LiveSource(session, live_info(ae, model, None), ae), initial_pane=pane) if mode == "tui" else None
+    app = (TraceApp(LiveSource(session, live_info(ae, model, None), ae), initial_pane=pane, follow=False)
+           if mode == "tui" else None)
 
     async def workload_run() -> dict:
         t0, c0, ticks0 = time.perf_counter(), time.process_time(), app.ticks if app else 0
@@ -104,7 +106,7 @@ def main() -> None:
     ap.add_argument("--min-tokens", type=int, default=96, help="output tokens per request, at least")
     ap.add_argument("--max-tokens", type=int, default=160, help="output tokens per request, at most")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--pane", default="requests", choices=["startup", "requests", "kv", "step", "kernels", "log"])
+    ap.add_argument("--pane", default="requests", choices=[p for p, _ in PANES])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.model = resolve_model(args.model)

@@ -128,6 +128,10 @@ class AsyncLLMEngine:
     def device(self) -> str:
         return str(self.engine.device)
 
+    def held_attention_on_triton(self) -> dict:
+        """The launch the engine is held before, through the Triton kernel (LLMEngine's)."""
+        return self.engine.held_attention_on_triton()
+
     @property
     def attention_backend(self) -> str:
         return self.engine.attention_backend

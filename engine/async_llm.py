@@ -67,6 +67,9 @@ def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_exception(exc) if exc is not None else fut.set_result(None)
 
 
+RERUN_TIMEOUT_S = 300.0  # a held launch re-run on Triton in the core (see held_attention_on_triton)
+
+
 class AsyncLLM:
     """The engine behind the server, its core in another process (see the module docstring).
 
@@ -117,6 +120,11 @@ class AsyncLLM:
     @property
     def step_count(self) -> int:
         return self.stats.step if self.stats is not None else 0
+
+    def held_attention_on_triton(self) -> dict:
+        """A utility call: the core runs the launch it is held before through the Triton kernel
+        (interpreted on a CPU: seconds, hence the long timeout). Blocks: call it off the loop."""
+        return self.client.call("held_attention_on_triton", timeout=RERUN_TIMEOUT_S)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def launch(self) -> AsyncLLM:

@@ -117,6 +117,8 @@ class EngineCoreProc:
         engine.warm_up()
         freeze_gc_heap()
         self.core = EngineCore(engine, self._on_step, self._on_fail)
+        # runs on the input thread: the engine's thread is the one held before the launch
+        self.utilities["held_attention_on_triton"] = engine.held_attention_on_triton
         install = self.options.get("install")
         if install:
             module, func = install.split(":")

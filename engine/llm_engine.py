@@ -79,7 +79,8 @@ class LLMEngine:
             self.eos_token_id = self.tokenizer.eos_token_id
 
         self._loaded = 0  # weight bytes last reported (see _load_progress)
-        with self._stage("model_load", path=str(self.model_path)) as info:
+        with self._stage("model_load", path=str(self.model_path), device=str(self.device),
+                         attention_backend=self.attention_backend) as info:
             torch.manual_seed(mc.seed)
             self.backend = AttentionBackend(self.attention_backend)
             self.model = GPT2Model(self.model_config, self.backend)
@@ -191,6 +192,10 @@ class LLMEngine:
         with self._stage("kernel_warmup", backend=self.attention_backend) as info:
             info |= self.model_runner.warm_up(self.max_model_len)
         return info
+
+    def held_attention_on_triton(self) -> dict:
+        """A utility for viewers: see ModelRunner.held_attention_on_triton."""
+        return self.model_runner.held_attention_on_triton()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

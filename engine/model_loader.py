@@ -65,7 +65,8 @@ def resolve(model: str) -> Path:
         return path
     if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
         raise ModelNotFoundError(f"model path {model!r} does not exist. "
-                                 f"Try the built-in offline model: --model {builtin_model.NAME}")
+                                 f"Try the built-in offline model {builtin_model.NAME!r} "
+                                 f"(e.g. vllm-trace serve {builtin_model.NAME})")
     return _from_hub(model)
 
 

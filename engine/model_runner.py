@@ -40,6 +40,7 @@ class ModelRunner:
         # numpy array -> tensor on the model's device (no copy on the CPU)
         self._tensor = torch.from_numpy if device.type == "cpu" else lambda a: torch.from_numpy(a).to(device)
         self._launches: list[instrument.LaunchRecord] = []  # this step's, not yet published
+        self._held: tuple[str, dict] | None = None  # (name, arguments) of the launch a gate holds before
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -149,7 +150,22 @@ class ModelRunner:
         if self._launches:  # a viewer held here sees every launch before this one
             self._publish_launches()
         tags = instrument.current_tags()
-        self.hooks.gate("kernel", name=name, grid=grid, step=tags.get("step"), layer_idx=tags.get("layer"))
+        self._held = instrument.pending_launch()
+        try:
+            self.hooks.gate("kernel", name=name, grid=grid, step=tags.get("step"), layer_idx=tags.get("layer"))
+        finally:
+            self._held = None
+
+    def held_attention_on_triton(self) -> dict:
+        """While a gate holds the engine before an attention launch: run that launch's inputs
+        through the Triton kernel (kernels.rerun); plain data back. Called from another thread
+        (the engine's is the one held); the inputs are copied first."""
+        from kernels.rerun import attention_inputs, attention_on_triton
+
+        held = self._held
+        if held is None or not held[0].startswith("unified_attention"):
+            raise ValueError("the engine is not held before an attention launch (press k until it is)")
+        return attention_on_triton(**attention_inputs(held[1]))
 
     def _publish_launches(self) -> None:
         # Plain data only: viewers recompute a launch's access map from the step's batch event

@@ -96,6 +96,7 @@ class _Frame:
 
 class _State(threading.local):
     frames: tuple[_Frame, ...] = ()  # class default: a fresh thread starts unobserved
+    pending: tuple[str, dict] | None = None  # (name, arguments) of the launch whose before_launch runs
 
 
 _state = _State()
@@ -137,6 +138,22 @@ def current_tags() -> dict[str, Any]:
     return dict(_state.frames[-1].tags) if _state.frames else {}
 
 
+def pending_launch() -> tuple[str, dict[str, Any]] | None:
+    """Inside a ``before_launch`` callback: (name, arguments) of the launch about to be made by
+    this thread (a viewer holding the engine there may re-run it on other inputs); else None."""
+    return _state.pending
+
+
+def _before(frames, name: str, grid: tuple, meta: dict, args: dict) -> None:
+    _state.pending = (name, args)
+    try:
+        for f in frames:
+            if f.before_launch is not None:
+                f.before_launch(name, grid, meta)
+    finally:
+        _state.pending = None
+
+
 def launch(
     name: str,
     kernel: Any,
@@ -163,9 +180,7 @@ def launch(
 
 def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, access_args):
     grid = tuple(int(g) for g in grid)
-    for f in frames:
-        if f.before_launch is not None:
-            f.before_launch(name, grid, dict(meta))
+    _before(frames, name, grid, dict(meta), args)
     described, on_gpu = _describe(args)
     if on_gpu and not INTERPRETED:
         # Events measure the kernel, not the Python launch overhead; syncing is the price of
@@ -195,9 +210,7 @@ def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str
     frames = _state.frames
     if not frames:
         return fn(**args)
-    for f in frames:
-        if f.before_launch is not None:
-            f.before_launch(name, (), {})
+    _before(frames, name, (), {}, args)
     described, on_gpu = _describe(args)  # before the call, while its arguments are still in cache
     t0 = time.perf_counter_ns()
     out = fn(**args)

@@ -65,9 +65,17 @@ class StepController:
             self._watch()
 
     def resume(self) -> None:
+        """Run freely: also disarms a pending run-until (and a hit not yet stopped at), which
+        would otherwise hold the engine again later. Breakpoints stay."""
         with self._cond:
-            self._pause, self._countdown = None, 0
+            self._pause, self._countdown, self._until, self._hit = None, 0, None, None
             self._release()
+
+    def cancel_run_until(self) -> None:
+        """Disarm a pending run-until without releasing a held engine."""
+        with self._cond:
+            self._until = None
+            self._watch()
 
     def step(self, n: int = 1, granularity: str = "step") -> None:
         """Run until n more control points of this granularity have been reached, then stop."""

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +75,9 @@ def encode_event(seq: int, ts_ns: int, layer: str, name: str, kind: str, request
          "step": step, "attrs": attrs or None}
     try:
         return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
-    except TypeError:
+    except TypeError:  # orjson.JSONEncodeError: a tensor, an int past 64 bits, a lone surrogate ...
         d["attrs"] = json_safe(attrs)
+        d["request_id"] = json_safe(request_id)
         return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
 
 
@@ -85,16 +87,25 @@ def decode_line(line: bytes | str) -> Event:
     return Event(d["seq"], d["ts_ns"], d["layer"], d["name"], d["kind"], d["request_id"], d["step"], d["attrs"])
 
 
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 64 - 1  # what orjson writes as a number
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def json_safe(x: Any) -> Any:
     """Plain JSON data from what engine code passes as attributes: tensors and numpy arrays
     become lists, tuples and sets lists, dataclasses dicts, enums their value, dict keys strings;
-    NaN and infinities (not JSON) become strings."""
-    if x is None or isinstance(x, (bool, int, str)):
+    NaN and infinities (not JSON) become strings. It never raises, whatever a client sent: an
+    integer past 64 bits becomes its decimal string, a lone surrogate U+FFFD."""
+    if x is None or isinstance(x, bool):
         return x
+    if isinstance(x, int):
+        return x if INT64_MIN <= x <= INT64_MAX else str(x)
+    if isinstance(x, str):
+        return _valid_text(x)
     if isinstance(x, float):
         return x if math.isfinite(x) else str(x)
     if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items()}
+        return {_valid_text(str(k)): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple, set, frozenset)):
         return [json_safe(v) for v in (sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x)]
     if isinstance(x, enum.Enum):
@@ -107,7 +118,16 @@ def json_safe(x: Any) -> Any:
         return str(x) if isinstance(x, Path) else x.decode("utf-8", "replace")
     if hasattr(x, "__dict__"):
         return {k: json_safe(v) for k, v in vars(x).items() if not k.startswith("_")}
-    return repr(x)
+    return _valid_text(repr(x))
+
+
+def _valid_text(s: str) -> str:
+    """`s` as valid Unicode (UTF-8 cannot hold a lone surrogate: each becomes U+FFFD)."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", s)
 
 
 def make_header(model: str | None = None, engine_config: dict | None = None, *, start_perf_ns: int,

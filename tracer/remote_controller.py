@@ -48,7 +48,7 @@ def install_in_core(hooks: Hooks, core, options: dict) -> dict:
             getattr(controller, method)(_unwire(args[0]))
         elif method == "hit":
             controller.hit(args[0], _unwire(args[1]) if args[1] else None)
-        elif method in ("pause", "resume", "step", "clear_breakpoints", "close"):
+        elif method in ("pause", "resume", "step", "cancel_run_until", "clear_breakpoints", "close"):
             getattr(controller, method)(*args)
         elif method != "status":
             raise ValueError(f"unknown control command {method!r}")
@@ -89,7 +89,14 @@ class RemoteStepController:
         self._call("pause", reason)
 
     def resume(self) -> None:
+        """Run freely: also disarms a pending run-until (as StepController.resume). Breakpoints stay."""
+        self._until = None
         self._call("resume")
+
+    def cancel_run_until(self) -> None:
+        """Disarm a pending run-until without releasing a held engine."""
+        self._until = None
+        self._call("cancel_run_until")
 
     def step(self, n: int = 1, granularity: str = "step") -> None:
         """Run until n more control points of this granularity have been reached, then stop."""

@@ -8,6 +8,13 @@ The engine's schedule snapshot is the source of truth: at every step it *replace
 block tables and token counts (they are the engine's own structures, copied at schedule time).
 Between snapshots the fold applies what happened since: arrivals (also while paused), tokens,
 finishes, frees, so the view is current at every event, not just once a step.
+
+A live server runs for days: with ``max_finished`` set (LiveState sets MAX_FINISHED unless
+told otherwise; ``serve --trace-max-finished``), only that many finished requests are kept,
+the oldest dropped as new ones finish, and a request refused before it reached the engine
+(a 400) is dropped when its HTTP response ends. The recorder's trace file keeps everything;
+a replay folds with no limit. Measured before the limit: 2,200 requests made /trace/state
+3 MB and ~1 s to build, and RSS grew ~100 MB per 2,000 traced requests.
 """
 from __future__ import annotations
 
@@ -16,11 +23,16 @@ import dataclasses
 import threading
 from dataclasses import dataclass, field
 
+import orjson
+
 from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT
 from engine.trace_names import (ABORTED, DETOKENIZER, ENGINE, FINISHED, NEW_TOKENS, PAUSED, PREEMPTED, QUEUED, RESUMED,
                                 SCHEDULED, SCHEDULER)
 from tracer.bus import EventBus
 from tracer.events import Event, json_safe
+
+MAX_FINISHED = 256  # finished requests a live state keeps (the TUI lists the latest 100)
+FOLLOW_INTERVAL = 0.1  # s between folds of a LiveState that follows the bus by itself
 
 
 @dataclass
@@ -69,7 +81,9 @@ class TraceState:
     requests: dict[str, RequestView] = field(default_factory=dict)
     waiting: list[str] = field(default_factory=list)
     running: list[str] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)  # in finish order
+    finished: list[str] = field(default_factory=list)  # in finish order (the latest max_finished)
+    num_finished: int = 0  # all that ever finished, dropped ones included
+    max_finished: int | None = None  # None: keep every finished request (a replay)
     snapshot: dict | None = None  # the latest schedule snapshot, exactly as recorded
     snapshot_step: int | None = None
     batch: dict | None = None  # this step's flattened model input
@@ -110,6 +124,15 @@ class TraceState:
         d["kv_cache_usage"] = self.kv_cache_usage
         return d
 
+    def to_json(self, **extra) -> bytes:
+        """``{"state": to_dict(), **extra}`` as JSON, straight from the dataclasses with orjson
+        (json_safe only for what orjson refuses): 256 finished requests in ~3 ms, not ~40 ms."""
+        try:
+            return orjson.dumps({"state": self, **extra}, default=_plain_fields,
+                                option=orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_NON_STR_KEYS)
+        except TypeError:  # an integer past 64 bits, a lone surrogate: the slow, total path
+            return orjson.dumps({"state": self.to_dict(), **json_safe(extra)})
+
     def clone(self) -> "TraceState":
         """An independent copy. Cheaper than deepcopy (a TUI clones ten times a second): the
         dicts that come from events (snapshot, batch, ...) are shared, since fold never changes
@@ -136,13 +159,28 @@ class TraceState:
         return state
 
 
+def _plain_fields(x):
+    if isinstance(x, TraceState):
+        return {f.name: getattr(x, f.name) for f in _STATE_FIELDS} | {"kv_cache_usage": x.kv_cache_usage}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+    return json_safe(x)
+
+
+_STATE_FIELDS = dataclasses.fields(TraceState)
+
+
 def fold(state: TraceState, ev: Event) -> TraceState:
     """Apply one event to the state (in place) and return it."""
     state.num_events += 1
     state.last_seq = ev.seq
     state.last_ts_ns = max(state.last_ts_ns, ev.ts_ns)
     if ev.request_id is not None:
-        req = state.request(ev.request_id)
+        req = state.requests.get(ev.request_id)
+        if req is None:
+            if ev.layer in ("http", "api") and ev.kind != BEGIN and not ev.name.endswith("_request"):
+                return state  # the response's last words after its request was dropped: nothing to revive
+            req = state.request(ev.request_id)
         if not req.layers or req.layers[-1] != ev.layer:
             req.layers.append(ev.layer)
     handler = _HANDLERS.get((ev.layer, ev.name)) or _LAYER_HANDLERS.get(ev.layer)
@@ -201,6 +239,27 @@ def _finished(s: TraceState, ev: Event) -> None:
         if rid in q:
             q.remove(rid)
     s.finished.append(rid)
+    s.num_finished += 1
+    trim_finished(s)
+
+
+def trim_finished(s: TraceState) -> None:
+    """Drop the oldest finished requests beyond max_finished."""
+    excess = len(s.finished) - s.max_finished if s.max_finished is not None else 0
+    if excess > 0:
+        for rid in s.finished[:excess]:
+            if rid not in s.waiting and rid not in s.running:  # (an id reused: it lives again)
+                s.requests.pop(rid, None)
+        del s.finished[:excess]
+
+
+def _http(s: TraceState, ev: Event) -> None:
+    """A response that ends for a request that never reached the engine (refused, or the
+    parent of a multi-prompt completion, whose prompts run as their own requests)."""
+    if ev.kind == END and ev.request_id is not None:
+        req = s.requests.get(ev.request_id)
+        if req is not None and not req.timeline and ev.request_id not in s.waiting and ev.request_id not in s.running:
+            del s.requests[ev.request_id]
 
 
 def _step(s: TraceState, ev: Event) -> None:
@@ -404,6 +463,7 @@ _HANDLERS = {
     (DETOKENIZER, NEW_TOKENS): _new_tokens,
 }
 _LAYER_HANDLERS = {
+    "http": _http,
     "engine": _engine,
     "cli": _cli,
     "block_manager": _block_manager,
@@ -432,10 +492,43 @@ class LiveState:
     to read while the engine keeps running.
     """
 
-    def __init__(self, bus: EventBus, from_start: bool = True):
+    def __init__(self, bus: EventBus, from_start: bool = True, max_finished: int | None = MAX_FINISHED):
         self._sub = bus.subscribe(from_start=from_start)
         self._lock = threading.Lock()
-        self.state = TraceState()
+        self.state = TraceState(max_finished=max_finished)
+        self._follower: threading.Thread | None = None
+        self._follower_stop = threading.Event()
+
+    @property
+    def max_finished(self) -> int | None:
+        return self.state.max_finished
+
+    @max_finished.setter
+    def max_finished(self, n: int | None) -> None:
+        if n is not None and n < 1:
+            raise ValueError(f"max_finished must be >= 1 (or None: keep all), got {n}")
+        with self._lock:
+            self.state.max_finished = n
+            trim_finished(self.state)
+
+    def follow(self, interval: float = FOLLOW_INTERVAL) -> None:
+        """Fold in a daemon thread every `interval` s, so a reader never meets a backlog
+        (``serve`` does this: 2,000 requests unread took ~5 s to fold at the first
+        /trace/state; a TUI already updates ten times a second). ``stop_following`` ends it."""
+        if self._follower is None:
+            self._follower_stop.clear()
+            self._follower = threading.Thread(target=self._follow, args=(interval,), name="trace-state", daemon=True)
+            self._follower.start()
+
+    def stop_following(self) -> None:
+        self._follower_stop.set()
+        if self._follower is not None:
+            self._follower.join()
+            self._follower = None
+
+    def _follow(self, interval: float) -> None:
+        while not self._follower_stop.wait(interval):
+            self.update()
 
     def update(self, max_events: int | None = None) -> int:
         """Fold the pending events; returns how many."""

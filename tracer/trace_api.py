@@ -5,6 +5,7 @@
     POST   /trace/pause | /trace/resume {"controller"}
     POST   /trace/step                  {"n", "granularity", "wait", "timeout"} -> {"controller", "stop"}
     POST   /trace/run_until             {"condition"} -> {"controller"}
+    DELETE /trace/run_until             disarm a pending run_until -> {"controller"}
     GET    /trace/breakpoints           {"breakpoints": [...]}
     POST   /trace/breakpoints           {"condition"} -> the breakpoint (201)
     DELETE /trace/breakpoints/{id}      204
@@ -14,8 +15,10 @@ Mounted by `vllm-trace serve` on the OpenAI app: ``app.state.trace = session`` (
 ``app.include_router(router)``. It lives in the tracer, not in engine.server, because the
 engine must not depend on the tracer (design notes: kernels <- engine <- tracer).
 
-Reading (state, events, the breakpoint list) is open; changing the engine's course goes
-through ``require_control`` (the API key, or loopback-only without one).
+Reading (state, events, the breakpoint list) shows every user's prompts and outputs, so it
+goes through ``require_trace_read`` (the API key, or loopback-only without one); changing the
+engine's course through ``require_control`` (the same, and a POST must be JSON: see
+engine.server.security).
 """
 from __future__ import annotations
 
@@ -26,11 +29,11 @@ from typing import Annotated, AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine.server.errors import ERROR_RESPONSES, APIError
-from engine.server.protocol import ErrorResponse
-from engine.server.security import require_control
+from engine.server.protocol import ErrorResponse, Text
+from engine.server.security import require_control, require_trace_read
 from tracer.bus import Subscription
 from tracer.conditions import Condition, parse_condition
 from tracer.controller import StepController
@@ -42,9 +45,10 @@ KEEP_ALIVE = 15.0  # s: a comment line keeps proxies from closing an idle stream
 MAX_BATCH = 1024  # events per pull; a slow client is told what it missed rather than slowing anyone
 STEP_WAIT_TIMEOUT = 10.0  # s: default for POST /trace/step with wait
 
-router = APIRouter(prefix="/trace", tags=["trace"],
+router = APIRouter(prefix="/trace", tags=["trace"], dependencies=[Depends(require_trace_read)],
                    responses=ERROR_RESPONSES | {403: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
 control = [Depends(require_control)]
+JSON_ONLY = {415: {"model": ErrorResponse, "description": "the body is not declared as JSON"}}
 
 
 # ---- dependencies ---------------------------------------------------------------------------
@@ -75,12 +79,19 @@ def _stop_dict(stop) -> dict | None:
 
 
 # ---- state ----------------------------------------------------------------------------------
-@router.get("/state")
-async def trace_state(session: SessionDep, request: Request) -> dict:
-    """The engine as the tracer sees it now (folded from every event so far)."""
+@router.get("/state", response_class=Response,
+            responses={200: {"content": {"application/json": {"schema": {"type": "object"}}},
+                             "description": '{"state", "controller", "step", "seq"}'}})
+async def trace_state(session: SessionDep, request: Request) -> Response:
+    """The engine as the tracer sees it now (folded from every event so far; the latest
+    finished requests only: see serve --trace-max-finished)."""
+    t = time.perf_counter()
     view = session.state.view()
-    return {"state": view.to_dict(), "controller": _status(session.controller),
-            "step": request.app.state.server.engine.step_count, "seq": session.bus.next_seq}
+    body = view.to_json(controller=_status(session.controller),
+                        step=request.app.state.server.engine.step_count, seq=session.bus.next_seq)
+    # how long the fold's catch-up, the copy and the JSON took (a browser's devtools show it)
+    timing = {"Server-Timing": f"state;dur={(time.perf_counter() - t) * 1000:.1f}"}
+    return Response(body, media_type="application/json", headers=timing)
 
 
 # ---- the event stream -----------------------------------------------------------------------
@@ -163,6 +174,12 @@ async def trace_events(session: SessionDep, request: Request,
 
 
 # ---- step control ---------------------------------------------------------------------------
+class EmptyBody(BaseModel):
+    """Pause and resume take no parameters, but their POST must be JSON (``{}``): see
+    engine.server.security.require_control."""
+    model_config = ConfigDict(extra="allow")
+
+
 class StepBody(BaseModel):
     n: int = Field(1, ge=1, description="how many control points of this granularity to run")
     granularity: Literal["step", "phase", "kernel"] = Field(
@@ -172,9 +189,17 @@ class StepBody(BaseModel):
     timeout: float = Field(STEP_WAIT_TIMEOUT, gt=0, le=300, description="seconds to wait, with wait")
 
 
+class Breakpoint(BaseModel):
+    id: int
+    condition: str
+    layer: str | None
+    name: str | None
+    request_id: str | None
+
+
 class ConditionBody(BaseModel):
-    condition: str = Field(description="arrive[:ID], finish[:ID], preempt[:ID], request:ID, layer:LAYER, "
-                                       "kernel:NAME or event:LAYER.NAME", examples=["finish"])
+    condition: Text = Field(description="arrive[:ID], finish[:ID], preempt[:ID], request:ID, layer:LAYER, "
+                                        "kernel:NAME or event:LAYER.NAME", examples=["finish"])
 
 
 def _condition(text: str) -> Condition:
@@ -184,20 +209,21 @@ def _condition(text: str) -> Condition:
         raise APIError(400, str(e), param="condition") from None
 
 
-@router.post("/pause", dependencies=control)
-async def pause(controller: ControllerDep) -> dict:
+@router.post("/pause", dependencies=control, responses=JSON_ONLY)
+async def pause(controller: ControllerDep, body: EmptyBody | None = None) -> dict:
     """Hold the engine at its next step boundary (new requests still arrive and wait)."""
     controller.pause()
     return {"controller": controller.status()}
 
 
-@router.post("/resume", dependencies=control)
-async def resume(controller: ControllerDep) -> dict:
+@router.post("/resume", dependencies=control, responses=JSON_ONLY)
+async def resume(controller: ControllerDep, body: EmptyBody | None = None) -> dict:
+    """Run freely; a pending run_until is disarmed (breakpoints stay)."""
     controller.resume()
     return {"controller": controller.status()}
 
 
-@router.post("/step", dependencies=control)
+@router.post("/step", dependencies=control, responses=JSON_ONLY)
 async def step(controller: ControllerDep, body: StepBody | None = None) -> dict:
     """Run n steps (or phases, or kernel launches), then hold. With wait, answer once held."""
     body = body or StepBody()
@@ -210,10 +236,17 @@ async def step(controller: ControllerDep, body: StepBody | None = None) -> dict:
     return out
 
 
-@router.post("/run_until", dependencies=control)
+@router.post("/run_until", dependencies=control, responses=JSON_ONLY)
 async def run_until(body: ConditionBody, controller: ControllerDep) -> dict:
-    """Run until an event matches the condition (once), then hold."""
+    """Run until an event matches the condition (once), then hold. Resume disarms it."""
     controller.run_until(_condition(body.condition))
+    return {"controller": controller.status()}
+
+
+@router.delete("/run_until", dependencies=control)
+async def cancel_run_until(controller: ControllerDep) -> dict:
+    """Disarm a pending run_until (a held engine stays held)."""
+    controller.cancel_run_until()
     return {"controller": controller.status()}
 
 
@@ -257,7 +290,8 @@ async def list_breakpoints(controller: ControllerDep, ids: IdsDep) -> dict:
     return {"breakpoints": ids.listing(controller)}
 
 
-@router.post("/breakpoints", status_code=201, dependencies=control)
+@router.post("/breakpoints", status_code=201, dependencies=control, response_model=Breakpoint,
+             responses=JSON_ONLY | {200: {"model": Breakpoint, "description": "it existed already: returned as is"}})
 async def add_breakpoint(body: ConditionBody, controller: ControllerDep, ids: IdsDep, response: Response) -> dict:
     """Hold the engine whenever an event matches. Adding one that exists returns it (200)."""
     cond = _condition(body.condition)

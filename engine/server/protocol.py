@@ -1,19 +1,35 @@
 """OpenAI-compatible request and response bodies (the subset this engine serves).
 
 Requests ignore unknown fields (clients send extras such as `logit_bias` or `tools`) but
-reject non-finite numbers: JSON as Python parses it allows NaN and Infinity, and a NaN
-temperature would reach the sampler.
+reject what Python's JSON parser lets through and nothing after it could handle: non-finite
+numbers (a NaN temperature would reach the sampler), integers past 64 bits (``Int``: no
+engine limit is that large, and the trace encoder could not write them) and strings with a
+lone UTF-16 surrogate such as ``"\\ud800"`` (``Text``: not Unicode text, so no tokenizer
+takes it). Each is a 400 naming the field, as in vLLM.
 """
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer
 
 # torch.Generator.manual_seed accepts exactly this range
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 MAX_LOGPROBS = 20  # the engine's limit
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def _unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text: a lone surrogate {s[e.start]!a} at character {e.start}") from None
+    return s
+
+
+Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class RequestModel(BaseModel):
@@ -26,41 +42,41 @@ class StreamOptions(RequestModel):
 
 class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions."""
-    model: str | None = Field(None, description="served model name; omitted means the served model")
+    model: Text | None = Field(None, description="served model name; omitted means the served model")
     temperature: float | None = Field(None, description="0 = greedy; default 1")
     top_p: float | None = None
-    top_k: int | None = Field(None, description="0 or -1 = off (vLLM extension)")
+    top_k: Int | None = Field(None, description="0 or -1 = off (vLLM extension)")
     min_p: float | None = None
-    n: int = Field(1, description="choices per prompt; this engine serves 1")
+    n: Int = Field(1, description="choices per prompt; this engine serves 1")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[Int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    user: str | None = None
+    user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(None, description=f"top logprobs per token, 0..{MAX_LOGPROBS}")
+    prompt: Text | list[Text] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = Field(None, description=f"top logprobs per token, 0..{MAX_LOGPROBS}")
     echo: bool = False
 
 
 class TextPart(RequestModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -70,23 +86,23 @@ class ChatMessage(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, description="deprecated by OpenAI; max_completion_tokens wins")
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = Field(None, description="deprecated by OpenAI; max_completion_tokens wins")
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
 
 
 class TokenizeRequest(RequestModel):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(RequestModel):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: list[Int]
 
 
 # ---- responses --------------------------------------------------------------------------

@@ -44,10 +44,15 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
 
 
 async def submit(state: ServerState, request_ids: list[str], prompts: list, params: SamplingParams) -> list[RequestStream]:
-    """Queue all prompts or none: a bad one aborts those already queued, then raises 400."""
+    """Tokenize every prompt (engine.server.input_processor), then queue all or none: a bad
+    one aborts those already queued, then raises 400."""
+    try:
+        engine_prompts = [await state.processor.process(rid, p) for rid, p in zip(request_ids, prompts)]
+    except ValueError as e:
+        raise bad_request(e) from None
     streams: list[RequestStream] = []
     try:
-        for rid, prompt in zip(request_ids, prompts):
+        for rid, prompt in zip(request_ids, engine_prompts):
             streams.append(await state.engine.add_request(rid, prompt, params))
     except BaseException as e:
         for s in streams:
@@ -164,6 +169,9 @@ async def until_disconnected(request: Request, work):
         watcher.cancel()
         if not task.done():
             task.cancel()
+            # a cancelled task is done only once it has run its cancellation: wait for that
+            # (its result, had it finished meanwhile, is nobody's: the client has gone)
+            await asyncio.wait({task})
     if task.cancelled():
         return None
     return task.result()

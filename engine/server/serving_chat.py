@@ -24,10 +24,13 @@ log = logging.getLogger(__name__)
 PATH = "POST /v1/chat/completions"
 
 
-def chat_prompt(state: ServerState, messages, add_generation_prompt: bool = True) -> str:
+async def chat_prompt(state: ServerState, messages, add_generation_prompt: bool = True) -> str:
+    """The prompt text of `messages`, rendered on the tokenizer threads (a long conversation
+    takes a while, and the event loop serves everyone)."""
     msgs = [dict(role=m.role, content=m.text()) | ({"name": m.name} if m.name else {}) for m in messages]
     try:
-        return render_chat(state.engine.tokenizer, state.chat_template, msgs, add_generation_prompt)
+        return await state.processor.run(render_chat, state.engine.tokenizer, state.chat_template, msgs,
+                                         add_generation_prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
 
@@ -60,7 +63,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         num_logprobs = _num_logprobs(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, max_tokens, num_logprobs)
-        prompt = chat_prompt(state, body.messages, body.add_generation_prompt)
+        prompt = await chat_prompt(state, body.messages, body.add_generation_prompt)
         if hooks.active: hooks.emit("api", "chat_request", request_id=rid, prompt=prompt, num_messages=len(body.messages), params=vars(params), user=body.user)
         [stream] = await submit(state, [rid], [prompt], params)
     except APIError as e:
@@ -92,6 +95,7 @@ class _Ctx:
             async for out in stream:
                 pass
         except EngineClosedError as e:
+            self.state.num_cut_at_shutdown += 1
             raise APIError(503, str(e)) from None
         return out
 
@@ -131,7 +135,8 @@ class _Ctx:
                                               choices=[], usage=_usage(final)))
         except EngineDeadError as e:  # the engine core process died: say so, no traceback
             yield sse(APIError(500, str(e), code="engine_dead").body())
-        except EngineClosedError as e:
+        except EngineClosedError as e:  # the server is shutting down: say so, then [DONE]
+            self.state.num_cut_at_shutdown += 1
             yield sse(APIError(503, str(e)).body())
         except Exception as e:  # the status line is gone already: report it in the stream
             log.exception("chat stream %s failed", self.rid)

@@ -97,6 +97,7 @@ class _Ctx:
                 async for i, out in merged:
                     finals[i] = out
         except EngineClosedError as e:
+            self.state.num_cut_at_shutdown += 1
             raise APIError(503, str(e)) from None
         return finals
 
@@ -124,7 +125,8 @@ class _Ctx:
                                              choices=[], usage=_usage(self.finals)))
         except EngineDeadError as e:  # the engine core process died: say so, no traceback
             yield sse(APIError(500, str(e), code="engine_dead").body())
-        except EngineClosedError as e:
+        except EngineClosedError as e:  # the server is shutting down: say so, then [DONE]
+            self.state.num_cut_at_shutdown += 1
             yield sse(APIError(503, str(e)).body())
         except Exception as e:  # the status line is gone already: report it in the stream
             log.exception("completion stream %s failed", self.rid)

@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from engine.async_engine import AsyncLLMEngine
 from engine.hooks import Hooks
 from engine.server.errors import APIError
+from engine.server.input_processor import InputProcessor
 
 
 @dataclass
@@ -20,6 +21,8 @@ class ServerState:
     api_key: str | None = None
     host: str = "127.0.0.1"  # the address the server binds; decides whether control is open
     metrics: object | None = None  # engine.server.metrics.ServerMetrics
+    processor: InputProcessor | None = None  # tokenizes off the engine's path (build_app makes it)
+    num_cut_at_shutdown: int = 0  # responses that ended with "the server shut down" (the exit line says how many)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

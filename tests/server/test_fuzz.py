@@ -1,5 +1,7 @@
 """Schema-based fuzzing: schemathesis generates requests from /openapi.json; no input may
-produce a 5xx. Bounded examples per operation keep it to a few seconds."""
+produce a 5xx, and every response must match what the document says (status, content type,
+headers, body schema). Bounded examples per operation keep it to a few seconds;
+benchmarks/robustness.py runs 2,000+ cases against a traced `serve`."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +9,11 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,  # noqa: E402
+                                               response_schema_conformance, status_code_conformance)
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
+          response_schema_conformance]
 
 
 @pytest.fixture
@@ -28,4 +35,4 @@ def test_no_server_errors(case, live):
             value = case.body.get(key)
             if not isinstance(value, int) or value > MAX_TOKENS:
                 case.body[key] = MAX_TOKENS
-    case.call_and_validate(base_url=live.url, checks=[not_a_server_error], timeout=60)
+    case.call_and_validate(base_url=live.url, checks=CHECKS, timeout=60)

@@ -75,18 +75,18 @@ def control_app(host: str, api_key: str | None) -> TestClient:
 
 
 def test_control_open_on_loopback_without_key():
-    assert control_app("127.0.0.1", None).post("/trace/pause").status_code == 200
+    assert control_app("127.0.0.1", None).post("/trace/pause", json={}).status_code == 200
     assert control_refusal("127.0.0.1", None) is None
 
 
 def test_control_refused_on_a_public_address_without_key():
-    r = control_app("0.0.0.0", None).post("/trace/pause")
+    r = control_app("0.0.0.0", None).post("/trace/pause", json={})
     assert r.status_code == 403 and r.json()["error"]["code"] == "control_disabled"
     assert "0.0.0.0" in control_refusal("0.0.0.0", None)
 
 
 def test_control_needs_the_key_when_one_is_set():
     c = control_app("0.0.0.0", "k")
-    assert c.post("/trace/pause").status_code == 401
-    assert c.post("/trace/pause", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert c.post("/trace/pause", json={}).status_code == 401
+    assert c.post("/trace/pause", json={}, headers={"Authorization": "Bearer k"}).status_code == 200
     assert control_refusal("0.0.0.0", "k") is None

@@ -57,7 +57,7 @@ def traced(model_cache, tmp_path_factory, request):
 @pytest.fixture
 def t(traced):
     yield traced
-    traced.http.post("/trace/resume")
+    traced.http.post("/trace/resume", json={})
     for bp in traced.http.get("/trace/breakpoints").json()["breakpoints"]:
         traced.http.delete(f"/trace/breakpoints/{bp['id']}")
 
@@ -98,7 +98,7 @@ def test_state_shape(t):
 
 
 def test_pause_holds_a_request_in_waiting_and_step_runs_exactly_one(t):
-    assert t.http.post("/trace/pause").json()["controller"]["pause_requested"] is True
+    assert t.http.post("/trace/pause", json={}).json()["controller"]["pause_requested"] is True
     send = Send(t.url, max_tokens=4, ignore_eos=True)
     held = wait_for(t.http, lambda b: b["controller"]["paused"] and b["state"]["waiting"], "the request to wait")
     rid = held["state"]["waiting"][0]
@@ -115,7 +115,7 @@ def test_pause_holds_a_request_in_waiting_and_step_runs_exactly_one(t):
     assert req["status"] == "RUNNING" and rid in after["state"]["running"]
     assert len(req["output_token_ids"]) == 1  # the prefill step sampled exactly one token
 
-    assert t.http.post("/trace/resume").json()["controller"]["paused"] is False
+    assert t.http.post("/trace/resume", json={}).json()["controller"]["paused"] is False
     send.join(DEADLINE)
     assert send.result["id"] == rid and send.result["usage"]["completion_tokens"] == 4
 
@@ -145,7 +145,7 @@ def test_breakpoints_add_list_delete_and_finish_holds_the_engine(t):
     assert t.http.delete(f"/trace/breakpoints/{bp['id']}").status_code == 204
     assert t.http.delete(f"/trace/breakpoints/{bp['id']}").status_code == 404
     assert [b["condition"] for b in t.http.get("/trace/breakpoints").json()["breakpoints"]] == ["preempt:cmpl-x"]
-    t.http.post("/trace/resume")
+    t.http.post("/trace/resume", json={})
     send.join(DEADLINE)
     assert send.result["id"] == rid
 
@@ -260,22 +260,45 @@ def bare_session():
     session.close()
 
 
-def test_control_refused_on_public_bind_without_key_but_reads_stay_open(bare_session):
+def test_trace_refused_on_public_bind_without_key(bare_session):
     c = bare_app("0.0.0.0", None, bare_session)
-    for method, path, body in [("post", "/trace/pause", None), ("post", "/trace/resume", None),
+    for method, path, body in [("post", "/trace/pause", {}), ("post", "/trace/resume", {}),
                                ("post", "/trace/step", {}), ("post", "/trace/breakpoints", {"condition": "finish"}),
-                               ("delete", "/trace/breakpoints/1", None)]:
+                               ("delete", "/trace/breakpoints/1", None), ("delete", "/trace/run_until", None)]:
         r = c.request(method.upper(), path, json=body)
-        assert r.status_code == 403 and r.json()["error"]["code"] == "control_disabled", path
-    assert c.get("/trace/breakpoints").json() == {"breakpoints": []}
+        assert r.status_code == 403 and r.json()["error"]["code"] == "trace_disabled", path
+    for path in ("/trace/state", "/trace/events", "/trace/breakpoints"):  # every user's prompts: not public
+        r = c.get(path)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "trace_disabled", path
     assert bare_session.controller.status()["pause_requested"] is False
+
+
+def test_trace_reads_need_the_key_when_one_is_set(bare_session):
+    c = bare_app("127.0.0.1", "sesame", bare_session)
+    for path in ("/trace/state", "/trace/events", "/trace/breakpoints"):
+        r = c.get(path)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    assert c.get("/trace/breakpoints", headers={"Authorization": "Bearer sesame"}).json() == {"breakpoints": []}
+
+
+def test_control_posts_must_be_json(bare_session):
+    """A cross-site form can POST text/plain or a urlencoded form, never JSON (that needs a
+    CORS preflight, which this server never grants): so no web page can pause the engine."""
+    c = bare_app("127.0.0.1", None, bare_session)
+    for path in ("/trace/pause", "/trace/resume", "/trace/step", "/trace/run_until", "/trace/breakpoints"):
+        for headers in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}):
+            r = c.post(path, content=b"{}", headers=headers)
+            assert r.status_code == 415 and r.json()["error"]["code"] == "json_required", (path, headers)
+    assert bare_session.controller.status()["pause_requested"] is False
+    r = c.post("/trace/pause", content=b"", headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200 and r.json()["controller"]["pause_requested"] is True
 
 
 def test_control_needs_the_right_key(bare_session):
     c = bare_app("0.0.0.0", "sesame", bare_session)
-    assert c.post("/trace/pause", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert c.post("/trace/pause").status_code == 401
-    r = c.post("/trace/pause", headers={"Authorization": "Bearer sesame"})
+    assert c.post("/trace/pause", json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert c.post("/trace/pause", json={}).status_code == 401
+    r = c.post("/trace/pause", json={}, headers={"Authorization": "Bearer sesame"})
     assert r.status_code == 200 and r.json()["controller"]["pause_requested"] is True
 
 
@@ -283,7 +306,7 @@ def test_503_when_tracing_is_off():
     c = bare_app(session=None)
     for method, path in [("GET", "/trace/state"), ("GET", "/trace/events"), ("POST", "/trace/pause"),
                          ("GET", "/trace/breakpoints")]:
-        r = c.request(method, path)
+        r = c.request(method, path, json={} if method == "POST" else None)
         assert r.status_code == 503 and r.json()["error"]["code"] == "tracing_disabled", path
 
 

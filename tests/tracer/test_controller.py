@@ -112,6 +112,33 @@ def test_breakpoint_on_finish_and_run_until_preempted(mode):
         session.close()
 
 
+
+def test_resume_and_cancel_disarm_a_run_until(mode):
+    """A run-until that never matches: cancelled while held, the engine stays held; after
+    resume (which disarms it, here or in the core's process) the engine runs to the end."""
+    session, engine = make(mode=mode)
+    ctl = session.controller
+    engine.add_request("a", "disarm", greedy(3))
+    loop = start_loop(engine)
+    try:
+        assert ctl.wait_until_paused(T) is not None
+        ctl.add_breakpoint(on_arrive())  # armed beside it: stays through both
+        ctl.pause()
+        ctl.run_until(on_finish("nobody"))
+        ctl.pause()
+        assert ctl.wait_until_paused(T) is not None
+        ctl.cancel_run_until()
+        assert ctl.status()["until"] is None and ctl.held is not None
+        ctl.run_until(on_finish("nobody"))
+        ctl.pause()
+        assert ctl.wait_until_paused(T) is not None and ctl.status()["until"] == "finish:nobody"
+        ctl.resume()
+        assert ctl.status()["until"] is None and len(ctl.breakpoints) == 1
+        loop.join(T)
+        assert session.state.view().requests["a"].status == "FINISHED_LENGTH"
+    finally:
+        session.close()
+
 def test_pause_while_running_and_arrive_breakpoint():
     session, engine = make(start_paused=False)
     ctl = session.controller

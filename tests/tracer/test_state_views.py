@@ -1,6 +1,7 @@
 """What the fold keeps for the TUI (timelines, prefix-cache view of free blocks, histories),
 checked against the engine's own structures after a real run."""
 import json
+import time
 
 from engine import LLM, Hooks, SamplingParams
 from tracer.session import TraceSession
@@ -97,3 +98,66 @@ def test_serve_stages_join_the_engine_stages_but_the_server_span_does_not():
         fold(state, ev)
     assert [st["stage"] for st in state.startup] == ["args", "config", "model_load"]
     assert state.startup_current["stage"] == "http_ready"  # in progress: serve's span is no stage
+
+
+def _ev(seq, layer, name, kind="instant", rid=None, **attrs):
+    from tracer.events import Event
+    return Event(seq, seq, layer, name, kind, rid, None, attrs or None)
+
+
+def test_a_live_state_keeps_only_the_latest_finished_requests():
+    """A server's state must not grow with its age: the oldest finished requests are dropped
+    (the trace file keeps them), refused ones when their response ends, and a dropped
+    request's late events (its response ending) do not bring it back."""
+    from tracer.state import fold
+    s, seq = TraceState(max_finished=3), 0
+    for i in range(10):
+        rid = f"r{i}"
+        for layer, name, kind in [("http", "POST /v1/completions", "begin"), ("engine", "QUEUED", "instant"),
+                                  ("engine", "FINISHED", "instant")]:
+            seq += 1
+            fold(s, _ev(seq, layer, name, kind, rid))
+        if i == 0:
+            for _ in range(4):  # r0 is dropped before its response ends
+                seq += 1
+                fold(s, _ev(seq, "engine", "QUEUED", "instant", f"x{seq}"))
+                seq += 1
+                fold(s, _ev(seq, "engine", "FINISHED", "instant", f"x{seq - 1}"))
+            seq += 1
+            fold(s, _ev(seq, "http", "POST /v1/completions", "end", "r0", status=200))
+    assert s.finished == ["r7", "r8", "r9"] and s.num_finished == 14
+    assert set(s.requests) == {"r7", "r8", "r9"}  # r0's late end did not revive it
+    seq += 1
+    fold(s, _ev(seq, "http", "POST /v1/completions", "begin", "bad"))
+    assert "bad" in s.requests
+    seq += 1
+    fold(s, _ev(seq, "http", "POST /v1/completions", "end", "bad", status=400))
+    assert "bad" not in s.requests  # refused before the engine: nothing to keep
+    assert TraceState.from_dict(json.loads(s.to_json())["state"]).finished == ["r7", "r8", "r9"]
+
+
+def test_to_json_matches_to_dict_and_survives_what_orjson_refuses():
+    session, engine = run_engine()
+    engine.add_request("r", "Hello", SamplingParams(max_tokens=3, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    state = session.state.view()
+    assert json.loads(state.to_json(seq=1)) == json.loads(json.dumps({"state": state.to_dict(), "seq": 1}))
+    state.requests["r"].text = "\ud800"  # not representable in UTF-8: the slow path replaces it
+    assert json.loads(state.to_json())["state"]["requests"]["r"]["text"] == "\ufffd"
+    session.close()
+
+
+def test_live_state_follows_the_bus_by_itself():
+    session, engine = run_engine()
+    session.state.follow(interval=0.01)
+    engine.add_request("r", "Hello", SamplingParams(max_tokens=2, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    n = session.bus.next_seq
+    end = time.monotonic() + 30
+    while session.state.state.num_events < n and time.monotonic() < end:
+        time.sleep(0.01)  # polling a condition, with a deadline
+    session.state.stop_following()
+    assert session.state.state.num_events == n and "r" in session.state.state.finished
+    session.close()

@@ -31,24 +31,35 @@ class Server(uvicorn.Server):
         self.ready.set()
 
 
-@pytest.fixture
-def served(model_cache):
+def start_server(port: int = 0, start_paused: bool = True):
+    """A real engine behind the real router, in a thread: (url, session, stop)."""
     hooks = Hooks()
-    session = TraceSession(hooks, start_paused=True, model="tiny-gpt2")
+    session = TraceSession(hooks, start_paused=start_paused, model="tiny-gpt2")
     engine = AsyncLLMEngine(LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=64).llm_engine, drain_timeout=0)
     app = build_app(engine, "tiny-gpt2")
     app.state.trace = session
     app.include_router(trace_api.router)
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
     server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     assert server.ready.wait(60)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", session
-    session.close()
-    server.should_exit = True
-    thread.join(30)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(30)
+        session.close()
+        sock.close()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", session, stop
+
+
+@pytest.fixture
+def served(model_cache):
+    url, session, stop = start_server()
+    yield url, session
+    stop()
 
 
 async def until(app, check, what: str, timeout: float = 20):
@@ -66,6 +77,7 @@ async def test_attach_sees_requests_and_steps_the_remote_engine(served):
     source = RemoteSource(url)
     await source.start()
     assert source.info.model == "tiny-gpt2" and source.refresh().num_blocks == 64
+    assert (source.info.device, source.info.backend) == ("cpu", "torch")  # what the engine uses, not "?"
     app = TraceApp(source, initial_pane="requests")
     async with app.run_test(size=(120, 36)) as pilot:
         await pilot.press("ctrl+p", *"send a test", "enter")
@@ -95,3 +107,34 @@ async def test_attach_to_nothing_is_one_clear_error():
     with pytest.raises(AttachError, match="no vllm-trace server"):
         await source.start()
     await source.close()
+
+
+async def test_attach_shows_the_server_going_away_and_reconnects_when_it_is_back(model_cache):
+    from tests.tui.helpers import shown
+    from tracer.tui.widgets.header import StatusHeader
+
+    url, session, stop = start_server(start_paused=False)
+    port = int(url.rsplit(":", 1)[1])
+    source = RemoteSource(url)
+    await source.start()
+    app = TraceApp(source)
+    async with app.run_test(size=(120, 36)):
+        header = app.query_one(StatusHeader)
+        await until(app, lambda s: source.connected, "the event stream")
+        assert "RUNNING" in shown(header) and "cpu · torch" in shown(header)
+        await asyncio.to_thread(stop)  # the server stops (as on Ctrl-C: its streams end)
+        t0 = asyncio.get_running_loop().time()
+        await until(app, lambda s: "DISCONNECTED" in shown(header), "DISCONNECTED", timeout=10)
+        assert asyncio.get_running_loop().time() - t0 < 2.0
+        assert "lost the server" in shown(header) and "RUNNING" not in shown(header)
+        url2, session2, stop2 = await asyncio.to_thread(start_server, port, False)  # back, a new process
+        try:
+            await until(app, lambda s: "DISCONNECTED" not in shown(header), "the reconnection", timeout=30)
+            await pilot_send(app)
+            await until(app, lambda s: len(s.finished) == 1, "a request served by the new server", timeout=60)
+        finally:
+            await asyncio.to_thread(stop2)
+
+
+async def pilot_send(app) -> None:
+    await app.source.send_test_request("Hello", max_tokens=2)

@@ -27,6 +27,13 @@ def cells(app, request_id: str) -> list[str]:
     return [text.strip() for text, _style in rows.texts[rows.keys.index(request_id)]]
 
 
+def footer_shows(app, key: str, description: str) -> bool:
+    """The footer draws this key, whole, inside the screen."""
+    from textual.widgets._footer import FooterKey
+    return any(k.key == key and k.description == description and k.region.width
+               and k.region.right <= app.size.width for k in app.query(FooterKey))
+
+
 def header(app) -> str:
     return shown(app.query_one(StatusHeader))
 
@@ -34,11 +41,12 @@ def header(app) -> str:
 async def test_held_requests_wait_then_n_runs_exactly_one_step_and_fills_the_block_tables(live):
     async with live.app.run_test(size=(120, 36)) as pilot:
         await live.submit()
+        await pilot.press("2")
         await live.settle(pilot)
         for rid in ("r0", "r1", "r2"):
             assert cells(live.app, rid)[1] == "waiting"
             assert "not scheduled yet" in cells(live.app, rid)[5]
-        assert "PAUSED" in header(live.app) and "W3 R0" in header(live.app)
+        assert "PAUSED" in header(live.app) and "waiting 3 · running 0 · finished 0" in header(live.app)
         assert live.source.refresh().step is None  # nothing ran while held
 
         await pilot.press("n")
@@ -54,13 +62,13 @@ async def test_held_requests_wait_then_n_runs_exactly_one_step_and_fills_the_blo
             assert state.requests[rid].block_table == engine.requests[rid].block_ids
             assert len(state.requests[rid].block_table) == -(-n // 4)
             assert cells(live.app, rid)[1:4] == ["running", f"{n}/{n}", "1/4"]
-        assert "step 0" in header(live.app) and "R3" in header(live.app)
+        assert "step 0" in header(live.app) and "running 3" in header(live.app)
 
 
 async def test_space_resumes_then_pauses_at_the_next_step(live):
     async with live.app.run_test() as pilot:
         streams = await live.submit(params=live_params(max_tokens=3))
-        await pilot.press("space")  # resume: everything runs to completion
+        await pilot.press("2", "space")  # resume: everything runs to completion
         for s in streams:
             assert [o async for o in s][-1].finished
         await live.settle(pilot)
@@ -101,8 +109,47 @@ async def test_k_stops_before_each_kernel_launch_and_the_kernels_panel_says_whic
         assert len(live.source.refresh().kernels) == 1  # the first launch ran, the second is held before
         panel = live.app.query_one(KernelsPanel)
         head = shown(panel.query_one("#kernels-head"))
-        assert "held before the next launch" in head and second.info["name"] in head
+        assert f"held before {second.info['name']} (layer 0)" in head
         assert panel.query_one("#kernels-table").row_count == 1
+        row = shown(panel.query_one("#kernels-table")).splitlines()[1]
+        assert "reshape_and_cache_ref" in row and "key 37×4×32" in row  # full name; 11 + 25 + 1 tokens: the shapes
+        assert "held before the kernel launch unified_attention_ref (layer 0) of step 0: k runs it" in header(live.app)
+
+
+async def test_t_runs_the_held_attention_launch_through_the_triton_kernel(live):
+    async with live.app.run_test(size=(160, 48)) as pilot:
+        await live.submit()
+        await pilot.press("t")  # not held at an attention launch: says how to get there
+        await live.settle(pilot)
+        assert live.app.query_one(KernelsPanel).rerun is None
+        for _ in range(3):
+            await pilot.press("k")
+            stop = await live.held()
+        assert stop.info["name"] == "unified_attention_ref"
+        await live.settle(pilot)
+        assert footer_shows(live.app, "t", "on Triton")
+        await pilot.press("t")
+        panel = live.app.query_one(KernelsPanel)
+        for _ in range(600):  # interpreted on the CPU: a few seconds on a busy machine
+            if panel.rerun is not None:
+                break
+            await asyncio.sleep(0.05)
+        r = panel.rerun
+        assert r is not None and r["name"] == "unified_attention" and r["max_abs_diff"] < 1e-4
+        await live.settle(pilot)
+        await pilot.pause()  # the Static's new height takes a layout pass
+        text = shown(panel.query_one("#kernels-rerun"))
+        assert "max |Triton − PyTorch| =" in text and f"grid {'×'.join(map(str, r['grid']))}" in text
+        grid = panel.query_one("#program-grid")
+        assert grid.grid == tuple(r["grid"]) and grid.num_heads == 4  # every KV head has a row
+        state = live.source.refresh()
+        read = {}
+        for work in grid.access.values():
+            for a in work:
+                read.setdefault(state.batch["request_ids"][a.request], set()).update(a.blocks)
+        assert read == {rid: set(state.requests[rid].block_table) for rid in ("r0", "r1", "r2")}
+        assert "physical blocks" in shown(panel.query_one("#program-access"))
+        assert live.controller.status()["paused"]  # t ran the kernel, not the engine
 
 
 async def test_b_adds_a_breakpoint_that_holds_the_engine_and_removes_it(live):
@@ -139,13 +186,18 @@ async def test_enter_opens_the_request_with_its_tokens_timeline_and_blocks(live)
         await live.submit()
         await pilot.press("n")
         await live.held()
+        await pilot.press("2")  # opening a panel focuses its list: enter works at once
         await live.settle(pilot)
-        live.app.query_one("#requests-table").focus()
-        await pilot.press("enter")  # the cursor is on the first row: r0, running
+        table = live.app.query_one("#requests-table")
+        assert table.keys == ["r2", "r1", "r0"] and table.cursor_key == "r2"  # newest first, followed
+        await pilot.press("down", "down")
+        await live.settle(pilot)
+        assert table.cursor_key == "r0"  # moved by the user: it stays there
+        await pilot.press("enter")
         assert isinstance(live.app.screen, RequestScreen)
         await live.settle(pilot)
         text = live.app.screen.query_one(RequestDetail).text
-        assert "request r0" in text and "H72" in text  # 'H' is token 72
+        assert "request r0" in text and "H·72" in text  # 'H' is token 72
         assert "QUEUED" in text and "SCHEDULED" in text and "tokens 0..10 (11)" in text
         assert "0→1  1→2  2→3" in text and "last block: 3/4 slots used" in text
         await pilot.press("escape")
@@ -174,7 +226,8 @@ async def test_question_mark_explains_every_panel_and_key(live):
         await pilot.press("question_mark")
         assert isinstance(live.app.screen, HelpScreen)
         text = live.app.screen.query_one("Markdown").source
-        for word in ("Requests", "KV cache", "Step", "Kernels", "Log", "Startup", "`space`", "`n`", "`s`", "`k`",
+        for word in ("Overview", "Requests", "KV cache", "Step", "Kernels", "Log", "Startup", "`space`", "`n`", "`s`",
+                     "`k`", "`t`", "`tab`",
                      "`b`", "`enter`", "`/`", "`ctrl+p`", "`q`", "`←` / `→`"):
             assert word in text
         await pilot.press("escape")
@@ -222,12 +275,63 @@ async def test_palette_sends_a_test_request_and_exports_a_replayable_trace(live,
         assert replay.steps == [0] and "tui-1" in replay.final().running
 
 
-async def test_number_keys_and_tabs_switch_panels(live):
+async def test_number_keys_and_tab_switch_panels_whatever_has_focus(live):
+    panes = ("overview", "requests", "kv", "step", "kernels", "log", "startup")
     async with live.app.run_test() as pilot:
         tabs = live.app.query_one("#panes")
-        for key, pane in zip("123456", ("startup", "requests", "kv", "step", "kernels", "log")):
+        await pilot.pause()  # (TabbedContent applies its initial tab after the app's first frame)
+        for key, pane in zip("1234567", panes):
             await pilot.press(key)
             assert tabs.active == pane
+            await pilot.pause()
+            focused = live.app.focused
+            assert focused is None or pane in [a.id for a in focused.ancestors if a.id]  # its list has the keys
+        await pilot.press("2", "tab")  # tab cycles the panels (README and help say so)...
+        assert tabs.active == "kv"
+        await pilot.press("shift+tab", "4")  # ...and the number keys still work after it
+        assert tabs.active == "step"
+        await pilot.press("2")
+        await pilot.pause()
+        assert live.app.focused.id == "requests-table"  # opening a panel focuses its list
+        await pilot.press("slash", "3", "1")  # typing in a filter: digits are text, not panels
+        assert tabs.active == "requests" and live.app.query_one("#requests-filter").value == "31"
+        await pilot.press("escape", "5")
+        assert tabs.active == "kernels"
+
+
+async def test_the_tui_opens_the_overview_when_work_arrives_unless_a_panel_was_just_chosen(live):
+    async with live.app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        live.app.show_pane("startup")  # where `serve` opens
+        await pilot.pause()
+        await live.submit()
+        await live.settle(pilot)
+        tabs = live.app.query_one("#panes")
+        assert tabs.active == "overview"  # no key pressed
+        text = live.app.query_one("#overview-body").text
+        assert "waiting 3" in text and "running 0" in text
+        for rid in ("r0", "r1", "r2"):
+            assert rid in text
+        assert "not scheduled yet: the engine is held" in text
+        await pilot.press("n")
+        await live.held()
+        await live.settle(pilot)
+        text = live.app.query_one("#overview-body").text
+        assert "out 1/4" in text and "prefill 11" in text and "batch: 3 requests" in text
+        assert "kernels of step 0" in text and "unified_attention_ref" in text
+        line = header(live.app).splitlines()[0]
+        assert "waiting 0 · running 3" not in line and "W0 R3 F0" in line  # 80 columns: abbreviated, one line
+        assert footer_shows(live.app, "q", "quit")
+        await pilot.press("space")
+        for _ in range(400):
+            await live.settle(pilot)
+            if not live.source.refresh().running:
+                break
+            await asyncio.sleep(0.02)
+        await pilot.press("3")  # a panel chosen just now: new work does not take it away
+        await live.submit(prefix="late")
+        await live.settle(pilot)
+        assert tabs.active == "kv"
 
 
 def live_params(max_tokens: int):

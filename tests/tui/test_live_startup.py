@@ -42,9 +42,14 @@ async def test_the_startup_panel_shows_the_weights_loading_while_they_load():
     try:
         build = asyncio.ensure_future(asyncio.to_thread(LLMEngine, engine_config("tiny-gpt2"), hooks))
         await _until(lambda: held)
+        # under load the app may still be building its widgets: wait for the panel, not assume it
+        await _until(lambda: tui.app.is_running and tui.app.screen_stack and tui.app.query(StartupPanel)
+                     and tui.app.query_one(StartupPanel).is_mounted)
         panel = tui.app.query_one(StartupPanel)
 
         def text() -> str:
+            if not panel.query("#startup-ready"):
+                return ""
             return shown(panel.query_one("#startup-stages")) + shown(panel.query_one("#startup-ready"))
         await _until(lambda: "in progress:" in text())  # drawn by the app's own timer
         assert "✓" in text() and "in progress:" in text() and " of " in text()  # bytes read of all

@@ -33,6 +33,8 @@ async def test_arrows_and_home_end_travel_through_the_steps(recorded_trace):
         assert source.refresh().step == 0
         await pilot.press("left")  # before the first step: the start of the trace
         assert source.refresh().step is None
+        await pilot.press("end", "left")  # the first ← after end moves to the step before the last
+        assert source.refresh().step == reference.steps[-2]
 
 
 async def test_control_keys_are_refused_in_a_replay(recorded_trace):
@@ -80,10 +82,20 @@ async def test_a_replayed_attention_launch_shows_which_blocks_each_program_reads
         for rid, blocks in read.items():
             assert blocks == set(state.requests[rid].block_table), rid
         grid.focus()
-        await pilot.press("down")  # a one-row grid: down walks the programs
-        assert grid.cursor == (1, 0, 0)
+        heads = grid.num_heads
+        assert heads == state.engine_config["model"].get("num_kv_heads", heads) and heads == 4
+        seen = []
+        for _ in range(heads):  # down walks every KV head of a program, then on to the next program
+            seen.append(grid.cursor[:2])
+            await pilot.press("down")
+        assert seen == [(0, h) for h in range(heads)] and grid.cursor == (1, 0, 0)
         await pilot.pause()
         text = shown(app.query_one(KernelsPanel).query_one("#program-access"))
-        assert "program (1, 0, 0)" in text
+        assert "program (1, 0, 0)  KV head 0" in text
         for work in grid.access[(1, 0, 0)]:  # interpreted: one program may take several query blocks
-            assert f"reads physical blocks {' '.join(map(str, work.blocks))}" in text
+            assert f"physical blocks {' '.join(map(str, work.blocks))}" in text
+        # the picture and the table say the same grid
+        grid_text = shown(grid)
+        assert "program grid 2×1×1" in grid_text
+        assert any("2×1×1" in line and "unified_attention" in line
+                   for line in shown(app.query_one("#kernels-table")).splitlines())

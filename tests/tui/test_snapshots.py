@@ -14,7 +14,7 @@ from tracer.tui.sources.replay import ReplaySource
 STEP = 5  # a preemption, shared prefix blocks, a waiting request with a reason
 KERNEL_STEP = 2  # a Triton attention launch with two programs
 SIZES = [(80, 24), (160, 48)]
-PANES = ["startup", "requests", "kv", "step", "kernels", "log"]
+PANES = ["overview", "requests", "kv", "step", "kernels", "log", "startup"]
 
 
 def app_at(trace, pane: str) -> TraceApp:
@@ -27,8 +27,8 @@ async def _choose_attention_program(pilot) -> None:
     app = pilot.app
     app.query_one("#kernels-table").move_cursor(row=1)  # layer 0's unified_attention
     await pilot.pause()
-    app.query_one("#program-grid").focus()
-    await pilot.press("down")  # (← → travel in time in a replay; a one-row grid walks with ↑ ↓)
+    await pilot.press("enter")  # into its program grid
+    await pilot.press("down", "down", "down", "down")  # (← → travel in time in a replay) 4 heads: program 1
 
 
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")

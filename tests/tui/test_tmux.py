@@ -1,10 +1,14 @@
-"""The TUI in a real terminal: `vllm-trace serve tiny-gpt2` in tmux, a request sent with curl
-from a second shell (another tmux window), the pane captured: the request's id and its
-generated text must be on screen, and `q` must stop the server."""
+"""The TUI in a real terminal: `vllm-trace serve tiny-gpt2` in tmux, requests sent with curl
+from a second shell (another tmux window), the pane captured as a newcomer would see it: the
+first request on screen with no key pressed, the words waiting and running, the Step panel
+agreeing with the header after a burst, `q` stopping the server and printing a summary. Also:
+a model that cannot load is one clean line, stderr sent to a file gets no escape codes, and
+`attach` shows DISCONNECTED when its server stops."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -42,8 +46,25 @@ def wait_for(check, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def pane() -> str:
-    return tmux("capture-pane", "-p", "-t", f"{SESSION}:0")
+def pane(window: int = 0) -> str:
+    return tmux("capture-pane", "-p", "-t", f"{SESSION}:{window}")
+
+
+def env(model_cache) -> str:
+    # COLUMNS/LINES (set under pytest) would override the terminal size Textual reads
+    return f"env -u COLUMNS -u LINES VLLM_TRACE_CACHE={model_cache} PYTHONPATH={ROOT} TERM=xterm-256color"
+
+
+def new_session(command: str, width: int = 160, height: int = 48) -> None:
+    tmux("new-session", "-d", "-s", SESSION, "-x", str(width), "-y", str(height), f"cd {ROOT} && {command}; sleep 60")
+    # no client is attached: fix the size, or tmux falls back to 80x24
+    tmux("set-option", "-t", SESSION, "window-size", "manual")
+    tmux("resize-window", "-t", f"{SESSION}:0", "-x", str(width), "-y", str(height))
+
+
+def curl(url: str, out: Path, prompt: str = "Hello, my name is", max_tokens: int = 12) -> str:
+    body = json.dumps({"model": "tiny-gpt2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}' > {out}"
 
 
 def healthy(url: str) -> bool:
@@ -56,34 +77,98 @@ def healthy(url: str) -> bool:
 def test_serve_shows_a_curl_request_in_the_terminal(model_cache, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    # COLUMNS/LINES (set under pytest) would override the terminal size Textual reads
-    env = f"env -u COLUMNS -u LINES VLLM_TRACE_CACHE={model_cache} PYTHONPATH={ROOT} TERM=xterm-256color"
-    serve = f"{env} {sys.executable} -m tracer.cli serve tiny-gpt2 --port {port} --num-kv-blocks 256"
-    tmux("new-session", "-d", "-s", SESSION, "-x", "160", "-y", "48", f"cd {ROOT} && {serve}; sleep 60")
+    new_session(f"{env(model_cache)} {sys.executable} -m tracer.cli serve tiny-gpt2 --port {port} --num-kv-blocks 256")
     try:
-        # no client is attached: fix the size, or tmux falls back to 80x24
-        tmux("set-option", "-t", SESSION, "window-size", "manual")
-        tmux("resize-window", "-t", f"{SESSION}:0", "-x", "160", "-y", "48")
         wait_for(lambda: healthy(url), 90, "the server")
         wait_for(lambda: "Ready." in pane(), 30, "the TUI's ready line")
         assert f"curl {url}/v1/completions" in pane()
 
         out = tmp_path / "response.json"
-        body = json.dumps({"model": "tiny-gpt2", "prompt": "Hello, my name is", "max_tokens": 12, "temperature": 0})
-        tmux("new-window", "-d", "-t", SESSION,
-             f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}' > {out}")
+        tmux("new-window", "-d", "-t", SESSION, curl(url, out))
         response = wait_for(lambda: out.exists() and out.stat().st_size and json.loads(out.read_text()), 60,
                             "curl's answer")
         rid, text = response["id"], response["choices"][0]["text"]
+        try:  # no key pressed: the TUI has opened the Overview by itself
+            screen = wait_for(lambda: rid in pane() and "finished 1" in pane() and pane(), 15, "")
+        except AssertionError:
+            raise AssertionError(f"request {rid} is not on screen with no key pressed:\n{pane()}") from None
+        assert "waiting 0 · running 0 · finished 1" in screen and "12 tokens out, length" in screen
+        assert "waiting" in screen.split("\n", 3)[3] and "running" in screen.split("\n", 3)[3]  # the panel's own
 
         tmux("send-keys", "-t", f"{SESSION}:0", "2")  # the Requests panel; at 160 columns the detail is beside it
         try:
-            screen = wait_for(lambda: rid in pane() and text.strip()[:8] in pane() and pane(), 15, "")
+            screen = wait_for(lambda: all(w in pane() for w in ("why waiting", rid, text.strip()[:8])) and pane(),
+                              15, "")
         except AssertionError:
             raise AssertionError(f"request {rid} and its text {text!r} are not on screen:\n{pane()}") from None
         assert "finished" in screen and "12/12" in screen
 
+        # a burst, then the Step panel must say the step the header says
+        burst = " & ".join(curl(url, tmp_path / f"burst{i}.json", f"burst {i}", 24) for i in range(8))
+        tmux("new-window", "-d", "-t", SESSION, f"{burst} & wait; touch {tmp_path / 'burst.done'}")
+        wait_for(lambda: (tmp_path / "burst.done").exists(), 90, "the burst")
+        tmux("send-keys", "-t", f"{SESSION}:0", "4")
+
+        def agree() -> str | None:
+            screen = pane()
+            head = re.search(r"step (\d+) \(done\)", screen.splitlines()[0])
+            panel = re.search(r"^ *step (\d+)  batch of", screen, re.M)
+            return screen if head and panel and head.group(1) == panel.group(1) and "finished 9" in screen else None
+        try:
+            wait_for(agree, 15, "")
+        except AssertionError:
+            raise AssertionError(f"the Step panel does not agree with the header:\n{pane()}") from None
+
         tmux("send-keys", "-t", f"{SESSION}:0", "q")
         wait_for(lambda: not healthy(url), 30, "the server to stop after q")
+        summary = wait_for(lambda: "served" in pane() and pane(), 15, "the exit summary")
+        assert "9 requests served" in summary and "vllm-trace replay" in summary and "Traceback" not in summary
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
+
+
+@pytest.mark.parametrize("model", ["./nonexistent-model", "no-such-org/no-such-model"])
+def test_a_model_that_cannot_load_is_one_clean_line(model_cache, model):
+    new_session(f"{env(model_cache)} HF_HUB_OFFLINE=1 {sys.executable} -m tracer.cli serve {model} "
+                f"--port {free_port()}; echo EXIT=$?", 80, 24)
+    try:
+        screen = wait_for(lambda: "EXIT=" in pane() and pane(), 90, "serve to give up")
+        assert "EXIT=2" in screen and "vllm-trace serve: error:" in screen, screen
+        assert "Traceback" not in screen and "AttributeError" not in screen, screen
+        assert "--model" not in screen  # the hint names a real command
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
+
+
+def test_stderr_to_a_file_runs_headless_without_escape_codes(model_cache, tmp_path):
+    port, log = free_port(), tmp_path / "serve.log"
+    url = f"http://127.0.0.1:{port}"
+    new_session(f"{env(model_cache)} {sys.executable} -m tracer.cli serve tiny-gpt2 --port {port} 2>{log}", 80, 24)
+    try:
+        wait_for(lambda: healthy(url), 90, "the server")
+        wait_for(lambda: "Ready:" in log.read_text(), 15, "the ready line")
+        tmux("send-keys", "-t", f"{SESSION}:0", "C-c")
+        wait_for(lambda: not healthy(url), 30, "the server to stop")
+        text = log.read_text()
+        assert "running headless" in text and "\x1b" not in text, text
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
+
+
+def test_attach_shows_the_disconnect(model_cache):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    new_session(f"{env(model_cache)} {sys.executable} -m tracer.cli serve tiny-gpt2 --no-tui --port {port}", 80, 24)
+    try:
+        wait_for(lambda: healthy(url), 90, "the server")
+        tmux("new-window", "-d", "-t", SESSION, f"cd {ROOT} && {env(model_cache)} {sys.executable} -m tracer.cli "
+             f"attach {url}; sleep 60")
+        tmux("resize-window", "-t", f"{SESSION}:1", "-x", "80", "-y", "24")
+        wait_for(lambda: "RUNNING" in pane(1), 30, "the attached TUI")
+        assert "tiny-gpt2 · cpu · torch" in pane(1)
+        tmux("send-keys", "-t", f"{SESSION}:0", "C-c")
+        t0 = time.monotonic()
+        wait_for(lambda: "DISCONNECTED" in pane(1), 10, "DISCONNECTED")
+        assert time.monotonic() - t0 < 2.5  # (polled every 0.2 s)
     finally:
         subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)

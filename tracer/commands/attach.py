@@ -2,33 +2,41 @@
 
 It reads /trace/state once, follows /trace/events, and sends the keys' commands to the
 /trace/* control endpoints; the server's engine is paused and stepped exactly as in-process.
+If the server goes away the header says DISCONNECTED and the TUI reconnects when it is back.
+With --web-port it serves that TUI in a browser instead (tracer.tui.web).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import sys
 
 from tracer.commands.send import DEFAULT_URL
 
 
 def register(sub) -> None:
+    from tracer.commands.serve import port_number
+
     p = sub.add_parser("attach", help="open the TUI on a running server (started with --no-tui)",
                        description="Open the TUI on a `vllm-trace serve --no-tui` server: watch its requests, "
                                    "pause and step its engine over HTTP.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("url", nargs="?", default=DEFAULT_URL, help="the server's base URL")
     p.add_argument("--api-key", default=os.environ.get("VLLM_TRACE_API_KEY"),
-                   help="the server's --api-key, needed for control on a non-loopback server "
-                        "(default: $VLLM_TRACE_API_KEY)")
+                   help="the server's --api-key: a server started with one wants it for every /trace "
+                        "endpoint, reads included (default: $VLLM_TRACE_API_KEY)")
+    p.add_argument("--web-port", type=port_number, default=None, metavar="PORT",
+                   help="serve this TUI in a browser on http://127.0.0.1:PORT instead of the terminal "
+                        "(each browser tab runs its own attach); Ctrl-C stops it")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    return asyncio.run(_attach(args.url, args.api_key))
+    return asyncio.run(_attach(args.url, args.api_key, args.web_port))
 
 
-async def _attach(url: str, api_key: str | None) -> int:
+async def _attach(url: str, api_key: str | None, web_port: int | None = None) -> int:
     from tracer.cli import UserError
     from tracer.tui.app import TraceApp
     from tracer.tui.sources.remote import AttachError, RemoteSource
@@ -39,5 +47,21 @@ async def _attach(url: str, api_key: str | None) -> int:
     except AttachError as e:
         await source.close()
         raise UserError(f"{e}; is `vllm-trace serve` running there?") from None
-    await TraceApp(source, initial_pane="requests").run_async()
+    if web_port is not None:
+        await source.close()
+        return await _web(url, api_key, web_port)
+    await TraceApp(source).run_async()
+    return 0
+
+
+async def _web(url: str, api_key: str | None, port: int) -> int:
+    from tracer.tui.web import WebView
+
+    web = await WebView(url, port, api_key).start()
+    print(f"vllm-trace attach: the TUI of {url} in a browser at {web.url} (Ctrl-C to stop)", file=sys.stderr,
+          flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await web.stop()
     return 0

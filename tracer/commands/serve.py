@@ -13,9 +13,15 @@ ends when it is ready. If the core dies, requests in flight fail, new ones get 5
 exits with status 1 after saying why.
 
 The trace session (on unless --no-trace) feeds /trace (tracer.trace_api), --trace-file and
---trace-log. Ctrl-C stops accepting connections, ends /trace/events streams, lets a held engine
-run free, gives in-flight requests --drain-timeout seconds, stops the engine, and only then
-closes the trace file, so the file ends with those requests' last events.
+--trace-log. Ctrl-C (or SIGTERM) stops accepting connections, ends /trace/events streams, lets
+a held engine run free, gives in-flight requests --drain-timeout seconds, stops the engine, and
+only then closes the trace file, so the file ends with those requests' last events.
+
+The drain never cuts a response silently: at the deadline the engine ends every request still
+running with "the server shut down before this request finished", which a stream sends as an
+error event and ``data: [DONE]`` (a non-streamed request: a 503), and uvicorn's own timeout,
+which would close the connections with nothing said, comes DRAIN_GRACE seconds later. A second
+Ctrl-C or SIGTERM aborts them at once. The exit line says how many were cut.
 """
 from __future__ import annotations
 
@@ -23,11 +29,14 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import sys
 import time
 
 from tracer.commands.engine_args import add_engine_args, llm_kwargs
+
+DRAIN_GRACE = 5.0  # s after the drain deadline: the cut responses send their error event and [DONE]
 
 DESCRIPTION = """\
 Serve MODEL over HTTP with OpenAI's API: POST /v1/completions, POST /v1/chat/completions
@@ -50,7 +59,7 @@ def register(sub) -> None:
     h.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network, where trace "
                         "control then needs --api-key)")
-    h.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    h.add_argument("--port", type=port_number, default=8000, help="port (default 8000; 0 picks a free one)")
     h.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` and /v1/models lists (default: MODEL)")
     h.add_argument("--api-key", default=None,
@@ -59,7 +68,11 @@ def register(sub) -> None:
                    help="Jinja chat template, as transformers uses (default: the tokenizer's own, else a plain "
                         "'Role: content' transcript; see engine/server/chat_template.py)")
     h.add_argument("--drain-timeout", type=float, default=5.0,
-                   help="on Ctrl-C, seconds in-flight requests get to finish before they are aborted (default 5)")
+                   help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish; then each ends with an "
+                        "error (a stream: an error event and [DONE]). Again: abort them now (default 5)")
+    h.add_argument("--max-request-body-mib", type=float, default=1.0, metavar="MIB",
+                   help="refuse larger request bodies with 413 as they arrive (default 1 MiB; a whole GPT-2 "
+                        "context is some 5 KB of text)")
     h.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level; 'info' logs every request (default warning)")
@@ -78,12 +91,29 @@ def register(sub) -> None:
                    default=os.environ.get("VLLM_TRACE_ENABLE_MULTIPROCESSING", "1") == "0",
                    help="run the engine core in this process, not its own (default: its own process, as vLLM V1; "
                         "also VLLM_TRACE_ENABLE_MULTIPROCESSING=0)")
+    tr.add_argument("--trace-max-finished", type=int, default=None, metavar="N",
+                    help="finished requests /trace/state and the TUI keep, the oldest dropped first (default "
+                         "256; the --trace-file keeps them all): a server's trace state stays small at any age")
     t = p.add_argument_group("display")
     t.add_argument("--no-tui", action="store_true",
                    help="headless: print startup and logs only (default: the TUI, from the first startup "
                         "stage on, when run in a terminal; `vllm-trace attach` opens it on a headless server)")
+    t.add_argument("--web-port", type=port_number, default=None, metavar="PORT",
+                   help="also serve the TUI in a browser on http://127.0.0.1:PORT (textual-serve; each tab runs "
+                        "its own `vllm-trace attach`), with or without the terminal TUI")
     add_engine_args(p)
     p.set_defaults(handler=run)
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range (0-65535)")
+    return port
 
 
 def _fmt_details(stage: str, d: dict) -> str:
@@ -102,7 +132,12 @@ def _fmt_details(stage: str, d: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in d.items() if k not in ("seconds", "ok", "pid"))
 
 
+_SHOW_STAGES = True  # off while the TUI owns the terminal: its Startup panel shows them
+
+
 def _stage(name: str, seconds: float, details: str = "") -> None:
+    if not _SHOW_STAGES:
+        return
     print(f"  {name:<16} {seconds * 1000:8.1f} ms  {details}", file=sys.stderr, flush=True)
 
 
@@ -188,15 +223,24 @@ def run(args: argparse.Namespace) -> int:
     from tracer.tracelog import check_layers
 
     t0 = time.perf_counter_ns()
-    print(f"vllm-trace serve {args.model}", file=sys.stderr)
     if args.no_trace and (args.trace_file or args.start_paused or args.trace_log or args.trace_log_layers):
         raise ValueError("--no-trace cannot be combined with --trace-file, --start-paused or --trace-log")
     if args.no_trace and not args.no_tui:
         raise ValueError("--no-trace turns the tracer off, and the TUI is its view: add --no-tui")
-    if not args.no_tui and not (sys.stdin.isatty() and sys.stdout.isatty()):
-        print("vllm-trace serve: no terminal to draw the TUI in (stdin or stdout is not a TTY): "
+    if args.trace_max_finished is not None and args.trace_max_finished < 1:
+        raise ValueError(f"--trace-max-finished must be >= 1, got {args.trace_max_finished}")
+    if not args.max_request_body_mib > 0:
+        raise ValueError(f"--max-request-body-mib must be > 0, got {args.max_request_body_mib}")
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not args.no_tui and not (sys.stdin.isatty() and sys.stdout.isatty() and sys.stderr.isatty()):
+        print("vllm-trace serve: no terminal to draw the TUI in (stdin, stdout or stderr is not a TTY): "
               "running headless, as with --no-tui (`vllm-trace attach` opens the TUI)", file=sys.stderr)
         args.no_tui = True
+    global _SHOW_STAGES
+    _SHOW_STAGES = args.no_tui
+    if args.no_tui:
+        print(f"vllm-trace serve {args.model}", file=sys.stderr)
     layers = check_layers(args.trace_log_layers.split(",")) if args.trace_log_layers else None
     sock = _bind(args.host, args.port)  # before loading anything: a busy port fails fast
     t_args = time.perf_counter_ns()
@@ -213,12 +257,16 @@ def run(args: argparse.Namespace) -> int:
                                    layers=layers, start_paused=args.start_paused, model=args.model,
                                    engine_config=config.to_dict(), start_ns=t0,
                                    remote_control=not args.no_multiprocessing)
+            if args.trace_max_finished is not None:
+                session.state.max_finished = args.trace_max_finished
+            session.state.follow()  # /trace/state answers at once, however long nobody read it
             _cli_span(session.bus, "args", t0, t_args, host=args.host, port=sock.getsockname()[1])
             _cli_span(session.bus, "config", t_args, t_config, config=config.to_dict())
         return asyncio.run(_serve(args, sock, config, hooks, session))
     finally:
         sock.close()
         if session is not None:
+            session.state.stop_following()
             session.close()  # after the engine stopped: the file ends with the drained requests
 
 
@@ -267,7 +315,8 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
     template = load_chat_template(args.chat_template, async_engine.tokenizer)
     if tui is not None:
         tui.engine_ready(async_engine)
-    app = build_app(async_engine, name, args.api_key, host=args.host, chat_template=template)
+    app = build_app(async_engine, name, args.api_key, host=args.host, chat_template=template,
+                    max_body_size=int(args.max_request_body_mib * 2 ** 20))
     app.state.trace = session  # None with --no-trace: /trace answers 503
     app.include_router(trace_api.router)
 
@@ -281,12 +330,28 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
             if self.started:
                 ready.set()
 
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit and sig in (signal.SIGINT, signal.SIGTERM):
+                self._captured_signals.append(sig)
+                self.force_exit = True  # a second signal, of either kind (uvicorn: only a second SIGINT)
+            else:
+                super().handle_exit(sig, frame)
+
         async def shutdown(self, sockets=None) -> None:
             # before uvicorn waits for open connections: /trace/events streams would never end
             # on their own, and a held engine could not drain the requests in flight
             trace_api.stop_event_streams(app)
             if session is not None and session.controller is not None:
                 session.controller.close()
+            stats = async_engine.stats
+            in_flight = stats.num_running + stats.num_waiting
+            if in_flight:
+                print(f"vllm-trace serve: stopping; {in_flight} request(s) in flight get --drain-timeout "
+                      f"{args.drain_timeout:g} s to finish (a second Ctrl-C or SIGTERM aborts them now)",
+                      file=sys.stderr, flush=True)
+            # The drain's deadline is the engine's: it ends what still runs with an error each
+            # response reports, before uvicorn's timeout (DRAIN_GRACE later) would cut them.
+            drain = asyncio.ensure_future(async_engine.shutdown(args.drain_timeout))
             await super().shutdown(sockets)
             if self.force_exit:
                 # A second Ctrl-C: uvicorn skips the app's shutdown, whose task asyncio.run would
@@ -296,12 +361,13 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
                 await self.lifespan.shutdown()
                 if self.server_state.tasks:  # their streams end now, as aborted: let them say so
                     await asyncio.wait(list(self.server_state.tasks), timeout=2)
+            await drain
             # uvicorn re-raises a caught Ctrl-C once it has shut down (exit 130 with a
             # KeyboardInterrupt); ours was handled, requests drained: exit 0 instead
             self._captured_signals.clear()
 
-    uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.drain_timeout,
-                               lifespan="on")
+    uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, lifespan="on",
+                               timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE)
     server = Server(uv_config)
     stop_server.append(server)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -318,18 +384,37 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
     if hooks.active: hooks.emit("cli", "http_ready", END, seconds=time.perf_counter() - t_http, url=url)
     if hooks.active: hooks.emit("cli", "serve", BEGIN, model=args.model, served_model_name=name, host=args.host, port=sock.getsockname()[1], url=url)
     _banner(args, name, url, control_refusal(args.host, args.api_key), session)
-    if tui is None:
-        await serving
-    else:
-        await tui.run(server, serving)
+    web = None
+    if args.web_port is not None:
+        from tracer.tui.web import WebView
+        web = await WebView(url, args.web_port, args.api_key).start()
+        if tui is None:
+            print(f"  browser view: {web.url} (the TUI, one `vllm-trace attach` per tab)", file=sys.stderr)
+        else:
+            tui.app.notify(f"browser view: {web.url}", timeout=15)
+    try:
+        if tui is None:
+            await serving
+        else:
+            await tui.run(server, serving)
+    finally:
+        if web is not None:
+            await web.stop()
+    if tui is not None:
+        print(tui.summary(args.trace_file), file=sys.stderr)
     if hooks.active: hooks.emit("cli", "serve", END)
     if died:
         print(f"vllm-trace serve: stopped because the {died[0]}", file=sys.stderr)
         return 1
+    cut = app.state.server.num_cut_at_shutdown
     if server.force_exit:
-        print("vllm-trace serve: stopped at a second Ctrl-C (requests in flight were aborted)", file=sys.stderr)
+        print(f"vllm-trace serve: stopped at a second Ctrl-C or SIGTERM; {cut} response(s) in flight were "
+              f"aborted, each ended with an error", file=sys.stderr)
+    elif cut:
+        print(f"vllm-trace serve: stopped; {cut} response(s) still running at the --drain-timeout deadline "
+              f"({args.drain_timeout:g} s) were ended with an error (server shutting down)", file=sys.stderr)
     else:
-        print("vllm-trace serve: stopped cleanly", file=sys.stderr)
+        print("vllm-trace serve: stopped cleanly (every request finished)", file=sys.stderr)
     return 0
 
 
@@ -356,13 +441,13 @@ def _banner(args: argparse.Namespace, name: str, url: str, refusal: str | None, 
     if session is None:
         print("  tracing: off (--no-trace)", file=sys.stderr)
     else:
-        print(f"  trace: curl {url}/trace/state   curl -N {url}/trace/events", file=sys.stderr)
+        print(f"  trace: curl {url}/trace/state{auth}   curl -N {url}/trace/events{auth}", file=sys.stderr)
         if args.trace_file:
             print(f"  recording to {args.trace_file} (then: vllm-trace export {args.trace_file} -o trace.json)",
                   file=sys.stderr)
         if refusal:
-            print(f"  note: {refusal}; /trace/state and /trace/events stay open", file=sys.stderr)
+            print(f"  note: {refusal}", file=sys.stderr)
         elif args.start_paused:
             print(f"  engine held before its first step: curl -X POST {url}/trace/step{auth} "
-                  f"(or /trace/resume)", file=sys.stderr)
+                  f"-H 'Content-Type: application/json' -d '{{}}' (or /trace/resume)", file=sys.stderr)
     sys.stderr.flush()

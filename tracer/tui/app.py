@@ -1,10 +1,13 @@
-"""The TUI app: a header, six panels in tabs, the footer with the keys.
+"""The TUI app: a header, seven panels in tabs, the footer with the keys.
 
 A timer (REFRESH_HZ) folds what the source has received and redraws the header and the
 visible panel; panels that are not visible cost nothing. Under load a panel whose whole
-content changes at every step (64 streaming requests) redraws at most 4 times a second.
-The engine thread never waits for this: it only publishes into the tracer's ring buffer,
-and commands only flip the step controller's flags.
+content changes at every step (64 streaming requests) redraws at most 4 times a second; it
+is redrawn in full when it is shown and when the engine goes idle, so it is never staler
+than the header. When the engine goes from idle to busy the app opens the Overview (unless
+the user chose a panel in the last FOLLOW_QUIET seconds), so a first request is on screen
+without a key pressed. The engine thread never waits for any of this: it only publishes
+into the tracer's ring buffer, and commands only flip the step controller's flags.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.css.query import NoMatches
 from textual.screen import Screen
-from textual.widgets import Footer, TabbedContent, TabPane
+from textual.widgets import Footer, Input, TabbedContent, TabPane
 
 from tracer.tui.frame import Frame
 from tracer.tui.screens.breakpoints import BreakpointsScreen
@@ -28,17 +31,20 @@ from tracer.tui.widgets.header import StatusHeader
 from tracer.tui.widgets.kernels import KernelsPanel
 from tracer.tui.widgets.kv_cache import KVCachePanel
 from tracer.tui.widgets.log import LogPanel
+from tracer.tui.widgets.overview import OverviewPanel
+from tracer.tui.widgets.panel import WIDE, Panel  # noqa: F401  (WIDE: lessons.tui lays out by it too)
 from tracer.tui.widgets.requests import RequestsPanel
 from tracer.tui.widgets.startup import StartupPanel
 from tracer.tui.widgets.step import StepPanel
 
 REFRESH_HZ = 12  # the timer drops a tick when the loop is late: 12 asked, at least 10 had under load
-WIDE = 140  # columns from which the Requests panel shows the selected request beside the list
-PANES = [("startup", "Startup"), ("requests", "Requests"), ("kv", "KV cache"), ("step", "Step"),
-         ("kernels", "Kernels"), ("log", "Log")]
+PANES = [("overview", "Overview"), ("requests", "Requests"), ("kv", "KV cache"), ("step", "Step"),
+         ("kernels", "Kernels"), ("log", "Log"), ("startup", "Startup")]
 TEST_PROMPT = "The paged KV cache"
-CONTROL_ACTIONS = {"toggle_pause", "step", "breakpoints"}
+CONTROL_ACTIONS = {"toggle_pause", "step", "breakpoints", "triton"}
 TRAVEL_ACTIONS = {"travel"}
+PANE_ACTIONS = {"show_pane", "cycle_pane"}  # keys that work whatever has focus (not while typing)
+FOLLOW_QUIET = 5.0  # seconds after the user chose a panel during which the app does not switch
 
 
 class TraceApp(App):
@@ -54,30 +60,39 @@ class TraceApp(App):
         Binding("right", "travel('forward')", "step ▶", priority=True),
         Binding("home", "travel('home')", "first", priority=True),
         Binding("end", "travel('end')", "last", priority=True),
+        Binding("q", "quit", "quit"),
+        Binding("t", "triton", "on Triton"),
         Binding("slash", "filter", "filter"),
         Binding("question_mark", "help", "help"),
-        Binding("q", "quit", "quit"),
-        *[Binding(str(i + 1), f"show_pane('{pane}')", title, show=False) for i, (pane, title) in enumerate(PANES)],
+        Binding("tab", "cycle_pane(1)", "next panel", show=False, priority=True),
+        Binding("shift+tab", "cycle_pane(-1)", "previous panel", show=False, priority=True),
+        *[Binding(str(i + 1), f"show_pane('{pane}')", title, show=False, priority=True)
+          for i, (pane, title) in enumerate(PANES)],
     ]
 
-    def __init__(self, source: Source, initial_pane: str | None = None, refresh_hz: float = REFRESH_HZ):
+    def __init__(self, source: Source, initial_pane: str | None = None, refresh_hz: float = REFRESH_HZ,
+                 follow: bool = True):
         super().__init__()
         self.source = source
         self.refresh_hz = refresh_hz
+        self.follow = follow  # open the Overview when the engine goes busy (a benchmark keeps its panel)
         self.selected: str | None = None
         self.stepping = False
         self.ticks = 0  # refreshes done (the overhead benchmark counts them)
         self.frame: Frame | None = None
         self._timer = None
-        self._initial_pane = initial_pane or ("requests" if source.info.mode == "replay" else "startup")
-
+        self._initial_pane = initial_pane or ("overview" if source.info.mode == "replay" else "startup")
+        self._busy = False  # the engine had requests at the last refresh
+        self._known = 0  # requests the state had at the last refresh
+        self._chosen_at = -1e9  # when the user last chose a panel (monotonic seconds)
+        self._held_name: str | None = None  # the launch the engine is held before
     # ---- layout ----------------------------------------------------------------------------
     def compose(self):
         info = self.source.info
         yield StatusHeader(info, id="header")
         with TabbedContent(initial=self._initial_pane, id="panes"):
-            with TabPane("Startup", id="startup"):
-                yield StartupPanel(info.model, info.url, info.mode)
+            with TabPane("Overview", id="overview"):
+                yield OverviewPanel()
             with TabPane("Requests", id="requests"):
                 yield RequestsPanel()
             with TabPane("KV cache", id="kv"):
@@ -88,6 +103,8 @@ class TraceApp(App):
                 yield KernelsPanel()
             with TabPane("Log", id="log"):
                 yield LogPanel()
+            with TabPane("Startup", id="startup"):
+                yield StartupPanel(info.model, info.url, info.mode)
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
@@ -99,17 +116,18 @@ class TraceApp(App):
         self.tick()
         self._timer = self.set_interval(1 / self.refresh_hz, self.tick)
 
-    def on_resize(self) -> None:
-        wide = self.size.width >= WIDE
-        self.screen_stack[0].query_one("#requests-detail").display = wide
-        self.screen_stack[0].query_one(StepPanel).set_class(not wide, "-narrow")
-
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """Hide what the source cannot do (no engine to step in a replay, no time travel live)."""
         if action in CONTROL_ACTIONS and not self.source.can_control:
             return False
         if action in TRAVEL_ACTIONS and not self.source.can_time_travel:
             return False
+        if action in PANE_ACTIONS and (len(self.screen_stack) > 1 or isinstance(self.focused, Input)):
+            return False  # the key goes on to the dialog or the field being typed in
+        if action == "triton" and self.frame is not None:
+            from tracer.tui.widgets.kernels import held_launch
+            held = held_launch(self.frame) or {}
+            return str(held.get("name", "")).startswith("unified_attention")  # (the footer shows t only then)
         return True
 
     # ---- the refresh -----------------------------------------------------------------------
@@ -128,20 +146,58 @@ class TraceApp(App):
         if controller.get("paused"):
             self.stepping = False
         self.frame = frame = Frame.of(state, controller, self.source.now_ns(), self.selected)
+        held = (frame.state.paused_at or {}).get("info", {}).get("name") if controller.get("paused") else None
+        if held != self._held_name:  # the footer shows `t` only before an attention launch
+            self._held_name = held
+            self.refresh_bindings()
+        self.header.connection = self.source.disconnected()
         self.header.show(frame, self.stepping)
         self.log_panel.feed(self.source.take_events())
+        busy = bool(state.waiting or state.running)
+        arrived = len(state.requests) > self._known  # (a short request may come and go between two refreshes)
+        went_idle = not busy and (self._busy or arrived)
+        went_busy = (busy or arrived) and not self._busy
+        self._busy, self._known = busy, len(state.requests)
+        if went_busy and self._may_follow():
+            self.show_pane("overview")
         if isinstance(self.screen, RequestScreen):
             self.screen.show(frame)
         else:
-            self.active_panel().show(frame)
+            self._show(self.active_panel(), frame, went_idle)
         self.ticks += 1
 
-    def active_panel(self):
-        return self.panes.active_pane.children[0]
+    @staticmethod
+    def _show(panel: Panel, frame: Frame, force: bool) -> None:
+        if panel.is_mounted:  # (its widgets are built after the first refresh under load)
+            panel.show(frame, force=force)
 
-    def on_tabbed_content_tab_activated(self) -> None:
+    def _may_follow(self) -> bool:
+        return (self.follow and self.source.info.mode in ("live", "attach") and len(self.screen_stack) == 1
+                and not isinstance(self.focused, Input) and time.monotonic() - self._chosen_at > FOLLOW_QUIET)
+
+    def active_panel(self) -> Panel:
+        # by the id: active_pane follows a change only once TabbedContent's messages are handled
+        return self.panes.get_pane(self.panes.active).children[0]
+
+    def show_pane(self, pane: str, chosen: bool = False) -> None:
+        if chosen:
+            self._chosen_at = time.monotonic()
+        if self.panes.active != pane:
+            self.panes.active = pane
+
+    def on_tab_clicked(self) -> None:
+        self._chosen_at = time.monotonic()  # a click on a tab is a choice, as a key is
+
+    on_tabs_clicked = on_tab_clicked
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        panel = self.active_panel()
+        if event.pane.id != self.panes.active:
+            return  # an older switch: the panel now active has had (or will have) its own
         if self.frame is not None:
-            self.active_panel().show(self.frame)
+            self._show(panel, self.frame, True)
+        if len(self.screen_stack) == 1:
+            panel.focus_list()
 
     def on_requests_panel_selected(self, message: RequestsPanel.Selected) -> None:
         self.selected = message.request_id
@@ -187,14 +243,43 @@ class TraceApp(App):
         self.push_screen(HelpScreen())
 
     def action_show_pane(self, pane: str) -> None:
-        self.panes.active = pane
+        self.show_pane(pane, chosen=True)
+
+    def action_cycle_pane(self, delta: int) -> None:
+        ids = [p for p, _ in PANES]
+        self.show_pane(ids[(ids.index(self.panes.active) + delta) % len(ids)], chosen=True)
 
     def action_filter(self) -> None:
         panel = self.active_panel()
-        if not hasattr(panel, "open_filter"):
+        if not panel.filterable:
             self.action_show_pane("log")
             panel = self.log_panel
         panel.open_filter()
+
+    async def action_triton(self) -> None:
+        """`t`: run the attention launch the engine is held before through our Triton kernel."""
+        from tracer.tui.widgets.kernels import held_launch
+        self.tick()  # the controller's state now, not at the last refresh
+        held = held_launch(self.frame) if self.frame is not None else None
+        if held is None or not str(held.get("name", "")).startswith("unified_attention"):
+            self.notify("t runs a held attention launch on Triton: press k until the engine holds before "
+                        "unified_attention", severity="warning")
+            return
+        self.show_pane("kernels", chosen=True)
+        self.notify(f"running {held.get('name')} (layer {held.get('layer_idx')}) through the Triton kernel…")
+        self.run_worker(self._triton(held), group="triton", exclusive=True)
+
+    async def _triton(self, held: dict) -> None:
+        try:
+            result = await self.source.held_attention_on_triton()
+        except Unsupported as e:
+            self.notify(str(e), severity="warning")
+            return
+        except Exception as e:  # the engine moved on, or the kernel refused the inputs: say so
+            self.notify(f"{type(e).__name__}: {e}", severity="error")
+            return
+        self.query_one(KernelsPanel).set_rerun(held, result)
+        self.tick()
 
     async def action_send_test_request(self) -> None:
         try:
@@ -224,7 +309,8 @@ class TraceApp(App):
             self.exit()
 
     async def on_unmount(self) -> None:
-        self._timer.stop()
+        if self._timer is not None:  # None when the app stopped before it mounted
+            self._timer.stop()
         await self.source.close()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -238,6 +324,8 @@ class TraceApp(App):
             yield SystemCommand("Step to the next kernel launch", "k", lambda: self.run_action("step('kernel')"))
             yield SystemCommand("Breakpoints", "b: hold on arrival, finish, preemption, a layer, a kernel, a request",
                                 self.action_breakpoints)
+            yield SystemCommand("Run the held attention launch on Triton", "t: its grid, programs, blocks, max |diff|",
+                                self.action_triton)
         if self.source.can_time_travel:
             for where, title in [("back", "Step back"), ("forward", "Step forward"), ("home", "First step"),
                                  ("end", "Last step")]:
@@ -249,5 +337,6 @@ class TraceApp(App):
                             self.action_export)
         for i, (pane, title) in enumerate(PANES):
             yield SystemCommand(f"Show {title}", f"{i + 1}", lambda p=pane: self.action_show_pane(p))
+        yield SystemCommand("Next panel", "tab (shift+tab: the previous one)", lambda: self.action_cycle_pane(1))
         yield SystemCommand("Filter", "/: filter requests or the log", self.action_filter)
         yield SystemCommand("Help", "?: every panel and key explained", self.action_help)

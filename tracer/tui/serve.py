@@ -17,7 +17,7 @@ import contextlib
 import logging
 
 from tracer.tui.app import TraceApp
-from tracer.tui.sources.base import SourceInfo
+from tracer.tui.sources.base import SourceInfo, engine_identity
 from tracer.tui.sources.live import LiveSource
 
 UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
@@ -81,8 +81,9 @@ class LiveTui:
         return self.ui.done()
 
     def engine_ready(self, async_engine) -> None:
-        info = live_info(async_engine, self.source.info.model, self.source.info.url)
-        self.source.info.device, self.source.info.backend = info.device, info.backend
+        # device and backend: from the engine's own startup stages (the trace), not its objects
+        info = self.source.info
+        info.device, info.backend = engine_identity(self.source.refresh(), (info.device, info.backend))
         self.source.async_engine = async_engine
 
     async def close(self) -> None:
@@ -95,6 +96,21 @@ class LiveTui:
             if self._logs is not None:
                 self._logs, logs = None, self._logs
                 logs.__exit__(None, None, None)
+
+    def summary(self, trace_file: str | None) -> str:
+        """What is printed once the TUI has given the terminal back."""
+        s = self.source.refresh()
+        done = [s.requests[r] for r in s.finished if r in s.requests]
+        aborted = sum(r.status == "FINISHED_ABORTED" for r in done)
+        tokens = sum(len(r.output_token_ids) for r in done)
+        lines = [f"vllm-trace serve: {len(done) - aborted} request{'' if len(done) - aborted == 1 else 's'} served "
+                 f"({tokens} tokens generated{f', {aborted} aborted' if aborted else ''}) in "
+                 f"{'no step' if s.step is None else f'{s.step + 1} engine steps'}"]
+        if trace_file:
+            lines.append(f"  trace: {trace_file}   replay it: vllm-trace replay {trace_file}")
+        else:
+            lines.append("  no trace file: add --trace-file PATH to record one, then vllm-trace replay PATH")
+        return "\n".join(lines)
 
     async def run(self, server, serving: asyncio.Task) -> None:
         """Run until the user quits or the server stops, then stop the other."""

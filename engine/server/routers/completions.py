@@ -4,8 +4,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from engine.server.errors import ERROR_RESPONSES
-from engine.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                    CompletionRequest, CompletionResponse)
+from engine.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                    CompletionResponse)
 from engine.server.security import require_api_key
 from engine.server.serving_chat import create_chat_completion
 from engine.server.serving_completion import create_completion
@@ -24,7 +24,7 @@ async def completions(body: CompletionRequest, state: StateDep, request: Request
 
 
 @router.post("/chat/completions", response_model=ChatCompletionResponse,
-             responses={200: {"content": SSE, "model": ChatCompletionChunk}})
+             responses={200: {"content": SSE}})
 async def chat_completions(body: ChatCompletionRequest, state: StateDep, request: Request):
     """Chat completion: the messages go through the chat template, then the engine."""
     return await create_chat_completion(body, state, request)

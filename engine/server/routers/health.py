@@ -6,6 +6,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import APIRouter, Response
 
 from engine.server.errors import APIError
+from engine.server.protocol import ErrorResponse
 from engine.server.state import StateDep
 
 router = APIRouter(tags=["server"])
@@ -18,7 +19,9 @@ def package_version() -> str:
         return "0+unknown"
 
 
-@router.get("/health", responses={503: {"description": "the engine loop is not running"}})
+@router.get("/health", response_class=Response,
+            responses={200: {"description": "the engine loop runs (an empty body, as in vLLM)", "content": None},
+                       503: {"model": ErrorResponse, "description": "the engine loop is not running"}})
 async def health(state: StateDep) -> Response:
     if not state.engine.is_running:
         raise APIError(503, "the engine loop is not running")

@@ -17,8 +17,9 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> TokenizeResponse:
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    text = body.prompt if body.prompt is not None else chat_prompt(state, body.messages, body.add_generation_prompt)
-    ids = state.engine.tokenizer.encode(text)
+    text = body.prompt if body.prompt is not None else await chat_prompt(state, body.messages,
+                                                                          body.add_generation_prompt)
+    ids = await state.processor.encode(text)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.engine.max_model_len)
 
 

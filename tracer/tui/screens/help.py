@@ -13,28 +13,38 @@ A real paged-attention engine (vLLM v1 semantics) that you can watch, pause and 
 Everything shown is something the engine really did: it is folded from the engine's own
 trace events, the same ones `--trace-file` records and `vllm-trace replay` reads.
 
-## Panels (1–6, or click the tabs)
-- **Startup** (1): the engine's startup stages with their timings (model files, tokenizer,
-  weights, KV-cache allocation with blocks × bytes), then a `curl` line to send a request.
-- **Requests** (2): running, then waiting (and preempted), then finished requests: id, state,
-  prompt tokens computed/total, generated tokens, age, and *why* a waiting request was not
-  admitted this step (token budget, max_num_seqs, no free KV blocks) or why it finished.
+## Panels (1–7, `tab` / `shift+tab`, or click the tabs)
+- **Overview** (1): the engine on one screen: the *waiting* queue (each request with the
+  reason it was not admitted), the *running* batch, the newest finished requests, this step's
+  batch, KV-cache use and the last step's kernel timings. The TUI opens it by itself when the
+  engine goes from idle to busy (unless you chose a panel in the last few seconds).
+- **Requests** (2): newest and active first (running, waiting, preempted), then finished
+  requests: id, state, prompt tokens computed/total, generated tokens, age, and *why* a
+  waiting request was not admitted this step (token budget, max_num_seqs, no free KV blocks)
+  or why it finished. The cursor follows the newest request until you move it.
   `enter` opens a request: its prompt as token pieces with their ids, the text streaming in,
   its timeline (queued → scheduled → prefill chunks → decode steps → finished), its block
   table (logical → physical block, slots used in the last block) and its prefix-cache hits.
   On a wide terminal the detail of the selected request sits beside the list.
 - **KV cache** (3): every physical block as a cell coloured by its owner; ▓ marks blocks
   shared through the prefix cache, ░ free blocks whose contents are still cached, · free
-  blocks. A gauge and a sparkline of usage per step. The selected request's blocks stay lit.
+  blocks. A big cache is drawn k blocks a cell (▒: some of them in use), so it always fits.
+  A gauge and a sparkline of usage per step. The selected request's blocks stay lit.
 - **Step** (4): the current step's batch (which requests, prefill or decode, tokens each, the
   token budget used), the scheduler's decisions (admitted, preempted and why, waiting and why)
   and the flattened model inputs of the selected request (input_ids, positions, slot_mapping,
   query_start_loc, block table).
-- **Kernels** (5): each kernel launch of the step with its grid, meta-parameters, duration and a
-  sparkline of its time per step. For a Triton attention launch, the program grid (query block
-  × KV head); move in it with the arrows to see the physical blocks a program reads.
+- **Kernels** (5): each kernel launch of the step with its grid, meta-parameters (Triton) or
+  argument shapes (PyTorch), duration and a sparkline of its time per step. `enter` on a
+  Triton attention launch goes into its program grid (one row per KV head); the arrows pick
+  a program and a head and show the physical blocks it reads (`esc`: back to the list).
+  On the PyTorch backend, hold the engine before an attention launch (`k`) and press `t`:
+  that very launch runs through our Triton kernel (interpreted on a CPU) and its grid, its
+  programs and its largest difference from the PyTorch output are shown.
 - **Log** (6): the event stream, `[TRACE] layer name key=value`; `/` filters by layer
   (`scheduler kernel`), request (`request=ID`) or words.
+- **Startup** (7): the engine's startup stages with their timings (model files, tokenizer,
+  weights, KV-cache allocation with blocks × bytes), then a `curl` line to send a request.
 
 ## Keys
 | key | |
@@ -44,8 +54,9 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
 | `s` | step into: run to the next phase (schedule → execute → postprocess) |
 | `k` | run to the next kernel launch (held *before* it) |
 | `b` | breakpoints: on arrival, finish, preemption, a layer, a kernel, a request id |
+| `t` | held before an attention launch: run it through the Triton kernel (Kernels panel) |
 | `enter` | open the selected request |
-| `tab` / `shift+tab`, arrows | move between and within panels |
+| `1`–`7`, `tab` / `shift+tab` | show a panel (its list takes the arrows, `enter`, `home`/`end`) |
 | `/` | filter (Requests, Log) |
 | `ctrl+p` | command palette: every action, *send a test request*, *export trace* |
 | `?` | this help |
@@ -53,8 +64,9 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
 | `←` / `→`, `home` / `end` | replay: step back / forward in time, jump to the first / last step |
 
 The header shows the model, device and attention backend, the engine's state (RUNNING,
-PAUSED, STEPPING), the step and phase, the queue sizes (W waiting, R running, F finished)
-and the URL to send requests to.
+PAUSED, STEPPING; DISCONNECTED when an attached server went away), the step and phase, the
+queues (`waiting 0 · running 3 · finished 1`, or `W0 R3 F1` on a narrow terminal) and the
+URL to send requests to. Its second line says what a held engine is waiting for.
 """
 
 

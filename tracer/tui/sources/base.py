@@ -26,6 +26,21 @@ class SourceInfo:
     url: str | None = None  # where to send requests (live, attach) or the trace file (replay)
 
 
+def engine_identity(state: TraceState, fallback: tuple[str, str] = ("?", "?")) -> tuple[str, str]:
+    """(device, attention backend) the engine really uses, from its startup stages (the config
+    may say None or auto); `fallback` while they have not been seen."""
+    device, backend = fallback
+    cfg = state.engine_config or {}
+    device = (cfg.get("model") or {}).get("device") or device
+    backend = cfg.get("attention_backend") or backend
+    for st in state.startup:
+        if st["stage"] == "model_load":
+            device, backend = st.get("device", device), st.get("attention_backend", backend)
+        elif st["stage"] == "kernel_warmup" and st.get("backend"):
+            backend = st["backend"]
+    return device, backend
+
+
 @dataclass
 class EventBatch:
     events: list[Event] = field(default_factory=list)
@@ -79,6 +94,10 @@ class Source:
         state = self.refresh()
         return len(state.waiting) + len(state.running)
 
+    def disconnected(self) -> str | None:
+        """Why the source has lost its engine (attach: the server went away), else None."""
+        return None
+
     def kernel_access(self, kernel: dict, state: TraceState) -> dict | None:
         """pid -> ProgramAccess tuple for a kernel launch of the current step, or None when the
         launch has no program grid (a PyTorch reference) to map."""
@@ -107,6 +126,11 @@ class Source:
     async def export(self, path: str) -> str:
         """Write the trace so far to path (JSON lines, the --trace-file format); returns what was written."""
         raise Unsupported("nothing to export")
+
+    async def held_attention_on_triton(self) -> dict:
+        """`t`: the attention launch the engine is held before, run through the Triton kernel
+        (kernels.rerun's plain data: grid, programs, max |diff| against PyTorch)."""
+        raise Unsupported("re-running a launch needs the engine (vllm-trace serve)")
 
     async def travel(self, where: str) -> None:
         """Replay: "back", "forward", "home" or "end"."""

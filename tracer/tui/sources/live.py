@@ -98,6 +98,12 @@ class LiveSource(Source):
         task.add_done_callback(self._tasks.discard)
         return what
 
+    async def held_attention_on_triton(self) -> dict:
+        if self.async_engine is None:
+            return await super().held_attention_on_triton()
+        # the engine's thread is the one held: the kernel runs on another (interpreted: seconds)
+        return await asyncio.to_thread(self.async_engine.held_attention_on_triton)
+
     async def export(self, path: str) -> str:
         from tracer.recorder import Recorder
 

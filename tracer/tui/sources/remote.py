@@ -5,6 +5,11 @@ the next sequence number and folds the stream itself with the same fold, so it s
 what an in-process viewer sees. If the stream reports missed events (the client fell a whole
 ring behind), the fold can no longer be trusted: it takes /trace/state again. Commands are
 the /trace/* control endpoints.
+
+When the stream ends or breaks (the server stopped: its shutdown ends every stream, so this
+is seen at once), the source says so (``disconnected()``, the header's DISCONNECTED) and
+retries with backoff (RETRY_MIN doubling to RETRY_MAX seconds). A server that comes back may
+be a new process with a new trace: the source takes /trace/state again before following.
 """
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ import httpx
 
 from tracer.events import Event
 from tracer.state import TraceState, fold
-from tracer.tui.sources.base import EventBatch, LogBuffer, Source, SourceInfo, Unsupported
+from tracer.tui.sources.base import EventBatch, LogBuffer, Source, SourceInfo, Unsupported, engine_identity
 
-RETRY_SECONDS = 1.0
+RETRY_MIN, RETRY_MAX = 0.25, 5.0  # seconds between reconnection attempts (doubling)
+READ_TIMEOUT = 45.0  # the server sends a keep-alive every 15 s: silence this long is a dead server
 
 
 class AttachError(Exception):
@@ -50,10 +56,8 @@ class RemoteSource(Source):
             raise AttachError(f"no vllm-trace server with a trace API at {self.url} ({type(e).__name__}: {e})") from e
         if models:
             self.info.model = models[0]["id"]
-        cfg = self._state.engine_config or {}
-        self.info.device = (cfg.get("model") or {}).get("device") or "?"
-        self.info.backend = cfg.get("attention_backend") or "?"
         await self._take_breakpoints()
+        self.connected = True
         self._task = asyncio.get_running_loop().create_task(self._follow())
 
     async def _take_state(self) -> None:
@@ -65,24 +69,32 @@ class RemoteSource(Source):
         self._seq = d["seq"]  # the next event the server will publish
         self._pending.clear()
         self._sync_clock(self._state.last_ts_ns)
+        self.info.device, self.info.backend = engine_identity(self._state)
 
     def _sync_clock(self, ts_ns: int) -> None:
         self._offset_ns = ts_ns - asyncio.get_running_loop().time() * 1e9 if ts_ns else self._offset_ns
 
     async def _follow(self) -> None:
-        """Read the event stream until closed; reconnect (from the last seq) if it drops."""
+        """Read the event stream until closed; when it drops, say so and reconnect with backoff."""
+        delay, fresh = RETRY_MIN, True
         while True:
             try:
+                if not fresh:  # perhaps another server process: its state, not our old fold
+                    await self._take_state()
+                    await self._take_breakpoints()
                 async with self.client.stream("GET", "/trace/events", params={"since": self._seq},
-                                              timeout=httpx.Timeout(10, read=None)) as resp:
+                                              timeout=httpx.Timeout(10, read=READ_TIMEOUT)) as resp:
                     resp.raise_for_status()
-                    self.connected, self.error = True, None
+                    self.connected, self.error, delay = True, None, RETRY_MIN
                     await self._read(resp)
+                self.connected, self.error = False, "the server ended the event stream (stopped?)"
             except asyncio.CancelledError:
                 raise
-            except (httpx.HTTPError, ValueError) as e:
-                self.connected, self.error = False, f"{type(e).__name__}: {e}"
-            await asyncio.sleep(RETRY_SECONDS)
+            except (httpx.HTTPError, ValueError, KeyError, OSError) as e:
+                self.connected, self.error = False, _why(e)
+            fresh = False
+            await asyncio.sleep(delay)
+            delay = min(RETRY_MAX, delay * 2)
 
     async def _read(self, resp: httpx.Response) -> None:
         kind = "message"
@@ -101,6 +113,9 @@ class RemoteSource(Source):
                 kind = "message"
             elif not line:
                 kind = "message"
+
+    def disconnected(self) -> str | None:
+        return None if self.connected or self._task is None else (self.error or "connecting")
 
     def refresh(self) -> TraceState:
         while self._pending:
@@ -125,7 +140,7 @@ class RemoteSource(Source):
 
     # ---- commands ------------------------------------------------------------------------
     async def _post(self, path: str, body: dict | None = None) -> dict:
-        resp = await self.client.post(path, json=body)
+        resp = await self.client.post(path, json={} if body is None else body)  # JSON: the server requires it
         if resp.status_code >= 400:
             raise Unsupported(_error(resp))
         return resp.json() if resp.content else {}
@@ -174,6 +189,14 @@ class RemoteSource(Source):
         if self._task is not None:
             self._task.cancel()
         await self.client.aclose()
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, httpx.ConnectError):
+        return "connection refused"
+    if isinstance(e, httpx.ReadTimeout):
+        return f"no data for {READ_TIMEOUT:.0f} s"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def _error(resp: httpx.Response) -> str:

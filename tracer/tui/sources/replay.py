@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tracer.replay import Replay
 from tracer.state import TraceState
-from tracer.tui.sources.base import EventBatch, Source, SourceInfo, Unsupported
+from tracer.tui.sources.base import EventBatch, Source, SourceInfo, Unsupported, engine_identity
 
 LOG_TAIL = 400  # events re-sent to the Log after a jump
 
@@ -27,9 +27,11 @@ class ReplaySource(Source):
                     if ev.layer == "engine" and ev.name == "config" and ev.attrs), None)
         cfg = cfg or replay.header.get("engine_config") or {}
         model_cfg = cfg.get("model") or {}
+        startup = Replay(replay.header, replay.events[:200]).final()  # the startup stages
+        startup.engine_config = startup.engine_config or cfg
+        device, backend = engine_identity(startup)
         self.info = SourceInfo("replay", model=replay.header.get("model") or model_cfg.get("model") or "?",
-                               device=model_cfg.get("device") or "auto", backend=cfg.get("attention_backend") or "auto",
-                               url=Path(self.path).name)
+                               device=device, backend=backend, url=Path(self.path).name)
         self._logged = 0  # events the Log has been given
         self._reset = False
         # open at the first step, so the first thing a user sees is a step, and → moves on
@@ -69,7 +71,10 @@ class ReplaySource(Source):
     async def travel(self, where: str) -> None:
         r = self.replay
         if where == "back":
+            before = r.step
             r.prev()
+            if before is not None and r.step == before:  # at `end`, past the last step's end: one more
+                r.prev()
         elif where == "forward":
             r.next()
         elif where == "home":

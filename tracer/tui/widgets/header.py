@@ -1,4 +1,9 @@
-"""The header: what is being traced, and whether the engine runs, is held or is stepping."""
+"""The header: what is being traced, and whether the engine runs, is held or is stepping.
+
+Line one never wraps: the queue sizes are spelled out (`waiting 0 · running 3 · finished 1`)
+and abbreviated (`W0 R3 F1`), the title and then the URL dropped, only when the terminal is too
+narrow for them. Line two says what a held engine is waiting for, in words.
+"""
 from __future__ import annotations
 
 from rich.text import Text
@@ -7,10 +12,21 @@ from tracer.tui.frame import Frame
 from tracer.tui.sources.base import SourceInfo
 from tracer.tui.widgets.lines import FixedText
 
+POINTS = {  # where the engine holds -> what it is waiting to do
+    "step": "before step {step}: n runs it, space lets the engine run",
+    "execute": "after scheduling step {step}, before its forward pass: s goes on to the next phase",
+    "postprocess": "after the forward pass of step {step}, before its tokens are appended: s goes on",
+    "kernel": "before the kernel launch {name} (layer {layer}) of step {step}: k runs it",
+}
+WHY = {"pause": "you paused (space)", "step step": "one step done (n)", "step phase": "one phase done (s)",
+       "step kernel": "one launch done (k)"}
 
-def engine_mode(frame: Frame, stepping: bool, mode: str) -> tuple[str, str]:
+
+def engine_mode(frame: Frame, stepping: bool, mode: str, connected: bool = True) -> tuple[str, str]:
     """(label, style) for the engine's state."""
     c = frame.controller
+    if not connected:
+        return "DISCONNECTED", "bold white on red"
     if mode == "replay":
         return "REPLAY", "bold black on #61afef"
     if c.get("paused"):
@@ -22,34 +38,66 @@ def engine_mode(frame: Frame, stepping: bool, mode: str) -> tuple[str, str]:
     return "RUNNING", "bold black on green"
 
 
+def held_text(frame: Frame) -> str:
+    """'held before step 4: n runs it, … (you paused (space))'."""
+    c = frame.controller
+    if c.get("point") not in POINTS:  # a point a source defines itself (a lesson's checkpoint)
+        return f"held at {c.get('point')}: {c.get('reason') or ''}"
+    info = (frame.state.paused_at or {}).get("info") or {}
+    step = c.get("step") if c.get("step") is not None else frame.state.step
+    what = POINTS[c.get("point")].format(step=step, point=c.get("point"), name=info.get("name", "?"),
+                                                           layer=info.get("layer_idx", "?"))
+    if c.get("point") == "kernel" and str(info.get("name", "")).startswith("unified_attention"):
+        what += ", t runs it on Triton"
+    reason = c.get("reason") or ""
+    return f"held {what} ({WHY.get(reason, reason)})"
+
+
+def queue_counts(frame: Frame, short: bool) -> str:
+    s = frame.state
+    w, r = len(s.waiting), len(s.running)
+    f = max(s.num_finished, len(s.finished))  # all that finished, not only the ones kept
+    return f"W{w} R{r} F{f}" if short else f"waiting {w} · running {r} · finished {f}"
+
+
 class StatusHeader(FixedText):
-    """model · device · backend │ STATE step N (phase) │ URL"""
+    """model · device · backend │ STATE step N (phase) │ waiting · running · finished │ URL"""
 
     def __init__(self, info: SourceInfo, **kwargs):
         super().__init__(Text(""), **kwargs)
         self.info = info
+        self.connection: str | None = None  # attach: why it is disconnected (None: connected)
 
     def show(self, frame: Frame, stepping: bool = False) -> None:
         s, c, info = frame.state, frame.controller, self.info
-        label, style = engine_mode(frame, stepping, info.mode)
-        wide = self.size.width >= 100
-        t = Text.assemble((" vllm-trace " if wide else "", "bold reverse"), " ", (info.model, "bold"),
-                          f" · {info.device} · {info.backend} ")
-        t.append(f" {label} ", style)
+        label, style = engine_mode(frame, stepping, info.mode, self.connection is None)
         step = "-" if s.step is None else str(s.step)
-        t.append(f" step {step}", "bold")
         where = c.get("point") if c.get("paused") else s.phase
-        if where:
-            t.append(f" ({where})", "dim")
-        if info.mode == "replay" and c.get("last_step") is not None:
-            t.append(f"/{c['first_step']}..{c['last_step']}", "dim")
-        t.append(f"  W{len(s.waiting)} R{len(s.running)} F{len(s.finished)}", "")
-        if info.url:
-            t.append("  " + info.url, "underline" if info.mode != "replay" else "")
-        if c.get("paused") and c.get("reason"):
-            t.append(f"\n held at {c.get('point')}: {c.get('reason')}", "yellow")
+        travel = (f"/{c['first_step']}..{c['last_step']}" if info.mode == "replay" and c.get("last_step") is not None
+                  else "")
+        width = self.size.width or 80
+        line = None
+        for title, short, url in ((True, False, True), (False, False, True), (False, True, True), (False, True, False),
+                                  (False, True, None)):
+            t = Text.assemble((" vllm-trace " if title else "", "bold reverse"), " ", (info.model, "bold"),
+                              f" · {info.device} · {info.backend} ", (f" {label} ", style), (f" step {step}", "bold"))
+            if where and url is not None:
+                t.append(f" ({where})", "dim")
+            t.append(travel, "dim")
+            t.append(f"  {queue_counts(frame, short)}")
+            if url and info.url:
+                t.append("  " + info.url, "underline" if info.mode != "replay" else "")
+            if t.cell_len <= width:
+                line = t
+                break
+        line = line or t
+        line.no_wrap, line.overflow = True, "ellipsis"
+        if self.connection is not None:
+            line.append(f"\n lost the server: {self.connection}; retrying", "bold red")
+        elif c.get("paused") and c.get("reason"):
+            line.append(f"\n {held_text(frame)}", "yellow")
         elif c.get("pause_requested"):
-            t.append("\n will hold before the next step", "yellow")
+            line.append("\n will hold before the next step", "yellow")
         elif s.events_missed:
-            t.append(f"\n {s.events_missed} events missed (the viewer fell behind)", "red")
-        self.update(t)
+            line.append(f"\n {s.events_missed} events missed (the viewer fell behind)", "red")
+        self.update(line)

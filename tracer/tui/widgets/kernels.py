@@ -1,10 +1,12 @@
 """Kernels: the launches of this step, and for an attention launch, its programs.
 
-A Triton launch runs a grid of programs; unified attention's is (query blocks × KV heads ×
-KV segments). Choosing a launch draws that grid; choosing a program (arrows in the grid)
-shows the physical KV blocks it reads through the block table. On the CPU the default
-attention backend is the PyTorch reference, whose launches have no grid: start the server
-with --attention-backend triton to see programs (interpreted on the CPU).
+A Triton launch runs a grid of programs; unified attention's is (query blocks × KV-head groups
+× KV segments). Choosing a launch (enter) draws that grid, one row per KV head, so every head
+can be reached; choosing a program shows the physical KV blocks it reads through the block
+table. On the CPU the default attention backend is the PyTorch reference, whose launches
+have no grid: its rows show the argument shapes instead, and when the engine is held before
+an attention launch (`k`), `t` runs that very launch through our Triton kernel (interpreted
+on the CPU) and draws its grid, its programs and its difference from the PyTorch output.
 """
 from __future__ import annotations
 
@@ -12,18 +14,19 @@ import time
 
 from rich.text import Text
 from textual.binding import Binding
-from textual.containers import Vertical, VerticalScroll
+from textual.containers import VerticalScroll
 from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Static
 
+from kernels.instrument import ProgramAccess
 from tracer.tui.fmt import fmt_ns, sparkline
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import FixedText
+from tracer.tui.widgets.panel import Panel
 from tracer.tui.widgets.rows import RowList, cells_text
 
-COLUMNS = [("#", 2), ("layer", 5), ("kernel", 19), ("grid", 7), ("time", 9), ("per step", 12), ("meta", 30)]
 BUSY_HZ = 4
 META_SHOWN = ("BLOCK_Q", "Q_BLOCKS", "TILE_N", "HEADS_PER_PROG", "NUM_SEGMENTS", "TOKENS", "BLOCK_HD", "num_warps")
 
@@ -32,44 +35,102 @@ def short_meta(meta: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in meta.items() if k in META_SHOWN) or "-"
 
 
+def fmt_grid(grid) -> str:
+    """A launch grid as x×y×z (the same in the table and over the picture)."""
+    grid = tuple(grid or ())
+    return "×".join(map(str, grid + (1,) * (3 - len(grid)))) if grid else "-"
+
+
+def arg_shapes(args: dict | None) -> str:
+    """'query 11×4×32 key_cache 64×4×4×32 …' (what a PyTorch reference call was given)."""
+    if not args:
+        return "-"
+    return " ".join(f"{name} {'×'.join(map(str, shape)) or 'scalar'}" for name, (shape, _dtype) in args.items())
+
+
+def held_launch(frame: Frame) -> dict | None:
+    """The launch the engine is held before ({name, grid, layer_idx, step}), if it is."""
+    c = frame.controller
+    if c.get("paused") and c.get("point") == "kernel":
+        return (frame.state.paused_at or {}).get("info") or {}
+    return None
+
+
+def rerun_access(result: dict) -> dict:
+    """kernels.rerun's programs (plain data) as the access map ProgramGrid draws."""
+    m: dict = {}
+    for p in result["programs"]:
+        a = ProgramAccess(tuple(p["pid"]), p["request"], tuple(p["rows"]), tuple(p["kv_heads"]), tuple(p["blocks"]),
+                          tuple(p["kv_positions"]) if p["kv_positions"] else None, p["segment"])
+        m[a.pid] = m.get(a.pid, ()) + (a,)
+    return m
+
+
 class ProgramGrid(Widget, can_focus=True):
-    """The launch's program grid; the cursor picks a program."""
+    """The launch's program grid, one row per KV head; the cursor is (query block, KV head,
+    segment) and picks the program that does that head. Up/down walk the heads and go on to
+    the next program at the end of a column, so every cell is reachable with them alone (a
+    replay keeps ← → for time travel)."""
 
     BINDINGS = [Binding("left", "move(-1, 0)", "program ←", show=False),
                 Binding("right", "move(1, 0)", "program →", show=False),
-                Binding("up", "move(0, -1)", "program ↑", show=False),
-                Binding("down", "move(0, 1)", "program ↓", show=False)]
+                Binding("up", "move(0, -1)", "head ↑", show=False),
+                Binding("down", "move(0, 1)", "head ↓", show=False),
+                Binding("escape", "back", "launches", show=False)]
     cursor: reactive[tuple[int, int, int]] = reactive((0, 0, 0))
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.grid: tuple[int, ...] = ()
+        self.heads_per_program = 1
         self.access: dict | None = None
+        self.request_ids: list[str] = []
         self.frame: Frame | None = None
 
-    def set_launch(self, grid, access: dict | None, frame: Frame) -> None:
+    @property
+    def num_heads(self) -> int:
+        return self.grid[1] * self.heads_per_program if self.grid else 0
+
+    @property
+    def program(self) -> tuple[int, int, int]:
+        x, h, z = self.cursor
+        return (x, h // self.heads_per_program, z)
+
+    def set_launch(self, grid, access: dict | None, frame: Frame, heads_per_program: int = 1,
+                   request_ids: list[str] | None = None) -> None:
         grid = tuple(grid) + (1,) * (3 - len(grid)) if grid else ()
-        resized = grid != self.grid
+        resized = grid != self.grid or heads_per_program != self.heads_per_program
         if resized:
             self.cursor = (0, 0, 0)
         self.grid, self.access, self.frame = grid, access, frame
+        self.heads_per_program = max(1, heads_per_program)
+        self.request_ids = request_ids if request_ids is not None else (
+            frame.state.batch.get("request_ids", []) if frame.state.batch else [])
         self.refresh(layout=resized)  # a layout pass repaints the screen: only for a new shape
 
     def action_move(self, dx: int, dy: int) -> None:
         if not self.grid:
             return
-        x, y, z = self.cursor
-        gx, gy, _ = self.grid
-        if dy and gy == 1:  # a one-row grid: up/down walk the programs too
-            dx, dy = dy, 0
-        self.cursor = ((x + dx) % gx, (y + dy) % gy, z)
+        x, h, z = self.cursor
+        gx, heads = self.grid[0], self.num_heads
+        if dy:
+            h += dy
+            if not 0 <= h < heads:  # past the last head: on to the next program's first
+                x, h = (x + dy) % gx, h % heads
+        self.cursor = ((x + dx) % gx, h, z)
+
+    def action_back(self) -> None:
+        self.post_message(self.Back())
 
     def watch_cursor(self) -> None:
         self.refresh(layout=True)
         self.post_message(self.Chosen())
 
     class Chosen(Message):
-        """The cursor moved to another program."""
+        """The cursor moved to another program or head."""
+
+    class Back(Message):
+        """Escape: back to the list of launches."""
 
     def get_content_height(self, container, viewport, width: int) -> int:
         return max(1, len(self._text().plain.splitlines()))
@@ -81,54 +142,60 @@ class ProgramGrid(Widget, can_focus=True):
         if not self.grid:
             return Text("")
         gx, gy, gz = self.grid
-        t = Text(f"program grid {gx} × {gy}" + (f" × {gz}" if gz > 1 else "") +
-                 "   (x: query blocks, y: KV heads" + (", z: KV segments" if gz > 1 else "") + ")\n", "bold")
+        hp = self.heads_per_program
+        ys = f"KV heads, {hp} per program" if hp > 1 else "KV heads"
+        t = Text(f"program grid {fmt_grid(self.grid)}   (x: query blocks, y: {ys}, z: KV segments)\n", "bold")
         colors = self.frame.colors if self.frame else {}
-        reqs = self.frame.state.batch.get("request_ids", []) if self.frame and self.frame.state.batch else []
-        for y in range(gy):
-            t.append(f"head {y:>2} ", "dim")
+        cx, ch, cz = self.cursor
+        for h in range(self.num_heads):
+            t.append(f"head {h:>2} ", "dim")
             for x in range(min(gx, 64)):
-                work = (self.access or {}).get((x, y, self.cursor[2]), ())
+                pid = (x, h // hp, cz)
+                work = (self.access or {}).get(pid, ())
                 r = work[0].request if work else None
-                rid = reqs[r] if r is not None and r < len(reqs) else None
-                here = (x, y) == self.cursor[:2]
+                rid = self.request_ids[r] if r is not None and r < len(self.request_ids) else None
+                here = (x, h) == (cx, ch)
+                same_program = pid == self.program
                 style = ("reverse " if here else "") + colors.get(rid, "white")
-                t.append("◆" if here else ("■" if work else "·"), style)
+                t.append("◆" if here else "◇" if same_program else ("■" if work else "·"), style)
             if gx > 64:
                 t.append(f" … +{gx - 64}", "dim")
             t.append("\n")
+        if hp > 1:
+            t.append(f"◇ the same program: each program does {hp} KV heads\n", "dim")
         return t
 
 
 def program_text(grid: ProgramGrid) -> Text:
     if not grid.grid:
         return Text("")
-    pid = grid.cursor
+    pid, head = grid.program, grid.cursor[1]
     work = (grid.access or {}).get(pid)
-    t = Text.assemble(("program ", "bold"), str(pid), "  ")
+    t = Text.assemble(("program ", "bold"), str(pid), f"  KV head {head}  ")
     if grid.access is None:
         return t + Text("(no access map for this launch)", "dim")
     if not work:
         return t + Text("idle: no work for this program in this batch", "dim")
-    reqs = grid.frame.state.batch.get("request_ids", []) if grid.frame and grid.frame.state.batch else []
+    reqs = grid.request_ids
     for a in work:
         rid = reqs[a.request] if a.request is not None and a.request < len(reqs) else None
         t.append("\n")
         if rid is not None:
-            t.append(f"request {rid} ", f"bold {grid.frame.colors.get(rid, 'white')}")
+            t.append(f"request {rid} ", f"bold {grid.frame.colors.get(rid, 'white') if grid.frame else 'white'}")
         t.append(f"rows {a.rows[0]}..{a.rows[1] - 1}  kv heads {list(a.kv_heads)}")
         if a.kv_positions:
             t.append(f"  keys {a.kv_positions[0]}..{a.kv_positions[1] - 1}")
-        t.append("\n  reads physical blocks ", "dim")
+        t.append(f"\n  reads for KV head {head}: physical blocks ", "dim")
         t.append(" ".join(map(str, a.blocks)) or "none", "bold cyan")
     return t
 
 
-class KernelsPanel(Vertical):
+class KernelsPanel(Panel):
     def compose(self):
         yield FixedText(id="kernels-head")
         yield RowList(id="kernels-table")
         with VerticalScroll(id="kernels-programs"):
+            yield Static(id="kernels-rerun")
             yield ProgramGrid(id="program-grid")
             yield Static(id="program-access")
 
@@ -136,60 +203,106 @@ class KernelsPanel(Vertical):
         self._key = None
         self._drawn_at = 0.0
         self._frame: Frame | None = None
-        self._access_text: Text | None = None  # what #program-access shows
+        self._texts: dict[str, Text] = {}  # what each Static shows
+        self.rerun: dict | None = None  # `t`: the Triton re-run of the held launch
+        self.rerun_of: tuple | None = None  # (step, layer, name) of the launch it re-ran
 
-    def show(self, frame: Frame) -> None:
+    def focus_list(self) -> None:
+        self.query_one(RowList).focus()
+
+    def set_rerun(self, held: dict, result: dict | None) -> None:
+        self.rerun, self.rerun_of = result, (held.get("step"), held.get("layer_idx"), held.get("name"))
+        self._key = None
+
+    def show(self, frame: Frame, force: bool = False) -> None:
         s, c = frame.state, frame.controller
-        key = (s.step, len(s.kernels), c.get("point"), c.get("paused"))
+        key = (s.step, s.phase, len(s.kernels), c.get("point"), c.get("paused"), self.size.width)
         now = time.monotonic()
-        if key == self._key or (not c.get("paused") and now - self._drawn_at < 1 / BUSY_HZ):
+        if not force and (key == self._key or (not c.get("paused") and now - self._drawn_at < 1 / BUSY_HZ)):
             return  # while the engine runs, at most BUSY_HZ redraws a second
         self._frame, self._key, self._drawn_at = frame, key, now
-        head = Text.assemble((f"step {s.step}: {len(s.kernels)} launches", "bold"))
-        if c.get("paused") and c.get("point") == "kernel":
-            info = (s.paused_at or {}).get("info") or {}
-            head.append(f"   held before the next launch: {info.get('name', '?')} grid {info.get('grid', [])}"
-                        f" layer {info.get('layer_idx', '?')}", "yellow")
+        head = Text.assemble((f"step {'-' if s.step is None else s.step}: ", "bold"),
+                             (f"{len(s.kernels)} launch{'' if len(s.kernels) == 1 else 'es'}", "bold"),
+                             (f" ({s.phase})" if s.phase not in ("done", "idle") else "", "dim"))
+        held = held_launch(frame)
+        if held is not None:
+            head.append(f"   held before {held.get('name', '?')} (layer {held.get('layer_idx', '?')})", "yellow")
+            if str(held.get("name", "")).startswith("unified_attention_ref"):
+                head.append("  t: run it on Triton", "bold yellow")
         self.query_one("#kernels-head", FixedText).update(head)
-        widths = [w for _, w in COLUMNS]
-        widths[-1] = max(10, (self.size.width or 80) - sum(widths[:-1]) - 2 * len(widths) - 2)
+        width = self.size.width or 80
+        names = [k["name"] for k in s.kernels]
+        grids = [fmt_grid(k.get("grid")) for k in s.kernels]
+        columns = [("#", 3), ("layer", 5), ("kernel", max([6] + list(map(len, names)))),
+                   ("grid", max([4] + list(map(len, grids)))), ("time", 9), ("per step", 12),
+                   ("meta / argument shapes", 0)]
+        widths = [w for _, w in columns]
+        widths[-1] = max(10, width - sum(widths[:-1]) - 2 * len(widths) - 2)
         rows = []
         for i, k in enumerate(s.kernels):
-            grid = "×".join(map(str, k.get("grid") or [])) or "-"
-            rows.append((str(i), cells_text([str(i), str(k.get("layer_idx", "")), k["name"], grid,
+            detail = short_meta(k["meta"]) if k.get("meta") else arg_shapes(k.get("args"))
+            rows.append((str(i), cells_text([str(i), str(k.get("layer_idx", "")), k["name"], grids[i],
                                              fmt_ns(k.get("duration_ns")),
-                                             sparkline(s.kernel_history.get(k["name"], []), 12),
-                                             short_meta(k.get("meta") or {})], widths)))
-        self.query_one(RowList).set_rows(cells_text([n for n, _ in COLUMNS], widths), rows)
+                                             sparkline(s.kernel_history.get(k["name"], []), 12), detail], widths)))
+        self.query_one(RowList).set_rows(cells_text([n for n, _ in columns], widths), rows)
         self._show_programs()
 
     def on_row_list_highlighted(self, event: RowList.Highlighted) -> None:
         self._show_programs()
 
+    def on_row_list_selected(self, event: RowList.Selected) -> None:
+        event.stop()
+        grid = self.query_one(ProgramGrid)
+        if grid.grid:
+            grid.focus()
+
+    def on_program_grid_back(self, _) -> None:
+        self.query_one(RowList).focus()
+
     def _show_programs(self) -> None:
         frame, grid = self._frame, self.query_one(ProgramGrid)
+        if frame is None:
+            return
+        held = held_launch(frame)
+        if self.rerun is not None and held is not None and self.rerun_of == (
+                held.get("step"), held.get("layer_idx"), held.get("name")):
+            return self._show_rerun(frame, held)
+        self._set("#kernels-rerun", Text(""))
         table = self.query_one(RowList)
-        if frame is None or not frame.state.kernels:
-            if frame is not None:
-                grid.set_launch((), None, frame)
-            self._set_access(Text("no launches yet in this step", "dim"))
+        if not frame.state.kernels:
+            grid.set_launch((), None, frame)
+            self._set("#program-access", Text("no launches yet in this step", "dim"))
             return
         k = frame.state.kernels[min(table.cursor, len(frame.state.kernels) - 1)]
         if not k.get("grid"):
             grid.set_launch((), None, frame)
-            self._set_access(Text(
-                f"{k['name']}: {k.get('reason', '')}.\nA PyTorch reference has no program grid; start the server with "
-                "--attention-backend triton to see the Triton grid and what each program reads.", "dim"))
+            self._set("#program-access", Text(
+                f"{k['name']}: {k.get('reason', '')}.\nA PyTorch reference has no program grid. Hold the engine "
+                "before an attention launch (k) and press t to run it through our Triton kernel, or start the "
+                "server with --attention-backend triton.", "dim"))
             return
         from tracer.tui.access import access_map
-        grid.set_launch(k["grid"], access_map(k, frame.state), frame)
-        self._set_access(program_text(grid))
+        grid.set_launch(k["grid"], access_map(k, frame.state), frame, (k.get("meta") or {}).get("HEADS_PER_PROG", 1))
+        self._set("#program-access", program_text(grid))
 
-    def _set_access(self, text: Text) -> None:
+    def _show_rerun(self, frame: Frame, held: dict) -> None:
+        r, grid = self.rerun, self.query_one(ProgramGrid)
+        where = "the Triton interpreter (CPU)" if r["interpreted"] else "the GPU"
+        self._set("#kernels-rerun", Text.assemble(
+            ("t: ", "bold"), f"the held launch {held.get('name')} (layer {held.get('layer_idx')}) re-run as ",
+            (r["name"], "bold"), f" on {where} in {r['seconds']:.2f} s\n",
+            f"grid {fmt_grid(r['grid'])} = {r['num_programs']} program{'' if r['num_programs'] == 1 else 's'} for "
+            f"{r['num_tokens']} query rows of {r['num_seqs']} request{'' if r['num_seqs'] == 1 else 's'} · ",
+            ("max |Triton − PyTorch| = ", "bold"), (f"{r['max_abs_diff']:.2e}", "bold green"),
+            (f"\n{r['reason']}", "dim")))
+        grid.set_launch(r["grid"], rerun_access(r), frame, r["meta"].get("HEADS_PER_PROG", 1))
+        self._set("#program-access", program_text(grid))
+
+    def _set(self, selector: str, text: Text) -> None:
         """Static.update costs a layout pass (its height may change): only when it changed."""
-        if text != self._access_text:
-            self._access_text = text
-            self.query_one("#program-access", Static).update(text)
+        if text != self._texts.get(selector):
+            self._texts[selector] = text
+            self.query_one(selector, Static).update(text)
 
     def on_program_grid_chosen(self, _) -> None:
-        self._set_access(program_text(self.query_one(ProgramGrid)))
+        self._set("#program-access", program_text(self.query_one(ProgramGrid)))

@@ -4,25 +4,25 @@
     ░ free, but its contents are still cached (a new request with that prefix can reuse it)
     · free
 
-The engine hands out blocks from the front of its free queue, so used blocks gather at low
-ids; the grid draws up to the highest block in use (at least a screenful) and counts the rest.
-The selected request's blocks stay in colour while everyone else's fade.
+The whole cache always fits on the screen: when there are more blocks than cells (the CPU
+default of thousands of blocks), each cell stands for k blocks (the summary says k) and shows
+█ all k in use, ▒ some in use, ░ none in use but some cached, · all free. The selected
+request's blocks stay in colour while everyone else's fade.
 """
 from __future__ import annotations
+
+import time
 
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
-import time
-
-from textual.containers import Vertical
 
 from tracer.tui.fmt import sparkline
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import FixedText, LinesView
+from tracer.tui.widgets.panel import Panel
 
 LABEL = 6  # "12345 " block id at the start of each row
-MAX_CELLS = 4096  # blocks drawn; beyond, a count (a 16k-block CPU cache would cost every refresh)
 GRID_HZ = 4  # grid redraws per second at most (the gauge and the counts follow every refresh)
 
 
@@ -36,23 +36,30 @@ def block_owners(frame: Frame) -> dict[int, list[str]]:
     return owners
 
 
-def draw_blocks(frame: Frame, num_blocks: int, width: int, min_rows: int) -> list[list[Segment]]:
+def blocks_per_cell(num_blocks: int, width: int, rows: int) -> int:
+    per_row = max(8, (width - LABEL) // 2)
+    return max(1, -(-num_blocks // (per_row * max(1, rows))))
+
+
+def draw_blocks(frame: Frame, num_blocks: int, width: int, rows_available: int) -> list[list[Segment]]:
     """The grid as segments, one list per row; runs of cells that look alike share a segment."""
     owners = block_owners(frame)
     per_row = max(8, (width - LABEL) // 2)
-    top = max(max(owners, default=-1), max(frame.state.cached_free, default=-1))
-    shown = min(num_blocks, max((top // per_row + 1) * per_row, per_row * min_rows), MAX_CELLS)
+    k = blocks_per_cell(num_blocks, width, rows_available)
     sel, cached = frame.selected, frame.state.cached_free
     rows = []
-    for start in range(0, shown, per_row):
+    for start in range(0, num_blocks, per_row * k):
         cells = []
-        for b in range(start, min(start + per_row, shown)):
-            who = owners.get(b)
+        for first in range(start, min(start + per_row * k, num_blocks), k):
+            group = range(first, min(first + k, num_blocks))
+            who = [owners[b] for b in group if b in owners]
             if who:
-                mine = sel is None or sel in who
-                color = frame.color(sel if sel in who else who[0])
-                cells.append(("▓ " if len(who) > 1 else "█ ", _style(color if mine else f"{color} dim")))
-            elif b in cached:
+                mine = sel is None or any(sel in w for w in who)
+                color = frame.color(sel) if sel is not None and mine else frame.color(who[0][0])
+                shared = any(len(w) > 1 for w in who)
+                char = "▓ " if shared else "█ " if len(who) == len(group) else "▒ "
+                cells.append((char, _style(color if mine else f"{color} dim")))
+            elif any(b in cached for b in group):
                 cells.append(("░ ", _style("dim")))
             else:
                 cells.append(("· ", _style("#444444")))
@@ -63,10 +70,6 @@ def draw_blocks(frame: Frame, num_blocks: int, width: int, min_rows: int) -> lis
             else:
                 row.append(Segment(text, style))
         rows.append(row)
-    if shown < num_blocks:
-        rest = sum(1 for b in owners if b >= shown)
-        note = (f"{rest} in use (not drawn)" if rest else "free, never used" if top < shown else "not drawn")
-        rows.append([Segment(f"{'':>{LABEL}}blocks {shown}..{num_blocks - 1}: {note}", _style("dim"))])
     return rows
 
 
@@ -80,7 +83,7 @@ def _style(spec: str) -> Style:
     return style
 
 
-class KVCachePanel(Vertical):
+class KVCachePanel(Panel):
     def compose(self):
         yield FixedText(id="kv-summary")
         yield LinesView(id="kv-grid")
@@ -90,14 +93,14 @@ class KVCachePanel(Vertical):
         self._drawn_at = 0.0
         self._drawn_key = None
 
-    def show(self, frame: Frame) -> None:
+    def show(self, frame: Frame, force: bool = False) -> None:
         s = frame.state
         total = s.stats.get("num_total_blocks") or s.num_blocks or 0
         free = s.stats.get("num_free_blocks", total)
         used = total - free
         width = self.size.width or 80
-        key = (s.last_seq, frame.selected, width)
-        if key == self._key:
+        key = (s.last_seq, frame.selected, width, self.size.height)
+        if key == self._key and not force:
             return
         self._key = key
         owners = block_owners(frame)
@@ -105,12 +108,16 @@ class KVCachePanel(Vertical):
         usage = used / total if total else 0.0
         bar_w = max(10, min(40, width - 56))
         filled = round(usage * bar_w)
+        grid_rows = max(4, (self.size.height or 20) - 5)
+        k = blocks_per_cell(total, width, grid_rows) if total else 1
+        legend = ("\n█ owned  ▓ shared prefix  ░ cached, free  · free" if k == 1 else
+                  f"\neach cell = {k} blocks: █ all in use  ▒ some  ▓ shared  ░ cached, free  · free")
         summary = Text.assemble(
             ("KV cache ", "bold"), ("█" * filled, "green" if usage < 0.8 else "red"),
             ("░" * (bar_w - filled), "dim"),
             f" {usage:5.1%} {used}/{total} used · {shared} shared · {len(s.cached_free)} cached",
             ("\nper step ", "dim"), (sparkline(s.kv_usage_history, max(10, width - 12), top=1.0), "green"),
-            ("\n█ owned  ▓ shared prefix  ░ cached, free  · free", "dim"),
+            (legend, "dim"),
             ("   (select a request to highlight its blocks)" if frame.selected is None
              else f"   highlighted: request {frame.selected}", "dim"))
         self.query_one("#kv-summary", FixedText).update(summary)
@@ -118,8 +125,9 @@ class KVCachePanel(Vertical):
         now = time.monotonic()
         if not total:
             grid.update(Text("no KV cache yet (the engine is starting)", "dim"))
-        elif now - self._drawn_at >= 1 / GRID_HZ or frame.controller.get("paused") or key[1:] != self._drawn_key:
+        elif (force or now - self._drawn_at >= 1 / GRID_HZ or frame.controller.get("paused")
+              or key[1:] != self._drawn_key):
             self._drawn_at, self._drawn_key = now, key[1:]
-            grid.update_rows(draw_blocks(frame, total, width, max(4, (self.size.height or 20) - 6)))
+            grid.update_rows(draw_blocks(frame, total, width, grid_rows))
         else:
             self._key = None  # not drawn yet: look again next refresh

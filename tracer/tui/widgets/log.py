@@ -12,13 +12,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rich.style import Style
-from textual.containers import Vertical
 from textual.widgets import Input
 
 from tracer.events import LAYERS, Event
 from tracer.tracelog import format_event
 from tracer.tui.sources.base import EventBatch
 from tracer.tui.widgets.log_view import LogView
+from tracer.tui.widgets.panel import Panel
 
 KEEP = 2000  # events kept for re-filtering
 # Formatting a line costs more than anything else here, and a busy engine publishes thousands
@@ -68,7 +68,9 @@ def styled(ev: Event, line: str) -> tuple:
     return ((line[:start], _DIM), (line[start:end], _STYLES.get(ev.layer)), (line[end:], None))
 
 
-class LogPanel(Vertical):
+class LogPanel(Panel):
+    filterable = True
+
     def compose(self):
         yield Input(placeholder="filter: layers (scheduler kernel …), request=ID, words (enter: apply, esc: clear)",
                     id="log-filter")
@@ -96,12 +98,15 @@ class LogPanel(Vertical):
         if len(self._pending) > KEEP:
             del self._pending[:-KEEP]
 
-    def show(self, frame=None, limit: int = MAX_LINES_PER_TICK) -> None:
+    def focus_list(self) -> None:
+        self.query_one(LogView).focus()
+
+    def show(self, frame=None, force: bool = False, limit: int = MAX_LINES_PER_TICK) -> None:
         if not self._pending:
             return
         now = time.monotonic()
         running = frame is not None and not frame.controller.get("paused")  # a replay is always "paused"
-        if running and len(self._pending) > BUSY_LINES and now - self._drawn_at < 1 / BUSY_HZ:
+        if running and not force and len(self._pending) > BUSY_LINES and now - self._drawn_at < 1 / BUSY_HZ:
             return  # busy: drawn by a later refresh
         self._drawn_at = now
         log = self.query_one(LogView)

@@ -19,14 +19,31 @@ def block_size(frame: Frame) -> int | None:
     return ((frame.state.engine_config or {}).get("cache") or {}).get("block_size")
 
 
+def waiting_why(frame: Frame, r) -> str:
+    """Why a request is not running (or how it finished), in full."""
+    s = frame.state
+    if r.status == "PREEMPTED" or (r.status == "WAITING" and r.num_preemptions):
+        return f"preempted: {r.preempt_reason or '?'}"
+    if r.status == "WAITING":
+        if r.waiting_reason:
+            return r.waiting_reason
+        if frame.controller.get("paused") or frame.controller.get("pause_requested"):
+            return "not scheduled yet: the engine is held"
+        return "not scheduled yet" if s.step is None or s.phase == "done" else ""
+    if r.status.startswith("FINISHED"):
+        return r.finish_reason or ""
+    return ""
+
+
 def token_pieces(ids: list[int], pieces: list[str]) -> Text:
-    """'Hello' as  H·72 e·101 ...: every piece with its id, on alternating backgrounds so token
-    boundaries are visible (a piece may be part of a word, or a lone space)."""
+    """'Hello' as  H·72 e·101 ...: every piece, a dot, its id, on alternating backgrounds so
+    token boundaries are visible (a piece may be part of a word, a lone space, or a digit: the
+    dot keeps piece "1" with id 49 from reading as 149)."""
     t = Text()
     for i, (tid, piece) in enumerate(zip(ids[:MAX_TOKENS_SHOWN], pieces)):
         shown = piece.replace("\n", "↵").replace(" ", "␣") or "∅"
         t.append(shown, "on #303848" if i % 2 else "on #3a3046")
-        t.append(f"{tid}", "dim")
+        t.append(f"·{tid}", "dim")
         t.append(" ")
     if len(ids) > MAX_TOKENS_SHOWN:
         t.append(f"… +{len(ids) - MAX_TOKENS_SHOWN} tokens", "dim")
@@ -88,7 +105,8 @@ class RequestDetail(LinesView):
         rid = self.request_id
         r = frame.state.requests.get(rid) if rid else None
         key = (rid, None if r is None else (r.status, r.num_tokens, r.num_computed_tokens, len(r.timeline),
-                                            tuple(r.block_table), len(r.prompt_pieces)))
+                                            tuple(r.block_table), len(r.prompt_pieces), r.waiting_reason,
+                                            bool(frame.controller.get("paused"))))
         if key == self._key:
             return
         now = time.monotonic()
@@ -107,6 +125,11 @@ class RequestDetail(LinesView):
                               + (f" · preempted {r.num_preemptions}×" if r.num_preemptions else ""))
         hits = (f"{r.num_cached_tokens} prompt tokens from the prefix cache (blocks "
                 f"{', '.join(map(str, r.cache_hit_blocks))})" if r.num_cached_tokens else "no prefix-cache hit")
+        why = waiting_why(frame, r)
+        if why and not r.status.startswith("FINISHED"):
+            title.append(f"\nwaiting: {why}", "yellow")
+        elif why:
+            title.append(f"\nfinish reason: {why}", "dim")
         body.update_sections([
             (None, title),
             # the prompt never changes: rendered once per request (and width)

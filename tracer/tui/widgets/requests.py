@@ -1,17 +1,21 @@
-"""Requests: every request the engine knows, running first, then waiting (and preempted),
-then the most recently finished. Enter opens one; on a wide terminal its detail sits beside
-the list."""
+"""Requests: every request the engine knows, newest and active first (running, waiting or
+preempted, by arrival, newest on top), then the finished ones, most recent first. The cursor
+follows the newest active request until the user moves it. Enter opens one; on a wide
+terminal its detail (with the full reason a request waits) sits beside the list."""
 from __future__ import annotations
-
-from textual.containers import Horizontal, Vertical
-from textual.message import Message
-from textual.widgets import Input
 
 import time
 
+from rich.text import Text
+from textual.containers import Horizontal
+from textual.message import Message
+from textual.widgets import Input
+
 from tracer.tui.fmt import fmt_age_coarse, shorten, status_text
 from tracer.tui.frame import Frame
-from tracer.tui.widgets.request_detail import RequestDetail
+from tracer.tui.widgets.lines import FixedText
+from tracer.tui.widgets.panel import Panel
+from tracer.tui.widgets.request_detail import RequestDetail, waiting_why
 from tracer.tui.widgets.rows import RowList, cell, cells_text
 
 # Under load (many rows changing at once) the list redraws at most BUSY_HZ times a second;
@@ -24,9 +28,18 @@ ID, WHY = 0, 5  # sized to fit: the id column to the longest id shown, the reaso
 MAX_ID = 21  # vLLM-style ids (cmpl-<16 hex>) fit whole: the id is what a user greps the log for
 
 
+def newest_first(frame: Frame) -> list[str]:
+    """Active requests (running, waiting, preempted) newest first, then the finished ones,
+    the most recently finished first."""
+    s = frame.state
+    active = set(s.running) | set(s.waiting)
+    order = [rid for rid in s.requests if rid in active]  # the requests dict keeps arrival order
+    return order[::-1] + list(reversed(s.finished[-MAX_FINISHED:]))
+
+
 def request_rows(frame: Frame, text_filter: str = "") -> list[tuple[str, tuple]]:
     s = frame.state
-    ids = list(s.running) + list(s.waiting) + list(reversed(s.finished[-MAX_FINISHED:]))
+    ids = newest_first(frame)
     rows = []
     for rid in ids:
         r = s.requests.get(rid)
@@ -36,21 +49,16 @@ def request_rows(frame: Frame, text_filter: str = "") -> list[tuple[str, tuple]]
             continue
         prompt = f"{min(r.num_computed_tokens, r.num_prompt_tokens)}/{r.num_prompt_tokens}"
         out = f"{len(r.output_token_ids)}/{r.max_tokens}" if r.max_tokens else str(len(r.output_token_ids))
-        if r.status == "PREEMPTED" or (r.status == "WAITING" and r.num_preemptions):
-            why = f"preempted: {r.preempt_reason or '?'}"
-        elif r.status == "WAITING":
-            why = r.waiting_reason or ("not scheduled yet" if s.step is None or frame.controller.get("paused") else "")
-        elif r.status.startswith("FINISHED"):
-            why = r.finish_reason or ""
-        else:
-            why = ""
+        why = waiting_why(frame, r)
         status = status_text(r.status)
         rows.append((rid, (cell("■ " + shorten(rid, MAX_ID), frame.color(rid)), cell(status.plain, str(status.style)),
                            prompt, out, fmt_age_coarse(frame.age(rid)), why)))
     return rows
 
 
-class RequestsPanel(Vertical):
+class RequestsPanel(Panel):
+    filterable = True
+
     class Selected(Message):
         """The cursor moved to a request (or opened it, with enter)."""
 
@@ -63,11 +71,20 @@ class RequestsPanel(Vertical):
         with Horizontal():
             yield RowList(id="requests-table")
             yield RequestDetail(id="requests-detail")
+        yield FixedText(id="requests-why")  # narrow: the selected request's reason, in full
 
     def on_mount(self) -> None:
         self.query_one("#requests-filter").display = False
         self._drawn_at = 0.0
         self._busy = False  # the last rows built had many changes: build them at BUSY_HZ only
+        self.following = True  # the cursor stays on the newest active request until the user moves it
+
+    def focus_list(self) -> None:
+        self.query_one(RowList).focus()
+
+    def on_resize(self) -> None:
+        self.query_one(RequestDetail).display = self.wide
+        self.query_one("#requests-why").display = not self.wide
 
     @staticmethod
     def widths(keys: list[str], width: int) -> list[int]:
@@ -90,22 +107,41 @@ class RequestsPanel(Vertical):
         f.value, f.display = "", False
         self.query_one(RowList).focus()
 
-    def show(self, frame: Frame) -> None:
+    def show(self, frame: Frame, force: bool = False) -> None:
         rows = self.query_one(RowList)
         now = time.monotonic()
+        if force:
+            self._busy = False
         if not self._busy or now - self._drawn_at >= 1 / BUSY_HZ:  # busy: not even the rows are built
             found = request_rows(frame, self.query_one("#requests-filter", Input).value.strip().lower())
             widths = self.widths([k for k, _ in found], rows.size.width or 80)
             new = [(k, cells_text(list(cells), widths)) for k, cells in found]
             changed = abs(len(new) - len(rows.texts)) + sum(a != b for (_, a), b in zip(new, rows.texts))
             self._busy = changed > BUSY_ROWS
-            if not self._busy or now - self._drawn_at >= 1 / BUSY_HZ:
+            if force or not self._busy or now - self._drawn_at >= 1 / BUSY_HZ:
                 rows.set_rows(cells_text([name for name, _ in COLUMNS], widths), new)
                 self._drawn_at = now
+                if self.following:
+                    self._follow_newest(frame, rows)
         detail = self.query_one(RequestDetail)
         if detail.display:
             detail.request_id = frame.selected
             detail.show(frame)
+        else:
+            r = frame.state.requests.get(frame.selected) if frame.selected else None
+            why = waiting_why(frame, r) if r is not None else ""
+            self.query_one("#requests-why", FixedText).update(
+                Text.assemble((f"{frame.selected}: ", "bold"), (why, "yellow"), ("  (enter: its detail)", "dim"))
+                if why else Text("enter: the selected request's detail", "dim"))
+
+    def _follow_newest(self, frame: Frame, rows: RowList) -> None:
+        active = set(frame.state.running) | set(frame.state.waiting)
+        first = next((i for i, k in enumerate(rows.keys) if k in active), None)
+        if first is not None and first != rows.cursor:
+            rows.move_cursor(first)
+
+    def on_row_list_user_moved(self, event: RowList.UserMoved) -> None:
+        self.following = False
 
     def on_row_list_highlighted(self, event: RowList.Highlighted) -> None:
         self.post_message(self.Selected(event.key))

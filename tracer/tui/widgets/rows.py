@@ -74,6 +74,9 @@ class RowList(ScrollView, can_focus=True):
             super().__init__()
             self.row_list, self.key = row_list, key
 
+    class UserMoved(Message):
+        """The user moved the cursor (keys or a click), as opposed to a list that follows."""
+
     class Selected(Message):
         def __init__(self, row_list: "RowList", key: str):
             super().__init__()
@@ -123,6 +126,7 @@ class RowList(ScrollView, can_focus=True):
             self.cursor = max(0, min(len(self.keys) - 1, row))
 
     def action_move(self, delta: int) -> None:
+        self.post_message(self.UserMoved())
         self.move_cursor(self.cursor + delta)
 
     def action_select(self) -> None:
@@ -144,6 +148,7 @@ class RowList(ScrollView, can_focus=True):
     def on_click(self, event) -> None:
         row = event.y - 1 + int(self.scroll_offset.y)
         if event.y >= 1 and 0 <= row < len(self.keys):
+            self.post_message(self.UserMoved())
             if row == self.cursor:
                 self.action_select()
             self.cursor = row
@@ -169,8 +174,13 @@ class RowList(ScrollView, can_focus=True):
         shown, n = max(1, self.size.height - 1), len(self.keys)
         if n <= shown or width < 20:
             return strip
-        where = f" ↕ {scroll_y + 1}–{min(n, scroll_y + shown)} of {n} "
-        return Strip.join([strip.crop(0, width - len(where)), Strip([Segment(where, POSITION)])])
+        # right of the column names, never over them: shorter forms when the space is short
+        used = 1 + len("  ".join(text for text, _ in self.header).rstrip()) - scroll_x
+        first, last = scroll_y + 1, min(n, scroll_y + shown)
+        for where in (f" ↕ {first}–{last} of {n} ", f" ↕{first}–{last}/{n} ", f"↕{last}/{n}"):
+            if used + 1 + len(where) <= width:
+                return Strip.join([strip.crop(0, width - len(where)), Strip([Segment(where, POSITION)])])
+        return strip
 
     def _strip(self, row: tuple, style: Style | None, width: int, scroll_x: int) -> Strip:
         strip = Strip(_segments(row)).crop_extend(scroll_x, scroll_x + width, self.rich_style)

@@ -14,6 +14,7 @@ from textual.widgets import ProgressBar, Static
 
 from tracer.tui.fmt import fmt_bytes
 from tracer.tui.frame import Frame
+from tracer.tui.widgets.panel import Panel
 
 LABELS = {"args": "arguments", "config": "config", "resolve_model": "model files", "tokenizer_load": "tokenizer",
           "model_load": "weights",
@@ -42,22 +43,26 @@ def curl_line(url: str, model: str) -> str:
     return f"curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
-class StartupPanel(VerticalScroll):
+class StartupPanel(Panel):
     def __init__(self, model: str, url: str | None, mode: str, **kwargs):
         super().__init__(**kwargs)
         self.model, self.url, self.mode = model, url, mode
         self._key = None
 
     def compose(self):
-        yield Static(id="startup-stages")
-        yield ProgressBar(id="startup-progress", show_eta=False)
-        yield Static(id="startup-ready")
+        with VerticalScroll(id="startup-scroll"):
+            yield Static(id="startup-stages")
+            yield ProgressBar(id="startup-progress", show_eta=False)
+            yield Static(id="startup-ready")
 
-    def show(self, frame: Frame) -> None:
+    def focus_list(self) -> None:
+        self.query_one("#startup-scroll").focus()
+
+    def show(self, frame: Frame, force: bool = False) -> None:
         s = frame.state
         cur = s.startup_current
         key = (len(s.startup), cur and (cur["stage"], cur.get("progress")), s.step is not None)
-        if key == self._key:
+        if key == self._key and not force:
             return  # nothing new: startup panels are static once the server is up
         self._key = key
         table = Table.grid(padding=(0, 2))
@@ -86,12 +91,12 @@ class StartupPanel(VerticalScroll):
             return Text("starting: the server answers once every stage above is done…", "dim")
         if self.mode == "replay":
             return Text.assemble(("Recorded run. ", "bold"), "←/→ step back and forward, home/end jump, "
-                                 "tab to the panels, ? for help.")
+                                 "1-7 or tab for the panels, ? for help.")
         if self.url:
             return Text.assemble(("Ready. ", "bold green"), f"{self.model} at {self.url}\n\n",
                                  ("Send a request from another terminal:\n", "dim"),
                                  (curl_line(self.url, self.model), "bold"), "\n\n",
                                  ("or press ctrl+p and choose 'Send a test request'. "
-                                  "Then watch it in Requests (2), KV cache (3), Step (4), Kernels (5), "
-                                  "Log (6).", "dim"))
+                                  "The TUI then opens the Overview (1); Requests (2), KV cache (3), "
+                                  "Step (4), Kernels (5), Log (6), this panel (7).", "dim"))
         return Text("Ready.", "bold green")

@@ -17,6 +17,7 @@ from textual.containers import Horizontal
 
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import LinesView
+from tracer.tui.widgets.panel import Panel
 from tracer.tui.widgets.request_detail import block_size
 
 BUSY_HZ = 4  # redraws per second at most while the engine runs (every step when paused or stepping)
@@ -50,7 +51,8 @@ def batch_table(frame: Frame) -> Group | Text:
                      f"{sch['num_computed_before'] + sch['num_tokens']}/{total}\n")
     table.rstrip()
     used, budget = snap.get("num_scheduled_tokens", 0), snap.get("token_budget", 0)
-    head = Text.assemble((f"step {s.step}", "bold"), f"  batch of {len(snap.get('scheduled', []))} requests, ",
+    n = len(snap.get("scheduled", []))
+    head = Text.assemble((f"step {s.step}", "bold"), f"  batch of {n} request{'' if n == 1 else 's'}, ",
                          (f"{used}", "bold"), f"/{budget} tokens of the budget")
     return Group(head, table)
 
@@ -103,20 +105,25 @@ def flattened_inputs(frame: Frame) -> Group | Text:
                                (f"  ({len(ids)} requests, {len(b['input_ids'])} tokens in the batch)", "dim")), t)
 
 
-class StepPanel(Horizontal):
+class StepPanel(Panel):
     def compose(self):
-        yield LinesView(id="step-left")
-        yield LinesView(id="step-right")
+        with Horizontal(id="step-columns"):
+            yield LinesView(id="step-left")
+            yield LinesView(id="step-right")
 
     def on_mount(self) -> None:
         self._key = None
         self._drawn_at = 0.0
 
-    def show(self, frame: Frame) -> None:
+    def on_resize(self) -> None:
+        self.set_class(not self.wide, "-narrow")
+
+    def show(self, frame: Frame, force: bool = False) -> None:
         s = frame.state
-        key = (s.step, s.snapshot_step, s.batch is not None, frame.selected, len(s.requests))
+        key = (s.step, s.phase, s.snapshot_step, s.batch is not None, frame.selected, len(s.requests))
         now = time.monotonic()
-        if key == self._key or (not frame.controller.get("paused") and now - self._drawn_at < 1 / BUSY_HZ):
+        if not force and (key == self._key or (not frame.controller.get("paused")
+                                               and now - self._drawn_at < 1 / BUSY_HZ)):
             return  # (a skipped change is drawn by a later refresh: the key still differs then)
         self._key, self._drawn_at = key, now
         self.query_one("#step-left", LinesView).update(Group(batch_table(frame), decisions(frame)))

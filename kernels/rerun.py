@@ -1,0 +1,57 @@
+"""Run one attention call's inputs through our Triton kernel and say what its launch did.
+
+The CPU default backend is the PyTorch reference, whose launches have no program grid. A
+viewer held before such an attention call can hand its inputs here: the Triton kernel runs on
+them (through the interpreter when there is no GPU), and the answer is plain data, so it can
+travel between processes: the grid, each program's work (the query rows, KV heads and
+physical blocks it reads), and the largest |Triton - PyTorch| difference over the output.
+This module knows nothing of the engine; the engine hands it tensors.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from kernels import instrument
+from kernels.reference import unified_attention_ref
+from kernels.unified_attention import unified_attention
+
+ATTENTION_INPUTS = ("query", "key_cache", "value_cache", "query_start_loc", "seq_lens", "block_tables", "scale")
+
+
+def attention_inputs(args: dict) -> dict:
+    """The inputs of an attention call, cloned: the engine that made them may move on while
+    the kernel runs on the copies. Takes the reference's arguments or the Triton kernel's
+    (``query_ptr``, ...)."""
+    args = {k.removesuffix("_ptr"): v for k, v in args.items()}
+    missing = [k for k in ATTENTION_INPUTS if k not in args]
+    if missing:
+        raise ValueError(f"not an attention call: no {', '.join(missing)}")
+    return {k: args[k].clone() if isinstance(args[k], torch.Tensor) else args[k] for k in ATTENTION_INPUTS}
+
+
+def attention_on_triton(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale) -> dict:
+    """Run unified_attention (Triton) and unified_attention_ref (PyTorch) on the same inputs.
+
+    Returns {"name", "grid", "meta", "reason", "seconds", "interpreted", "num_programs",
+    "programs": [{"pid", "request", "rows", "kv_heads", "blocks", "kv_positions", "segment"}],
+    "max_abs_diff", "num_tokens", "num_seqs"}: lists and numbers only."""
+    records: list[instrument.LaunchRecord] = []
+    t0 = time.perf_counter()
+    with torch.inference_mode(), instrument.observe(records.append):
+        out = unified_attention(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
+    seconds = time.perf_counter() - t0
+    with torch.inference_mode():
+        ref = unified_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
+    launch = next(r for r in records if r.name.startswith("unified_attention"))
+    programs = [dict(pid=list(a.pid), request=a.request, rows=list(a.rows), kv_heads=list(a.kv_heads),
+                     blocks=list(a.blocks), kv_positions=list(a.kv_positions) if a.kv_positions else None,
+                     segment=a.segment)
+                for pid in sorted(launch.access_map) for a in launch.access_map[pid]]
+    diff = (out.float() - ref.float()).abs()
+    return dict(name=launch.name, grid=list(launch.grid), meta=dict(launch.meta), reason=launch.reason,
+                seconds=seconds, interpreted=instrument.INTERPRETED, num_programs=math.prod(launch.grid),
+                programs=programs, max_abs_diff=float(diff.max()) if diff.numel() else 0.0,
+                num_tokens=int(query.shape[0]), num_seqs=int(seq_lens.shape[0]))

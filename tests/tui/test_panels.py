@@ -1,0 +1,108 @@
+"""The panels' own promises, each with a pilot against a real engine or a recorded trace:
+fresh after a burst, a KV grid that fits, a scroll indicator that leaves the column names
+alone, the full waiting reason, one-line headers, and the CLI's clean errors."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import SamplingParams
+from tests.tui.helpers import shown
+from tracer.tui.app import TraceApp
+from tracer.tui.sources.replay import ReplaySource
+from tracer.tui.widgets.header import StatusHeader
+from tracer.tui.widgets.kv_cache import blocks_per_cell, draw_blocks
+
+BURST = [f"burst {i}" for i in range(12)]
+
+
+async def run_burst(live, pilot, params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)):
+    streams = await live.submit(BURST, params)
+    await pilot.press("space")
+    for s in streams:
+        assert [o async for o in s][-1].finished
+
+
+@pytest.mark.asyncio
+async def test_every_panel_agrees_with_the_header_after_a_burst(live):
+    async with live.app.run_test(size=(120, 36)) as pilot:
+        await pilot.pause()
+        await pilot.press("4")  # Step, chosen before the burst: it throttles itself while the engine runs
+        await run_burst(live, pilot)
+        await live.settle(pilot)
+        last = live.source.refresh().step
+        assert f"step {last} (done)" in shown(live.app.query_one(StatusHeader))
+        assert shown(live.app.query_one("#step-left")).lstrip().startswith(f"step {last}  batch of")
+        for key, panel, says in (("5", "#kernels-head", f"step {last}: 8 launches"),
+                                 ("1", "#overview-body", f"step {last} (done)")):
+            await pilot.press(key)  # shown: drawn at once, whatever its throttle says
+            assert says in shown(live.app.query_one(panel))
+
+
+@pytest.mark.asyncio
+async def test_the_kv_grid_fits_the_screen_and_says_how_many_blocks_a_cell_is(live):
+    async with live.app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        await pilot.press("3")
+        await run_burst(live, pilot, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        await pilot.press("1", "3")
+        frame = live.app.frame
+        grid = live.app.query_one("#kv-grid")
+        assert grid.virtual_size.height <= grid.size.height  # no scrolling: the whole cache is on screen
+        big = draw_blocks(frame, 4096, 78, 12)  # the CPU default: 4,096 blocks, 12 rows at 80 columns
+        assert len(big) <= 12 and blocks_per_cell(4096, 78, 12) == 10  # 36 cells a row
+        assert sum(len(seg.text) for seg in big[0]) <= 78
+        summary = shown(live.app.query_one("#kv-summary"))
+        assert "each cell" not in summary and "█ owned" in summary  # 64 blocks: one a cell
+
+
+@pytest.mark.asyncio
+async def test_the_scroll_indicator_leaves_the_column_names_alone_and_the_full_reason_shows(live):
+    async with live.app.run_test(size=(160, 20)) as pilot:
+        await pilot.pause()
+        await live.submit([f"waiting request number {i}" for i in range(30)])
+        await pilot.press("2")
+        await live.settle(pilot)
+        await asyncio.sleep(0.3)  # 30 new rows at once: drawn at most BUSY_HZ times a second
+        await live.settle(pilot)
+        table = live.app.query_one("#requests-table")
+        head = shown(table).splitlines()[0]
+        for name in ("id", "state", "prompt", "output", "age", "why waiting / finish"):
+            assert name in head
+        assert "↕" in head and "of 30" in head, (table.row_count, table.size, head)
+        detail = live.app.query_one("#requests-detail")
+        assert "waiting: not scheduled yet: the engine is held" in detail.text  # in full, beside the list
+
+
+@pytest.mark.asyncio
+async def test_the_header_never_wraps_and_keeps_q_quit(recorded_trace):
+    for size in ((80, 24), (100, 30), (160, 48)):
+        app = TraceApp(ReplaySource.load(recorded_trace))
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause()
+            first = shown(app.query_one(StatusHeader)).splitlines()[0].rstrip()
+            assert len(first) <= size[0] and "step 0" in first
+            if size[0] != 100:  # spelled out when wide, abbreviated at 80 (at 100 it depends on the model name)
+                assert ("waiting" in first) == (size[0] > 100), first
+            from tests.tui.test_live_keys import footer_shows
+            assert footer_shows(app, "q", "quit")
+
+
+def test_a_bad_port_is_a_usage_error_not_a_traceback(capsys):
+    from tracer.cli import main
+    for argv in (["serve", "tiny-gpt2", "--port", "99999"], ["serve", "tiny-gpt2", "--web-port", "x"],
+                 ["attach", "--web-port", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "error: argument" in err and "Traceback" not in err
+
+
+def test_the_startup_hint_names_a_real_command():
+    from engine.model_loader import ModelNotFoundError, resolve
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve("./nonexistent-model")
+    assert "vllm-trace serve tiny-gpt2" in str(e.value) and "--model" not in str(e.value)
+
