@@ -233,7 +233,11 @@ class LLMEngine:
                 req.finished_time = now
                 self.scheduler.finish(req, status)
                 self.requests.pop(req.request_id, None)
-                if self.hooks.active: self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=sched.step, finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens, text=req.output_text)
+                if self.hooks.active:
+                    # no text behind an EngineCore: the front end detokenizes (after this event)
+                    self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=sched.step,
+                                    finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens,
+                                    text=req.output_text if self.detokenize else None)
             if not self.detokenize:
                 outputs.append(self._core_output(req))  # every step: the front end detokenizes
             elif status is not None or req.params.output_kind != "final_only":

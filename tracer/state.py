@@ -231,7 +231,10 @@ def _finished(s: TraceState, ev: Event) -> None:
     else:
         req.finish_reason = a.get("finish_reason")
         req.status = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH"}.get(req.finish_reason, FINISHED)
-        req.text = a.get("text", req.text)  # authoritative: a stop string may have cut the tail
+        if a.get("text") is not None:  # authoritative: a stop string may have cut the tail
+            req.text = a["text"]
+        # else the core's (its own process: no text there), which comes before the API server's
+        # NEW_TOKENS for the same step: the text is theirs, earlier and later alike
     req.finished_step, req.finished_ns = ev.step, ev.ts_ns
     req.timeline.append({"event": ev.name, "step": ev.step, "ts_ns": ev.ts_ns, "reason": req.finish_reason})
     req.block_table = []
