@@ -177,6 +177,7 @@ class AsyncLLM:
                 self._idle.wait(timeout)
             self.client.shutdown(0)
         self._fail_all(EngineClosedError("the server shut down before this request finished"))
+        self._idle.set()  # nothing is left: an earlier stop() still waiting out its drain returns now
 
     # ---- requests (asyncio thread) ------------------------------------------------------------
     async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
