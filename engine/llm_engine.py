@@ -17,6 +17,7 @@ from engine import model_loader
 from engine.attention import AttentionBackend, default_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.core_types import EngineCoreOutput
 from engine.hooks import BEGIN, COUNTER, END, INSTANT, SNAPSHOT, Hooks
 from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 from engine.model import GPT2Model
@@ -27,6 +28,7 @@ from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from engine.trace_names import ABORTED, DETOKENIZER, ENGINE, FINISHED, NEW_TOKENS, QUEUED, SCHEDULED, SCHEDULER
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -43,9 +45,17 @@ def freeze_gc_heap() -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, hooks: Hooks | None = None):
+    """The engine core: requests (token ids or text) in, one step at a time, outputs out.
+
+    detokenize=True (offline use, lessons): it also detokenizes, checks stop strings and returns
+    RequestOutput. detokenize=False (behind an EngineCore, as in vLLM V1): it returns
+    EngineCoreOutput (new token ids) and leaves text and stop strings to the front end's
+    OutputProcessor, which finishes a request on a stop string with abort_request(FINISHED_STOPPED)."""
+
+    def __init__(self, config: EngineConfig, hooks: Hooks | None = None, detokenize: bool = True):
         self.config = config
         self.hooks = hooks or Hooks()
+        self.detokenize = detokenize
         self.startup: list[tuple[str, float, dict]] = []  # (stage, seconds, details)
         if self.hooks.active: self.hooks.emit("engine", "config", model=config.model.model, config=config.to_dict())
         mc, cc = config.model, config.cache
@@ -108,10 +118,11 @@ class LLMEngine:
                       arrival_time=arrival_time or time.monotonic())
         req.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
                                                       else self._rng.getrandbits(63))
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        if self.detokenize:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
-        if self.hooks.active: self.hooks.emit("engine", "QUEUED", request_id=request_id, step=self.step_count, num_prompt_tokens=len(ids), max_tokens=max_tokens, params=vars(params))
+        if self.hooks.active: self.hooks.emit(ENGINE, QUEUED, request_id=request_id, step=self.step_count, num_prompt_tokens=len(ids), max_tokens=max_tokens, params=vars(params))
         return req
 
     def _tokenize(self, prompt, request_id: str) -> tuple[str | None, list[int]]:
@@ -155,13 +166,22 @@ class LLMEngine:
                              f"{self.config.scheduler.max_num_batched_tokens}, and chunked prefill is off")
         return max_tokens
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its blocks. Unknown or finished ids are ignored."""
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                      stop_reason: int | str | None = None) -> None:
+        """Stop a request and free its blocks. Unknown or finished ids are ignored. status
+        FINISHED_STOPPED: the front end matched a stop string (stop_reason) in its text."""
         req = self.requests.pop(request_id, None)
         if req is None or req.status.finished:
             return
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        if self.hooks.active: self.hooks.emit("engine", "ABORTED", request_id=request_id, step=self.step_count)
+        req.stop_reason = stop_reason
+        self.scheduler.finish(req, status)
+        if not self.hooks.active:
+            return
+        if status is RequestStatus.FINISHED_ABORTED:
+            self.hooks.emit(ENGINE, ABORTED, request_id=request_id, step=self.step_count)
+        else:
+            self.hooks.emit(ENGINE, FINISHED, request_id=request_id, step=self.step_count,
+                            finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens)
 
     def warm_up(self) -> dict:
         """Run the model once on a dummy batch (compiling the Triton kernels on first use),
@@ -203,17 +223,24 @@ class LLMEngine:
             req.first_token_time = req.first_token_time or now
             if sampled.logprobs[i] is not None:
                 req.logprobs.append(self._logprobs(sampled.logprobs[i], tok, sampled.ranks[i]))
-            piece = req.detokenizer.add(tok)
-            req.output_text = req.detokenizer.text
+            if req.detokenizer is not None:
+                piece = req.detokenizer.add(tok)
+                req.output_text = req.detokenizer.text
+                if traced is not None: traced.append((DETOKENIZER, NEW_TOKENS, INSTANT, req.request_id, sched.step, {"token_ids": [tok], "text": piece}))
             status = self._check_stop(req, tok)
-            if traced is not None: traced.append(("detokenizer", "NEW_TOKENS", INSTANT, req.request_id, sched.step, {"token_ids": [tok], "text": piece}))
             if status is not None:
                 if traced: self.hooks.emit_many(traced); traced = []  # published before its blocks are freed
                 req.finished_time = now
                 self.scheduler.finish(req, status)
                 self.requests.pop(req.request_id, None)
-                if self.hooks.active: self.hooks.emit("engine", "FINISHED", request_id=req.request_id, step=sched.step, finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens, text=req.output_text)
-            if status is not None or req.params.output_kind != "final_only":
+                if self.hooks.active:
+                    # no text behind an EngineCore: the front end detokenizes (after this event)
+                    self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=sched.step,
+                                    finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens,
+                                    text=req.output_text if self.detokenize else None)
+            if not self.detokenize:
+                outputs.append(self._core_output(req))  # every step: the front end detokenizes
+            elif status is not None or req.params.output_kind != "final_only":
                 outputs.append(self._output(req))
         if traced: self.hooks.emit_many(traced)
         if self.hooks.active: self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
@@ -229,7 +256,7 @@ class LLMEngine:
             if tok in p.stop_token_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
-            for stop in p.stop_strs:
+            for stop in p.stop_strs if req.detokenizer is not None else ():
                 # only the tail can hold a new match: what was checked before had none
                 at = req.output_text.find(stop, max(0, len(req.output_text) - len(stop) - 64))
                 if at >= 0:
@@ -256,6 +283,22 @@ class LLMEngine:
                        num_preemptions=req.num_preemptions)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], req.status.finished,
                              req.num_cached_tokens, metrics)
+
+    def _core_output(self, req: Request) -> EngineCoreOutput:
+        """The tokens (and logprobs) sampled since the request's last output, for the front end."""
+        sent, n = req.num_sent, len(req.output_token_ids)
+        req.num_sent = n
+        lps = None
+        if req.params.logprobs is not None:
+            lps = [[[t, lp.logprob, lp.rank, lp.decoded_token] for t, lp in entry.items()]
+                   for entry in req.logprobs[sent:]]
+        metrics = None
+        if sent == 0 or req.finished_time is not None:
+            metrics = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+                           first_token_time=req.first_token_time, finished_time=req.finished_time,
+                           num_preemptions=req.num_preemptions)
+        return EngineCoreOutput(req.request_id, req.output_token_ids[sent:], lps, req.finish_reason,
+                                req.stop_reason, req.num_cached_tokens, metrics)
 
     # ---- observation --------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -292,7 +335,7 @@ class LLMEngine:
     def _trace_schedule(self, sched: SchedulerOutput) -> None:
         h = self.hooks
         for rid in sched.admitted:
-            h.emit("scheduler", "SCHEDULED", request_id=rid, step=sched.step)
+            h.emit(SCHEDULER, SCHEDULED, request_id=rid, step=sched.step)
         snap = self.snapshot(sched)
         del snap["step"]  # the event's own step field carries it
         h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **snap)

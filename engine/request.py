@@ -49,6 +49,7 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_preemptions = 0
         self.logprobs: list[dict[int, float]] = []
+        self.num_sent = 0  # output tokens already sent to the front end (EngineCoreOutput)
         self.output_text = ""
         self.detokenizer = None  # set by the engine
         self.stop_reason: int | str | None = None

@@ -17,6 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.hooks import BEGIN, Hooks
 from engine.request import Request, RequestStatus
+from engine.trace_names import PREEMPTED, SCHEDULER
 
 
 @dataclass
@@ -126,7 +127,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
-        if self.hooks.active: self.hooks.emit("scheduler", "PREEMPTED", request_id=req.request_id, step=out.step, reason=reason)
+        if self.hooks.active: self.hooks.emit(SCHEDULER, PREEMPTED, request_id=req.request_id, step=out.step, reason=reason)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a finished (or aborted) request and free its blocks."""

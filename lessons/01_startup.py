@@ -78,9 +78,10 @@ def run(lesson) -> None:
     stages = [(m.group(1), float(m.group(2))) for _, line in seen if (m := STAGE_LINE.match(line))]
     names = [n for n, _ in stages]
     lesson.check(models is not None, f"the server printed its ready line within {SERVER_TIMEOUT_S} s")
-    lesson.check(names == ["args", "config"] + STAGES + ["kernel_warmup", "http_ready"],
-                 "it reports args and config, the engine's four stages in order, the kernel warm-up, "
-                 "then http_ready")
+    lesson.check(names == ["args", "config", "core_process_start"] + STAGES + ["kernel_warmup", "core_handshake",
+                                                                             "http_ready"],
+                 "it reports args and config, starts the engine-core process, then that process's four engine "
+                 "stages in order and its kernel warm-up, the handshake that says it is ready, then http_ready")
     lesson.check(lesson.model in json.loads(models)["data"][0]["id"],
                  "once ready, GET /v1/models answers with the served model")
     first_stage_at = next(t for t, line in seen if line.lstrip().startswith(STAGES[0]))
@@ -199,7 +200,8 @@ def run(lesson) -> None:
         "- *CUDA graphs*: it captures the forward pass for a list of batch sizes, so a step "
         "replays captured graphs instead of launching hundreds of kernels one by one from Python.\n"
         "- *Processes*: V1 runs the engine core in its own process, fed by the API server over ZMQ; "
-        "here the engine runs in a thread of the server process.")
+        "so does `vllm-trace serve` (its `core_process_start` and `core_handshake` stages above; lesson 17), "
+        "unless `--no-multiprocessing` keeps the engine in a thread of the server process.")
     lesson.check(type(engine.model) is GPT2Model,
                  "this engine's model is the plain PyTorch module, run eagerly (not compiled)")
     lesson.done(

@@ -1,4 +1,4 @@
-"""Lesson 13: the HTTP path — an OpenAI request through FastAPI, the async engine and back as SSE."""
+"""Lesson 13: the HTTP path — an OpenAI request through FastAPI, across to the engine-core process and back as SSE."""
 import json
 import pathlib
 import sys
@@ -9,46 +9,57 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 
 import httpx  # noqa: E402
 
-from engine.async_engine import AsyncLLMEngine  # noqa: E402
+from engine import Hooks  # noqa: E402
+from engine.async_llm import AsyncLLM  # noqa: E402
+from engine.llm import engine_config  # noqa: E402
 from engine.server import build_app  # noqa: E402
 from engine.server.background import start_background  # noqa: E402
 from lessons.framework import events_of, main, table  # noqa: E402
-from tracer.journey import CHAIN, layer_path, missing_links, request_events  # noqa: E402
+from tracer.journey import TWO_PROCESS_CHAIN, layer_path, missing_links, request_events  # noqa: E402
+from tracer.session import TraceSession  # noqa: E402
 
 TITLE = "The HTTP path"
-SUMMARY = "An OpenAI request through FastAPI, the serving layer and the async engine, back as an SSE stream, traced."
+SUMMARY = ("An OpenAI request through FastAPI and the serving layer, across to the engine-core process and back "
+           "as an SSE stream, traced.")
 PROMPT = "The quick brown fox"
 
 
 def run(lesson) -> None:
     lesson.intro(
         "So far lessons drove `engine.step()` by hand. A server does the same in a loop, behind HTTP. "
-        "Here the real OpenAI-compatible app runs on a local port: **FastAPI** parses the request "
-        "(`http`), the **serving layer** turns it into sampling parameters and submits it (`api`), the "
-        "**async engine** hands it to the engine thread, which tokenizes it and steps the engine "
-        "(scheduler, block manager, model runner, kernels, sampler, detokenizer); each step's new text "
-        "goes back to the HTTP handler, which sends it as a **server-sent event**. You will stream one "
-        "completion, then read its path through the layers from the trace.")
-    llm, session = lesson.engine(num_kv_blocks=64)
-    async_engine = AsyncLLMEngine(llm.llm_engine)
+        "Here the real OpenAI-compatible app runs on a local port, as `vllm-trace serve` runs it, in **two "
+        "processes**. In the API-server process (this one) **FastAPI** parses the request (`http`), the "
+        "**serving layer** turns it into sampling parameters and submits it (`api`), and the prompt is "
+        "**tokenized** (`tokenizer`); the token ids cross to the **engine-core process** (`ipc`), whose "
+        "busy loop steps the engine (scheduler, block manager, model runner, kernels, sampler). Each step's "
+        "new token ids come back (`ipc`), are **detokenized** here (`detokenizer`), and the HTTP handler "
+        "sends the text as a **server-sent event**. You will stream one completion, then read its path "
+        "through the layers, and the two processes, from the trace.")
+    hooks = Hooks()
+    session = TraceSession(hooks, control=False, model=lesson.model)
+    lesson.sessions.append(session)
+    async_engine = AsyncLLM(engine_config(lesson.model, num_kv_blocks=64), hooks, core_options={"trace": True})
+    async_engine.start()  # the engine-core process: a fresh interpreter loads the model, then the handshake
     app = build_app(async_engine, lesson.model)
     server, thread, url = start_background(app)
     try:
         lesson.check(server.ready.is_set(), f"the server is up at {url}")
-        _lesson_body(lesson, session, url)
+        _lesson_body(lesson, session, url, async_engine.core_pid)
     finally:
         server.should_exit = True
         thread.join(30)
-    lesson.check(not thread.is_alive() and not async_engine.is_running,
-                 "the server shut down cleanly: the HTTP thread and the engine loop have both stopped")
+    lesson.check(not thread.is_alive() and not async_engine.is_running and async_engine.client.proc.poll() == 0,
+                 "the server shut down cleanly: the HTTP thread has stopped and the engine-core process has exited")
     lesson.done("An OpenAI request is parsed by FastAPI, turned into SamplingParams by the serving layer and "
-                "queued with the async engine, whose thread runs the same `step()` you have been calling by "
-                "hand. After each step the new text of every request goes back to its HTTP handler, which "
-                "frames it as a `data:` event. The trace follows one request id from the HTTP layer down to "
-                "the kernels and back.")
+                "tokenized in the API-server process; its token ids cross to the engine-core process, whose "
+                "loop runs the same `step()` you have been calling by hand. After each step the new token ids "
+                "of every request come back, are detokenized in the API-server process, and go to their HTTP "
+                "handlers, which frame the text as `data:` events. The trace follows one request id from the "
+                "HTTP layer down to the kernels and back, across both processes (lesson 17 looks at the "
+                "boundary itself).")
 
 
-def _lesson_body(lesson, session, url: str) -> None:
+def _lesson_body(lesson, session, url: str, core_pid: int) -> None:
     body = {"model": lesson.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "stream": True}
     lesson.show(json.dumps(body, indent=2), title="POST /v1/completions")
@@ -108,8 +119,17 @@ def _lesson_body(lesson, session, url: str) -> None:
                "the model runner's batch, each kernel launch, the sampler — belong to every request scheduled "
                "in that step; `tracer.journey.request_events` collects both.")
     lesson.show(" → ".join(path), title="layer_path (the final layer repeats when the request leaves through it)")
-    lesson.check(missing_links(path) == [],
-                 "the request passed " + " → ".join(CHAIN) + ", in that order")
+    lesson.check(missing_links(path, TWO_PROCESS_CHAIN) == [],
+                 "the request passed " + " → ".join(TWO_PROCESS_CHAIN) + ", in that order")
+    where = {layer: {(e.attrs or {}).get("pid") for e in mine if e.layer == layer} for layer in path}
+    lesson.show(table(["layer", "process"], [[layer, "engine core" if where[layer] == {core_pid} else "API server"]
+                                             for layer in dict.fromkeys(path)], title="the process boundary"))
+    lesson.check(where["tokenizer"] == where["detokenizer"] == {None} and where["http"] == {None},
+                 "tokenizing and detokenizing ran in the API-server process, with HTTP (no core pid on their events)")
+    core_layers = ("engine", "scheduler", "model_runner", "kernel", "sampler")
+    lesson.check(all(where[layer] == {core_pid} for layer in core_layers),
+                 f"the engine, scheduler, model runner, kernels and sampler ran in the engine-core process "
+                 f"(pid {core_pid})")
     lesson.check(mine[0].layer == "http" and mine[0].kind == "begin" and mine[-1].layer == "http"
                  and mine[-1].kind == "end", "its first event is the HTTP handler's begin and its last the handler's end")
     new_tokens = [e for e in mine if (e.layer, e.name) == ("detokenizer", "NEW_TOKENS")]

@@ -8,6 +8,7 @@ kernel name. The same condition is written as text in the TUI and over HTTP:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from engine.trace_names import ABORTED, ENGINE, FINISHED, PREEMPTED, QUEUED, SCHEDULER
 
 from tracer.events import LAYERS
 
@@ -32,15 +33,15 @@ class Condition:
 
 
 def on_arrive(request_id: str | None = None) -> Condition:
-    return Condition("engine", "QUEUED", request_id=request_id, label=_label("arrive", request_id))
+    return Condition(ENGINE, QUEUED, request_id=request_id, label=_label("arrive", request_id))
 
 
 def on_finish(request_id: str | None = None) -> Condition:
-    return Condition("engine", "FINISHED", ("ABORTED",), request_id, _label("finish", request_id))
+    return Condition(ENGINE, FINISHED, (ABORTED,), request_id, _label("finish", request_id))
 
 
 def on_preempt(request_id: str | None = None) -> Condition:
-    return Condition("scheduler", "PREEMPTED", request_id=request_id, label=_label("preempt", request_id))
+    return Condition(SCHEDULER, PREEMPTED, request_id=request_id, label=_label("preempt", request_id))
 
 
 def on_request(request_id: str) -> Condition:

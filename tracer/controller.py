@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.hooks import Hooks
+from engine.trace_names import PAUSED, RESUMED, TRACER
 from tracer.conditions import Condition
 
 GRANULARITIES = {"step": 0, "phase": 1, "kernel": 2}
@@ -108,6 +109,21 @@ class StepController:
             self._breakpoints = ()
             self._watch()
 
+    def hit(self, reason: str, until: Condition | None = None) -> None:
+        """A condition matched somewhere the engine's hooks do not see (the API-server process,
+        for a controller in the engine-core process): stop at the next control point. until:
+        the run-until condition that matched, consumed as if matched here."""
+        with self._cond:
+            if until is not None and self._until == until:
+                self._until = None
+            self._hit = reason
+            self._watch()
+
+    @property
+    def release_gen(self) -> int:
+        """Bumped by every release: a hold reported with an older one is over."""
+        return self._release_gen
+
     @property
     def breakpoints(self) -> tuple[Condition, ...]:
         return self._breakpoints
@@ -179,10 +195,10 @@ class StepController:
             gen = self._release_gen
             self._cond.notify_all()
         details = {k: v for k, v in info.items() if k != "step"}  # nested: a kernel's info has a "name"
-        if self.hooks.active: self.hooks.emit("tracer", "paused", step=info.get("step"), point=point, reason=reason, info=details)
+        if self.hooks.active: self.hooks.emit(TRACER, PAUSED, step=info.get("step"), point=point, reason=reason, info=details, gen=gen)
         with self.hooks.gate_wait(), self._cond:  # parked: the engine lock is free meanwhile
             self._cond.wait_for(lambda: self._release_gen != gen or self._closed)
-        if self.hooks.active: self.hooks.emit("tracer", "resumed", step=info.get("step"), point=point)
+        if self.hooks.active: self.hooks.emit(TRACER, RESUMED, step=info.get("step"), point=point)
 
     def _stop_reason(self, point: str, info: dict) -> str | None:  # holding self._cond
         level = POINT_LEVEL.get(point, 2)

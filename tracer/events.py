@@ -26,10 +26,9 @@ from engine.hooks import BEGIN, COUNTER, END, INSTANT, SNAPSHOT
 SCHEMA = "vllm-trace"
 SCHEMA_VERSION = 1
 
-# The modules a request passes through, outermost first. "tracer" is the tracer's own voice
-# (controller pauses, events a subscriber missed).
-LAYERS = ("cli", "http", "api", "tokenizer", "engine", "scheduler", "block_manager", "model_runner",
-          "kernel", "sampler", "detokenizer", "tracer")
+# The modules a request passes through, outermost first (defined once, in engine.trace_names;
+# "ipc" is the process boundary, "tracer" the tracer's own voice: pauses, events a reader missed).
+from engine.trace_names import LAYERS  # noqa: E402  (re-exported: the tracer's modules import it from here)
 KINDS = (INSTANT, BEGIN, END, COUNTER, SNAPSHOT)
 EVENT_KEYS = ("seq", "ts_ns", "layer", "name", "kind", "request_id", "step", "attrs")
 

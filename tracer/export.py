@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from engine.hooks import BEGIN, END, SNAPSHOT
+from engine.trace_names import ABORTED, DETOKENIZER, ENGINE, FINISHED, NEW_TOKENS, PREEMPTED, QUEUED, SCHEDULED, SCHEDULER
 from tracer.events import Event, json_safe, read_trace
 
 PID = 1
@@ -83,16 +84,16 @@ def to_chrome_trace(header: dict, events: list[Event]) -> dict:
         a = ev.attrs or {}
         rid = ev.request_id
         # ---- requests
-        if (ev.layer, ev.name) == ("engine", "QUEUED"):
+        if (ev.layer, ev.name) == (ENGINE, QUEUED):
             tracks[rid] = _RequestTrack(b, rid, ev.ts_ns)
             tracks[rid].enter("queued", ev.ts_ns, {"num_prompt_tokens": a.get("num_prompt_tokens")})
-        elif rid in tracks and (ev.layer, ev.name) == ("scheduler", "SCHEDULED"):
+        elif rid in tracks and (ev.layer, ev.name) == (SCHEDULER, SCHEDULED):
             tracks[rid].enter("prefill", ev.ts_ns)
-        elif rid in tracks and (ev.layer, ev.name) == ("scheduler", "PREEMPTED"):
+        elif rid in tracks and (ev.layer, ev.name) == (SCHEDULER, PREEMPTED):
             tracks[rid].enter("queued", ev.ts_ns, {"preempted": a.get("reason")})
-        elif rid in tracks and (ev.layer, ev.name) == ("detokenizer", "NEW_TOKENS"):
+        elif rid in tracks and (ev.layer, ev.name) == (DETOKENIZER, NEW_TOKENS):
             tracks[rid].enter("decode", ev.ts_ns)  # its first token ends the prefill
-        elif rid in tracks and ev.layer == "engine" and ev.name in ("FINISHED", "ABORTED"):
+        elif rid in tracks and ev.layer == ENGINE and ev.name in (FINISHED, ABORTED):
             tracks[rid].close(ev.ts_ns, {"finish_reason": a.get("finish_reason", "abort")})
         # ---- steps and their phases
         elif (ev.layer, ev.name) == ("engine", "step") and ev.step is not None:

@@ -10,6 +10,8 @@ from tracer.events import Event
 # The order a request meets the layers, outermost to innermost and back out.
 CHAIN = ("http", "api", "tokenizer", "engine", "scheduler", "block_manager", "model_runner", "kernel",
          "sampler", "detokenizer", "http")
+# With the engine core in its own process, the request crosses the boundary (ipc) on its way in.
+TWO_PROCESS_CHAIN = ("http", "api", "tokenizer", "ipc", *CHAIN[3:])
 
 
 def scheduled_in_steps(events: list[Event]) -> dict[int, set[str]]:

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 import orjson
 
 from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT
+from engine.trace_names import (ABORTED, DETOKENIZER, ENGINE, FINISHED, NEW_TOKENS, PAUSED, PREEMPTED, QUEUED, RESUMED,
+                                SCHEDULED, SCHEDULER)
 from tracer.bus import EventBus
 from tracer.events import Event, json_safe
 
-FINISHED = "FINISHED"
 MAX_FINISHED = 256  # finished requests a live state keeps (the TUI lists the latest 100)
 FOLLOW_INTERVAL = 0.1  # s between folds of a LiveState that follows the bus by itself
 
@@ -225,12 +226,15 @@ def _encoded(s: TraceState, ev: Event) -> None:
 def _finished(s: TraceState, ev: Event) -> None:
     a, rid = _attrs(ev), ev.request_id
     req = s.request(rid)
-    if ev.name == "ABORTED":
+    if ev.name == ABORTED:
         req.status, req.finish_reason = "FINISHED_ABORTED", "abort"
     else:
         req.finish_reason = a.get("finish_reason")
         req.status = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH"}.get(req.finish_reason, FINISHED)
-        req.text = a.get("text", req.text)  # authoritative: a stop string may have cut the tail
+        if a.get("text") is not None:  # authoritative: a stop string may have cut the tail
+            req.text = a["text"]
+        # else the core's (its own process: no text there), which comes before the API server's
+        # NEW_TOKENS for the same step: the text is theirs, earlier and later alike
     req.finished_step, req.finished_ns = ev.step, ev.ts_ns
     req.timeline.append({"event": ev.name, "step": ev.step, "ts_ns": ev.ts_ns, "reason": req.finish_reason})
     req.block_table = []
@@ -325,7 +329,7 @@ def _scheduled(s: TraceState, ev: Event) -> None:
 
 def _preempted(s: TraceState, ev: Event) -> None:
     rid, req = ev.request_id, s.request(ev.request_id)
-    req.status, req.preempt_reason = "PREEMPTED", _attrs(ev).get("reason")
+    req.status, req.preempt_reason = PREEMPTED, _attrs(ev).get("reason")
     req.num_computed_tokens, req.block_table = 0, []
     req.num_preemptions += 1
     req.timeline.append({"event": "PREEMPTED", "step": ev.step, "ts_ns": ev.ts_ns, "reason": req.preempt_reason})
@@ -438,9 +442,9 @@ def _new_tokens(s: TraceState, ev: Event) -> None:
 
 # ---- the tracer itself --------------------------------------------------------------------
 def _tracer(s: TraceState, ev: Event) -> None:
-    if ev.name == "paused":
-        s.paused_at = _attrs(ev)
-    elif ev.name == "resumed":
+    if ev.name == PAUSED:
+        s.paused_at = {k: v for k, v in _attrs(ev).items() if k not in ("gen", "pid")}  # where, not plumbing
+    elif ev.name == RESUMED:
         s.paused_at = None
     elif ev.name == "events_lost":
         s.events_missed += _attrs(ev).get("count", 0)
@@ -449,17 +453,17 @@ def _tracer(s: TraceState, ev: Event) -> None:
 _HANDLERS = {
     ("engine", "config"): _config,
     ("tokenizer", "encode"): _encoded,
-    ("engine", "QUEUED"): _queued,
-    ("engine", "FINISHED"): _finished,
-    ("engine", "ABORTED"): _finished,
+    (ENGINE, QUEUED): _queued,
+    (ENGINE, FINISHED): _finished,
+    (ENGINE, ABORTED): _finished,
     ("engine", "step"): _step,
-    ("scheduler", "SCHEDULED"): _scheduled,
-    ("scheduler", "PREEMPTED"): _preempted,
+    (SCHEDULER, SCHEDULED): _scheduled,
+    (SCHEDULER, PREEMPTED): _preempted,
     ("scheduler", "schedule"): _schedule_span,
     ("block_manager", "evict"): _evict,
     ("model_runner", "batch"): _batch,
     ("sampler", "sampled"): _sampled,
-    ("detokenizer", "NEW_TOKENS"): _new_tokens,
+    (DETOKENIZER, NEW_TOKENS): _new_tokens,
 }
 _LAYER_HANDLERS = {
     "http": _http,

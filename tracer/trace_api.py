@@ -88,7 +88,7 @@ async def trace_state(session: SessionDep, request: Request) -> Response:
     t = time.perf_counter()
     view = session.state.view()
     body = view.to_json(controller=_status(session.controller),
-                        step=request.app.state.server.engine.engine.step_count, seq=session.bus.next_seq)
+                        step=request.app.state.server.engine.step_count, seq=session.bus.next_seq)
     # how long the fold's catch-up, the copy and the JSON took (a browser's devtools show it)
     timing = {"Server-Timing": f"state;dur={(time.perf_counter() - t) * 1000:.1f}"}
     return Response(body, media_type="application/json", headers=timing)

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.core import EngineDeadError
 from engine.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,10 @@ def install_error_handlers(app: FastAPI) -> None:
         resp = APIError(exc.status_code, str(exc.detail)).response()
         resp.headers.update(exc.headers or {})
         return resp
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return APIError(500, str(exc), code="engine_dead").response()  # "engine core died: signal 9"
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

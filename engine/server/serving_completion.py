@@ -14,6 +14,7 @@ from contextlib import aclosing
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import EngineClosedError
+from engine.core import EngineDeadError
 from engine.hooks import BEGIN, END
 from engine.outputs import Logprob, RequestOutput
 from engine.server.errors import APIError
@@ -122,6 +123,8 @@ class _Ctx:
             if opts and opts.include_usage:
                 yield sse(CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
                                              choices=[], usage=_usage(self.finals)))
+        except EngineDeadError as e:  # the engine core process died: say so, no traceback
+            yield sse(APIError(500, str(e), code="engine_dead").body())
         except EngineClosedError as e:  # the server is shutting down: say so, then [DONE]
             self.state.num_cut_at_shutdown += 1
             yield sse(APIError(503, str(e)).body())

@@ -1,6 +1,8 @@
-"""One live server for the whole session: the real uvicorn on a free loopback port, in a
-thread, serving the built-in tiny-gpt2 with a small KV cache (so 64 concurrent requests
-also exercise preemption)."""
+"""One live server per mode for the whole session: the real uvicorn on a free loopback port, in
+a thread, serving the built-in tiny-gpt2 with a small KV cache (so 64 concurrent requests
+also exercise preemption). Mode "inproc": the engine loop in this process (AsyncLLMEngine);
+"mp": the engine core in its own process (AsyncLLM). Tests that read engine internals
+(`live.engine`) run in one process only: there is no engine object here in "mp"."""
 from __future__ import annotations
 
 import os
@@ -50,35 +52,63 @@ def start_server(app):
     return start_background(app)
 
 
+MODES = ["inproc", "mp"]
+
+
 @dataclass
 class Live:
     url: str
-    async_engine: object  # engine.async_engine.AsyncLLMEngine
+    async_engine: object  # engine.async_engine.AsyncLLMEngine, or engine.async_llm.AsyncLLM in "mp"
     model: str = "tiny-gpt2"
+    mode: str = "inproc"
 
     @property
     def engine(self):
+        if self.mode != "inproc":
+            pytest.skip("reads the LLMEngine's internals: it lives in another process in this mode")
         return self.async_engine.engine
 
+    @property
+    def tokenizer(self):
+        return self.async_engine.tokenizer
+
+    @property
+    def hooks(self):
+        return self.async_engine.hooks
+
+    def stats(self):
+        """The engine's stats now (in "mp": asked of the core)."""
+        if self.mode == "inproc":
+            return self.async_engine.engine.stats()
+        from engine.outputs import EngineStats
+        return EngineStats(**self.async_engine.client.call("stats"))
+
     def all_blocks_free(self) -> bool:
-        bm = self.engine.block_manager
-        return bm.num_free_blocks == bm.num_usable_blocks and not self.engine.requests
+        s = self.stats()
+        return s.num_free_blocks == s.num_total_blocks and not s.num_waiting and not s.num_running
 
 
-def make_engine(**kwargs):
+def make_engine(mode: str = "inproc", hooks=None, core_options=None, **kwargs):
+    """An AsyncLLMEngine (inproc) or a started AsyncLLM (mp: its core launched from this thread)."""
+    if mode == "mp":
+        from engine.async_llm import AsyncLLM
+        from engine.llm import engine_config
+
+        llm = AsyncLLM(engine_config("tiny-gpt2", **kwargs), hooks, core_options=core_options)
+        return llm.start()
     from engine import LLM
     from engine.async_engine import AsyncLLMEngine
 
-    return AsyncLLMEngine(LLM("tiny-gpt2", **kwargs).llm_engine)
+    return AsyncLLMEngine(LLM("tiny-gpt2", hooks=hooks, **kwargs).llm_engine)
 
 
-@pytest.fixture(scope="session")
-def live(model_cache):
+@pytest.fixture(scope="session", params=MODES)
+def live(model_cache, request):
     from engine.server import build_app
 
-    async_engine = make_engine(num_kv_blocks=NUM_KV_BLOCKS)
+    async_engine = make_engine(request.param, core_options={"trace": True}, num_kv_blocks=NUM_KV_BLOCKS)
     server, thread, url = start_server(build_app(async_engine, "tiny-gpt2"))
-    yield Live(url, async_engine)
+    yield Live(url, async_engine, mode=request.param)
     server.should_exit = True
     thread.join(30)
 

@@ -33,7 +33,7 @@ class Recorder:
 
 @pytest.fixture
 def recorder(live):
-    rec = Recorder(live.engine.hooks)
+    rec = Recorder(live.hooks)
     yield rec
     rec.unsubscribe()
 
@@ -42,7 +42,7 @@ def recorder(live):
 async def test_64_concurrent_streams_all_complete_once(live):
     from openai import AsyncOpenAI
 
-    preemptions = live.engine.scheduler.num_preemptions
+    preemptions = live.stats().num_preemptions
 
     async def one(client, i):
         stream = await client.completions.create(
@@ -58,7 +58,7 @@ async def test_64_concurrent_streams_all_complete_once(live):
         assert len({c.id for c in chunks}) == 1
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
         assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
-    assert live.engine.scheduler.num_preemptions > preemptions  # the small cache forced some recomputes
+    assert live.stats().num_preemptions > preemptions  # the small cache forced some recomputes
     assert live.all_blocks_free()
 
 

@@ -47,7 +47,7 @@ def test_health_version_tokenize(http, live):
     assert http.get("/health").status_code == 200
     assert re.match(r"\d", http.get("/version").json()["version"])
     t = http.post("/tokenize", json={"prompt": "Hi there"}).json()
-    assert t["tokens"] == live.engine.tokenizer.encode("Hi there") and t["max_model_len"] == 512
+    assert t["tokens"] == live.tokenizer.encode("Hi there") and t["max_model_len"] == 512
     assert http.post("/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "Hi there"}
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["count"] == len(live.engine.tokenizer.encode("User: Hi\nAssistant:"))

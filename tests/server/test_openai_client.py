@@ -22,7 +22,7 @@ def test_completion_usage_and_id(client, live):
     r = client.completions.create(model="tiny-gpt2", prompt="Hello", max_tokens=7, temperature=0)
     assert r.id.startswith("cmpl-")
     assert r.choices[0].finish_reason == "length"
-    prompt_ids = live.engine.tokenizer.encode("Hello")
+    prompt_ids = live.tokenizer.encode("Hello")
     assert r.usage.prompt_tokens == len(prompt_ids)
     assert r.usage.completion_tokens == 7
     assert r.usage.total_tokens == len(prompt_ids) + 7
@@ -67,7 +67,7 @@ def test_chat_streaming_equals_non_streaming(client):
 
 def test_chat_uses_the_default_template(client, live):
     r = client.chat.completions.create(model="tiny-gpt2", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
-    assert r.usage.prompt_tokens == len(live.engine.tokenizer.encode("User: Hi\nAssistant:"))
+    assert r.usage.prompt_tokens == len(live.tokenizer.encode("User: Hi\nAssistant:"))
 
 
 def test_max_completion_tokens_wins(client):
@@ -77,7 +77,7 @@ def test_max_completion_tokens_wins(client):
 
 
 def test_several_prompts_and_token_ids(client, live):
-    ids = live.engine.tokenizer.encode(PROMPT)
+    ids = live.tokenizer.encode(PROMPT)
     single = client.completions.create(model="tiny-gpt2", prompt=ids, max_tokens=6, temperature=0)
     batch = client.completions.create(model="tiny-gpt2", prompt=[PROMPT, "Hello"], max_tokens=6, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1]

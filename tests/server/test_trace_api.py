@@ -16,34 +16,37 @@ from fastapi.testclient import TestClient
 
 from engine import Hooks
 from engine.server.errors import install_error_handlers
-from tests.server.conftest import start_server
+from tests.server.conftest import MODES, make_engine, start_server
 from tracer import trace_api
 from tracer.bus import EventBus
 from tracer.events import EVENT_KEYS, read_trace
-from tracer.journey import CHAIN, layer_path, missing_links, request_events
+from tracer.journey import CHAIN, TWO_PROCESS_CHAIN, layer_path, missing_links, request_events
 from tracer.session import TraceSession
 
 DEADLINE = 30.0
 
 
-@pytest.fixture(scope="module")
-def traced(model_cache, tmp_path_factory):
-    """A live server with a TraceSession recording to a file (its own engine: tests here pause it)."""
-    from engine import LLM
-    from engine.async_engine import AsyncLLMEngine
+@pytest.fixture(scope="module", params=MODES)
+def traced(model_cache, tmp_path_factory, request):
+    """A live server with a TraceSession recording to a file (its own engine: tests here pause it),
+    the engine core in this process (inproc) or in its own (mp: the controller is remote)."""
     from engine.server import build_app
 
+    mode = request.param
     path = tmp_path_factory.mktemp("trace") / "serve.jsonl"
     hooks = Hooks()
-    session = TraceSession(hooks, trace_file=path, model="tiny-gpt2")
-    engine = LLM("tiny-gpt2", hooks=hooks, num_kv_blocks=64).llm_engine
-    engine.warm_up()
-    app = build_app(AsyncLLMEngine(engine), "tiny-gpt2")
+    session = TraceSession(hooks, trace_file=path, model="tiny-gpt2", remote_control=mode == "mp")
+    async_engine = make_engine(mode, hooks, session.core_options(), num_kv_blocks=64)
+    if mode == "mp":
+        session.bind(async_engine)
+    else:
+        async_engine.engine.warm_up()
+    app = build_app(async_engine, "tiny-gpt2")
     app.state.trace = session
     app.include_router(trace_api.router)
     server, thread, url = start_server(app)
     with httpx.Client(base_url=url, timeout=60) as http:
-        yield SimpleNamespace(url=url, http=http, session=session, engine=engine, path=path)
+        yield SimpleNamespace(url=url, http=http, session=session, engine=async_engine, path=path, mode=mode)
     session.controller.close()  # never leave the engine held: the server could not drain
     trace_api.stop_event_streams(app)
     server.should_exit = True
@@ -87,7 +90,11 @@ def test_state_shape(t):
     assert set(body) == {"state", "controller", "step", "seq"}
     assert body["step"] == t.engine.step_count and 0 < body["seq"] <= t.session.bus.next_seq
     assert body["controller"]["paused"] is False
-    assert [s["stage"] for s in body["state"]["startup"]][-1] == "kernel_warmup"
+    stages = [s["stage"] for s in body["state"]["startup"]]
+    if t.mode == "mp":  # the core process's own stages, between its start and the handshake
+        assert stages[0] == "core_process_start" and stages[-2:] == ["kernel_warmup", "core_handshake"]
+    else:
+        assert stages[-1] == "kernel_warmup"
 
 
 def test_pause_holds_a_request_in_waiting_and_step_runs_exactly_one(t):
@@ -172,12 +179,25 @@ def is_finished(rid):
     return lambda ev: ev.get("layer") == "engine" and ev.get("name") == "FINISHED" and ev.get("request_id") == rid
 
 
+def finished_with(rid, num_tokens):
+    """A stop predicate: the request's FINISHED and num_tokens NEW_TOKENS seen, in any order."""
+    seen = {"finished": False, "tokens": 0}
+
+    def stop(ev):
+        seen["finished"] |= is_finished(rid)(ev)
+        seen["tokens"] += (ev.get("layer"), ev.get("name")) == ("detokenizer", "NEW_TOKENS")
+        return seen["finished"] and seen["tokens"] >= num_tokens
+    return stop
+
+
 def test_events_filtered_by_layer_and_request(t):
     since = t.http.get("/trace/state").json()["seq"]
     other = Send(t.url, prompt="other", max_tokens=3)
     rid = t.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}).json()["id"]
     other.join(DEADLINE)
-    evs = read_sse(t.url, {"since": since, "layer": "engine,detokenizer", "request_id": rid}, is_finished(rid))
+    # (with the core in its own process, the last NEW_TOKENS follows the core's FINISHED: the
+    # front end detokenizes the step's output after the core has sent it)
+    evs = read_sse(t.url, {"since": since, "layer": "engine,detokenizer", "request_id": rid}, finished_with(rid, 3))
     assert all(set(ev) == set(EVENT_KEYS) for ev in evs)
     assert {ev["layer"] for ev in evs} == {"engine", "detokenizer"} and {ev["request_id"] for ev in evs} == {rid}
     assert [ev["name"] for ev in evs if ev["layer"] == "detokenizer"] == ["NEW_TOKENS"] * 3
@@ -216,8 +236,9 @@ def test_full_chain_from_http_to_http_in_the_recorded_file(t):
     for request_id in (rid, sid):
         journey = request_events(events, request_id)
         path = layer_path(journey)
-        assert missing_links(path) == [], path
-        assert path == list(CHAIN)  # every layer, in order, none cutting in
+        chain = TWO_PROCESS_CHAIN if t.mode == "mp" else CHAIN
+        assert missing_links(path, chain) == [], path
+        assert path == list(chain)  # every layer, in order, none cutting in
         assert (journey[0].name, journey[0].kind) == ("POST /v1/completions", "begin")
         assert (journey[-1].name, journey[-1].kind) == ("POST /v1/completions", "end")
 

@@ -1,5 +1,6 @@
 """Pause / step / breakpoints, deterministic: the engine runs in a thread, the test waits on
-the controller's condition (wait_until_paused), never on time."""
+the controller's condition (wait_until_paused), never on time. Tests that take `mode` run
+twice: the engine in this process, and the engine core in its own (the controller remote)."""
 import threading
 
 import pytest
@@ -8,15 +9,26 @@ from engine import LLM, Hooks, SamplingParams
 from tracer.conditions import on_arrive, on_finish, on_kernel, on_preempt, parse_condition
 from tracer.controller import StepController
 from tracer.session import TraceSession
-from tracer_helpers import EngineThread
+from tracer_helpers import CoreProcess, EngineThread, start_loop
 
 T = 30  # seconds; only reached if something is broken
+_cores: list[CoreProcess] = []
 
 
-def make(start_paused=True, **llm_kwargs):
+@pytest.fixture(params=["inproc", "mp"])
+def mode(request):
+    yield request.param
+    while _cores:
+        _cores.pop().close()
+
+
+def make(start_paused=True, mode="inproc", **llm_kwargs):
     hooks = Hooks()
-    session = TraceSession(hooks, start_paused=start_paused)
+    session = TraceSession(hooks, start_paused=start_paused, remote_control=mode == "mp")
     llm_kwargs.setdefault("block_size", 4)
+    if mode == "mp":
+        _cores.append(CoreProcess(session, **llm_kwargs))
+        return session, _cores[-1]
     engine = LLM("tiny-gpt2", hooks=hooks, **llm_kwargs).llm_engine
     return session, engine
 
@@ -25,11 +37,11 @@ def greedy(n):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def test_start_paused_step_and_requests_arriving_while_paused():
-    session, engine = make()
+def test_start_paused_step_and_requests_arriving_while_paused(mode):
+    session, engine = make(mode=mode)
     ctl = session.controller
     engine.add_request("a", "first prompt", greedy(6))
-    loop = EngineThread(engine).start()
+    loop = start_loop(engine)
     try:
         stop = ctl.wait_until_paused(T)
         assert (stop.point, stop.step, stop.reason) == ("step", 0, "start paused")
@@ -52,11 +64,11 @@ def test_start_paused_step_and_requests_arriving_while_paused():
     assert engine.step_count == 6 and not engine.has_unfinished_requests()
 
 
-def test_step_into_phases():
-    session, engine = make()
+def test_step_into_phases(mode):
+    session, engine = make(mode=mode)
     ctl = session.controller
     engine.add_request("a", "phases", greedy(2))
-    loop = EngineThread(engine).start()
+    loop = start_loop(engine)
     try:
         ctl.wait_until_paused(T)
         seen = []
@@ -74,13 +86,13 @@ def test_step_into_phases():
         session.close()
 
 
-def test_breakpoint_on_finish_and_run_until_preempted():
-    session, engine = make(num_kv_blocks=7, max_num_batched_tokens=16)  # 6 usable besides the null block
+def test_breakpoint_on_finish_and_run_until_preempted(mode):
+    session, engine = make(mode=mode, num_kv_blocks=7, max_num_batched_tokens=16)  # 6 usable besides the null block
     ctl = session.controller
     for i in range(3):
         engine.add_request(str(i), f"prompt {i} is long", greedy(6 - i))
     ctl.add_breakpoint(on_finish("2"))
-    loop = EngineThread(engine).start()
+    loop = start_loop(engine)
     try:
         ctl.wait_until_paused(T)
         ctl.run_until(on_preempt())
@@ -100,6 +112,33 @@ def test_breakpoint_on_finish_and_run_until_preempted():
         session.close()
 
 
+
+def test_resume_and_cancel_disarm_a_run_until(mode):
+    """A run-until that never matches: cancelled while held, the engine stays held; after
+    resume (which disarms it, here or in the core's process) the engine runs to the end."""
+    session, engine = make(mode=mode)
+    ctl = session.controller
+    engine.add_request("a", "disarm", greedy(3))
+    loop = start_loop(engine)
+    try:
+        assert ctl.wait_until_paused(T) is not None
+        ctl.add_breakpoint(on_arrive())  # armed beside it: stays through both
+        ctl.pause()
+        ctl.run_until(on_finish("nobody"))
+        ctl.pause()
+        assert ctl.wait_until_paused(T) is not None
+        ctl.cancel_run_until()
+        assert ctl.status()["until"] is None and ctl.held is not None
+        ctl.run_until(on_finish("nobody"))
+        ctl.pause()
+        assert ctl.wait_until_paused(T) is not None and ctl.status()["until"] == "finish:nobody"
+        ctl.resume()
+        assert ctl.status()["until"] is None and len(ctl.breakpoints) == 1
+        loop.join(T)
+        assert session.state.view().requests["a"].status == "FINISHED_LENGTH"
+    finally:
+        session.close()
+
 def test_pause_while_running_and_arrive_breakpoint():
     session, engine = make(start_paused=False)
     ctl = session.controller
@@ -112,7 +151,7 @@ def test_pause_while_running_and_arrive_breakpoint():
     session.hooks.subscribe(arrive_after_step_2)
     engine.add_request("a", "runs", greedy(40))
     ctl.add_breakpoint(on_arrive())
-    loop = EngineThread(engine).start()
+    loop = start_loop(engine)
     try:
         stop = ctl.wait_until_paused(T)  # at the first control point after the arrival
         assert (stop.reason, stop.point, stop.step) == ("breakpoint arrive", "step_end", 2)
@@ -237,14 +276,14 @@ def test_a_step_command_gates_the_engine_until_it_is_used_up():
     assert not t.is_alive() and not hooks.gated and not hooks.active
 
 
-def test_a_viewer_held_before_a_launch_sees_every_launch_before_it():
+def test_a_viewer_held_before_a_launch_sees_every_launch_before_it(mode):
     """A step's launch events are published together once its forward pass is done (each with
     the time it ended), unless the engine may be held before a launch: a viewer stopped at a
     launch then sees each earlier one of the step."""
-    session, engine = make()
+    session, engine = make(mode=mode)
     ctl = session.controller
     engine.add_request("a", "kernels", greedy(2))
-    loop = EngineThread(engine).start()
+    loop = start_loop(engine)
     try:
         ctl.wait_until_paused(T)
         seen = []

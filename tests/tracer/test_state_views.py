@@ -161,3 +161,22 @@ def test_live_state_follows_the_bus_by_itself():
     session.state.stop_following()
     assert session.state.state.num_events == n and "r" in session.state.state.finished
     session.close()
+
+
+def test_text_survives_a_finish_that_comes_before_the_last_tokens():
+    """The engine core in its own process: its FINISHED (no text: it does not detokenize)
+    arrives before the API server's NEW_TOKENS for that step. The answer keeps every piece;
+    a FINISHED with text (one process) still has the last word (a stop string cuts)."""
+    from tracer.bus import EventBus
+    from tracer.state import LiveState
+    bus = EventBus()
+    live = LiveState(bus)
+    bus.publish("engine", "QUEUED", request_id="a", attrs={"num_prompt_tokens": 2})
+    bus.publish("detokenizer", "NEW_TOKENS", request_id="a", attrs={"token_ids": [1], "text": "Words"})
+    bus.publish("engine", "FINISHED", request_id="a", attrs={"finish_reason": "length", "text": None})
+    bus.publish("detokenizer", "NEW_TOKENS", request_id="a", attrs={"token_ids": [2], "text": " used"})
+    req = live.view().requests["a"]
+    assert req.text == "Words used" and req.status == "FINISHED_LENGTH" and req.output_token_ids == [1, 2]
+    bus.publish("detokenizer", "NEW_TOKENS", request_id="b", attrs={"token_ids": [3], "text": "cut here"})
+    bus.publish("engine", "FINISHED", request_id="b", attrs={"finish_reason": "stop", "text": "cut"})
+    assert live.view().requests["b"].text == "cut"

@@ -6,6 +6,12 @@ cache), kernel_warmup (one dummy forward, no request, no step), http_ready; then
 with the URL and commands to paste. The stages before the trace could exist are published with
 their real times (the trace's clock starts when the command does).
 
+The engine core runs in its own process (engine.async_llm.AsyncLLM, as vLLM V1) unless
+--no-multiprocessing (or VLLM_TRACE_ENABLE_MULTIPROCESSING=0) keeps it in this one; its startup
+stages arrive over the process boundary live, after core_process_start, and core_handshake
+ends when it is ready. If the core dies, requests in flight fail, new ones get 503, and serve
+exits with status 1 after saying why.
+
 The trace session (on unless --no-trace) feeds /trace (tracer.trace_api), --trace-file and
 --trace-log. Ctrl-C (or SIGTERM) stops accepting connections, ends /trace/events streams, lets
 a held engine run free, gives in-flight requests --drain-timeout seconds, stops the engine, and
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import socket
 import sys
@@ -39,6 +46,9 @@ same id (cmpl-... / chatcmpl-...) the trace shows.
 
 Try it from a second terminal with `vllm-trace send "Hello"` or `vllm-trace bench`.
 """
+
+
+DEATH_GRACE_S = 2.0  # after the engine core died: seconds /health and new requests still answer 503
 
 
 def register(sub) -> None:
@@ -77,6 +87,10 @@ def register(sub) -> None:
                     help="only these layers in --trace-log (implies it), e.g. scheduler,block_manager")
     tr.add_argument("--no-trace", action="store_true",
                     help="no tracer at all (engine hooks cost nothing; /trace answers 503)")
+    p.add_argument("--no-multiprocessing", action="store_true",
+                   default=os.environ.get("VLLM_TRACE_ENABLE_MULTIPROCESSING", "1") == "0",
+                   help="run the engine core in this process, not its own (default: its own process, as vLLM V1; "
+                        "also VLLM_TRACE_ENABLE_MULTIPROCESSING=0)")
     tr.add_argument("--trace-max-finished", type=int, default=None, metavar="N",
                     help="finished requests /trace/state and the TUI keep, the oldest dropped first (default "
                          "256; the --trace-file keeps them all): a server's trace state stays small at any age")
@@ -109,9 +123,13 @@ def _fmt_details(stage: str, d: dict) -> str:
         return f"{d['num_blocks']} blocks x {d['block_size']} tokens, {d['bytes'] / 2**20:.1f} MiB ({d['reason']})"
     if stage == "tokenizer_load" and "vocab_size" in d:
         return f"vocab {d['vocab_size']}"
+    if stage == "core_process_start" and "pid" in d:
+        return f"engine core pid {d['pid']}"
+    if stage == "core_handshake" and "num_blocks" in d:
+        return f"ready: {d['num_blocks']} blocks x {d['block_size']} tokens, max_model_len {d['max_model_len']}"
     if stage == "kernel_warmup" and "kernels" in d:
         return f"{d['backend']}: {d['num_launches']} launches of {', '.join(d['kernels'])}, {d['num_tokens']} tokens"
-    return " ".join(f"{k}={v}" for k, v in d.items() if k not in ("seconds", "ok"))
+    return " ".join(f"{k}={v}" for k, v in d.items() if k not in ("seconds", "ok", "pid"))
 
 
 _SHOW_STAGES = True  # off while the TUI owns the terminal: its Startup panel shows them
@@ -143,11 +161,7 @@ def build_engine(config, hooks):
     from engine.hooks import END
     from engine.llm_engine import LLMEngine, freeze_gc_heap
 
-    def on_event(layer, name, kind, request_id, step, attrs) -> None:
-        if layer == "engine" and kind == END and "seconds" in attrs:
-            _stage(name, attrs["seconds"], _fmt_details(name, attrs))
-
-    unsubscribe = hooks.subscribe(on_event)
+    unsubscribe = hooks.subscribe(_print_stage)
     try:
         engine = LLMEngine(config, hooks)
         engine.warm_up()
@@ -155,6 +169,38 @@ def build_engine(config, hooks):
         return engine
     finally:
         unsubscribe()  # without a tracer, hooks.active costs nothing from here on
+
+
+def _print_stage(layer, name, kind, request_id, step, attrs) -> None:
+    from engine.hooks import END
+    from engine.trace_names import CORE_HANDSHAKE, CORE_PROCESS_START
+
+    if kind == END and "seconds" in attrs and (layer == "engine" or name in (CORE_PROCESS_START, CORE_HANDSHAKE)):
+        _stage(name, attrs["seconds"], _fmt_details(name, attrs))
+
+
+async def start_core(args, config, hooks, session, on_dead):
+    """The engine core in its own process, its stages printed live; returns the AsyncLLM once
+    the handshake is done. A core that cannot start is one line (UserError), not a hang."""
+    from engine.async_llm import AsyncLLM
+    from engine.core_client import EngineStartupError
+    from tracer.cli import UserError
+
+    options = session.core_options() if session is not None else {"trace": True}  # stages: shipped during startup
+    async_llm = AsyncLLM(config, hooks, drain_timeout=args.drain_timeout, core_options=options, on_dead=on_dead)
+    unsubscribe = hooks.subscribe(_print_stage)
+    try:
+        async_llm.launch()  # on this (the main) thread: the core's parent-death signal follows the launching thread
+        await asyncio.to_thread(async_llm.wait_ready)
+    except EngineStartupError as e:
+        raise UserError(f"the engine core failed to start: {e}") from None
+    finally:
+        unsubscribe()
+    if session is None:
+        async_llm.client.call("trace", False)  # nobody listens: an untraced core ships nothing
+    else:
+        session.bind(async_llm)
+    return async_llm
 
 
 def _cli_span(bus, name: str, begin_ns: int, end_ns: int, **attrs) -> None:
@@ -209,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
             from tracer.session import TraceSession
             session = TraceSession(hooks, trace_file=args.trace_file, trace_log=args.trace_log or bool(layers),
                                    layers=layers, start_paused=args.start_paused, model=args.model,
-                                   engine_config=config.to_dict(), start_ns=t0)
+                                   engine_config=config.to_dict(), start_ns=t0,
+                                   remote_control=not args.no_multiprocessing)
             if args.trace_max_finished is not None:
                 session.state.max_finished = args.trace_max_finished
             session.state.follow()  # /trace/state answers at once, however long nobody read it
@@ -247,13 +294,25 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
     from engine.server.security import control_refusal
     from tracer import trace_api
 
-    engine = await asyncio.to_thread(build_engine, config, hooks)  # the loop (the TUI) keeps running
+    died: list[str] = []  # why the engine core died, if it did (set on its monitor thread)
+    loop = asyncio.get_running_loop()
+    stop_server = []  # filled with the uvicorn server once it exists
+
+    def on_dead(reason: str) -> None:
+        died.append(reason)
+        loop.call_soon_threadsafe(_stop_after_death, reason, stop_server)
+
+    if args.no_multiprocessing:
+        engine = await asyncio.to_thread(build_engine, config, hooks)  # the loop (the TUI) keeps running
+        async_engine = AsyncLLMEngine(engine, drain_timeout=args.drain_timeout)
+    else:
+        async_engine = await start_core(args, config, hooks, session, on_dead)
     if tui is not None and tui.quit:
+        await asyncio.to_thread(async_engine.stop, 0)
         await tui.close()
         print("vllm-trace serve: quit before the server started", file=sys.stderr)
         return 0
-    template = load_chat_template(args.chat_template, engine.tokenizer)
-    async_engine = AsyncLLMEngine(engine, drain_timeout=args.drain_timeout)
+    template = load_chat_template(args.chat_template, async_engine.tokenizer)
     if tui is not None:
         tui.engine_ready(async_engine)
     app = build_app(async_engine, name, args.api_key, host=args.host, chat_template=template,
@@ -310,6 +369,7 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, lifespan="on",
                                timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE)
     server = Server(uv_config)
+    stop_server.append(server)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     waiter = asyncio.create_task(ready.wait())
     await asyncio.wait({serving, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -343,6 +403,9 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
     if tui is not None:
         print(tui.summary(args.trace_file), file=sys.stderr)
     if hooks.active: hooks.emit("cli", "serve", END)
+    if died:
+        print(f"vllm-trace serve: stopped because the {died[0]}", file=sys.stderr)
+        return 1
     cut = app.state.server.num_cut_at_shutdown
     if server.force_exit:
         print(f"vllm-trace serve: stopped at a second Ctrl-C or SIGTERM; {cut} response(s) in flight were "
@@ -353,6 +416,14 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
     else:
         print("vllm-trace serve: stopped cleanly (every request finished)", file=sys.stderr)
     return 0
+
+
+def _stop_after_death(reason: str, server: list) -> None:
+    """The core is gone: say so, keep answering 503 (new requests, /health) for a moment so
+    clients see why, then stop the server; serve then exits with status 1."""
+    print(f"vllm-trace serve: {reason}; in-flight requests failed, stopping the server", file=sys.stderr, flush=True)
+    if server:
+        asyncio.get_running_loop().call_later(DEATH_GRACE_S, setattr, server[0], "should_exit", True)
 
 
 def _url(host: str, port: int) -> str:

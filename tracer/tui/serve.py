@@ -52,8 +52,8 @@ def _uvicorn_logs_to(stream):
 
 
 def live_info(async_engine, model: str, url: str | None) -> SourceInfo:
-    engine = async_engine.engine
-    return SourceInfo("live", model=model, device=str(engine.device), backend=engine.attention_backend, url=url)
+    return SourceInfo("live", model=model, device=str(async_engine.device), backend=async_engine.attention_backend,
+                      url=url)
 
 
 class LiveTui:

@@ -102,7 +102,7 @@ class LiveSource(Source):
         if self.async_engine is None:
             return await super().held_attention_on_triton()
         # the engine's thread is the one held: the kernel runs on another (interpreted: seconds)
-        return await asyncio.to_thread(self.async_engine.engine.held_attention_on_triton)
+        return await asyncio.to_thread(self.async_engine.held_attention_on_triton)
 
     async def export(self, path: str) -> str:
         from tracer.recorder import Recorder

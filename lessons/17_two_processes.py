@@ -1,0 +1,192 @@
+"""Lesson 17: two processes — the engine core in its own process, requests and outputs over ZMQ."""
+import os
+import pathlib
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
+
+import msgspec  # noqa: E402
+
+from engine import LLM, Hooks, SamplingParams  # noqa: E402
+from engine.async_llm import _wire_params  # noqa: E402
+from engine.core_types import EngineCoreRequest  # noqa: E402
+from lessons.framework import events_of, main, table  # noqa: E402
+from tracer.session import TraceSession  # noqa: E402
+
+TITLE = "Two processes"
+SUMMARY = "The engine core in its own process, as in vLLM V1: token ids over ZMQ, text made in the API server."
+NUM_REQUESTS, MAX_TOKENS = 8, 16
+
+
+def run(lesson) -> None:
+    lesson.intro(
+        "`vllm-trace serve` runs two processes, as vLLM V1 does. The **API-server process** parses HTTP, "
+        "tokenizes the prompt and turns the engine's token ids back into text (the *output processor*: "
+        "incremental detokenization and stop strings). The **engine-core process** runs the busy loop "
+        "you have been stepping by hand: scheduler, model runner, kernels, sampler. Between them, two ZMQ "
+        "sockets carry msgpack messages: `EngineCoreRequest` (token ids, not text) one way, "
+        "`EngineCoreOutputs` (new token ids, finish reasons, stats, and the core's trace events) the "
+        "other. You will run the same load in one process and in two, look at a request on the wire, see "
+        "which process did what, and measure what the boundary costs per step.")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [f"Request {i}: the paged KV cache" for i in range(NUM_REQUESTS)]
+
+    # ---- one process -----------------------------------------------------------------------
+    # In both setups the engine steps on a thread of its own, as under `serve` (on a busy machine,
+    # torch's threads behave very differently on the main thread and on another one).
+    one, one_session = lesson.engine(num_kv_blocks=256)
+    _on_a_thread(one.generate, prompts, params, use_tqdm=False)  # a warm-up run: first-use costs are not the point
+    since = one_session.bus.next_seq
+    t0 = time.perf_counter()
+    one_outs = _on_a_thread(one.generate, prompts, params, use_tqdm=False)
+    one_s = time.perf_counter() - t0
+    one_steps = _step_ms([e for e in events_of(one_session) if e.seq >= since])
+
+    # ---- two processes ---------------------------------------------------------------------
+    hooks = Hooks()
+    session = TraceSession(hooks, control=False, model=lesson.model)
+    lesson.sessions.append(session)
+    t_start = time.perf_counter()
+    two = LLM(lesson.model, num_kv_blocks=256, hooks=hooks, multiprocess=True)
+    started_s = time.perf_counter() - t_start
+    try:
+        _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, params)
+    finally:
+        two.shutdown()
+    lesson.done(
+        "The engine core is a process of its own: it receives token ids, steps, and sends back new token "
+        "ids with its trace events; the API server tokenizes before and detokenizes after, and finishes a "
+        "request on a stop string by telling the core to stop it. Both processes stamp events with the "
+        "same monotonic clock, so the tracer merges them into one timeline (each core event says its `pid`). "
+        "The price is a message each way per step, measured above; the gain is that the engine's thread "
+        "no longer shares an interpreter lock with HTTP, detokenization and the TUI.")
+
+
+def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, params) -> None:
+    core_pid = two._core.llm.core_pid
+    lesson.check(core_pid is not None and core_pid != os.getpid(),
+                 f"the engine core runs in process {core_pid}; this lesson (the API-server side) is {os.getpid()}")
+    two.generate(prompts, params, use_tqdm=False)  # warm-up, as for one process
+    since = session.bus.next_seq
+    t0 = time.perf_counter()
+    two_outs = two.generate(prompts, params, use_tqdm=False)
+    two_s = time.perf_counter() - t0
+    lesson.check(all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(one_outs, two_outs)),
+                 f"the {len(prompts)} requests got the same greedy tokens in one process and in two")
+    tokens = sum(len(o.outputs[0].token_ids) for o in two_outs)
+    events = _settled(session, lambda evs: True, since)
+    two_steps = _step_ms(events)
+    lesson.show(table(["", "one process", "two processes"], [
+        ["output tokens/s", f"{tokens / one_s:,.0f}", f"{tokens / two_s:,.0f}"],
+        ["engine steps", len(one_steps), len(two_steps)],
+        ["median step (ms, in the engine)", f"{statistics.median(one_steps):.2f}",
+         f"{statistics.median(two_steps):.2f}"],
+        ["startup (s)", "—", f"{started_s:.1f} (a new interpreter imports torch, loads the model)"],
+    ], title=f"the same load: {len(prompts)} requests x {params.max_tokens} tokens"))
+    lesson.say("On a machine this small, two processes share the same few cores, so neither column is "
+               "a promise; what matters is that the work per step is the same engine code either way.")
+    lesson.pause()
+
+    # ---- a request on the wire ---------------------------------------------------------------
+    adds = [e for e in events if (e.layer, e.name) == ("ipc", "send") and e.attrs["type"] == "ADD"]
+    ids = two.get_tokenizer().encode(prompts[0])
+    req = EngineCoreRequest(adds[0].request_id, ids, _wire_params(params), time.monotonic(), prompts[0])
+    wire = msgspec.msgpack.encode(req)
+    lesson.show(table(["field", "value"], [
+        ["request_id", req.request_id], ["prompt_token_ids", " ".join(map(str, ids))],
+        ["sampling_params", f"{len(req.sampling_params)} fields (temperature, max_tokens, stop, ...)"],
+        ["bytes on the wire", len(wire)], ["first bytes", wire[:24].hex(" ")],
+    ], title="an EngineCoreRequest, msgpack-encoded (a msgspec Struct sent as an array: no field names)"))
+    lesson.check(msgspec.msgpack.decode(wire, type=EngineCoreRequest) == req,
+                 "the bytes decode back to the same EngineCoreRequest in the core")
+    lesson.check(len(adds) == len(prompts) and adds[0].attrs["bytes"] == len(wire),
+                 f"the trace's ipc layer saw {len(adds)} ADD messages; request {req.request_id}'s was {len(wire)} "
+                 "bytes, as encoded here")
+    lesson.pause()
+
+    # ---- who did what ---------------------------------------------------------------------------
+    def pids(layer: str) -> set:
+        return {(e.attrs or {}).get("pid") for e in events if e.layer == layer}
+
+    lesson.show(table(["layer", "process"], [
+        [layer, ", ".join("API server" if p is None else f"engine core ({p})" for p in sorted(pids(layer), key=str))]
+        for layer in ("tokenizer", "ipc", "engine", "scheduler", "model_runner", "kernel", "sampler", "detokenizer")
+        if pids(layer)], title="which process emitted each layer's events"))
+    lesson.check(pids("scheduler") == {core_pid} and pids("sampler") == {core_pid},
+                 "scheduling and sampling happened in the engine-core process (their events carry its pid)")
+    lesson.check(pids("detokenizer") == {None} and pids("tokenizer") == {None},
+                 "tokenizing and detokenizing happened in the API-server process (their events carry no core pid)")
+
+    stop_prompt = "The first argument is"
+    full = two.generate(stop_prompt, params, use_tqdm=False)[0].outputs[0].text
+    # a piece of the greedy text that first occurs after its start (the model may repeat itself)
+    at, n = next((i, n) for n in range(3, len(full)) for i in range(1, len(full) - n + 1)
+                 if full[i:i + n].strip() and full.find(full[i:i + n]) == i)
+    stop = full[at:at + n]
+    out = two.generate(stop_prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                  stop=[stop]), use_tqdm=False)[0].outputs[0]
+    rid = [e for e in events_of(session) if (e.layer, e.name) == ("ipc", "send")][-1].request_id  # its ADD
+
+    def core_finished(evs) -> bool:  # the core's FINISHED may still be on its way here
+        return any((e.layer, e.name, e.request_id) == ("engine", "FINISHED", rid) for e in evs)
+    mine = [e for e in _settled(session, core_finished) if e.request_id == rid]
+    abort = next((e for e in mine if (e.layer, e.name) == ("ipc", "send") and e.attrs["type"] == "ABORT"), None)
+    finished = next((e for e in mine if (e.layer, e.name) == ("engine", "FINISHED")), None)
+    lesson.show(table(["", ""], [["stop string", repr(stop)], ["text", repr(out.text)],
+                                 ["finish_reason", out.finish_reason]], title="a stop string, found in the API server"))
+    lesson.check(out.finish_reason == "stop" and out.text == full[:at],
+                 "the output processor found the stop string in the text and cut the output before it")
+    lesson.check(abort is not None and finished is not None and abort.seq < finished.seq
+                 and finished.attrs["finish_reason"] == "stop",
+                 "it then sent the core an ABORT (finish_reason stop), and the core finished the request after it")
+    lesson.pause()
+
+    # ---- the boundary's cost per step -------------------------------------------------------------
+    ends = {e.step: e.ts_ns for e in events if (e.layer, e.name, e.kind) == ("engine", "step", "end")}
+    recvs = [e for e in events if (e.layer, e.name) == ("ipc", "recv") and e.step in ends]
+    lat_us = [(e.ts_ns - ends[e.step]) / 1000 for e in recvs]
+    sizes = [e.attrs["bytes"] for e in recvs]
+    lesson.show(table(["per step", "median", "max"], [
+        ["core step end -> outputs received here (us)", f"{statistics.median(lat_us):.0f}", f"{max(lat_us):.0f}"],
+        ["EngineCoreOutputs bytes (tokens + trace events)", f"{statistics.median(sizes):,.0f}", f"{max(sizes):,}"],
+    ], title=f"{len(recvs)} steps' outputs over the boundary"))
+    lesson.check(len(recvs) == len(two_steps) and all(x > 0 for x in lat_us),
+                 "every step's outputs arrived here after that step ended in the core (one clock for both)")
+
+
+def _on_a_thread(fn, *args, **kwargs):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*args, **kwargs)), name="engine-loop")
+    t.start()
+    t.join()
+    return out[0]
+
+
+def _settled(session, ready, since: int = 0, timeout: float = 10.0) -> list:
+    """The session's events from seq `since`, once ready(events) holds (the core's events arrive
+    a moment after the front end has what it needs)."""
+    end = time.monotonic() + timeout
+    while True:
+        evs = [e for e in events_of(session) if e.seq >= since]
+        if ready(evs) or time.monotonic() > end:
+            return evs
+        time.sleep(0.02)
+
+
+def _step_ms(events) -> list[float]:
+    begins = {}
+    out = []
+    for e in events:
+        if (e.layer, e.name) == ("engine", "step"):
+            if e.kind == "begin":
+                begins[e.step] = e.ts_ns
+            elif e.kind == "end" and e.step in begins:
+                out.append((e.ts_ns - begins[e.step]) / 1e6)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main(globals()))
