@@ -83,7 +83,8 @@ class MPClient:
         self._call_ids = itertools.count(1)
         self._ready = threading.Event()
         self._startup_error: str | None = None
-        self._closing = False
+        self._closing = False  # no more sends, the output thread ends
+        self._shutdown_lock, self._shut_down = threading.Lock(), False
         self._dead: str | None = None
         self._threads: list[threading.Thread] = []
 
@@ -120,15 +121,22 @@ class MPClient:
         return self.ready
 
     def shutdown(self, drain_timeout: float = 0.0, timeout: float = 10.0) -> None:
-        """Stop the core (it aborts what it still holds, then exits), then the threads. Safe twice."""
-        if self._closing:
-            return
+        """Stop the core (it aborts what it still holds, then exits), then the threads. Safe twice,
+        and from two threads at once (a drain's stop and a forced second stop): the second caller
+        waits for the first one's shutdown to finish; sockets are never closed under a send."""
+        with self._shutdown_lock:
+            if not self._shut_down:
+                self._shutdown(drain_timeout, timeout)
+                self._shut_down = True
+
+    def _shutdown(self, drain_timeout: float, timeout: float) -> None:
         if self.proc is not None and self.proc.poll() is None and self.ready is not None and self._dead is None:
             try:
                 self.call("shutdown", drain_timeout, timeout=timeout + drain_timeout)
             except Exception:
                 pass
-        self._closing = True
+        with self._send_lock:  # a send in progress finishes first; later ones see _closing
+            self._closing = True
         if self.proc is not None:
             try:
                 self.proc.wait(timeout)
@@ -141,9 +149,7 @@ class MPClient:
         for fut in list(self._calls.values()):
             if not fut.done():
                 fut.set_exception(EngineStartupError("the engine core stopped"))
-        self._input.close(0)
-        self._output.close(0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # closes both sockets, then terminates
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- sends (any thread) -----------------------------------------------------------------

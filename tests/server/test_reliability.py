@@ -122,12 +122,12 @@ def test_prompts_are_tokenized_by_the_server_and_traced(t):
 def test_an_over_long_text_is_refused_before_tokenizing(http, live):
     """No token decodes to more than 13 characters here, so 513 x 13 characters must be too
     long: refused untokenized (a 10 MiB prompt used to take 35 s to get its 400)."""
-    proc = InputProcessor(live.engine.tokenizer, live.engine.max_model_len, live.engine.hooks)
-    tok = live.engine.tokenizer
+    proc = InputProcessor(live.tokenizer, live.async_engine.max_model_len, live.hooks)
+    tok = live.tokenizer
     assert proc.max_token_chars == max(len(tok.decode([i])) for i in range(len(tok)))
     r = http.post(C, json={"prompt": "x" * (proc.max_prompt_chars + 1)})
     assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
-    r = http.post(C, json={"prompt": "x" * live.engine.max_model_len})  # within the bound: tokenized, then refused
+    r = http.post(C, json={"prompt": "x" * live.async_engine.max_model_len})  # within the bound: tokenized, then refused
     assert r.status_code == 400 and "tokens; max_model_len" in r.json()["error"]["message"]
     proc.close()
 
