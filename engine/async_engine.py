@@ -195,6 +195,10 @@ class AsyncLLMEngine:
         """Stop a request; its blocks are freed before the next step. Unknown ids: no-op."""
         self.core.abort(request_id)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False while requests hold blocks (nothing changed)."""
+        return await asyncio.to_thread(self.core.reset_prefix_cache)
+
     # ---- engine thread (under the engine lock) ----------------------------------------------
     def _on_step(self, outputs: list[RequestOutput], stats: EngineStats, aborted: list[str]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

@@ -126,6 +126,10 @@ class AsyncLLM:
         (interpreted on a CPU: seconds, hence the long timeout). Blocks: call it off the loop."""
         return self.client.call("held_attention_on_triton", timeout=RERUN_TIMEOUT_S)
 
+    async def reset_prefix_cache(self) -> bool:
+        """A utility call: empty the core's prefix cache; False while requests hold blocks."""
+        return await asyncio.to_thread(self.client.call, "reset_prefix_cache")
+
     # ---- lifecycle ----------------------------------------------------------------------------
     def launch(self) -> AsyncLLM:
         if not self._launched:

@@ -162,6 +162,20 @@ class BlockManager:
         req.block_ids = []
         req.num_cached_blocks = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM V1's ``BlockPool.reset_prefix_cache``). Refused, and
+        False returned, while any request holds a block: its blocks could not be told apart.
+        Fires ``block_manager reset_prefix_cache`` with how many cached blocks were dropped."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        dropped = len(self.cached)
+        self.cached.clear()
+        for block in self.blocks:
+            block.hash = block.token_ids = None
+        if self.hooks.active:
+            self.hooks.emit("block_manager", "reset_prefix_cache", step=self.step, num_blocks=dropped)
+        return True
+
     def usage(self) -> float:
         """Fraction of usable blocks held by running requests (cached-but-free blocks count as
         free; the null block is not counted, as in vLLM's ``get_usage``)."""

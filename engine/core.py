@@ -143,6 +143,16 @@ class EngineCore:
         if parked:
             self._helper.submit(self._drain_while_parked)
 
+    def reset_prefix_cache(self, timeout: float = 2.0) -> bool:
+        """Empty the prefix cache (any thread). The engine lock is free only while the engine is
+        idle or parked; a busy engine has requests holding blocks, so that is False either way."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        try:
+            return self.engine.reset_prefix_cache()
+        finally:
+            self._lock.release()
+
     # ---- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         self._lock.acquire()

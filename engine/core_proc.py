@@ -102,7 +102,8 @@ class EngineCoreProc:
         self.out_q: queue.Queue = queue.Queue()
         self._order = threading.Lock()  # takes the shipper's events and queues their message as one
         self.core: EngineCore | None = None
-        self.utilities = {"stats": self._stats, "snapshot": self._snapshot, "ping": os.getpid, "trace": self._trace}
+        self.utilities = {"stats": self._stats, "snapshot": self._snapshot, "ping": os.getpid, "trace": self._trace,
+                          "reset_prefix_cache": lambda: self.core.reset_prefix_cache()}
         self._done = threading.Event()
         self._out_thread = threading.Thread(target=self._output_loop, name="output-io", daemon=True)
         self._out_thread.start()

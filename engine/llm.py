@@ -62,6 +62,13 @@ class LLM:
     def get_tokenizer(self):
         return self._core.llm.tokenizer if self._core is not None else self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's ``LLM.reset_prefix_cache``): the next prompts share
+        no blocks with earlier ones. False while requests hold blocks (never between generate calls)."""
+        if self._core is not None:
+            return self._core.llm.client.call("reset_prefix_cache")
+        return self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the engine-core process (multiprocess=True; also at exit). Safe to call twice."""
         if self._core is not None:

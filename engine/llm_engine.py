@@ -300,6 +300,10 @@ class LLMEngine:
         return EngineCoreOutput(req.request_id, req.output_token_ids[sent:], lps, req.finish_reason,
                                 req.stop_reason, req.num_cached_tokens, metrics)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing changed) while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
+
     # ---- observation --------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -21,7 +21,7 @@ from engine.server.chat_template import DEFAULT_CHAT_TEMPLATE
 from engine.server.errors import RefuseLargeBodies, install_error_handlers
 from engine.server.input_processor import InputProcessor
 from engine.server.metrics import ServerMetrics
-from engine.server.routers import completions, health, metrics, models, tokenize
+from engine.server.routers import completions, health, metrics, models, prefix_cache, tokenize
 from engine.server.routers.health import package_version
 from engine.server.state import ServerState
 
@@ -29,7 +29,7 @@ from engine.server.state import ServerState
 # token ids, and a body is parsed whole on the event loop before anything can refuse it
 # (measured: a 3 MB JSON list of token ids takes ~100 ms to parse, 4 MiB of text ~20 ms).
 DEFAULT_MAX_BODY_SIZE = 2 ** 20
-ROUTERS = [completions.router, models.router, health.router, tokenize.router, metrics.router]
+ROUTERS = [completions.router, models.router, health.router, tokenize.router, metrics.router, prefix_cache.router]
 
 
 def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, *,

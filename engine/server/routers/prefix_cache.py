@@ -1,0 +1,23 @@
+"""POST /reset_prefix_cache (vLLM's, there in dev mode): forget every cached block, so the next
+request computes its whole prompt again (e.g. to measure a cold prefill). A control action, so
+it is guarded as the trace controls are: loopback or the API key, and a JSON body ('{}')."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from engine.server.errors import ERROR_RESPONSES, APIError
+from engine.server.security import require_control
+from engine.server.state import StateDep
+
+router = APIRouter(tags=["server"], dependencies=[Depends(require_control)], responses=ERROR_RESPONSES)
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(state: StateDep) -> dict:
+    """200 {"reset": true}; 409 while requests hold KV blocks (their blocks stay cached)."""
+    if not state.engine.is_running:
+        raise APIError(503, "the engine loop is not running")
+    if not await state.engine.reset_prefix_cache():
+        raise APIError(409, "requests in flight hold KV blocks; reset the prefix cache when the engine is idle",
+                       code="engine_busy")
+    return {"reset": True}
