@@ -1,4 +1,5 @@
 """Lesson 17: two processes — the engine core in its own process, requests and outputs over ZMQ."""
+import asyncio
 import os
 import pathlib
 import statistics
@@ -11,14 +12,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 import msgspec  # noqa: E402
 
 from engine import LLM, Hooks, SamplingParams  # noqa: E402
+from engine.async_engine import AsyncLLMEngine  # noqa: E402
 from engine.async_llm import _wire_params  # noqa: E402
 from engine.core_types import EngineCoreRequest  # noqa: E402
-from lessons.framework import events_of, main, table  # noqa: E402
+from lessons.framework import events_of, greedy, main, table  # noqa: E402
 from tracer.session import TraceSession  # noqa: E402
+from tracer.tui.measure import stream_load  # noqa: E402
 
 TITLE = "Two processes"
 SUMMARY = "The engine core in its own process, as in vLLM V1: token ids over ZMQ, text made in the API server."
 NUM_REQUESTS, MAX_TOKENS = 8, 16
+TUI_REQUESTS, TUI_TOKENS, TUI_REPS = 64, 64, 2  # the TUI's cost: ~1 s runs, each setup with and without it
 
 
 def run(lesson) -> None:
@@ -54,6 +58,7 @@ def run(lesson) -> None:
     started_s = time.perf_counter() - t_start
     try:
         _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, params)
+        _tui_cost(lesson, one, one_session, two, session)
     finally:
         two.shutdown()
     lesson.done(
@@ -62,7 +67,8 @@ def run(lesson) -> None:
         "request on a stop string by telling the core to stop it. Both processes stamp events with the "
         "same monotonic clock, so the tracer merges them into one timeline (each core event says its `pid`). "
         "The price is a message each way per step, measured above; the gain is that the engine's thread "
-        "no longer shares an interpreter lock with HTTP, detokenization and the TUI.")
+        "no longer shares an interpreter lock with HTTP, detokenization and the TUI, whose cost you measured "
+        "in both setups.")
 
 
 def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, params) -> None:
@@ -155,6 +161,53 @@ def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, 
     ], title=f"{len(recvs)} steps' outputs over the boundary"))
     lesson.check(len(recvs) == len(two_steps) and all(x > 0 for x in lat_us),
                  "every step's outputs arrived here after that step ended in the core (one clock for both)")
+
+
+def _tui_cost(lesson, one, one_session, two, session) -> None:
+    """The same streamed load with and without the TUI (headless, Requests panel), in each setup."""
+    lesson.say("Last, the TUI. `serve` runs it in the API-server process, on the asyncio loop that also "
+               "streams the responses. In one process its refreshes take the interpreter lock from the "
+               "engine's own thread; in two, the engine core steps in a process of its own. Each setup now "
+               f"streams {TUI_REQUESTS} requests of {TUI_TOKENS} tokens without the TUI and with it, "
+               f"{TUI_REPS} times, interleaved.")
+    tok = two.get_tokenizer()
+    prompts = [tok.encode(f"Request {i}: what the TUI costs") for i in range(TUI_REQUESTS)]
+    params = greedy(TUI_TOKENS)
+    one_front = AsyncLLMEngine(one.llm_engine).start()  # the lesson's one-process engine, now on its own thread
+    fronts = {"one process": (one_front, one_session), "two processes": (two._core.llm, session)}
+    runs: dict[tuple[str, bool], list] = {(name, tui): [] for name in fronts for tui in (False, True)}
+
+    async def measure() -> None:
+        for _ in range(TUI_REPS):
+            for name, (front, sess) in fronts.items():
+                for tui in (False, True):
+                    runs[name, tui].append(await stream_load(front, prompts, params, sess, tui, model=lesson.model))
+    try:
+        asyncio.run(measure())
+    finally:
+        one_front.stop(0)
+    ratio = {name: statistics.median(t.tokens_per_s / o.tokens_per_s for o, t in zip(runs[name, False],
+                                                                                     runs[name, True]))
+             for name in fronts}
+    lesson.show(table(["", "no TUI (tokens/s)", "TUI (tokens/s)", "TUI / no TUI", "TUI refreshes/s"], [
+        [name, f"{statistics.median(r.tokens_per_s for r in runs[name, False]):,.0f}",
+         f"{statistics.median(r.tokens_per_s for r in runs[name, True]):,.0f}", f"{ratio[name]:.2f}",
+         f"{min(r.refresh_hz for r in runs[name, True]):.1f} (lowest)"] for name in fronts],
+        title=f"the TUI's cost: {TUI_REQUESTS} streamed requests x {TUI_TOKENS} tokens (medians of {TUI_REPS} runs)"))
+    lesson.check(all(r.tokens == TUI_REQUESTS * TUI_TOKENS for rs in runs.values() for r in rs),
+                 "every run did the same work: all requests streamed to their last token")
+    lesson.check(all(r.refresh_hz > 0 for name in fronts for r in runs[name, True]),
+                 "the TUI kept refreshing during every run with it")
+    one_cost, two_cost = (1 - ratio["one process"]) * 100, (1 - ratio["two processes"]) * 100
+    if two_cost < one_cost - 3:  # percentage points: closer than that is within a short run's scatter
+        lesson.say(f"Here the TUI cost {one_cost:.0f} % of the throughput in one process and {two_cost:.0f} % in "
+                   "two: its refreshes no longer wait on, or hold up, the engine's thread.")
+    else:
+        lesson.say(f"Here the TUI cost {one_cost:.0f} % of the throughput in one process and {two_cost:.0f} % in "
+                   "two, no clear difference: on a machine this small the two processes and the TUI share the same "
+                   "few cores, and runs this short scatter; `python -m benchmarks.two_processes` measures it at "
+                   "length.")
+    lesson.pause()
 
 
 def _on_a_thread(fn, *args, **kwargs):

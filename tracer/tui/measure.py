@@ -1,0 +1,67 @@
+"""What the TUI costs the engine, measured: stream a load through a front end (``AsyncLLMEngine``,
+the engine on a thread of this process, or ``AsyncLLM``, the engine core in its own process)
+with the Textual app running headless on the same asyncio loop, as `serve` runs it next to
+uvicorn, or without it. Lesson 17 uses it to compare the TUI's cost in one process and in two.
+
+In one process the TUI's refreshes take the interpreter lock from the engine's own thread; in
+two, they compete only with the API server's work (SSE, detokenizing), while the core steps
+in a process of its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from tracer.session import TraceSession
+
+_runs = itertools.count()
+
+
+@dataclass
+class LoadRun:
+    tokens: int  # output tokens of all requests
+    seconds: float  # wall clock, first request sent to last output received
+    refresh_hz: float | None  # the TUI's refreshes per second during the run (None: no TUI)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+async def _stream(front, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
+    n = 0
+    async for out in front.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+        n = len(out.outputs[0].token_ids)
+    return n
+
+
+async def stream_load(front, prompts: list[list[int]], params: SamplingParams, session: TraceSession | None = None,
+                      tui: bool = False, pane: str = "requests", size: tuple[int, int] = (160, 48),
+                      model: str = "") -> LoadRun:
+    """Stream every prompt (token ids) at once through `front`, each consumed as the server's
+    SSE handlers do; with tui, the Textual app (showing `pane`, fed by `session`) runs meanwhile."""
+    run = next(_runs)
+
+    async def go(app) -> LoadRun:
+        ticks0 = app.ticks if app is not None else 0
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        counts = await asyncio.gather(*(_stream(front, f"load{run}-{i}", p, params) for i, p in enumerate(prompts)))
+        seconds = loop.time() - t0
+        hz = (app.ticks - ticks0) / seconds if app is not None else None
+        return LoadRun(sum(counts), seconds, hz)
+
+    if not tui:
+        return await go(None)
+    from tracer.tui.app import TraceApp
+    from tracer.tui.serve import live_info
+    from tracer.tui.sources.live import LiveSource
+
+    if session is None:
+        raise ValueError("the TUI needs the trace session that feeds it")
+    app = TraceApp(LiveSource(session, live_info(front, model, None), front), initial_pane=pane)
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()  # mounted and drawn once: the run measures refreshes, not startup
+        return await go(app)
