@@ -62,6 +62,7 @@ async def test_64_concurrent_streams_all_complete_once(live):
     assert live.all_blocks_free()
 
 
+@pytest.mark.parametrize("live", ["inproc"], indirect=True)  # it reads the LLMEngine, which "mp" keeps in its core
 def test_disconnect_mid_stream_frees_blocks_within_a_step(live, recorder, monkeypatch):
     ae, eng = live.async_engine, live.engine
     asked = {}  # request id -> engine step count when the server asked for the abort
@@ -85,6 +86,7 @@ def test_disconnect_mid_stream_frees_blocks_within_a_step(live, recorder, monkey
     assert live.all_blocks_free()
 
 
+@pytest.mark.parametrize("live", ["inproc"], indirect=True)  # it reads the LLMEngine, which "mp" keeps in its core
 def test_disconnect_during_a_non_streaming_request_aborts_it(live, recorder):
     """The engine is held in a gate, so the request cannot finish before the client gives up."""
     hold = threading.Event()
@@ -107,6 +109,7 @@ def test_disconnect_during_a_non_streaming_request_aborts_it(live, recorder):
     assert live.all_blocks_free()
 
 
+@pytest.mark.parametrize("live", ["inproc"], indirect=True)  # it reads the LLMEngine, which "mp" keeps in its core
 @pytest.mark.asyncio
 async def test_requests_wait_while_the_engine_is_paused(live, recorder):
     eng, hold, parked = live.engine, threading.Event(), threading.Event()

@@ -47,7 +47,8 @@ def start_server(port: int = 0, start_paused: bool = True):
     thread.start()
     assert server.ready.wait(60)
 
-    def stop() -> None:
+    def stop() -> None:  # as serve stops: its /trace/events streams end first, or uvicorn waits for them
+        trace_api.stop_event_streams(app)
         server.should_exit = True
         thread.join(30)
         session.close()

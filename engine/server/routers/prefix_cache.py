@@ -6,10 +6,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from engine.server.errors import ERROR_RESPONSES, APIError
+from engine.server.protocol import ErrorResponse
 from engine.server.security import require_control
 from engine.server.state import StateDep
 
-router = APIRouter(tags=["server"], dependencies=[Depends(require_control)], responses=ERROR_RESPONSES)
+router = APIRouter(tags=["server"], dependencies=[Depends(require_control)], responses=ERROR_RESPONSES | {
+    403: {"model": ErrorResponse, "description": "not loopback and no --api-key"},
+    409: {"model": ErrorResponse, "description": "requests hold KV blocks"},
+    415: {"model": ErrorResponse, "description": "the body is not declared as JSON"},
+    503: {"model": ErrorResponse, "description": "the engine loop is not running"}})
 
 
 @router.post("/reset_prefix_cache")
