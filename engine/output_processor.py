@@ -58,16 +58,19 @@ class OutputProcessor:
             if st is None:
                 continue  # finished here already (a stop string), or aborted
             piece = self._append(st, out)
-            if traced is not None:
-                traced.append((DETOKENIZER, NEW_TOKENS, INSTANT, st.request_id, step,
-                               {"token_ids": out.new_token_ids, "text": piece}))
             finish, stop_reason = out.finish_reason, out.stop_reason
+            cut = None
             if finish != "stop":  # eos and stop tokens were checked first in the core
                 stop = self._match_stop(st, len(piece))
                 if stop is not None:
-                    finish, stop_reason = "stop", stop
+                    finish, stop_reason, cut = "stop", stop, st.text
                     if out.finish_reason is None:
                         stopped.append((st.request_id, stop))
+            if traced is not None:
+                attrs = {"token_ids": out.new_token_ids, "text": piece}
+                if cut is not None:  # the core's FINISHED has no text: the trace learns the cut here
+                    attrs |= {"stop": stop_reason, "text_after_stop": cut}
+                traced.append((DETOKENIZER, NEW_TOKENS, INSTANT, st.request_id, step, attrs))
             if finish is not None:
                 del self.requests[st.request_id]
             if finish is not None or st.params.output_kind != "final_only":

@@ -438,6 +438,8 @@ def _new_tokens(s: TraceState, ev: Event) -> None:
     req.output_token_ids.extend(toks)
     req.num_tokens += len(toks)
     req.text += a.get("text", "")
+    if a.get("text_after_stop") is not None:  # the API server cut the text at a stop string
+        req.text = a["text_after_stop"]
 
 
 # ---- the tracer itself --------------------------------------------------------------------

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, Hooks, SamplingParams
+from tracer.session import TraceSession
 
 PROMPTS = ["Hello, my name is", "The paged KV cache", "x", "A longer prompt that spans a few blocks of sixteen"]
 
@@ -61,3 +62,24 @@ def test_bad_prompt_is_a_value_error_and_nothing_is_queued(both):
     while (stats := mp._core.llm.client.call("stats"))["num_waiting"] + stats["num_running"] and time.monotonic() < end:
         time.sleep(0.01)
     assert stats["num_waiting"] + stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_the_trace_shows_the_text_cut_at_a_stop_string(both):
+    """The core finishes the request without its text; the API server's cut reaches the trace."""
+    inproc, _ = both
+    full = inproc.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].text
+    hooks = Hooks()
+    session = TraceSession(hooks, control=False, model="tiny-gpt2")
+    mp = LLM("tiny-gpt2", block_size=8, num_kv_blocks=64, multiprocess=True, hooks=hooks)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[full[5:8]])
+        out = mp.generate(PROMPTS[0], params, use_tqdm=False)[0]
+        end = time.monotonic() + 10  # the core's FINISHED may still be on its way
+        while (req := session.state.view().requests.get(out.request_id)) is None or not req.finish_reason:
+            assert time.monotonic() < end, "the request never finished in the trace"
+            time.sleep(0.02)
+        assert out.outputs[0].text == full[:5] and req.text == full[:5] and req.finish_reason == "stop"
+    finally:
+        mp.shutdown()
+        session.close()
