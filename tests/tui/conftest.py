@@ -47,19 +47,37 @@ class Live:
         assert stop is not None, "the engine did not stop"
         return stop
 
+    def block_tables(self) -> dict[str, list[int]]:
+        """Each request's block table as the engine holds it (in "mp": a snapshot asked of the core)."""
+        if hasattr(self.engine, "client"):
+            snap = self.engine.client.call("snapshot")
+            return {r["request_id"]: r["block_table"] for r in snap["waiting"] + snap["running"]}
+        return {rid: r.block_ids for rid, r in self.engine.engine.requests.items()}
+
     async def settle(self, pilot):
         """One refresh of the TUI now (the timer would do it within 100 ms) and its redraw."""
         self.app.tick()
         await pilot.pause()
 
 
-@pytest.fixture
-def live(model_cache):
+@pytest.fixture(params=["inproc", "mp"])
+def live(model_cache, request):
+    """A held engine and a TUI on it: the engine on a thread here ("inproc"), or the engine core
+    in its own process ("mp", as `serve` runs it), stepped through the remote controller."""
     hooks = Hooks()
     # the byte-level random model: these tests count prompt tokens as bytes
-    session = TraceSession(hooks, start_paused=True, model="tiny-gpt2-random")
-    llm = LLM("tiny-gpt2-random", hooks=hooks, block_size=4, num_kv_blocks=64)
-    engine = AsyncLLMEngine(llm.llm_engine, drain_timeout=0).start()
+    mp = request.param == "mp"
+    session = TraceSession(hooks, start_paused=True, model="tiny-gpt2-random", remote_control=mp)
+    if mp:
+        from engine.async_llm import AsyncLLM
+        from engine.llm import engine_config
+
+        config = engine_config("tiny-gpt2-random", block_size=4, num_kv_blocks=64)
+        engine = AsyncLLM(config, hooks, drain_timeout=0, core_options=session.core_options()).start()
+        session.bind(engine)
+    else:
+        llm = LLM("tiny-gpt2-random", hooks=hooks, block_size=4, num_kv_blocks=64)
+        engine = AsyncLLMEngine(llm.llm_engine, drain_timeout=0).start()
     source = LiveSource(session, SourceInfo("live", "tiny-gpt2-random", "cpu", "torch"), engine)
     yield Live(session, engine, source, TraceApp(source, initial_pane="requests"))
     session.close()
