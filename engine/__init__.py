@@ -4,13 +4,29 @@
     llm = LLM(model="tiny-gpt2")
     print(llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text)
 """
-from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
-from engine.hooks import Hooks
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.model_loader import ModelNotFoundError, NotAGPT2CheckpointError
-from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
-from engine.sampling_params import SamplingParams, SamplingParamsError
+import importlib
+
+# Imported on first use (PEP 562), not here: `import engine.core_client` must not pay for torch
+# and transformers (~2.5 s), so that `serve` can start the engine-core process first and let it
+# import them while the API server imports its own half.
+_EXPORTS = {
+    "engine.config": ("CacheConfig", "ConfigError", "EngineConfig", "ModelConfig", "SchedulerConfig"),
+    "engine.hooks": ("Hooks",), "engine.llm": ("LLM",), "engine.llm_engine": ("LLMEngine",),
+    "engine.model_loader": ("ModelNotFoundError", "NotAGPT2CheckpointError"),
+    "engine.outputs": ("CompletionOutput", "EngineStats", "Logprob", "RequestOutput"),
+    "engine.sampling_params": ("SamplingParams", "SamplingParamsError"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LLM", "LLMEngine", "SamplingParams", "SamplingParamsError", "RequestOutput", "CompletionOutput", "Logprob",

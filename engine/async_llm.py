@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import threading
 import time
 from dataclasses import asdict
@@ -78,7 +79,8 @@ class AsyncLLM:
     install ("module:function" run in the core, e.g. the tracer's step controller)."""
 
     def __init__(self, config: EngineConfig, hooks: Hooks | None = None, drain_timeout: float = 5.0,
-                 core_options: dict | None = None, on_dead: Callable[[str], None] | None = None):
+                 core_options: dict | None = None, on_dead: Callable[[str], None] | None = None,
+                 core_proc: subprocess.Popen | None = None):
         self.config = config
         self.hooks = hooks or Hooks()
         self.drain_timeout = drain_timeout
@@ -90,7 +92,7 @@ class AsyncLLM:
         self.max_model_len = self.num_blocks = self.block_size = None
         self.device = self.attention_backend = self.vocab_size = None
         self.processor = OutputProcessor(self.tokenizer, self.hooks)
-        self.client = MPClient(config, self._on_message, self._on_dead, core_options)
+        self.client = MPClient(config, self._on_message, self._on_dead, core_options, core_proc)
         self._streams: dict[str, _Stream] = {}  # guarded by _lock, with the processor's requests
         self._lock = threading.Lock()
         self._idle = threading.Event()  # no request in flight

@@ -47,6 +47,15 @@ def _pythonpath() -> str:
     return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+def spawn_core_process() -> subprocess.Popen:
+    """Start ``python -m engine.core_proc``. It imports torch and the engine at once, then waits on
+    stdin for its arguments (MPClient.launch sends them), so a caller that spawns it first
+    overlaps the two processes' imports (serve: ready ~2.5 s sooner on 2 cores). Its own process
+    group: a Ctrl-C at the terminal reaches the front end only, which stops the core in order."""
+    return subprocess.Popen([sys.executable, "-m", "engine.core_proc"], stdin=subprocess.PIPE,
+                            env=os.environ | {"PYTHONPATH": _pythonpath()}, process_group=0)
+
+
 class EngineStartupError(RuntimeError):
     """The engine core failed to start: its own error, its death, or a handshake timeout."""
 
@@ -65,8 +74,9 @@ class MPClient:
     if the process exits while the client is not shutting it down."""
 
     def __init__(self, config: EngineConfig, on_message: Callable[[EngineCoreOutputs, int], None],
-                 on_dead: Callable[[str], None], options: dict | None = None):
+                 on_dead: Callable[[str], None], options: dict | None = None, proc: subprocess.Popen | None = None):
         self.config, self.options = config, dict(options or {})
+        self._spawned = proc  # from spawn_core_process(), started early; None: launch() starts one
         self.on_message, self.on_dead = on_message, on_dead
         self.ready: dict | None = None  # the handshake: num_blocks, block_size, max_model_len, pid, ...
         self.proc: subprocess.Popen | None = None
@@ -101,8 +111,7 @@ class MPClient:
     def launch(self) -> None:
         """Start the process and the IO threads; returns at once (see wait_ready)."""
         args = (self.config, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output", os.getpid(), self.options)
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.core_proc"], stdin=subprocess.PIPE,
-                                     env=os.environ | {"PYTHONPATH": _pythonpath()})
+        self.proc = self._spawned if self._spawned is not None else spawn_core_process()
         self.proc.stdin.write(pickle.dumps(args))
         self.proc.stdin.close()
         for target, name in ((self._output_loop, "core-output-io"), (self._monitor, "core-monitor")):

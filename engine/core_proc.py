@@ -258,4 +258,8 @@ class EngineCoreProc:
 if __name__ == "__main__":
     import pickle
 
-    run_engine_core(*pickle.load(sys.stdin.buffer))
+    try:
+        core_args = pickle.load(sys.stdin.buffer)  # spawned early: this waits while the front end starts
+    except EOFError:  # the front end stopped (a bad flag, Ctrl-C) before it sent our arguments
+        sys.exit(0)
+    run_engine_core(*core_args)

@@ -179,15 +179,17 @@ def _print_stage(layer, name, kind, request_id, step, attrs) -> None:
         _stage(name, attrs["seconds"], _fmt_details(name, attrs))
 
 
-async def start_core(args, config, hooks, session, on_dead):
-    """The engine core in its own process, its stages printed live; returns the AsyncLLM once
-    the handshake is done. A core that cannot start is one line (UserError), not a hang."""
+async def start_core(args, config, hooks, session, on_dead, core_proc=None):
+    """The engine core in its own process (core_proc: spawned early, see run), its stages printed
+    live; returns the AsyncLLM once the handshake is done. A core that cannot start is one line
+    (UserError), not a hang."""
     from engine.async_llm import AsyncLLM
     from engine.core_client import EngineStartupError
     from tracer.cli import UserError
 
     options = session.core_options() if session is not None else {"trace": True}  # stages: shipped during startup
-    async_llm = AsyncLLM(config, hooks, drain_timeout=args.drain_timeout, core_options=options, on_dead=on_dead)
+    async_llm = AsyncLLM(config, hooks, drain_timeout=args.drain_timeout, core_options=options, on_dead=on_dead,
+                         core_proc=core_proc)
     unsubscribe = hooks.subscribe(_print_stage)
     try:
         async_llm.launch()  # on this (the main) thread: the core's parent-death signal follows the launching thread
@@ -218,8 +220,8 @@ def _config_summary(config) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine.core_client import spawn_core_process
     from engine.hooks import Hooks
-    from engine.llm import engine_config
     from tracer.tracelog import check_layers
 
     t0 = time.perf_counter_ns()
@@ -243,10 +245,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"vllm-trace serve {args.model}", file=sys.stderr)
     layers = check_layers(args.trace_log_layers.split(",")) if args.trace_log_layers else None
     sock = _bind(args.host, args.port)  # before loading anything: a busy port fails fast
+    # The engine core starts now and imports torch and the engine while this process does the same
+    # (engine.llm below): on 2 cores, serve is ready ~2.5 s sooner than starting it after them.
+    core_proc = None if args.no_multiprocessing else spawn_core_process()
     t_args = time.perf_counter_ns()
     _stage("args", (t_args - t0) / 1e9, f"{args.host}:{sock.getsockname()[1]}")
     session = None
     try:
+        from engine.llm import engine_config
+
         config = engine_config(args.model, **llm_kwargs(args))  # a bad value: ConfigError, one line
         t_config = time.perf_counter_ns()
         _stage("config", (t_config - t_args) / 1e9, _config_summary(config))
@@ -262,29 +269,32 @@ def run(args: argparse.Namespace) -> int:
             session.state.follow()  # /trace/state answers at once, however long nobody read it
             _cli_span(session.bus, "args", t0, t_args, host=args.host, port=sock.getsockname()[1])
             _cli_span(session.bus, "config", t_args, t_config, config=config.to_dict())
-        return asyncio.run(_serve(args, sock, config, hooks, session))
+        return asyncio.run(_serve(args, sock, config, hooks, session, core_proc))
     finally:
         sock.close()
+        if core_proc is not None and not core_proc.stdin.closed:  # never launched (an error before it)
+            core_proc.kill()
+            core_proc.wait()
         if session is not None:
             session.state.stop_following()
             session.close()  # after the engine stopped: the file ends with the drained requests
 
 
-async def _serve(args: argparse.Namespace, sock: socket.socket, config, hooks, session) -> int:
+async def _serve(args: argparse.Namespace, sock: socket.socket, config, hooks, session, core_proc=None) -> int:
     name = args.served_model_name or args.model
     tui = None
     if not args.no_tui:  # first, so its Startup panel shows the stages below as they run
         from tracer.tui.serve import LiveTui
         tui = LiveTui(session, name, _url(args.host, sock.getsockname()[1]), args.api_key)
     try:
-        return await _start_and_serve(args, sock, config, hooks, session, name, tui)
+        return await _start_and_serve(args, sock, config, hooks, session, name, tui, core_proc)
     except BaseException:
         if tui is not None:
             await tui.close()  # the terminal back before the error is printed
         raise
 
 
-async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -> int:
+async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, core_proc=None) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncLLMEngine
@@ -306,7 +316,7 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui) -
         engine = await asyncio.to_thread(build_engine, config, hooks)  # the loop (the TUI) keeps running
         async_engine = AsyncLLMEngine(engine, drain_timeout=args.drain_timeout)
     else:
-        async_engine = await start_core(args, config, hooks, session, on_dead)
+        async_engine = await start_core(args, config, hooks, session, on_dead, core_proc)
     if tui is not None and tui.quit:
         await asyncio.to_thread(async_engine.stop, 0)
         await tui.close()
