@@ -16,7 +16,8 @@ Part 2, CPU seconds per output token, offline `LLM.generate` (in this process, i
 a thread of its own as under serve) against `vllm-trace serve --no-tui --no-trace` (a
 subprocess: the API server and its engine core, CPU read from /proc for both) answering 64
 streaming HTTP clients that run here, same workload. target: offline / serve >= 0.85
-(CPU per token; higher means serve costs less extra). The clients compete for the same cores:
+(CPU per token; higher means serve costs less extra). The same server with
+--no-multiprocessing is measured beside it: what the process boundary itself costs. The clients compete for the same cores:
 wall-clock tokens/s of both are printed too.
 """
 from __future__ import annotations
@@ -137,10 +138,10 @@ async def part1(args, workload) -> None:
     print(f"  TUI refreshes/s during the runs: median {statistics.median(hz):.1f}, min {min(hz):.1f} (target >= 10)")
 
 
-def spawn_serve(model: str, threads: int) -> tuple[subprocess.Popen, str, int]:
+def spawn_serve(model: str, threads: int, *flags: str) -> tuple[subprocess.Popen, str, int | None]:
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen([sys.executable, "-m", "tracer.cli", "serve", model, "--port", "0", "--no-tui",
-                             "--no-trace"], cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                             "--no-trace", *flags], cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=env)
     core = None
     for line in proc.stderr:
@@ -187,27 +188,36 @@ def offline_run(model: str, workload, llm: LLM) -> dict:
 async def part2(args, workload) -> None:
     llm = LLM(args.model)
     offline_run(args.model, make_workload(4), llm)  # warm-up
-    proc, url, core = spawn_serve(args.model, args.threads)
+    servers = {"two processes": spawn_serve(args.model, args.threads),
+               "one process": spawn_serve(args.model, args.threads, "--no-multiprocessing")}
+    ratios: dict[str, list[float]] = {mode: [] for mode in servers}
     try:
-        await http_run(url, args.model, make_workload(4))  # warm-up
-        ratios = []
+        for proc, url, _ in servers.values():
+            await http_run(url, args.model, make_workload(4))  # warm-up
         for rep in range(args.reps):
             off = offline_run(args.model, workload, llm)
-            s0, k0, t0 = proc_cpu(proc.pid), proc_cpu(core), time.perf_counter()
-            tokens = await http_run(url, args.model, workload)
-            seconds, serve_cpu = time.perf_counter() - t0, proc_cpu(proc.pid) - s0 + proc_cpu(core) - k0
-            per_off, per_serve = off["cpu"] / off["tokens"], serve_cpu / tokens
-            ratios.append(per_off / per_serve)
-            print(f"rep {rep}: offline {off['tokens'] / off['seconds']:8.1f} tokens/s, "
-                  f"{per_off * 1e3:.3f} CPU-ms/token | "
-                  f"serve {tokens / seconds:8.1f} tokens/s, {per_serve * 1e3:.3f} CPU-ms/token "
-                  f"(API server {proc_cpu(proc.pid) - s0:.2f} s + core {proc_cpu(core) - k0:.2f} s) | "
-                  f"ratio {per_off / per_serve:.3f}", flush=True)
+            per_off = off["cpu"] / off["tokens"]
+            line = f"rep {rep}: offline {off['tokens'] / off['seconds']:7.1f} tokens/s, {per_off * 1e3:.3f} CPU-ms/token"
+            for mode, (proc, url, core) in servers.items():
+                cpu0 = [proc_cpu(pid) for pid in (proc.pid, core) if pid]
+                t0 = time.perf_counter()
+                tokens = await http_run(url, args.model, workload)
+                seconds = time.perf_counter() - t0
+                used = [proc_cpu(pid) - c for pid, c in zip([pid for pid in (proc.pid, core) if pid], cpu0)]
+                per_serve = sum(used) / tokens
+                ratios[mode].append(per_off / per_serve)
+                split = f"API server {used[0]:.2f} s + core {used[1]:.2f} s" if len(used) == 2 else f"{used[0]:.2f} s"
+                line += (f" | serve, {mode}: {tokens / seconds:7.1f} tokens/s, {per_serve * 1e3:.3f} CPU-ms/token "
+                         f"({split}), ratio {per_off / per_serve:.3f}")
+            print(line, flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
-    print(f"\npart 2: CPU per output token, offline LLM.generate / serve (both processes), {args.requests} "
-          f"streaming HTTP clients: median {statistics.median(ratios):.3f}   (target >= 0.85)")
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+    print(f"\npart 2: CPU per output token, offline LLM.generate / serve, {args.requests} streaming HTTP clients:")
+    for mode, values in ratios.items():
+        target = "   (target >= 0.85)" if mode == "two processes" else "   (for comparison: the same server, one process)"
+        print(f"  {mode:<14} median {statistics.median(values):.3f}{target}")
 
 
 def main() -> None:
