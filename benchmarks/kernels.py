@@ -18,11 +18,13 @@ from pathlib import Path
 # (sys.path[0]) would otherwise shadow the kernels package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-import kernels  # noqa: E402  (sets TRITON_INTERPRET before triton decorates anything)
-import triton  # noqa: E402
-from kernels import instrument  # noqa: E402
+# isort: off
+import kernels  # first: it sets TRITON_INTERPRET before triton decorates anything
+import triton
+# isort: on
+from kernels import instrument
 
 DEVICE = "cuda" if torch.cuda.is_available() and not kernels.INTERPRETED else "cpu"
 # Peak DRAM bandwidth in GB/s, by substring of torch.cuda.get_device_name().

@@ -31,8 +31,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core import EngineClosedError, EngineCore, PendingAdd
-from engine.core_types import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
-                               UtilityCall)
+from engine.core_types import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall
 from engine.hooks import Hooks
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from kernels import instrument
 
 from engine.attention import AttentionMetadata
 from engine.hooks import INSTANT, Hooks
 from engine.model import GPT2Model
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from kernels import instrument
 
 
 @dataclass
@@ -125,7 +125,9 @@ class ModelRunner:
         bs, num_blocks = self.block_size, self.kv_caches[0][0].shape[0]
         n = max(1, min(bs + 1, max_model_len - 1, num_blocks * bs - 1))  # prompt; +1 decode token
         table = list(range(-(-(n + 1) // bs)))
-        slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+        def slot(p: int) -> int:
+            return table[p // bs] * bs + p % bs
+
         batches = [self._model_input([0] * n, list(range(n)), [slot(p) for p in range(n)], [n], [0, n], [table]),
                    self._model_input([0], [n], [slot(n)], [n + 1], [0, 1], [table])]
         launches = []

@@ -3,7 +3,9 @@
 This package knows nothing of the engine. ``kernels._env`` is imported first: it turns on the
 Triton interpreter when there is no GPU, which must happen before any kernel is decorated.
 """
-from kernels._env import INTERPRETED  # noqa: I001  (must come first)
+# isort: off
+from kernels._env import INTERPRETED  # first: it turns the Triton interpreter on
+# isort: on
 from kernels import instrument
 from kernels.config import AttentionConfig, CacheConfig, choose_cache_config, choose_config
 from kernels.reference import reshape_and_cache_ref, unified_attention_ref

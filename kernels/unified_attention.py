@@ -145,7 +145,7 @@ def _reduce_segments_kernel(
     ok = (heads < num_q_heads)[:, None] & (segs < NUM_SEGMENTS)[None, :]
     part = (tok * num_q_heads + heads)[:, None] * NUM_SEGMENTS + segs[None, :]  # [HEADS_BLOCK, SEG_PAD]
     m = tl.load(part_max_ptr + part, mask=ok, other=_NEG)
-    l = tl.load(part_sum_ptr + part, mask=ok, other=0.0)
+    l = tl.load(part_sum_ptr + part, mask=ok, other=0.0)  # noqa: E741 (l: the softmax sum, as in FlashAttention)
     w = tl.exp(m - tl.max(m, 1)[:, None])
     denom = tl.sum(l * w, 1)
     # Padding dims were never written (torch.empty): mask them so garbage cannot become nan.

@@ -4,8 +4,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine.block_manager import hash_block  # noqa: E402
-from lessons.framework import greedy, main, table  # noqa: E402
+from engine.block_manager import hash_block
+from lessons.framework import greedy, main, table
 
 TITLE = "Prefix caching"
 SUMMARY = ("A shared system prompt: chained block hashes, cache hits with shared blocks, the last token computed, "

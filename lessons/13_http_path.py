@@ -7,16 +7,16 @@ from collections import Counter
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-import httpx  # noqa: E402
+import httpx
 
-from engine import Hooks  # noqa: E402
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.llm import engine_config  # noqa: E402
-from engine.server import build_app  # noqa: E402
-from engine.server.background import start_background  # noqa: E402
-from lessons.framework import events_of, main, table  # noqa: E402
-from tracer.journey import TWO_PROCESS_CHAIN, layer_path, missing_links, request_events  # noqa: E402
-from tracer.session import TraceSession  # noqa: E402
+from engine import Hooks
+from engine.async_llm import AsyncLLM
+from engine.llm import engine_config
+from engine.server import build_app
+from engine.server.background import start_background
+from lessons.framework import events_of, main, table
+from tracer.journey import TWO_PROCESS_CHAIN, layer_path, missing_links, request_events
+from tracer.session import TraceSession
 
 TITLE = "The HTTP path"
 SUMMARY = ("An OpenAI request through FastAPI and the serving layer, across to the engine-core process and back "

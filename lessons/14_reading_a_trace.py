@@ -7,13 +7,13 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import SamplingParams  # noqa: E402
-from lessons.framework import main, table  # noqa: E402
-from tracer import cli  # noqa: E402
-from tracer.events import read_trace  # noqa: E402
-from tracer.replay import Replay  # noqa: E402
-from tracer.state import snapshot_view  # noqa: E402
-from tracer.tracelog import format_event  # noqa: E402
+from engine import SamplingParams
+from lessons.framework import main, table
+from tracer import cli
+from tracer.events import read_trace
+from tracer.replay import Replay
+from tracer.state import snapshot_view
+from tracer.tracelog import format_event
 
 TITLE = "Reading a trace"
 SUMMARY = "Record a run to JSON lines, replay it backward and forward, and open it in Perfetto."

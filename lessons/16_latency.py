@@ -10,18 +10,18 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from rich.text import Text  # noqa: E402
+import httpx
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from rich.text import Text
 
-from engine import LLM  # noqa: E402
-from engine.async_engine import AsyncLLMEngine  # noqa: E402
-from engine.kv_cache import bytes_per_block  # noqa: E402
-from engine.server import build_app  # noqa: E402
-from engine.server.background import start_background  # noqa: E402
-from lessons.framework import greedy, main, table  # noqa: E402
-from tracer.commands import bench  # noqa: E402
+from engine import LLM
+from engine.async_engine import AsyncLLMEngine
+from engine.kv_cache import bytes_per_block
+from engine.server import build_app
+from engine.server.background import start_background
+from lessons.framework import greedy, main, table
+from tracer.commands import bench
 
 TITLE = "Latency and its trade-offs"
 SUMMARY = "TTFT, ITL/TPOT, E2E and queue time; chunk size and max_num_seqs trade TTFT against ITL, measured."

@@ -8,8 +8,8 @@ kernel name. The same condition is written as text in the TUI and over HTTP:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from engine.trace_names import ABORTED, ENGINE, FINISHED, PREEMPTED, QUEUED, SCHEDULER
 
+from engine.trace_names import ABORTED, ENGINE, FINISHED, PREEMPTED, QUEUED, SCHEDULER
 from tracer.events import LAYERS
 
 

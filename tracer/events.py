@@ -23,12 +23,13 @@ import orjson
 
 from engine.hooks import BEGIN, COUNTER, END, INSTANT, SNAPSHOT
 
+# The modules a request passes through, outermost first (defined once, in engine.trace_names, and
+# re-exported here; "ipc" is the process boundary, "tracer" the tracer's own voice).
+from engine.trace_names import LAYERS
+
 SCHEMA = "vllm-trace"
 SCHEMA_VERSION = 1
 
-# The modules a request passes through, outermost first (defined once, in engine.trace_names;
-# "ipc" is the process boundary, "tracer" the tracer's own voice: pauses, events a reader missed).
-from engine.trace_names import LAYERS  # noqa: E402  (re-exported: the tracer's modules import it from here)
 KINDS = (INSTANT, BEGIN, END, COUNTER, SNAPSHOT)
 EVENT_KEYS = ("seq", "ts_ns", "layer", "name", "kind", "request_id", "step", "attrs")
 

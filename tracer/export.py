@@ -16,7 +16,17 @@ import json
 from pathlib import Path
 
 from engine.hooks import BEGIN, END, SNAPSHOT
-from engine.trace_names import ABORTED, DETOKENIZER, ENGINE, FINISHED, NEW_TOKENS, PREEMPTED, QUEUED, SCHEDULED, SCHEDULER
+from engine.trace_names import (
+    ABORTED,
+    DETOKENIZER,
+    ENGINE,
+    FINISHED,
+    NEW_TOKENS,
+    PREEMPTED,
+    QUEUED,
+    SCHEDULED,
+    SCHEDULER,
+)
 from tracer.events import Event, json_safe, read_trace
 
 PID = 1

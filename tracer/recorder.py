@@ -21,7 +21,6 @@ from tracer.bus import EventBus
 from tracer.events import Event, decode_line, make_header
 
 
-
 class Recorder:
     def __init__(self, bus: EventBus, path: str | Path, model: str | None = None,
                  engine_config: dict | None = None, flush_interval: float = 0.5, poll_interval: float = 0.5,

@@ -26,8 +26,19 @@ from dataclasses import dataclass, field
 import orjson
 
 from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT
-from engine.trace_names import (ABORTED, DETOKENIZER, ENGINE, FINISHED, NEW_TOKENS, PAUSED, PREEMPTED, QUEUED, RESUMED,
-                                SCHEDULED, SCHEDULER)
+from engine.trace_names import (
+    ABORTED,
+    DETOKENIZER,
+    ENGINE,
+    FINISHED,
+    NEW_TOKENS,
+    PAUSED,
+    PREEMPTED,
+    QUEUED,
+    RESUMED,
+    SCHEDULED,
+    SCHEDULER,
+)
 from tracer.bus import EventBus
 from tracer.events import Event, json_safe
 

@@ -13,11 +13,30 @@ from engine.hooks import BEGIN, END
 from engine.outputs import Logprob, RequestOutput
 from engine.server.chat_template import render_chat
 from engine.server.errors import APIError
-from engine.server.protocol import (MAX_LOGPROBS, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                    ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatStreamChoice,
-                                    ChatTokenLogprob, DeltaMessage, TopLogprob, UsageInfo)
-from engine.server.serving import (SSE_DONE, StopHoldback, event_stream, new_request_id, sampling_params, sse, submit,
-                                   until_disconnected)
+from engine.server.protocol import (
+    MAX_LOGPROBS,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+from engine.server.serving import (
+    SSE_DONE,
+    StopHoldback,
+    event_stream,
+    new_request_id,
+    sampling_params,
+    sse,
+    submit,
+    until_disconnected,
+)
 from engine.server.state import ServerState
 
 log = logging.getLogger(__name__)

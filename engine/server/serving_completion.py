@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import logging
 import time
-
-from fastapi import Request
 from contextlib import aclosing
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import EngineClosedError
@@ -18,9 +17,24 @@ from engine.core import EngineDeadError
 from engine.hooks import BEGIN, END
 from engine.outputs import Logprob, RequestOutput
 from engine.server.errors import APIError
-from engine.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo
-from engine.server.serving import (SSE_DONE, StopHoldback, event_stream, merge_streams, new_request_id, sampling_params, sse,
-                                   submit, until_disconnected)
+from engine.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from engine.server.serving import (
+    SSE_DONE,
+    StopHoldback,
+    event_stream,
+    merge_streams,
+    new_request_id,
+    sampling_params,
+    sse,
+    submit,
+    until_disconnected,
+)
 from engine.server.state import ServerState
 
 log = logging.getLogger(__name__)

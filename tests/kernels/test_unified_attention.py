@@ -4,8 +4,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_batches import make_batch
 
-from kernels import (INTERPRETED, AttentionConfig, reshape_and_cache, reshape_and_cache_ref, unified_attention,
-                     unified_attention_ref)
+from kernels import (
+    INTERPRETED,
+    AttentionConfig,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+    unified_attention,
+    unified_attention_ref,
+)
 
 # (query_lens, seq_lens, q_heads, kv_heads, head_size, block_size). Each line covers several
 # items: seq_len == query_len is a fresh prompt, seq_len > query_len a cached prefix.

@@ -4,12 +4,12 @@ twice: the engine in this process, and the engine core in its own (the controlle
 import threading
 
 import pytest
+from tracer_helpers import CoreProcess, start_loop
 
 from engine import LLM, Hooks, SamplingParams
 from tracer.conditions import on_arrive, on_finish, on_kernel, on_preempt, parse_condition
 from tracer.controller import StepController
 from tracer.session import TraceSession
-from tracer_helpers import CoreProcess, EngineThread, start_loop
 
 T = 30  # seconds; only reached if something is broken
 _cores: list[CoreProcess] = []

@@ -1,8 +1,8 @@
 import json
 
 import pytest
-
 from chrome_check import check_chrome_trace
+
 from engine import LLM, Hooks, SamplingParams
 from tracer.cli import main
 from tracer.events import read_trace

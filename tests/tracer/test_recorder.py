@@ -1,4 +1,3 @@
-import io
 import json
 
 from engine import LLM, Hooks, SamplingParams

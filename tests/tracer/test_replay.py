@@ -2,11 +2,11 @@
 import random
 
 import pytest
+from tracer_helpers import traced_run
 
 from tracer.events import read_trace
 from tracer.replay import Replay
 from tracer.state import TraceState, fold, snapshot_view
-from tracer_helpers import traced_run
 
 
 @pytest.fixture(scope="module")

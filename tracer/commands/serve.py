@@ -158,7 +158,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def build_engine(config, hooks):
     """The engine, warmed up, printing its stages live (a listener attached for startup only)."""
-    from engine.hooks import END
     from engine.llm_engine import LLMEngine, freeze_gc_heap
 
     unsubscribe = hooks.subscribe(_print_stage)

@@ -77,7 +77,7 @@ def decisions(frame: Frame) -> Group | Text:
 
 
 def flattened_inputs(frame: Frame) -> Group | Text:
-    s, b = frame.state, frame.state.batch
+    b = frame.state.batch
     if b is None:
         return Text("flattened inputs: the model runner has not built this step's batch yet", "dim")
     ids = b.get("request_ids", [])
