@@ -190,7 +190,8 @@ def main():
 
     lines = [
         f"Device: **{device}**; model shape: {HEADS} heads x {HEAD_SIZE}, block size {BLOCK}, "
-        f"{'fp16' if DEVICE == 'cuda' else 'fp32'}. Times are the fastest of {args.reps} runs, in ms per launch; {args.threads} torch thread(s).",
+        f"{'fp16' if DEVICE == 'cuda' else 'fp32'}. Times are the fastest of {args.reps} runs, in ms per launch; "
+        f"{args.threads} torch thread(s).",
         "",
         "| batch | grid | attention (Triton) | attention (ref) | cache write (Triton) | cache write (ref) | "
         + ("decode bandwidth |" if DEVICE == "cuda" else "Triton attention / cache write, process CPU time |"),

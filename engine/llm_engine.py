@@ -57,7 +57,8 @@ class LLMEngine:
         self.hooks = hooks or Hooks()
         self.detokenize = detokenize
         self.startup: list[tuple[str, float, dict]] = []  # (stage, seconds, details)
-        if self.hooks.active: self.hooks.emit("engine", "config", model=config.model.model, config=config.to_dict())
+        if self.hooks.active:
+            self.hooks.emit("engine", "config", model=config.model.model, config=config.to_dict())
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = DTYPES[mc.dtype or ("float16" if self.device.type == "cuda" else "float32")]
@@ -122,7 +123,16 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
-        if self.hooks.active: self.hooks.emit(ENGINE, QUEUED, request_id=request_id, step=self.step_count, num_prompt_tokens=len(ids), max_tokens=max_tokens, params=vars(params))
+        if self.hooks.active:
+            self.hooks.emit(
+                ENGINE,
+                QUEUED,
+                request_id=request_id,
+                step=self.step_count,
+                num_prompt_tokens=len(ids),
+                max_tokens=max_tokens,
+                params=vars(params),
+            )
         return req
 
     def _tokenize(self, prompt, request_id: str) -> tuple[str | None, list[int]]:
@@ -132,7 +142,15 @@ class LLMEngine:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
         elif isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
-            if self.hooks.active: self.hooks.emit("tokenizer", "encode", request_id=request_id, step=self.step_count, token_ids=ids, pieces=[self.tokenizer.decode([t]) for t in ids])
+            if self.hooks.active:
+                self.hooks.emit(
+                    "tokenizer",
+                    "encode",
+                    request_id=request_id,
+                    step=self.step_count,
+                    token_ids=ids,
+                    pieces=[self.tokenizer.decode([t]) for t in ids],
+                )
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
         else:
@@ -202,12 +220,16 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.hooks.gated: self.hooks.gate("step", step=self.step_count)
-        if self.hooks.active: self.hooks.emit("engine", "step", BEGIN, step=self.step_count)
+        if self.hooks.gated:
+            self.hooks.gate("step", step=self.step_count)
+        if self.hooks.active:
+            self.hooks.emit("engine", "step", BEGIN, step=self.step_count)
         sched = self.scheduler.schedule(self.step_count)
-        if self.hooks.active: self._trace_schedule(sched)
+        if self.hooks.active:
+            self._trace_schedule(sched)
         sampled = self.model_runner.execute(sched) if not sched.is_empty else None
-        if self.hooks.gated: self.hooks.gate("postprocess", step=sched.step)
+        if self.hooks.gated:
+            self.hooks.gate("postprocess", step=sched.step)
         return self._postprocess(sched, sampled)
 
     def _postprocess(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
@@ -226,10 +248,22 @@ class LLMEngine:
             if req.detokenizer is not None:
                 piece = req.detokenizer.add(tok)
                 req.output_text = req.detokenizer.text
-                if traced is not None: traced.append((DETOKENIZER, NEW_TOKENS, INSTANT, req.request_id, sched.step, {"token_ids": [tok], "text": piece}))
+                if traced is not None:
+                    traced.append(
+                        (
+                            DETOKENIZER,
+                            NEW_TOKENS,
+                            INSTANT,
+                            req.request_id,
+                            sched.step,
+                            {"token_ids": [tok], "text": piece},
+                        )
+                    )
             status = self._check_stop(req, tok)
             if status is not None:
-                if traced: self.hooks.emit_many(traced); traced = []  # published before its blocks are freed
+                if traced:  # published before its blocks are freed
+                    self.hooks.emit_many(traced)
+                    traced = []
                 req.finished_time = now
                 self.scheduler.finish(req, status)
                 self.requests.pop(req.request_id, None)
@@ -242,9 +276,12 @@ class LLMEngine:
                 outputs.append(self._core_output(req))  # every step: the front end detokenizes
             elif status is not None or req.params.output_kind != "final_only":
                 outputs.append(self._output(req))
-        if traced: self.hooks.emit_many(traced)
-        if self.hooks.active: self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
-        if self.hooks.gated: self.hooks.gate("step_end", step=sched.step)
+        if traced:
+            self.hooks.emit_many(traced)
+        if self.hooks.active:
+            self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
+        if self.hooks.gated:
+            self.hooks.gate("step_end", step=sched.step)
         self.step_count += 1
         return outputs
 
@@ -319,10 +356,20 @@ class LLMEngine:
         # Dict displays in one comprehension, not dict(...) or a call per request: taken every step
         # for every request while traced.
         def rows(reqs) -> list[dict]:
-            return [{"request_id": r.request_id, "status": r.status._value_, "num_computed_tokens": r.num_computed_tokens,
-                     "num_tokens": len(r.all_token_ids), "num_prompt_tokens": len(r.prompt_token_ids),
-                     "num_output_tokens": len(r.output_token_ids), "block_table": r.block_ids.copy(),
-                     "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions} for r in reqs]
+            return [
+                {
+                    "request_id": r.request_id,
+                    "status": r.status._value_,
+                    "num_computed_tokens": r.num_computed_tokens,
+                    "num_tokens": len(r.all_token_ids),
+                    "num_prompt_tokens": len(r.prompt_token_ids),
+                    "num_output_tokens": len(r.output_token_ids),
+                    "block_table": r.block_ids.copy(),
+                    "num_cached_tokens": r.num_cached_tokens,
+                    "num_preemptions": r.num_preemptions,
+                }
+                for r in reqs
+            ]
 
         snap = {"waiting": rows(self.scheduler.waiting), "running": rows(self.scheduler.running),
                 "stats": vars(self.stats())}
@@ -344,7 +391,8 @@ class LLMEngine:
         del snap["step"]  # the event's own step field carries it
         h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **snap)
         h.emit("scheduler", "schedule", END, step=sched.step, num_scheduled_tokens=snap["num_scheduled_tokens"])
-        if h.gated: h.gate("execute", step=sched.step)
+        if h.gated:
+            h.gate("execute", step=sched.step)
 
     def _load_progress(self, done: int, total: int) -> None:
         """Weights read so far, for the startup progress bar: about every 5 %."""
@@ -364,11 +412,13 @@ class _Stage:
 
     def __enter__(self) -> dict:
         self.t0 = time.perf_counter()
-        if self.engine.hooks.active: self.engine.hooks.emit("engine", self.name, BEGIN, **self.details)
+        if self.engine.hooks.active:
+            self.engine.hooks.emit("engine", self.name, BEGIN, **self.details)
         return self.details
 
     def __exit__(self, exc_type, exc, tb) -> None:
         seconds = time.perf_counter() - self.t0
         if exc_type is None:
             self.engine.startup.append((self.name, seconds, self.details))
-        if self.engine.hooks.active: self.engine.hooks.emit("engine", self.name, END, seconds=seconds, ok=exc_type is None, **self.details)
+        if self.engine.hooks.active:
+            self.engine.hooks.emit("engine", self.name, END, seconds=seconds, ok=exc_type is None, **self.details)

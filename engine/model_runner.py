@@ -60,7 +60,19 @@ class ModelRunner:
             qsl.append(qsl[-1] + s.num_tokens)
             tables.append(table)
         inp = self._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
-        if self.hooks.active: self.hooks.emit("model_runner", "batch", step=sched.step, input_ids=input_ids, positions=positions, slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl, block_tables=inp.meta.block_tables.tolist(), request_ids=[s.request.request_id for s in sched.scheduled])
+        if self.hooks.active:
+            self.hooks.emit(
+                "model_runner",
+                "batch",
+                step=sched.step,
+                input_ids=input_ids,
+                positions=positions,
+                slot_mapping=slots,
+                seq_lens=seq_lens,
+                query_start_loc=qsl,
+                block_tables=inp.meta.block_tables.tolist(),
+                request_ids=[s.request.request_id for s in sched.scheduled],
+            )
         return inp
 
     def _model_input(self, input_ids, positions, slots, seq_lens, qsl, tables) -> ModelInput:
@@ -109,9 +121,17 @@ class ModelRunner:
         try:
             logits = self.forward(inp)
         finally:
-            if self._launches: self._publish_launches()
+            if self._launches:
+                self._publish_launches()
         out = self.sampler(logits, [s.request for s in sched.scheduled])
-        if self.hooks.active: self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=[s.request.request_id for s in sched.scheduled])
+        if self.hooks.active:
+            self.hooks.emit(
+                "sampler",
+                "sampled",
+                step=sched.step,
+                token_ids=out.token_ids,
+                request_ids=[s.request.request_id for s in sched.scheduled],
+            )
         return out
 
     @torch.inference_mode()
@@ -134,7 +154,19 @@ class ModelRunner:
 
         def on_launch(rec: instrument.LaunchRecord) -> None:
             launches.append(rec.name)
-            if self.hooks.active: self.hooks.emit("kernel", rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args=rec.args, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, warmup=True)
+            if self.hooks.active:
+                self.hooks.emit(
+                    "kernel",
+                    rec.name,
+                    layer_idx=rec.tags.get("layer"),
+                    grid=list(rec.grid),
+                    meta=rec.meta,
+                    args=rec.args,
+                    duration_ns=rec.duration_ns,
+                    timing=rec.timing,
+                    reason=rec.reason,
+                    warmup=True,
+                )
 
         with instrument.observe(on_launch, access_maps=False, warmup=True):  # no before_launch: nothing to gate here
             for inp in batches:
@@ -172,5 +204,8 @@ class ModelRunner:
     def _publish_launches(self) -> None:
         # Plain data only: viewers recompute a launch's access map from the step's batch event
         recs = self._launches
-        self.hooks.emit_many([("kernel", r.name, INSTANT, None, r.tags.get("step"), {"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args, "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason}) for r in recs], [r.end_ns for r in recs])
+        attrs = [{"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args,
+                  "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason} for r in recs]
+        self.hooks.emit_many([("kernel", r.name, INSTANT, None, r.tags.get("step"), a) for r, a in zip(recs, attrs)],
+                             [r.end_ns for r in recs])
         recs.clear()

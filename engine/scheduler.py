@@ -63,7 +63,10 @@ class Scheduler:
 
     def schedule(self, step: int) -> SchedulerOutput:
         self.block_manager.step = step
-        if self.hooks.active: self.hooks.emit("scheduler", "schedule", BEGIN, step=step, num_waiting=len(self.waiting), num_running=len(self.running))
+        if self.hooks.active:
+            self.hooks.emit(
+                "scheduler", "schedule", BEGIN, step=step, num_waiting=len(self.waiting), num_running=len(self.running)
+            )
         out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens)
         budget = self.config.max_num_batched_tokens
 
@@ -127,7 +130,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
-        if self.hooks.active: self.hooks.emit(SCHEDULER, PREEMPTED, request_id=req.request_id, step=out.step, reason=reason)
+        if self.hooks.active:
+            self.hooks.emit(SCHEDULER, PREEMPTED, request_id=req.request_id, step=out.step, reason=reason)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a finished (or aborted) request and free its blocks."""

@@ -279,7 +279,9 @@ def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, b
         first = qsl[r] // bq + (r if bq > 1 else 0)
         for local in range(triton.cdiv(q_len, bq)):
             end = min((local + 1) * bq, q_len)
-            work.setdefault((first + local) // qbp, []).append((r, qsl[r] + local * bq, qsl[r] + end, seq_len - q_len + end))
+            work.setdefault((first + local) // qbp, []).append(
+                (r, qsl[r] + local * bq, qsl[r] + end, seq_len - q_len + end)
+            )
     out = []
     for x, blocks_of_program in sorted(work.items()):
         # A program runs as many tiles as its longest query block needs.

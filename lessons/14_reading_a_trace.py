@@ -125,7 +125,9 @@ def _body(lesson, tmp: pathlib.Path) -> None:
                  "the export has one async track per request: A, B, C and D")
     lesson.check(sum(1 for e in evs if e["ph"] == "X" and e["tid"] == 1 and e["name"].startswith("step ")) == len(live),
                  f"and one slice per engine step ({len(live)}) on the 'engine steps' thread")
-    lesson.check("vllm:kv_cache_usage_perc" in counters, "KV-cache usage is a counter track, under vLLM V1's metric name")
+    lesson.check(
+        "vllm:kv_cache_usage_perc" in counters, "KV-cache usage is a counter track, under vLLM V1's metric name"
+    )
     lesson.say(
         "**To look at it:** open https://ui.perfetto.dev, click *Open trace file* and pick the `.json` file "
         "(or drag it onto the page); `chrome://tracing` opens it too. Each request is a row with its "

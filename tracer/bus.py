@@ -91,7 +91,9 @@ class EventBus:
             self._next_seq = seq + 1
         finally:
             lock.release()
-        if seq >= self._wake_seq or self._written >= self._wake_bytes:  # set under the lock, so a reader about to wait is seen
+        if (
+            seq >= self._wake_seq or self._written >= self._wake_bytes
+        ):  # set under the lock, so a reader about to wait is seen
             with self._cond:
                 self._cond.notify_all()
 

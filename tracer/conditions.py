@@ -29,7 +29,9 @@ class Condition:
         return self.request_id is None or request_id == self.request_id
 
     def __str__(self) -> str:
-        return self.label or f"{self.layer or '*'}.{self.name or '*'}" + (f":{self.request_id}" if self.request_id else "")
+        return self.label or f"{self.layer or '*'}.{self.name or '*'}" + (
+            f":{self.request_id}" if self.request_id else ""
+        )
 
 
 def on_arrive(request_id: str | None = None) -> Condition:

@@ -11,8 +11,9 @@ the engine thread there (on a ``threading.Condition``) when it should stop:
 
 A finer granularity also stops at the coarser points, so "step kernel" still stops at the
 next phase when a step launches no kernel. ``step_end`` exists so that a breakpoint hit late
-in a step (a request finishing) stops the engine in that step, even if it was the last one. Breakpoints and run-until match *events* (which
-may come from any thread: a request arriving over HTTP is not the engine thread), so a match
+in a step (a request finishing) stops the engine in that step, even if it was the last one.
+Breakpoints and run-until match *events* (which may come from any thread: a request arriving
+over HTTP is not the engine thread), so a match
 only marks a hit and the engine stops at its next control point; a kernel-name breakpoint is
 also matched at the kernel gate itself, to stop before that launch. Adding requests is never
 gated: while the engine is held, new requests still arrive and wait.
@@ -195,10 +196,12 @@ class StepController:
             gen = self._release_gen
             self._cond.notify_all()
         details = {k: v for k, v in info.items() if k != "step"}  # nested: a kernel's info has a "name"
-        if self.hooks.active: self.hooks.emit(TRACER, PAUSED, step=info.get("step"), point=point, reason=reason, info=details, gen=gen)
+        if self.hooks.active:
+            self.hooks.emit(TRACER, PAUSED, step=info.get("step"), point=point, reason=reason, info=details, gen=gen)
         with self.hooks.gate_wait(), self._cond:  # parked: the engine lock is free meanwhile
             self._cond.wait_for(lambda: self._release_gen != gen or self._closed)
-        if self.hooks.active: self.hooks.emit(TRACER, RESUMED, step=info.get("step"), point=point)
+        if self.hooks.active:
+            self.hooks.emit(TRACER, RESUMED, step=info.get("step"), point=point)
 
     def _stop_reason(self, point: str, info: dict) -> str | None:  # holding self._cond
         level = POINT_LEVEL.get(point, 2)

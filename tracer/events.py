@@ -46,8 +46,16 @@ class Event:
     attrs: dict | None = None
 
     def to_dict(self) -> dict:
-        return {"seq": self.seq, "ts_ns": self.ts_ns, "layer": self.layer, "name": self.name, "kind": self.kind,
-                "request_id": self.request_id, "step": self.step, "attrs": json_safe(self.attrs) if self.attrs else None}
+        return {
+            "seq": self.seq,
+            "ts_ns": self.ts_ns,
+            "layer": self.layer,
+            "name": self.name,
+            "kind": self.kind,
+            "request_id": self.request_id,
+            "step": self.step,
+            "attrs": json_safe(self.attrs) if self.attrs else None,
+        }
 
     def to_json(self) -> str:
         return self.to_json_line()[:-1].decode()

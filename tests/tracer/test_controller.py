@@ -199,8 +199,14 @@ def test_step_kernel_and_kernel_breakpoint():
             ctl.step(1, "kernel")
             s = ctl.wait_until_paused(T)
             stops.append((s.point, s.info.get("name"), s.info.get("layer")))
-        assert stops == [("execute", None, None), ("kernel", "reshape_and_cache", 0), ("kernel", "unified_attention", 0),
-                         ("kernel", "reshape_and_cache", 1), ("kernel", "unified_attention", 1), ("postprocess", None, None)]
+        assert stops == [
+            ("execute", None, None),
+            ("kernel", "reshape_and_cache", 0),
+            ("kernel", "unified_attention", 0),
+            ("kernel", "reshape_and_cache", 1),
+            ("kernel", "unified_attention", 1),
+            ("postprocess", None, None),
+        ]
         ctl.add_breakpoint(on_kernel("unified_attention"))
         ctl.resume()
         s = ctl.wait_until_paused(T)  # before the launch, in the next step

@@ -67,7 +67,9 @@ def test_the_bus_holds_each_event_as_its_trace_line():
     through json_safe. Readers get what a replay of the file would give them."""
     bus = EventBus(clock=iter(range(10, 10**6, 10)).__next__)  # starts at 10
     bus.publish("engine", "step", "begin", step=0)
-    bus.publish("sampler", "sampled", step=0, attrs={"t": torch.tensor([1, 2]), "s": {3}, "k": {4: "x"}, "shape": (2, 3)})
+    bus.publish(
+        "sampler", "sampled", step=0, attrs={"t": torch.tensor([1, 2]), "s": {3}, "k": {4: "x"}, "shape": (2, 3)}
+    )
     bus.publish("engine", "step", "end", step=0, attrs={})
     lines, missed, end = bus.read_lines(0)
     assert (missed, end) == (0, 3) and all(isinstance(x, bytes) and x.endswith(b"\n") for x in lines)

@@ -54,7 +54,9 @@ DEATH_GRACE_S = 2.0  # after the engine core died: seconds /health and new reque
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="tiny-gpt2 (built in, offline), a Hugging Face name such as gpt2, or a local directory")
+    p.add_argument(
+        "model", help="tiny-gpt2 (built in, offline), a Hugging Face name such as gpt2, or a local directory"
+    )
     h = p.add_argument_group("http server")
     h.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network, where trace "
@@ -331,7 +333,8 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
 
     ready = asyncio.Event()
     t_http = time.perf_counter()
-    if hooks.active: hooks.emit("cli", "http_ready", BEGIN, host=args.host, port=sock.getsockname()[1])
+    if hooks.active:
+        hooks.emit("cli", "http_ready", BEGIN, host=args.host, port=sock.getsockname()[1])
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -390,8 +393,19 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
         return 1
     url = _url(args.host, sock.getsockname()[1])
     _stage("http_ready", time.perf_counter() - t_http, f"{url} (uvicorn + engine loop)")
-    if hooks.active: hooks.emit("cli", "http_ready", END, seconds=time.perf_counter() - t_http, url=url)
-    if hooks.active: hooks.emit("cli", "serve", BEGIN, model=args.model, served_model_name=name, host=args.host, port=sock.getsockname()[1], url=url)
+    if hooks.active:
+        hooks.emit("cli", "http_ready", END, seconds=time.perf_counter() - t_http, url=url)
+    if hooks.active:
+        hooks.emit(
+            "cli",
+            "serve",
+            BEGIN,
+            model=args.model,
+            served_model_name=name,
+            host=args.host,
+            port=sock.getsockname()[1],
+            url=url,
+        )
     _banner(args, name, url, control_refusal(args.host, args.api_key), session)
     web = None
     if args.web_port is not None:
@@ -411,7 +425,8 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
             await web.stop()
     if tui is not None:
         print(tui.summary(args.trace_file), file=sys.stderr)
-    if hooks.active: hooks.emit("cli", "serve", END)
+    if hooks.active:
+        hooks.emit("cli", "serve", END)
     if died:
         print(f"vllm-trace serve: stopped because the {died[0]}", file=sys.stderr)
         return 1
