@@ -35,6 +35,7 @@ import sys
 import time
 
 from tracer.commands.engine_args import add_engine_args, llm_kwargs
+from tracer.errors import UserError
 
 DRAIN_GRACE = 5.0  # s after the drain deadline: the cut responses send their error event and [DONE]
 
@@ -151,7 +152,6 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        from tracer.cli import UserError
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror} (another server running? try --port)") from None
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -186,7 +186,6 @@ async def start_core(args, config, hooks, session, on_dead, core_proc=None):
     (UserError), not a hang."""
     from engine.async_llm import AsyncLLM
     from engine.core_client import EngineStartupError
-    from tracer.cli import UserError
 
     options = session.core_options() if session is not None else {"trace": True}  # stages: shipped during startup
     async_llm = AsyncLLM(config, hooks, drain_timeout=args.drain_timeout, core_options=options, on_dead=on_dead,
