@@ -192,7 +192,7 @@ class LLMEngine:
         if req is None or req.status.finished:
             return
         req.stop_reason = stop_reason
-        self.scheduler.finish(req, status)
+        self.scheduler.finish_requests(req, status)
         if not self.hooks.active:
             return
         if status is RequestStatus.FINISHED_ABORTED:
@@ -216,7 +216,7 @@ class LLMEngine:
         return self.model_runner.held_attention_on_triton()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished_requests()
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -265,7 +265,7 @@ class LLMEngine:
                     self.hooks.emit_many(traced)
                     traced = []
                 req.finished_time = now
-                self.scheduler.finish(req, status)
+                self.scheduler.finish_requests(req, status)
                 self.requests.pop(req.request_id, None)
                 if self.hooks.active:
                     # no text behind an EngineCore: the front end detokenizes (after this event)
@@ -377,6 +377,7 @@ class LLMEngine:
             snap |= {
                 "step": sched.step, "token_budget": sched.token_budget,
                 "num_scheduled_tokens": sched.num_scheduled_tokens,
+                "total_num_scheduled_tokens": sched.total_num_scheduled_tokens,
                 "scheduled": [{"request_id": s.request.request_id, "num_tokens": s.num_tokens,
                                "num_computed_before": s.num_computed_before,
                                "kind": "prefill" if s.is_prefill else "decode"} for s in sched.scheduled],
@@ -390,7 +391,8 @@ class LLMEngine:
         snap = self.snapshot(sched)
         del snap["step"]  # the event's own step field carries it
         h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **snap)
-        h.emit("scheduler", "schedule", END, step=sched.step, num_scheduled_tokens=snap["num_scheduled_tokens"])
+        h.emit("scheduler", "schedule", END, step=sched.step,
+               total_num_scheduled_tokens=snap["total_num_scheduled_tokens"])
         if h.gated:
             h.gate("execute", step=sched.step)
 

@@ -38,7 +38,12 @@ class SchedulerOutput:
     token_budget: int = 0
 
     @property
-    def num_scheduled_tokens(self) -> int:
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """Request id -> tokens computed for it this step (vLLM V1's name and shape)."""
+        return {s.request.request_id: s.num_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
     @property
@@ -58,7 +63,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def has_unfinished(self) -> bool:
+    def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self, step: int) -> SchedulerOutput:
@@ -133,8 +138,9 @@ class Scheduler:
         if self.hooks.active:
             self.hooks.emit(SCHEDULER, PREEMPTED, request_id=req.request_id, step=out.step, reason=reason)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Remove a finished (or aborted) request and free its blocks."""
+    def finish_requests(self, req: Request, status: RequestStatus) -> None:
+        """Remove a finished (or aborted) request and free its blocks. (V1's takes request ids: its
+        scheduler keeps an id -> request map, ours leaves that to the engine.)"""
         req.status = status
         if req in self.running:
             self.running.remove(req)

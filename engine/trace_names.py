@@ -15,6 +15,8 @@ LAYERS = (CLI, HTTP, API, TOKENIZER, IPC, ENGINE, SCHEDULER, BLOCK_MANAGER, MODE
 # where each runs with the engine core in its own process (in one process: all here)
 FRONTEND_LAYERS = frozenset({CLI, HTTP, API, TOKENIZER, DETOKENIZER})
 
+# the scheduler's step: begin, snapshot (the queues and the batch), end
+SCHEDULE = "schedule"
 # request lifecycle (engine, scheduler)
 QUEUED, SCHEDULED, PREEMPTED, FINISHED, ABORTED = "QUEUED", "SCHEDULED", "PREEMPTED", "FINISHED", "ABORTED"
 NEW_TOKENS = "NEW_TOKENS"  # detokenizer

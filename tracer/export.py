@@ -153,7 +153,8 @@ def to_chrome_trace(header: dict, events: list[Event]) -> dict:
 def _step_slices(b: _Builder, step: int, begin: int, end: int, marks: dict) -> None:
     snap = marks.get("snapshot", {})
     batch = marks.get("batch", (None, {}))[1]
-    args = {k: snap.get(k) for k in ("scheduled", "num_scheduled_tokens", "token_budget", "admitted", "preempted")}
+    keys = ("scheduled", "num_scheduled_tokens", "total_num_scheduled_tokens", "token_budget", "admitted", "preempted")
+    args = {k: snap.get(k) for k in keys}
     args["batch"] = batch
     b.x(STEPS_TID, f"step {step}", begin, end, args)
     sched_end = marks.get(END, marks.get(SNAPSHOT))

@@ -50,7 +50,7 @@ def batch_table(frame: Frame) -> Group | Text:
         table.append(f"{sch['num_tokens']:>6} {sch['num_computed_before']:>6}  "
                      f"{sch['num_computed_before'] + sch['num_tokens']}/{total}\n")
     table.rstrip()
-    used, budget = snap.get("num_scheduled_tokens", 0), snap.get("token_budget", 0)
+    used, budget = snap.get("total_num_scheduled_tokens", 0), snap.get("token_budget", 0)
     n = len(snap.get("scheduled", []))
     head = Text.assemble((f"step {s.step}", "bold"), f"  batch of {n} request{'' if n == 1 else 's'}, ",
                          (f"{used}", "bold"), f"/{budget} tokens of the budget")
