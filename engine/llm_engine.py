@@ -220,6 +220,16 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule, execute (unless nothing was scheduled), postprocess.
+
+        Returns an output per request that got a token this step: RequestOutput when
+        detokenizing (with output_kind "final_only": only finished requests), else
+        EngineCoreOutput. Changes: the scheduler's queues and block tables, the KV cache, each
+        scheduled request's num_computed_tokens, tokens, text and logprobs; finished requests
+        are removed and their blocks freed; step_count + 1. Hooks: engine/step begin and end
+        (with stats), SCHEDULED per admitted request, the schedule snapshot and end, all that
+        schedule() and execute() emit, NEW_TOKENS and FINISHED per request; when gated, the
+        step, execute, postprocess and step_end gates."""
         if self.hooks.gated:
             self.hooks.gate("step", step=self.step_count)
         if self.hooks.active:

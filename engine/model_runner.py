@@ -30,6 +30,11 @@ class ModelInput:
 
 
 class ModelRunner:
+    """Runs a scheduled batch through the model: flattens it into one token list with its
+    paged-attention metadata (positions, slot_mapping, seq_lens, query_start_loc, block_tables),
+    runs the forward pass over the KV caches it was given and samples one token per request. It
+    holds no request state: the scheduler decides what runs, the engine applies the result."""
+
     def __init__(self, model: GPT2Model, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None):
         self.model = model
         self.kv_caches = kv_caches
@@ -99,6 +104,14 @@ class ModelRunner:
                           logits_indices=tensor(i64[3 * T:]), all_last=T == n)
 
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """One forward pass and sampling for a non-empty SchedulerOutput.
+
+        Returns one sampled token (with logprobs and ranks when asked for) per scheduled request,
+        in ``sched.scheduled`` order; a prefill chunk that does not end its prompt gets one too,
+        which the engine discards. Changes: writes the batch's keys and values into the KV cache
+        at slot_mapping, nothing else. Hooks (when active): model_runner/batch, one kernel event
+        per Triton launch (published after the forward pass, or before a gate holds the engine),
+        sampler/sampled; when gated as the step starts, a kernel gate before each launch."""
         inp = self.prepare_inputs(sched)
         if not self.hooks.active:
             return self._run(sched, inp)

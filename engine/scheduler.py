@@ -52,6 +52,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """Decides each step's batch under one token budget (vLLM V1: no prefill or decode phases).
+
+    Owns the ``waiting`` queue and the ``running`` list. Running requests go first, then waiting
+    ones, first come first served; when the BlockManager has no free block for a running request,
+    the most recently admitted one is preempted (recompute: its blocks are freed and it goes back
+    to the front of ``waiting``). It moves token counts only: the ModelRunner computes them and
+    the engine applies the results."""
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, hooks: Hooks | None = None):
         self.config = config
         self.block_manager = block_manager
@@ -67,6 +75,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, step: int) -> SchedulerOutput:
+        """This step's batch, within max_num_batched_tokens and max_num_seqs.
+
+        Takes the step number (for the trace). Returns the scheduled requests, each with how many
+        tokens it computes from which position, and who was admitted, preempted or left waiting
+        (and why). Changes: allocates KV blocks (prefix-cache hits on admission), moves admitted
+        requests from waiting to running and preempted ones back to waiting with
+        num_computed_tokens 0; it does not advance num_computed_tokens (the engine does, after
+        the step ran). Hooks: scheduler/schedule begin, PREEMPTED per preemption, the block
+        manager's cache_hit/cache_miss, allocate, evict and free. The schedule's snapshot and end
+        event come from LLMEngine after it returns."""
         self.block_manager.step = step
         if self.hooks.active:
             self.hooks.emit(
