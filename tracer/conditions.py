@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.trace_names import ABORTED, ENGINE, FINISHED, PREEMPTED, QUEUED, SCHEDULER
+from engine.trace_names import ABORTED, ENGINE, FINISHED, KERNEL, PREEMPTED, QUEUED, SCHEDULER
 from tracer.events import LAYERS
 
 
@@ -57,7 +57,7 @@ def on_layer(layer: str) -> Condition:
 
 
 def on_kernel(name: str | None = None) -> Condition:
-    return Condition("kernel", name, label=_label("kernel", name))
+    return Condition(KERNEL, name, label=_label("kernel", name))
 
 
 def on_event(layer: str, name: str) -> Condition:

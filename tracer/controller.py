@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.hooks import Hooks
-from engine.trace_names import PAUSED, RESUMED, TRACER
+from engine.trace_names import KERNEL, PAUSED, RESUMED, TRACER
 from tracer.conditions import Condition
 
 GRANULARITIES = {"step": 0, "phase": 1, "kernel": 2}
@@ -207,7 +207,7 @@ class StepController:
         level = POINT_LEVEL.get(point, 2)
         if point == "kernel":
             self._kernel_gates = True
-            reason = self._match(("kernel", info.get("name", ""), None))
+            reason = self._match((KERNEL, info.get("name", ""), None))
             if reason:
                 return reason
         if self._hit is not None:
@@ -223,9 +223,9 @@ class StepController:
         return None
 
     def _on_event(self, layer: str, name: str, kind: str, request_id, step, attrs) -> None:
-        if not (self._breakpoints or self._until) or layer == "tracer":
+        if not (self._breakpoints or self._until) or layer == TRACER:
             return
-        if layer == "kernel" and self._kernel_gates:
+        if layer == KERNEL and self._kernel_gates:
             return  # already matched before the launch, at its gate
         with self._cond:
             reason = self._match((layer, name, request_id))

@@ -174,9 +174,9 @@ def build_engine(config, hooks):
 
 def _print_stage(layer, name, kind, request_id, step, attrs) -> None:
     from engine.hooks import END
-    from engine.trace_names import CORE_HANDSHAKE, CORE_PROCESS_START
+    from engine.trace_names import CORE_HANDSHAKE, CORE_PROCESS_START, ENGINE
 
-    if kind == END and "seconds" in attrs and (layer == "engine" or name in (CORE_PROCESS_START, CORE_HANDSHAKE)):
+    if kind == END and "seconds" in attrs and (layer == ENGINE or name in (CORE_PROCESS_START, CORE_HANDSHAKE)):
         _stage(name, attrs["seconds"], _fmt_details(name, attrs))
 
 
