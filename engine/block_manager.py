@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from engine.hooks import Hooks
 from engine.request import Request
+from engine.trace_names import ALLOCATE, BLOCK_MANAGER, CACHE_HIT, CACHE_MISS, EVICT, FREE
 
 
 @dataclass
@@ -94,8 +95,8 @@ class BlockManager:
         self.prefix_cache_hits += len(hits) * bs
         if self.hooks.active:
             self.hooks.emit(
-                "block_manager",
-                "cache_hit" if hits else "cache_miss",
+                BLOCK_MANAGER,
+                CACHE_HIT if hits else CACHE_MISS,
                 request_id=req.request_id,
                 step=self.step,
                 block_ids=hits,
@@ -129,8 +130,8 @@ class BlockManager:
             req.block_ids.extend(new)
             if new and self.hooks.active:
                 self.hooks.emit(
-                    "block_manager",
-                    "allocate",
+                    BLOCK_MANAGER,
+                    ALLOCATE,
                     request_id=req.request_id,
                     step=self.step,
                     block_ids=new,
@@ -148,7 +149,7 @@ class BlockManager:
             if self.cached.get(block.hash) == bid:
                 del self.cached[block.hash]
             if self.hooks.active:
-                self.hooks.emit("block_manager", "evict", step=self.step, block_ids=[bid])
+                self.hooks.emit(BLOCK_MANAGER, EVICT, step=self.step, block_ids=[bid])
             block.hash = block.token_ids = None
         block.ref_cnt = 1
         return bid
@@ -177,7 +178,7 @@ class BlockManager:
                     self.free.move_to_end(bid, last=False)
                 freed.append(bid)
         if self.hooks.active:
-            self.hooks.emit("block_manager", "free", request_id=req.request_id, step=self.step, block_ids=freed)
+            self.hooks.emit(BLOCK_MANAGER, FREE, request_id=req.request_id, step=self.step, block_ids=freed)
         req.block_ids = []
         req.num_cached_blocks = 0
 
@@ -192,7 +193,7 @@ class BlockManager:
         for block in self.blocks:
             block.hash = block.token_ids = None
         if self.hooks.active:
-            self.hooks.emit("block_manager", "reset_prefix_cache", step=self.step, num_blocks=dropped)
+            self.hooks.emit(BLOCK_MANAGER, "reset_prefix_cache", step=self.step, num_blocks=dropped)
         return True
 
     def usage(self) -> float:

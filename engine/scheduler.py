@@ -17,7 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.hooks import BEGIN, Hooks
 from engine.request import Request, RequestStatus
-from engine.trace_names import PREEMPTED, SCHEDULER
+from engine.trace_names import PREEMPTED, SCHEDULE, SCHEDULER
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Scheduler:
         self.block_manager.step = step
         if self.hooks.active:
             self.hooks.emit(
-                "scheduler", "schedule", BEGIN, step=step, num_waiting=len(self.waiting), num_running=len(self.running)
+                SCHEDULER, SCHEDULE, BEGIN, step=step, num_waiting=len(self.waiting), num_running=len(self.running)
             )
         out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens)
         budget = self.config.max_num_batched_tokens

@@ -38,6 +38,7 @@ from engine.server.serving import (
     until_disconnected,
 )
 from engine.server.state import ServerState
+from engine.trace_names import API, HTTP
 
 log = logging.getLogger(__name__)
 PATH = "POST /v1/chat/completions"
@@ -78,7 +79,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     rid, hooks = new_request_id("chatcmpl"), state.hooks
     if hooks.active:
         hooks.emit(
-            "http", PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host
+            HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host
         )
     try:
         state.check_model(body.model)
@@ -88,7 +89,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         prompt = await chat_prompt(state, body.messages, body.add_generation_prompt)
         if hooks.active:
             hooks.emit(
-                "api",
+                API,
                 "chat_request",
                 request_id=rid,
                 prompt=prompt,
@@ -99,7 +100,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         [stream] = await submit(state, [rid], [prompt], params)
     except APIError as e:
         if hooks.active:
-            hooks.emit("http", PATH, END, request_id=rid, status=e.status, error=e.message)
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=e.status, error=e.message)
         raise
     ctx = _Ctx(state, body, rid, params.stop_strs)
     if body.stream:
@@ -107,11 +108,11 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
     final = await until_disconnected(request, ctx.collect(stream))
     if final is None:  # the client left; the request was aborted
         if hooks.active:
-            hooks.emit("http", PATH, END, request_id=rid, status=499, disconnected=True)
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=499, disconnected=True)
         return Response(status_code=499)
     resp = ctx.response(final)
     if hooks.active:
-        hooks.emit("http", PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
+        hooks.emit(HTTP, PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
     return JSONResponse(resp.model_dump())
 
 
@@ -161,7 +162,7 @@ class _Ctx:
                     continue  # nothing new to say (a held-back or partial character)
                 reason = c.finish_reason if out.finished else None
                 if hooks.active:
-                    hooks.emit("api", "sse_chunk", request_id=self.rid, text=text, finish_reason=reason)
+                    hooks.emit(API, "sse_chunk", request_id=self.rid, text=text, finish_reason=reason)
                 chunks += 1
                 yield self._chunk(DeltaMessage(content=text), lp, reason)
             opts = self.body.stream_options
@@ -179,7 +180,7 @@ class _Ctx:
         finally:
             if hooks.active:
                 hooks.emit(
-                    "http", PATH, END, request_id=self.rid, status=200, chunks=chunks, complete=final is not None
+                    HTTP, PATH, END, request_id=self.rid, status=200, chunks=chunks, complete=final is not None
                 )
         yield SSE_DONE
 

@@ -36,6 +36,7 @@ from engine.server.serving import (
     until_disconnected,
 )
 from engine.server.state import ServerState
+from engine.trace_names import API, HTTP
 
 log = logging.getLogger(__name__)
 PATH = "POST /v1/completions"
@@ -70,7 +71,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
     rid, hooks = new_request_id("cmpl"), state.hooks
     if hooks.active:
         hooks.emit(
-            "http", PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host
+            HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host
         )
     try:
         state.check_model(body.model)
@@ -82,7 +83,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         if hooks.active:
             hooks.emit(
-                "api",
+                API,
                 "completion_request",
                 request_id=rid,
                 request_ids=ids,
@@ -93,7 +94,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
         streams = await submit(state, ids, prompts, params)
     except APIError as e:
         if hooks.active:
-            hooks.emit("http", PATH, END, request_id=rid, status=e.status, error=e.message)
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=e.status, error=e.message)
         raise
     ctx = _Ctx(state, body, rid, ids, params.stop_strs)
     if body.stream:
@@ -101,11 +102,11 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
     finals = await until_disconnected(request, ctx.collect(streams))
     if finals is None:  # the client left; its requests were aborted and nobody reads this
         if hooks.active:
-            hooks.emit("http", PATH, END, request_id=rid, status=499, disconnected=True)
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=499, disconnected=True)
         return Response(status_code=499)
     resp = ctx.response(finals)
     if hooks.active:
-        hooks.emit("http", PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
+        hooks.emit(HTTP, PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
     return JSONResponse(resp.model_dump())
 
 
@@ -163,7 +164,7 @@ class _Ctx:
         finally:
             if hooks.active:
                 hooks.emit(
-                    "http",
+                    HTTP,
                     PATH,
                     END,
                     request_id=self.rid,
@@ -197,7 +198,7 @@ class _Ctx:
                                       finish_reason=c.finish_reason if out.finished else None,
                                       stop_reason=c.stop_reason if out.finished else None)
             if hooks.active:
-                hooks.emit("api", "sse_chunk", request_id=self.ids[i], text=text, finish_reason=choice.finish_reason)
+                hooks.emit(API, "sse_chunk", request_id=self.ids[i], text=text, finish_reason=choice.finish_reason)
             self.chunks += 1
             yield sse(CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
                                          choices=[choice]))
