@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo lint test bench clean
 
 $(BIN)/vllm-trace: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ setup: $(BIN)/vllm-trace
 
 demo: setup  ## the TUI on the built-in offline model (send requests from a second terminal)
 	$(BIN)/vllm-trace serve tiny-gpt2
+
+lint: setup  ## ruff: line length, pyflakes, import order (configured in pyproject.toml)
+	$(BIN)/ruff check .
 
 test: setup  ## the whole test suite
 	$(BIN)/python -m pytest

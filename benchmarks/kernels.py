@@ -18,11 +18,13 @@ from pathlib import Path
 # (sys.path[0]) would otherwise shadow the kernels package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-import kernels  # noqa: E402  (sets TRITON_INTERPRET before triton decorates anything)
-import triton  # noqa: E402
-from kernels import instrument  # noqa: E402
+# isort: off
+import kernels  # first: it sets TRITON_INTERPRET before triton decorates anything
+import triton
+# isort: on
+from kernels import instrument
 
 DEVICE = "cuda" if torch.cuda.is_available() and not kernels.INTERPRETED else "cpu"
 # Peak DRAM bandwidth in GB/s, by substring of torch.cuda.get_device_name().
@@ -188,7 +190,8 @@ def main():
 
     lines = [
         f"Device: **{device}**; model shape: {HEADS} heads x {HEAD_SIZE}, block size {BLOCK}, "
-        f"{'fp16' if DEVICE == 'cuda' else 'fp32'}. Times are the fastest of {args.reps} runs, in ms per launch; {args.threads} torch thread(s).",
+        f"{'fp16' if DEVICE == 'cuda' else 'fp32'}. Times are the fastest of {args.reps} runs, in ms per launch; "
+        f"{args.threads} torch thread(s).",
         "",
         "| batch | grid | attention (Triton) | attention (ref) | cache write (Triton) | cache write (ref) | "
         + ("decode bandwidth |" if DEVICE == "cuda" else "Triton attention / cache write, process CPU time |"),

@@ -94,8 +94,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm_path = str(LLM(args.model, num_kv_blocks=2).llm_engine.model_path)
-    from engine.model_loader import read_config
     from pathlib import Path
+
+    from engine.model_loader import read_config
     cfg = read_config(Path(llm_path))
     work = make_workload(args.num_requests, vocab_size=cfg.vocab_size, seed=args.seed)
     print(f"model {args.model} ({cfg.n_layer} layers, {cfg.n_embd} wide), {len(work)} requests, "

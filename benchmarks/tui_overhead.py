@@ -102,7 +102,9 @@ def main() -> None:
                     help="a model name or path; gpt2-shaped: GPT-2 small's size, random weights, built locally")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (engine default if unset)")
+    ap.add_argument(
+        "--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (engine default if unset)"
+    )
     ap.add_argument("--min-tokens", type=int, default=96, help="output tokens per request, at least")
     ap.add_argument("--max-tokens", type=int, default=160, help="output tokens per request, at most")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")

@@ -17,8 +17,8 @@ a thread of its own as under serve) against `vllm-trace serve --no-tui --no-trac
 subprocess: the API server and its engine core, CPU read from /proc for both) answering 64
 streaming HTTP clients that run here, same workload. target: offline / serve >= 0.85
 (CPU per token; higher means serve costs less extra). The same server with
---no-multiprocessing is measured beside it: what the process boundary itself costs. The clients compete for the same cores:
-wall-clock tokens/s of both are printed too.
+--no-multiprocessing is measured beside it: what the process boundary itself costs. The clients
+compete for the same cores: wall-clock tokens/s of both are printed too.
 """
 from __future__ import annotations
 
@@ -141,8 +141,8 @@ async def part1(args, workload) -> None:
 def spawn_serve(model: str, threads: int, *flags: str) -> tuple[subprocess.Popen, str, int | None]:
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen([sys.executable, "-m", "tracer.cli", "serve", model, "--port", "0", "--no-tui",
-                             "--no-trace", *flags], cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=env)
+                             "--no-trace", *flags], cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True, env=env)
     core = None
     for line in proc.stderr:
         m = re.search(r"engine core pid (\d+)", line)
@@ -197,7 +197,8 @@ async def part2(args, workload) -> None:
         for rep in range(args.reps):
             off = offline_run(args.model, workload, llm)
             per_off = off["cpu"] / off["tokens"]
-            line = f"rep {rep}: offline {off['tokens'] / off['seconds']:7.1f} tokens/s, {per_off * 1e3:.3f} CPU-ms/token"
+            line = (f"rep {rep}: offline {off['tokens'] / off['seconds']:7.1f} tokens/s, "
+                    f"{per_off * 1e3:.3f} CPU-ms/token")
             for mode, (proc, url, core) in servers.items():
                 cpu0 = [proc_cpu(pid) for pid in (proc.pid, core) if pid]
                 t0 = time.perf_counter()
@@ -216,7 +217,8 @@ async def part2(args, workload) -> None:
             proc.wait(30)
     print(f"\npart 2: CPU per output token, offline LLM.generate / serve, {args.requests} streaming HTTP clients:")
     for mode, values in ratios.items():
-        target = "   (target >= 0.85)" if mode == "two processes" else "   (for comparison: the same server, one process)"
+        target = ("   (target >= 0.85)" if mode == "two processes"
+                  else "   (for comparison: the same server, one process)")
         print(f"  {mode:<14} median {statistics.median(values):.3f}{target}")
 
 

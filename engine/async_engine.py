@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
-from engine.core import EngineClosedError, EngineCore, PendingAdd
+from engine.core import EngineClosedError as EngineClosedError  # re-exported: engine.server imports it from here
+from engine.core import EngineCore, PendingAdd
 from engine.hooks import Hooks
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput

@@ -46,12 +46,23 @@ from engine.core_client import HANDSHAKE_TIMEOUT_S, MPClient
 from engine.core_types import EngineCoreOutputs, EngineCoreRequest
 from engine.hooks import BEGIN, END, Hooks
 from engine.model_loader import resolve
-from engine.outputs import EngineStats, RequestOutput
 from engine.output_processor import OutputProcessor
+from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from engine.trace_names import (CLI, CORE_DIED, CORE_HANDSHAKE, CORE_PROCESS_START, IPC, IPC_RECV, IPC_SEND, PAUSED,
-                                RESUMED, TOKENIZER, TRACER)
+from engine.trace_names import (
+    CLI,
+    CORE_DIED,
+    CORE_HANDSHAKE,
+    CORE_PROCESS_START,
+    IPC,
+    IPC_RECV,
+    IPC_SEND,
+    PAUSED,
+    RESUMED,
+    TOKENIZER,
+    TRACER,
+)
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from engine.hooks import Hooks
 from engine.request import Request
+from engine.trace_names import ALLOCATE, BLOCK_MANAGER, CACHE_HIT, CACHE_MISS, EVICT, FREE
 
 
 @dataclass
@@ -92,7 +93,16 @@ class BlockManager:
             hits.append(bid)
         self.prefix_cache_queries += req.num_tokens
         self.prefix_cache_hits += len(hits) * bs
-        if self.hooks.active: self.hooks.emit("block_manager", "cache_hit" if hits else "cache_miss", request_id=req.request_id, step=self.step, block_ids=hits, hit_tokens=len(hits) * bs, query_tokens=req.num_tokens)
+        if self.hooks.active:
+            self.hooks.emit(
+                BLOCK_MANAGER,
+                CACHE_HIT if hits else CACHE_MISS,
+                request_id=req.request_id,
+                step=self.step,
+                block_ids=hits,
+                hit_tokens=len(hits) * bs,
+                query_tokens=req.num_tokens,
+            )
         return hits
 
     # ---- allocation ---------------------------------------------------------------------
@@ -118,7 +128,15 @@ class BlockManager:
                 req.block_ids.append(bid)
             new = [self.take_free_block() for _ in range(self.blocks_needed(total) - len(req.block_ids))]
             req.block_ids.extend(new)
-            if new and self.hooks.active: self.hooks.emit("block_manager", "allocate", request_id=req.request_id, step=self.step, block_ids=new, block_table=list(req.block_ids))
+            if new and self.hooks.active:
+                self.hooks.emit(
+                    BLOCK_MANAGER,
+                    ALLOCATE,
+                    request_id=req.request_id,
+                    step=self.step,
+                    block_ids=new,
+                    block_table=list(req.block_ids),
+                )
         if self.enable_prefix_caching and total // bs > req.num_cached_blocks:
             self.cache_full_blocks(req, total // bs)
         return True
@@ -130,7 +148,8 @@ class BlockManager:
         if block.hash is not None:  # its old contents leave the prefix cache now
             if self.cached.get(block.hash) == bid:
                 del self.cached[block.hash]
-            if self.hooks.active: self.hooks.emit("block_manager", "evict", step=self.step, block_ids=[bid])
+            if self.hooks.active:
+                self.hooks.emit(BLOCK_MANAGER, EVICT, step=self.step, block_ids=[bid])
             block.hash = block.token_ids = None
         block.ref_cnt = 1
         return bid
@@ -158,7 +177,8 @@ class BlockManager:
                 if block.hash is None:
                     self.free.move_to_end(bid, last=False)
                 freed.append(bid)
-        if self.hooks.active: self.hooks.emit("block_manager", "free", request_id=req.request_id, step=self.step, block_ids=freed)
+        if self.hooks.active:
+            self.hooks.emit(BLOCK_MANAGER, FREE, request_id=req.request_id, step=self.step, block_ids=freed)
         req.block_ids = []
         req.num_cached_blocks = 0
 
@@ -173,7 +193,7 @@ class BlockManager:
         for block in self.blocks:
             block.hash = block.token_ids = None
         if self.hooks.active:
-            self.hooks.emit("block_manager", "reset_prefix_cache", step=self.step, num_blocks=dropped)
+            self.hooks.emit(BLOCK_MANAGER, "reset_prefix_cache", step=self.step, num_blocks=dropped)
         return True
 
     def usage(self) -> float:

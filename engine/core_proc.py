@@ -9,9 +9,9 @@ Three threads, so that socket work overlaps the step:
 The process is a fresh interpreter (``python -m engine.core_proc``, its arguments pickled on
 stdin; fork with live threads and torch is unsafe). It connects to the two sockets the front
 end bound, builds the engine (its startup stages are traced and shipped live), then answers
-the handshake with num_blocks, block_size and max_model_len. It never outlives the front end: PR_SET_PDEATHSIG (Linux) kills it when
-its parent dies, even by SIGKILL, and a watcher thread exits if the parent pid changes
-(other systems, or a parent whose launching thread ended first).
+the handshake with num_blocks, block_size and max_model_len. It never outlives the front end:
+PR_SET_PDEATHSIG (Linux) kills it when its parent dies, even by SIGKILL, and a watcher thread
+exits if the parent pid changes (other systems, or a parent whose launching thread ended first).
 """
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core import EngineClosedError, EngineCore, PendingAdd
-from engine.core_types import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
-                               UtilityCall)
+from engine.core_types import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall
 from engine.hooks import Hooks
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams

@@ -1,12 +1,14 @@
 """The engine's observation points: a tiny hook API the tracer subscribes to.
 
-Engine code writes one line per trace point::
+Engine code guards each trace point, with the call on its own lines (or in a ``_trace_*``
+helper), and names layers and events from ``engine.trace_names``::
 
-    if self.hooks.active: self.hooks.emit("scheduler", "SCHEDULED", request_id=rid, step=s, tokens=n)
+    if self.hooks.active:
+        self.hooks.emit(SCHEDULER, SCHEDULED, request_id=rid, step=s, tokens=n)
 
 so the cost when nobody listens is one attribute check. ``gate`` is where a step controller
 may hold the engine (between steps, between schedule and execute, before a kernel launch);
-engine code calls it as ``if self.hooks.gated: self.hooks.gate(...)``, so a running engine
+engine code calls it after ``if self.hooks.gated:``, so a running engine
 makes no gate calls while nobody could stop it.
 The engine knows nothing of who listens.
 """

@@ -81,7 +81,9 @@ class LLM:
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params must be one or one per prompt ({len(prompts)}), got {len(params)}")
         # As vLLM's LLM: only finished requests need an output (no RequestOutput per step)

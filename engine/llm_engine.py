@@ -57,7 +57,8 @@ class LLMEngine:
         self.hooks = hooks or Hooks()
         self.detokenize = detokenize
         self.startup: list[tuple[str, float, dict]] = []  # (stage, seconds, details)
-        if self.hooks.active: self.hooks.emit("engine", "config", model=config.model.model, config=config.to_dict())
+        if self.hooks.active:
+            self.hooks.emit("engine", "config", model=config.model.model, config=config.to_dict())
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = DTYPES[mc.dtype or ("float16" if self.device.type == "cuda" else "float32")]
@@ -122,7 +123,16 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
-        if self.hooks.active: self.hooks.emit(ENGINE, QUEUED, request_id=request_id, step=self.step_count, num_prompt_tokens=len(ids), max_tokens=max_tokens, params=vars(params))
+        if self.hooks.active:
+            self.hooks.emit(
+                ENGINE,
+                QUEUED,
+                request_id=request_id,
+                step=self.step_count,
+                num_prompt_tokens=len(ids),
+                max_tokens=max_tokens,
+                params=vars(params),
+            )
         return req
 
     def _tokenize(self, prompt, request_id: str) -> tuple[str | None, list[int]]:
@@ -132,7 +142,15 @@ class LLMEngine:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
         elif isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
-            if self.hooks.active: self.hooks.emit("tokenizer", "encode", request_id=request_id, step=self.step_count, token_ids=ids, pieces=[self.tokenizer.decode([t]) for t in ids])
+            if self.hooks.active:
+                self.hooks.emit(
+                    "tokenizer",
+                    "encode",
+                    request_id=request_id,
+                    step=self.step_count,
+                    token_ids=ids,
+                    pieces=[self.tokenizer.decode([t]) for t in ids],
+                )
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
         else:
@@ -174,7 +192,7 @@ class LLMEngine:
         if req is None or req.status.finished:
             return
         req.stop_reason = stop_reason
-        self.scheduler.finish(req, status)
+        self.scheduler.finish_requests(req, status)
         if not self.hooks.active:
             return
         if status is RequestStatus.FINISHED_ABORTED:
@@ -198,16 +216,30 @@ class LLMEngine:
         return self.model_runner.held_attention_on_triton()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished_requests()
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.hooks.gated: self.hooks.gate("step", step=self.step_count)
-        if self.hooks.active: self.hooks.emit("engine", "step", BEGIN, step=self.step_count)
+        """One engine step: schedule, execute (unless nothing was scheduled), postprocess.
+
+        Returns an output per request that got a token this step: RequestOutput when
+        detokenizing (with output_kind "final_only": only finished requests), else
+        EngineCoreOutput. Changes: the scheduler's queues and block tables, the KV cache, each
+        scheduled request's num_computed_tokens, tokens, text and logprobs; finished requests
+        are removed and their blocks freed; step_count + 1. Hooks: engine/step begin and end
+        (with stats), SCHEDULED per admitted request, the schedule snapshot and end, all that
+        schedule() and execute() emit, NEW_TOKENS and FINISHED per request; when gated, the
+        step, execute, postprocess and step_end gates."""
+        if self.hooks.gated:
+            self.hooks.gate("step", step=self.step_count)
+        if self.hooks.active:
+            self.hooks.emit("engine", "step", BEGIN, step=self.step_count)
         sched = self.scheduler.schedule(self.step_count)
-        if self.hooks.active: self._trace_schedule(sched)
+        if self.hooks.active:
+            self._trace_schedule(sched)
         sampled = self.model_runner.execute(sched) if not sched.is_empty else None
-        if self.hooks.gated: self.hooks.gate("postprocess", step=sched.step)
+        if self.hooks.gated:
+            self.hooks.gate("postprocess", step=sched.step)
         return self._postprocess(sched, sampled)
 
     def _postprocess(self, sched: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
@@ -226,12 +258,24 @@ class LLMEngine:
             if req.detokenizer is not None:
                 piece = req.detokenizer.add(tok)
                 req.output_text = req.detokenizer.text
-                if traced is not None: traced.append((DETOKENIZER, NEW_TOKENS, INSTANT, req.request_id, sched.step, {"token_ids": [tok], "text": piece}))
+                if traced is not None:
+                    traced.append(
+                        (
+                            DETOKENIZER,
+                            NEW_TOKENS,
+                            INSTANT,
+                            req.request_id,
+                            sched.step,
+                            {"token_ids": [tok], "text": piece},
+                        )
+                    )
             status = self._check_stop(req, tok)
             if status is not None:
-                if traced: self.hooks.emit_many(traced); traced = []  # published before its blocks are freed
+                if traced:  # published before its blocks are freed
+                    self.hooks.emit_many(traced)
+                    traced = []
                 req.finished_time = now
-                self.scheduler.finish(req, status)
+                self.scheduler.finish_requests(req, status)
                 self.requests.pop(req.request_id, None)
                 if self.hooks.active:
                     # no text behind an EngineCore: the front end detokenizes (after this event)
@@ -242,9 +286,12 @@ class LLMEngine:
                 outputs.append(self._core_output(req))  # every step: the front end detokenizes
             elif status is not None or req.params.output_kind != "final_only":
                 outputs.append(self._output(req))
-        if traced: self.hooks.emit_many(traced)
-        if self.hooks.active: self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
-        if self.hooks.gated: self.hooks.gate("step_end", step=sched.step)
+        if traced:
+            self.hooks.emit_many(traced)
+        if self.hooks.active:
+            self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
+        if self.hooks.gated:
+            self.hooks.gate("step_end", step=sched.step)
         self.step_count += 1
         return outputs
 
@@ -319,10 +366,20 @@ class LLMEngine:
         # Dict displays in one comprehension, not dict(...) or a call per request: taken every step
         # for every request while traced.
         def rows(reqs) -> list[dict]:
-            return [{"request_id": r.request_id, "status": r.status._value_, "num_computed_tokens": r.num_computed_tokens,
-                     "num_tokens": len(r.all_token_ids), "num_prompt_tokens": len(r.prompt_token_ids),
-                     "num_output_tokens": len(r.output_token_ids), "block_table": r.block_ids.copy(),
-                     "num_cached_tokens": r.num_cached_tokens, "num_preemptions": r.num_preemptions} for r in reqs]
+            return [
+                {
+                    "request_id": r.request_id,
+                    "status": r.status._value_,
+                    "num_computed_tokens": r.num_computed_tokens,
+                    "num_tokens": len(r.all_token_ids),
+                    "num_prompt_tokens": len(r.prompt_token_ids),
+                    "num_output_tokens": len(r.output_token_ids),
+                    "block_table": r.block_ids.copy(),
+                    "num_cached_tokens": r.num_cached_tokens,
+                    "num_preemptions": r.num_preemptions,
+                }
+                for r in reqs
+            ]
 
         snap = {"waiting": rows(self.scheduler.waiting), "running": rows(self.scheduler.running),
                 "stats": vars(self.stats())}
@@ -330,6 +387,7 @@ class LLMEngine:
             snap |= {
                 "step": sched.step, "token_budget": sched.token_budget,
                 "num_scheduled_tokens": sched.num_scheduled_tokens,
+                "total_num_scheduled_tokens": sched.total_num_scheduled_tokens,
                 "scheduled": [{"request_id": s.request.request_id, "num_tokens": s.num_tokens,
                                "num_computed_before": s.num_computed_before,
                                "kind": "prefill" if s.is_prefill else "decode"} for s in sched.scheduled],
@@ -343,8 +401,10 @@ class LLMEngine:
         snap = self.snapshot(sched)
         del snap["step"]  # the event's own step field carries it
         h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **snap)
-        h.emit("scheduler", "schedule", END, step=sched.step, num_scheduled_tokens=snap["num_scheduled_tokens"])
-        if h.gated: h.gate("execute", step=sched.step)
+        h.emit("scheduler", "schedule", END, step=sched.step,
+               total_num_scheduled_tokens=snap["total_num_scheduled_tokens"])
+        if h.gated:
+            h.gate("execute", step=sched.step)
 
     def _load_progress(self, done: int, total: int) -> None:
         """Weights read so far, for the startup progress bar: about every 5 %."""
@@ -364,11 +424,13 @@ class _Stage:
 
     def __enter__(self) -> dict:
         self.t0 = time.perf_counter()
-        if self.engine.hooks.active: self.engine.hooks.emit("engine", self.name, BEGIN, **self.details)
+        if self.engine.hooks.active:
+            self.engine.hooks.emit("engine", self.name, BEGIN, **self.details)
         return self.details
 
     def __exit__(self, exc_type, exc, tb) -> None:
         seconds = time.perf_counter() - self.t0
         if exc_type is None:
             self.engine.startup.append((self.name, seconds, self.details))
-        if self.engine.hooks.active: self.engine.hooks.emit("engine", self.name, END, seconds=seconds, ok=exc_type is None, **self.details)
+        if self.engine.hooks.active:
+            self.engine.hooks.emit("engine", self.name, END, seconds=seconds, ok=exc_type is None, **self.details)

@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import instrument
-
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.model_loader import GPT2Config
+from kernels import instrument
 
 
 class Conv1D(nn.Module):

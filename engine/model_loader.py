@@ -76,11 +76,11 @@ def _from_hub(repo_id: str) -> Path:
     tried = [f"local directory ./{repo_id} (not found)"]
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
-    except Exception as e:  # noqa: BLE001 - any failure means "not cached"; we say so below
+    except Exception as e:  # any failure means "not cached"; we say so below
         tried.append(f"Hugging Face cache ({type(e).__name__})")
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # any failure: we say which and why below
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         tried.append(f"Hugging Face hub download ({type(e).__name__}: {reason[:160]})")
     raise ModelNotFoundError(

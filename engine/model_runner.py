@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from kernels import instrument
 
 from engine.attention import AttentionMetadata
 from engine.hooks import INSTANT, Hooks
 from engine.model import GPT2Model
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from kernels import instrument
 
 
 @dataclass
@@ -30,6 +30,11 @@ class ModelInput:
 
 
 class ModelRunner:
+    """Runs a scheduled batch through the model: flattens it into one token list with its
+    paged-attention metadata (positions, slot_mapping, seq_lens, query_start_loc, block_tables),
+    runs the forward pass over the KV caches it was given and samples one token per request. It
+    holds no request state: the scheduler decides what runs, the engine applies the result."""
+
     def __init__(self, model: GPT2Model, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None):
         self.model = model
         self.kv_caches = kv_caches
@@ -60,7 +65,19 @@ class ModelRunner:
             qsl.append(qsl[-1] + s.num_tokens)
             tables.append(table)
         inp = self._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
-        if self.hooks.active: self.hooks.emit("model_runner", "batch", step=sched.step, input_ids=input_ids, positions=positions, slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl, block_tables=inp.meta.block_tables.tolist(), request_ids=[s.request.request_id for s in sched.scheduled])
+        if self.hooks.active:
+            self.hooks.emit(
+                "model_runner",
+                "batch",
+                step=sched.step,
+                input_ids=input_ids,
+                positions=positions,
+                slot_mapping=slots,
+                seq_lens=seq_lens,
+                query_start_loc=qsl,
+                block_tables=inp.meta.block_tables.tolist(),
+                request_ids=[s.request.request_id for s in sched.scheduled],
+            )
         return inp
 
     def _model_input(self, input_ids, positions, slots, seq_lens, qsl, tables) -> ModelInput:
@@ -87,6 +104,14 @@ class ModelRunner:
                           logits_indices=tensor(i64[3 * T:]), all_last=T == n)
 
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """One forward pass and sampling for a non-empty SchedulerOutput.
+
+        Returns one sampled token (with logprobs and ranks when asked for) per scheduled request,
+        in ``sched.scheduled`` order; a prefill chunk that does not end its prompt gets one too,
+        which the engine discards. Changes: writes the batch's keys and values into the KV cache
+        at slot_mapping, nothing else. Hooks (when active): model_runner/batch, one kernel event
+        per Triton launch (published after the forward pass, or before a gate holds the engine),
+        sampler/sampled; when gated as the step starts, a kernel gate before each launch."""
         inp = self.prepare_inputs(sched)
         if not self.hooks.active:
             return self._run(sched, inp)
@@ -109,9 +134,17 @@ class ModelRunner:
         try:
             logits = self.forward(inp)
         finally:
-            if self._launches: self._publish_launches()
+            if self._launches:
+                self._publish_launches()
         out = self.sampler(logits, [s.request for s in sched.scheduled])
-        if self.hooks.active: self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=[s.request.request_id for s in sched.scheduled])
+        if self.hooks.active:
+            self.hooks.emit(
+                "sampler",
+                "sampled",
+                step=sched.step,
+                token_ids=out.token_ids,
+                request_ids=[s.request.request_id for s in sched.scheduled],
+            )
         return out
 
     @torch.inference_mode()
@@ -125,14 +158,28 @@ class ModelRunner:
         bs, num_blocks = self.block_size, self.kv_caches[0][0].shape[0]
         n = max(1, min(bs + 1, max_model_len - 1, num_blocks * bs - 1))  # prompt; +1 decode token
         table = list(range(-(-(n + 1) // bs)))
-        slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+        def slot(p: int) -> int:
+            return table[p // bs] * bs + p % bs
+
         batches = [self._model_input([0] * n, list(range(n)), [slot(p) for p in range(n)], [n], [0, n], [table]),
                    self._model_input([0], [n], [slot(n)], [n + 1], [0, 1], [table])]
         launches = []
 
         def on_launch(rec: instrument.LaunchRecord) -> None:
             launches.append(rec.name)
-            if self.hooks.active: self.hooks.emit("kernel", rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta, args=rec.args, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason, warmup=True)
+            if self.hooks.active:
+                self.hooks.emit(
+                    "kernel",
+                    rec.name,
+                    layer_idx=rec.tags.get("layer"),
+                    grid=list(rec.grid),
+                    meta=rec.meta,
+                    args=rec.args,
+                    duration_ns=rec.duration_ns,
+                    timing=rec.timing,
+                    reason=rec.reason,
+                    warmup=True,
+                )
 
         with instrument.observe(on_launch, access_maps=False, warmup=True):  # no before_launch: nothing to gate here
             for inp in batches:
@@ -170,5 +217,8 @@ class ModelRunner:
     def _publish_launches(self) -> None:
         # Plain data only: viewers recompute a launch's access map from the step's batch event
         recs = self._launches
-        self.hooks.emit_many([("kernel", r.name, INSTANT, None, r.tags.get("step"), {"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args, "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason}) for r in recs], [r.end_ns for r in recs])
+        attrs = [{"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args,
+                  "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason} for r in recs]
+        self.hooks.emit_many([("kernel", r.name, INSTANT, None, r.tags.get("step"), a) for r, a in zip(recs, attrs)],
+                             [r.end_ns for r in recs])
         recs.clear()

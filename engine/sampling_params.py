@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 OUTPUT_KINDS = ("cumulative", "final_only")
 
 

@@ -17,7 +17,7 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.hooks import BEGIN, Hooks
 from engine.request import Request, RequestStatus
-from engine.trace_names import PREEMPTED, SCHEDULER
+from engine.trace_names import PREEMPTED, SCHEDULE, SCHEDULER
 
 
 @dataclass
@@ -38,7 +38,12 @@ class SchedulerOutput:
     token_budget: int = 0
 
     @property
-    def num_scheduled_tokens(self) -> int:
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """Request id -> tokens computed for it this step (vLLM V1's name and shape)."""
+        return {s.request.request_id: s.num_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
     @property
@@ -47,6 +52,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """Decides each step's batch under one token budget (vLLM V1: no prefill or decode phases).
+
+    Owns the ``waiting`` queue and the ``running`` list. Running requests go first, then waiting
+    ones, first come first served; when the BlockManager has no free block for a running request,
+    the most recently admitted one is preempted (recompute: its blocks are freed and it goes back
+    to the front of ``waiting``). It moves token counts only: the ModelRunner computes them and
+    the engine applies the results."""
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, hooks: Hooks | None = None):
         self.config = config
         self.block_manager = block_manager
@@ -58,12 +71,25 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def has_unfinished(self) -> bool:
+    def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self, step: int) -> SchedulerOutput:
+        """This step's batch, within max_num_batched_tokens and max_num_seqs.
+
+        Takes the step number (for the trace). Returns the scheduled requests, each with how many
+        tokens it computes from which position, and who was admitted, preempted or left waiting
+        (and why). Changes: allocates KV blocks (prefix-cache hits on admission), moves admitted
+        requests from waiting to running and preempted ones back to waiting with
+        num_computed_tokens 0; it does not advance num_computed_tokens (the engine does, after
+        the step ran). Hooks: scheduler/schedule begin, PREEMPTED per preemption, the block
+        manager's cache_hit/cache_miss, allocate, evict and free. The schedule's snapshot and end
+        event come from LLMEngine after it returns."""
         self.block_manager.step = step
-        if self.hooks.active: self.hooks.emit("scheduler", "schedule", BEGIN, step=step, num_waiting=len(self.waiting), num_running=len(self.running))
+        if self.hooks.active:
+            self.hooks.emit(
+                SCHEDULER, SCHEDULE, BEGIN, step=step, num_waiting=len(self.waiting), num_running=len(self.running)
+            )
         out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens)
         budget = self.config.max_num_batched_tokens
 
@@ -127,10 +153,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
-        if self.hooks.active: self.hooks.emit(SCHEDULER, PREEMPTED, request_id=req.request_id, step=out.step, reason=reason)
+        if self.hooks.active:
+            self.hooks.emit(SCHEDULER, PREEMPTED, request_id=req.request_id, step=out.step, reason=reason)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Remove a finished (or aborted) request and free its blocks."""
+    def finish_requests(self, req: Request, status: RequestStatus) -> None:
+        """Remove a finished (or aborted) request and free its blocks. (V1's takes request ids: its
+        scheduler keeps an id -> request map, ours leaves that to the engine.)"""
         req.status = status
         if req in self.running:
             self.running.remove(req)

@@ -15,6 +15,14 @@ LAYERS = (CLI, HTTP, API, TOKENIZER, IPC, ENGINE, SCHEDULER, BLOCK_MANAGER, MODE
 # where each runs with the engine core in its own process (in one process: all here)
 FRONTEND_LAYERS = frozenset({CLI, HTTP, API, TOKENIZER, DETOKENIZER})
 
+# event names the tracer folds, filters or draws, by layer
+CONFIG, STEP = "config", "step"  # engine: its configuration at startup; one engine step (a span)
+ENCODE = "encode"  # tokenizer
+SCHEDULE = "schedule"  # scheduler: a span, with a snapshot (the queues and the batch) before its end
+ALLOCATE, FREE, EVICT, CACHE_HIT, CACHE_MISS = "allocate", "free", "evict", "cache_hit", "cache_miss"  # block_manager
+BATCH = "batch"  # model_runner: the step's flattened batch
+SAMPLED = "sampled"  # sampler
+EVENTS_LOST = "events_lost"  # tracer: a reader fell behind the ring and missed this many events
 # request lifecycle (engine, scheduler)
 QUEUED, SCHEDULED, PREEMPTED, FINISHED, ABORTED = "QUEUED", "SCHEDULED", "PREEMPTED", "FINISHED", "ABORTED"
 NEW_TOKENS = "NEW_TOKENS"  # detokenizer

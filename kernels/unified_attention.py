@@ -145,7 +145,7 @@ def _reduce_segments_kernel(
     ok = (heads < num_q_heads)[:, None] & (segs < NUM_SEGMENTS)[None, :]
     part = (tok * num_q_heads + heads)[:, None] * NUM_SEGMENTS + segs[None, :]  # [HEADS_BLOCK, SEG_PAD]
     m = tl.load(part_max_ptr + part, mask=ok, other=_NEG)
-    l = tl.load(part_sum_ptr + part, mask=ok, other=0.0)
+    l = tl.load(part_sum_ptr + part, mask=ok, other=0.0)  # noqa: E741 (l: the softmax sum, as in FlashAttention)
     w = tl.exp(m - tl.max(m, 1)[:, None])
     denom = tl.sum(l * w, 1)
     # Padding dims were never written (torch.empty): mask them so garbage cannot become nan.
@@ -279,7 +279,9 @@ def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, b
         first = qsl[r] // bq + (r if bq > 1 else 0)
         for local in range(triton.cdiv(q_len, bq)):
             end = min((local + 1) * bq, q_len)
-            work.setdefault((first + local) // qbp, []).append((r, qsl[r] + local * bq, qsl[r] + end, seq_len - q_len + end))
+            work.setdefault((first + local) // qbp, []).append(
+                (r, qsl[r] + local * bq, qsl[r] + end, seq_len - q_len + end)
+            )
     out = []
     for x, blocks_of_program in sorted(work.items()):
         # A program runs as many tiles as its longest query block needs.

@@ -91,10 +91,13 @@ def run(lesson) -> None:
     steps = bpe_steps(word, ranks)
     n_word = len(tok.encode(WORD))
     plural = "s" if n_word > 1 else ""
-    lesson.say(f"**How `{WORD.strip()}` (with its space) became {n_word} token{plural}.** BPE training counted adjacent pairs in the corpus and "
-               f"merged the most frequent one, {len(merges)} times; the order is the merge list. Encoding a "
-               "word replays it: start from the bytes, and merge the pair that was learned earliest, until no "
-               "learned pair is left.")
+    lesson.say(
+        f"**How `{WORD.strip()}` (with its space) became {n_word} token{plural}.** "
+        "BPE training counted adjacent pairs in the corpus and "
+        f"merged the most frequent one, {len(merges)} times; the order is the merge list. Encoding a "
+        "word replays it: start from the bytes, and merge the pair that was learned earliest, until no "
+        "learned pair is left."
+    )
     lesson.show(table(["step", "pieces", "merged pair (rank)"],
                       [[i, " · ".join(st), "" if i == 0 else _merged(steps[i - 1], st, ranks)]
                        for i, st in enumerate(steps)], title=f"BPE on {WORD!r}"))
@@ -175,8 +178,10 @@ def run(lesson) -> None:
         "Text becomes ids on the way in: byte-level BPE merges common byte sequences (words, with their "
         "leading space as `Ġ`) into single tokens and leaves anything else as bytes, so every text has ids. "
         "Ids become text on the way out. Decoding cannot be done one token at a time: a character may span "
-        "several tokens, so the detokenizer holds back incomplete bytes and streams each character once it is whole. Decoding "
-        "everything at the end gives the same text.")
+        "several tokens, so the detokenizer holds back incomplete bytes and streams each character once it is "
+        "whole. Decoding "
+        "everything at the end gives the same text."
+    )
 
 
 if __name__ == "__main__":

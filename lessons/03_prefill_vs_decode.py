@@ -8,8 +8,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import LLM  # noqa: E402
-from lessons.framework import events_of, greedy, main, table  # noqa: E402
+from engine import LLM
+from lessons.framework import events_of, greedy, main, table
 
 TITLE = "Prefill versus decode"
 SUMMARY = "What a prefill step and a decode step compute, and which is compute-bound or memory-bound, measured."

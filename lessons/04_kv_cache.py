@@ -7,7 +7,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from lessons.framework import greedy, main, table  # noqa: E402
+from lessons.framework import greedy, main, table
 
 TITLE = "The KV cache: recompute versus cache"
 SUMMARY = "Generate with and without the KV cache: tokens the model runs (quadratic vs linear), time, same output."

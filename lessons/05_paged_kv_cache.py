@@ -5,8 +5,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import SamplingParams  # noqa: E402
-from lessons.framework import block_table, kv_blocks, main, table  # noqa: E402
+from engine import SamplingParams
+from lessons.framework import block_table, kv_blocks, main, table
 
 TITLE = "The paged KV cache"
 SUMMARY = "Blocks, the free-block queue and block tables: logical -> physical, and the slots paging saves."

@@ -7,9 +7,9 @@ from rich.markup import escape
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine.block_manager import NULL_BLOCK_ID  # noqa: E402
-from engine.hooks import SNAPSHOT  # noqa: E402
-from lessons.framework import events_of, greedy, main, queues, table  # noqa: E402
+from engine.block_manager import NULL_BLOCK_ID
+from engine.hooks import SNAPSHOT
+from lessons.framework import events_of, greedy, main, queues, table
 
 TITLE = "Slot mapping and the flattened batch"
 SUMMARY = "input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables of one mixed step."

@@ -6,9 +6,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-import kernels  # noqa: E402  (turns on Triton's interpreter when there is no GPU)
-from kernels import instrument  # noqa: E402
-from lessons.framework import greedy, main, table  # noqa: E402
+import kernels
+from kernels import instrument
+from lessons.framework import greedy, main, table
 
 TITLE = "The paged-attention kernel"
 SUMMARY = "Run the Triton unified-attention kernel on a real batch: grid, one program's work, online softmax."

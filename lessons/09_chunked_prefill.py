@@ -4,8 +4,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import LLM  # noqa: E402
-from lessons.framework import greedy, main, queues, table  # noqa: E402
+from engine import LLM
+from lessons.framework import greedy, main, queues, table
 
 TITLE = "Chunked prefill and the token budget"
 SUMMARY = "A long prompt is split over steps under max_num_batched_tokens while other requests keep decoding."
@@ -49,10 +49,10 @@ def run(lesson) -> None:
         sampler = next(e.attrs for e in events if (e.layer, e.name) == ("sampler", "sampled"))
         sampled_for_l = [e for e in events if (e.layer, e.name, e.request_id) == ("detokenizer", "NEW_TOKENS", "L")]
         per = {s["request_id"]: s for s in snap["scheduled"]}
-        steps.append(dict(step=k, per=per, used=snap["num_scheduled_tokens"], budget=snap["token_budget"],
+        steps.append(dict(step=k, per=per, used=snap["total_num_scheduled_tokens"], budget=snap["token_budget"],
                           l_tokens=len(sampled_for_l), l_in_sampler="L" in sampler["request_ids"]))
         rows.append([k] + [f"{per[r]['num_tokens']}{per[r]['kind'][0]}" if r in per else "—" for r in "ABL"]
-                    + [f"{snap['num_scheduled_tokens']} / {snap['token_budget']}",
+                    + [f"{snap['total_num_scheduled_tokens']} / {snap['token_budget']}",
                        f"{long.num_computed_tokens} / {LONG}",
                        long.output_token_ids[0] if long.output_token_ids else "none yet"])
     lesson.show(table(["step", "A", "B", "L", "budget used", "L computed", "L's first token"], rows,

@@ -4,8 +4,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import SamplingParams  # noqa: E402
-from lessons.framework import kv_blocks, main, queues, table  # noqa: E402
+from engine import SamplingParams
+from lessons.framework import kv_blocks, main, queues, table
 
 TITLE = "Preemption by recompute"
 SUMMARY = "Out of KV-cache blocks: the newest running request is preempted, freed, and recomputed later — same output."
@@ -98,13 +98,21 @@ def run(lesson) -> None:
     back = next(s for s in snap["scheduled"] if s["request_id"] == "C")
     lesson.say(f"C waited (reasons seen: {', '.join(repr(r) for r in reasons if r)}) until A finished "
                f"and freed its blocks. In step {k} C is admitted again:")
-    lesson.show(table(["request", "tokens this step", "starting at", "kind"],
-                      [[s["request_id"], s["num_tokens"], s["num_computed_before"], s["kind"]] for s in snap["scheduled"]],
-                      title=f"step {k}: the batch"))
-    lesson.check(back["num_tokens"] == WORKLOAD["C"][0] + 3 and back["num_computed_before"] == 0 and back["kind"] == "prefill",
-                 f"C is recomputed from scratch: its 16 prompt tokens plus its 3 generated tokens = "
-                 f"{back['num_tokens']} tokens in one prefill")
-    lesson.check("not enough free KV-cache blocks" in reasons, "while it waited, the reason was the lack of free blocks")
+    lesson.show(
+        table(
+            ["request", "tokens this step", "starting at", "kind"],
+            [[s["request_id"], s["num_tokens"], s["num_computed_before"], s["kind"]] for s in snap["scheduled"]],
+            title=f"step {k}: the batch",
+        )
+    )
+    lesson.check(
+        back["num_tokens"] == WORKLOAD["C"][0] + 3 and back["num_computed_before"] == 0 and back["kind"] == "prefill",
+        f"C is recomputed from scratch: its 16 prompt tokens plus its 3 generated tokens = "
+        f"{back['num_tokens']} tokens in one prefill",
+    )
+    lesson.check(
+        "not enough free KV-cache blocks" in reasons, "while it waited, the reason was the lack of free blocks"
+    )
     lesson.check(c.num_preemptions == 1 and engine.stats().num_preemptions == 1,
                  "the engine counted one preemption (C's own counter and the engine's stats)")
 

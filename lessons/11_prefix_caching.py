@@ -4,8 +4,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine.block_manager import hash_block  # noqa: E402
-from lessons.framework import greedy, main, table  # noqa: E402
+from engine.block_manager import hash_block
+from lessons.framework import greedy, main, table
 
 TITLE = "Prefix caching"
 SUMMARY = ("A shared system prompt: chained block hashes, cache hits with shared blocks, the last token computed, "
@@ -134,7 +134,10 @@ def run(lesson) -> None:
                  "every block is free, and the system prompt's 3 hashes are still in the cache")
     uncached = [bid for bid in queue if bm.blocks[bid].hash is None]
     cached_order = [bid for bid in queue if bm.blocks[bid].hash is not None]
-    lesson.check(queue == uncached + cached_order, "blocks without cached contents are at the front, cached-free ones behind them")
+    lesson.check(
+        queue == uncached + cached_order,
+        "blocks without cached contents are at the front, cached-free ones behind them",
+    )
 
     x_len = 150  # needs 10 blocks: more than the never-cached ones
     need = -(-(x_len + 2) // BLOCK)
@@ -155,7 +158,9 @@ def run(lesson) -> None:
                  f"X took the uncached blocks first, then evicted the LRU cached-free blocks {victims}")
     lesson.check(a_blocks[2] in victims and hs[2] not in bm.cached,
                  "the system prompt's 3rd block was among them: its hash is gone from the cache")
-    lesson.check(hs[0] in bm.cached and hs[1] in bm.cached, "its first two blocks, further back in the queue, are still cached")
+    lesson.check(
+        hs[0] in bm.cached and hs[1] in bm.cached, "its first two blocks, further back in the queue, are still cached"
+    )
 
     while engine.has_unfinished_requests():
         engine.step()

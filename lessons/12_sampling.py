@@ -4,12 +4,12 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-import torch  # noqa: E402
+import torch
 
-from engine import SamplingParams  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampler import Sampler  # noqa: E402
-from lessons.framework import main, table  # noqa: E402
+from engine import SamplingParams
+from engine.request import Request
+from engine.sampler import Sampler
+from lessons.framework import main, table
 
 TITLE = "Sampling"
 SUMMARY = ("Temperature, top-k, top-p, min-p, repetition and its penalties, and seeds, on the model's real "
@@ -60,7 +60,8 @@ def run(lesson) -> None:
     logits = captured[0]
     V = logits.numel()
     order = logits.argsort(descending=True).tolist()
-    piece = lambda t: repr(tok.decode([t]))  # noqa: E731
+    def piece(t: int) -> str:
+        return repr(tok.decode([t]))
 
     def probs_at(temp: float) -> torch.Tensor:
         return torch.softmax(logits / temp, dim=-1)

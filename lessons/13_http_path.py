@@ -7,16 +7,16 @@ from collections import Counter
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-import httpx  # noqa: E402
+import httpx
 
-from engine import Hooks  # noqa: E402
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.llm import engine_config  # noqa: E402
-from engine.server import build_app  # noqa: E402
-from engine.server.background import start_background  # noqa: E402
-from lessons.framework import events_of, main, table  # noqa: E402
-from tracer.journey import TWO_PROCESS_CHAIN, layer_path, missing_links, request_events  # noqa: E402
-from tracer.session import TraceSession  # noqa: E402
+from engine import Hooks
+from engine.async_llm import AsyncLLM
+from engine.llm import engine_config
+from engine.server import build_app
+from engine.server.background import start_background
+from lessons.framework import events_of, main, table
+from tracer.journey import TWO_PROCESS_CHAIN, layer_path, missing_links, request_events
+from tracer.session import TraceSession
 
 TITLE = "The HTTP path"
 SUMMARY = ("An OpenAI request through FastAPI and the serving layer, across to the engine-core process and back "
@@ -130,12 +130,16 @@ def _lesson_body(lesson, session, url: str, core_pid: int) -> None:
     lesson.check(all(where[layer] == {core_pid} for layer in core_layers),
                  f"the engine, scheduler, model runner, kernels and sampler ran in the engine-core process "
                  f"(pid {core_pid})")
-    lesson.check(mine[0].layer == "http" and mine[0].kind == "begin" and mine[-1].layer == "http"
-                 and mine[-1].kind == "end", "its first event is the HTTP handler's begin and its last the handler's end")
+    lesson.check(
+        mine[0].layer == "http" and mine[0].kind == "begin" and mine[-1].layer == "http" and mine[-1].kind == "end",
+        "its first event is the HTTP handler's begin and its last the handler's end",
+    )
     new_tokens = [e for e in mine if (e.layer, e.name) == ("detokenizer", "NEW_TOKENS")]
     sse_chunks = [e for e in mine if (e.layer, e.name) == ("api", "sse_chunk")]
-    lesson.check(len(new_tokens) == 12 and "".join(e.attrs["text"] for e in sse_chunks) == streamed,
-                 "12 NEW_TOKENS events from the detokenizer; the api layer's sse_chunk events carry exactly the streamed text")
+    lesson.check(
+        len(new_tokens) == 12 and "".join(e.attrs["text"] for e in sse_chunks) == streamed,
+        "12 NEW_TOKENS events from the detokenizer; the api layer's sse_chunk events carry exactly the streamed text",
+    )
     steps = sorted({e.step for e in new_tokens})
     lesson.check(len(steps) == 12 and by_layer["kernel"] > 0,
                  f"one token per engine step (steps {steps[0]}–{steps[-1]}), each running real kernels")

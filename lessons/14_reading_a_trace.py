@@ -7,13 +7,13 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine import SamplingParams  # noqa: E402
-from lessons.framework import main, table  # noqa: E402
-from tracer import cli  # noqa: E402
-from tracer.events import read_trace  # noqa: E402
-from tracer.replay import Replay  # noqa: E402
-from tracer.state import snapshot_view  # noqa: E402
-from tracer.tracelog import format_event  # noqa: E402
+from engine import SamplingParams
+from lessons.framework import main, table
+from tracer import cli
+from tracer.events import read_trace
+from tracer.replay import Replay
+from tracer.state import snapshot_view
+from tracer.tracelog import format_event
 
 TITLE = "Reading a trace"
 SUMMARY = "Record a run to JSON lines, replay it backward and forward, and open it in Perfetto."
@@ -125,7 +125,9 @@ def _body(lesson, tmp: pathlib.Path) -> None:
                  "the export has one async track per request: A, B, C and D")
     lesson.check(sum(1 for e in evs if e["ph"] == "X" and e["tid"] == 1 and e["name"].startswith("step ")) == len(live),
                  f"and one slice per engine step ({len(live)}) on the 'engine steps' thread")
-    lesson.check("vllm:kv_cache_usage_perc" in counters, "KV-cache usage is a counter track, under vLLM V1's metric name")
+    lesson.check(
+        "vllm:kv_cache_usage_perc" in counters, "KV-cache usage is a counter track, under vLLM V1's metric name"
+    )
     lesson.say(
         "**To look at it:** open https://ui.perfetto.dev, click *Open trace file* and pick the `.json` file "
         "(or drag it onto the page); `chrome://tracing` opens it too. Each request is a row with its "

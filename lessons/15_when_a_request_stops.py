@@ -7,15 +7,15 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-import httpx  # noqa: E402
-from rich.markup import escape  # noqa: E402
+import httpx
+from rich.markup import escape
 
-from engine import SamplingParams  # noqa: E402
-from engine.async_engine import AsyncLLMEngine  # noqa: E402
-from engine.server import build_app  # noqa: E402
-from engine.server.background import start_background  # noqa: E402
-from engine.server.serving import StopHoldback  # noqa: E402
-from lessons.framework import events_of, main, table  # noqa: E402
+from engine import SamplingParams
+from engine.async_engine import AsyncLLMEngine
+from engine.server import build_app
+from engine.server.background import start_background
+from engine.server.serving import StopHoldback
+from lessons.framework import events_of, main, table
 
 TITLE = "When a request stops"
 SUMMARY = "EOS, stop strings (held back while streaming), stop_token_ids, min/max_tokens, abort, penalties, logprobs."

@@ -10,18 +10,18 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from rich.text import Text  # noqa: E402
+import httpx
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from rich.text import Text
 
-from engine import LLM  # noqa: E402
-from engine.async_engine import AsyncLLMEngine  # noqa: E402
-from engine.kv_cache import bytes_per_block  # noqa: E402
-from engine.server import build_app  # noqa: E402
-from engine.server.background import start_background  # noqa: E402
-from lessons.framework import greedy, main, table  # noqa: E402
-from tracer.commands import bench  # noqa: E402
+from engine import LLM
+from engine.async_engine import AsyncLLMEngine
+from engine.kv_cache import bytes_per_block
+from engine.server import build_app
+from engine.server.background import start_background
+from lessons.framework import greedy, main, table
+from tracer.commands import bench
 
 TITLE = "Latency and its trade-offs"
 SUMMARY = "TTFT, ITL/TPOT, E2E and queue time; chunk size and max_num_seqs trade TTFT against ITL, measured."
@@ -244,8 +244,11 @@ def seqs_sweep(lesson) -> None:
     lesson.check(lo["queue"] > hi["queue"] and lo["ttft"] > hi["ttft"],
                  f"max_num_seqs={SEQS[0]}: requests queue {lo['queue']:.1f} ms on average (TTFT {lo['ttft']:.1f} ms) "
                  f"against {hi['queue']:.1f} ms ({hi['ttft']:.1f} ms) with {SEQS[-1]}")
-    lesson.check(hi["tput"] > lo["tput"], f"a batch of {SEQS[-1]} gets more tokens per second ({hi['tput']:.0f} against "
-                 f"{lo['tput']:.0f}): a step's fixed cost is shared by more requests")
+    lesson.check(
+        hi["tput"] > lo["tput"],
+        f"a batch of {SEQS[-1]} gets more tokens per second ({hi['tput']:.0f} against "
+        f"{lo['tput']:.0f}): a step's fixed cost is shared by more requests",
+    )
     lesson.say(f"What the big batch may cost is step time: here mean ITL was {hi['itl']:.2f} ms with {SEQS[-1]} "
                f"against {lo['itl']:.2f} ms with {SEQS[0]} ({'longer' if hi['itl'] > lo['itl'] else 'not longer'}). "
                "On a GPU with a large model a decode step is dominated by reading the weights, so ITL grows slowly "
@@ -317,9 +320,18 @@ def cuda_graphs(lesson) -> None:
             return start.elapsed_time(end) * 1000 / reps  # µs
 
         t_eager, t_graph = timed(lambda: dense(x)), timed(graph.replay)
-    lesson.show(table(["", ""], [["capture sizes", capture_sizes()], ["batch", f"{n} → padded to {size}"],
-                                 ["eager (µs per step part)", f"{t_eager:.1f}"], ["graph replay (µs)", f"{t_graph:.1f}"]],
-                      title="CUDA graph of the non-attention layers, measured on this GPU"))
+    lesson.show(
+        table(
+            ["", ""],
+            [
+                ["capture sizes", capture_sizes()],
+                ["batch", f"{n} → padded to {size}"],
+                ["eager (µs per step part)", f"{t_eager:.1f}"],
+                ["graph replay (µs)", f"{t_graph:.1f}"],
+            ],
+            title="CUDA graph of the non-attention layers, measured on this GPU",
+        )
+    )
     lesson.check(torch.allclose(graphed.float(), eager.float(), atol=1e-2, rtol=1e-2),
                  f"the replayed graph's first {n} rows equal the eager result; the {size - n} padding rows are dropped")
     lesson.check(t_graph < t_eager, f"replay takes {t_graph:.1f} µs against {t_eager:.1f} µs of eager launches")
@@ -347,12 +359,23 @@ def memory_profile(lesson) -> None:
     per_block = bytes_per_block(cfg, bs, engine.dtype)
     blocks = kv_bytes // per_block
     tokens = blocks * bs
-    lesson.show(table(["", "bytes"], [["total × gpu_memory_utilization", f"{int(total * util):,}"],
-                                      ["− weights", f"{weights:,}"], [f"− peak activations ({n} tokens)", f"{activations:,}"],
-                                      ["− other (CUDA context, …)", f"{max(0, non_torch):,}"],
-                                      ["= KV cache", f"{kv_bytes:,}"]], title="the memory profile, measured"))
-    lesson.say(f"GPU KV cache size: {tokens:,} tokens\n\n"
-               f"Maximum concurrency for {engine.max_model_len:,} tokens per request: {tokens / engine.max_model_len:.2f}x")
+    lesson.show(
+        table(
+            ["", "bytes"],
+            [
+                ["total × gpu_memory_utilization", f"{int(total * util):,}"],
+                ["− weights", f"{weights:,}"],
+                [f"− peak activations ({n} tokens)", f"{activations:,}"],
+                ["− other (CUDA context, …)", f"{max(0, non_torch):,}"],
+                ["= KV cache", f"{kv_bytes:,}"],
+            ],
+            title="the memory profile, measured",
+        )
+    )
+    lesson.say(
+        f"GPU KV cache size: {tokens:,} tokens\n\n"
+        f"Maximum concurrency for {engine.max_model_len:,} tokens per request: {tokens / engine.max_model_len:.2f}x"
+    )
     lesson.check(activations > 0 and blocks > 0 and tokens == blocks * bs,
                  f"{blocks:,} blocks of {per_block:,} bytes fit: {tokens:,} tokens of KV cache")
 

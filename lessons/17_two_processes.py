@@ -9,15 +9,15 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-import msgspec  # noqa: E402
+import msgspec
 
-from engine import LLM, Hooks, SamplingParams  # noqa: E402
-from engine.async_engine import AsyncLLMEngine  # noqa: E402
-from engine.async_llm import _wire_params  # noqa: E402
-from engine.core_types import EngineCoreRequest  # noqa: E402
-from lessons.framework import events_of, greedy, main, table  # noqa: E402
-from tracer.session import TraceSession  # noqa: E402
-from tracer.tui.measure import stream_load  # noqa: E402
+from engine import LLM, Hooks, SamplingParams
+from engine.async_engine import AsyncLLMEngine
+from engine.async_llm import _wire_params
+from engine.core_types import EngineCoreRequest
+from lessons.framework import events_of, greedy, main, table
+from tracer.session import TraceSession
+from tracer.tui.measure import stream_load
 
 TITLE = "Two processes"
 SUMMARY = "The engine core in its own process, as in vLLM V1: token ids over ZMQ, text made in the API server."

@@ -41,6 +41,12 @@ class Pulled:
 
 
 class EventBus:
+    """A bounded ring of trace events (their JSON lines) between publishers and any number of
+    readers (see the module docstring). publish and publish_many never wait for a reader; they
+    give each event the next seq and its ts_ns. Each reader pulls from its own cursor (subscribe,
+    read, wait) and is told how many events it missed when the ring overwrote them. attach(hooks)
+    makes the bus the sink of an engine's Hooks."""
+
     def __init__(self, capacity: int = DEFAULT_CAPACITY, clock: Callable[[], int] = time.perf_counter_ns,
                  start_ns: int | None = None, capacity_bytes: int | None = None):
         """capacity: events held; capacity_bytes: bytes of their lines held (default capacity x
@@ -91,7 +97,9 @@ class EventBus:
             self._next_seq = seq + 1
         finally:
             lock.release()
-        if seq >= self._wake_seq or self._written >= self._wake_bytes:  # set under the lock, so a reader about to wait is seen
+        if (
+            seq >= self._wake_seq or self._written >= self._wake_bytes
+        ):  # set under the lock, so a reader about to wait is seen
             with self._cond:
                 self._cond.notify_all()
 

@@ -6,12 +6,10 @@ import argparse
 import importlib
 import sys
 
+from tracer.errors import UserError
+
 # One module per subcommand, in the order `--help` lists them.
 COMMANDS = ["generate", "serve", "attach", "replay", "send", "bench", "export", "lesson", "exercise"]
-
-
-class UserError(Exception):
-    """An error to show the user as one line, without a traceback."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +41,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m tracer.cli`: run the imported module's main, or `except UserError` would name
-    # __main__.UserError while the commands raise tracer.cli.UserError (a traceback, not one line)
-    from tracer.cli import main as _main
-    sys.exit(_main())
+    sys.exit(main())

@@ -8,8 +8,8 @@ kernel name. The same condition is written as text in the TUI and over HTTP:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from engine.trace_names import ABORTED, ENGINE, FINISHED, PREEMPTED, QUEUED, SCHEDULER
 
+from engine.trace_names import ABORTED, ENGINE, FINISHED, KERNEL, PREEMPTED, QUEUED, SCHEDULER
 from tracer.events import LAYERS
 
 
@@ -29,7 +29,9 @@ class Condition:
         return self.request_id is None or request_id == self.request_id
 
     def __str__(self) -> str:
-        return self.label or f"{self.layer or '*'}.{self.name or '*'}" + (f":{self.request_id}" if self.request_id else "")
+        return self.label or f"{self.layer or '*'}.{self.name or '*'}" + (
+            f":{self.request_id}" if self.request_id else ""
+        )
 
 
 def on_arrive(request_id: str | None = None) -> Condition:
@@ -55,7 +57,7 @@ def on_layer(layer: str) -> Condition:
 
 
 def on_kernel(name: str | None = None) -> Condition:
-    return Condition("kernel", name, label=_label("kernel", name))
+    return Condition(KERNEL, name, label=_label("kernel", name))
 
 
 def on_event(layer: str, name: str) -> Condition:

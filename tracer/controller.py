@@ -11,8 +11,9 @@ the engine thread there (on a ``threading.Condition``) when it should stop:
 
 A finer granularity also stops at the coarser points, so "step kernel" still stops at the
 next phase when a step launches no kernel. ``step_end`` exists so that a breakpoint hit late
-in a step (a request finishing) stops the engine in that step, even if it was the last one. Breakpoints and run-until match *events* (which
-may come from any thread: a request arriving over HTTP is not the engine thread), so a match
+in a step (a request finishing) stops the engine in that step, even if it was the last one.
+Breakpoints and run-until match *events* (which may come from any thread: a request arriving
+over HTTP is not the engine thread), so a match
 only marks a hit and the engine stops at its next control point; a kernel-name breakpoint is
 also matched at the kernel gate itself, to stop before that launch. Adding requests is never
 gated: while the engine is held, new requests still arrive and wait.
@@ -23,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.hooks import Hooks
-from engine.trace_names import PAUSED, RESUMED, TRACER
+from engine.trace_names import KERNEL, PAUSED, RESUMED, TRACER
 from tracer.conditions import Condition
 
 GRANULARITIES = {"step": 0, "phase": 1, "kernel": 2}
@@ -195,16 +196,18 @@ class StepController:
             gen = self._release_gen
             self._cond.notify_all()
         details = {k: v for k, v in info.items() if k != "step"}  # nested: a kernel's info has a "name"
-        if self.hooks.active: self.hooks.emit(TRACER, PAUSED, step=info.get("step"), point=point, reason=reason, info=details, gen=gen)
+        if self.hooks.active:
+            self.hooks.emit(TRACER, PAUSED, step=info.get("step"), point=point, reason=reason, info=details, gen=gen)
         with self.hooks.gate_wait(), self._cond:  # parked: the engine lock is free meanwhile
             self._cond.wait_for(lambda: self._release_gen != gen or self._closed)
-        if self.hooks.active: self.hooks.emit(TRACER, RESUMED, step=info.get("step"), point=point)
+        if self.hooks.active:
+            self.hooks.emit(TRACER, RESUMED, step=info.get("step"), point=point)
 
     def _stop_reason(self, point: str, info: dict) -> str | None:  # holding self._cond
         level = POINT_LEVEL.get(point, 2)
         if point == "kernel":
             self._kernel_gates = True
-            reason = self._match(("kernel", info.get("name", ""), None))
+            reason = self._match((KERNEL, info.get("name", ""), None))
             if reason:
                 return reason
         if self._hit is not None:
@@ -220,9 +223,9 @@ class StepController:
         return None
 
     def _on_event(self, layer: str, name: str, kind: str, request_id, step, attrs) -> None:
-        if not (self._breakpoints or self._until) or layer == "tracer":
+        if not (self._breakpoints or self._until) or layer == TRACER:
             return
-        if layer == "kernel" and self._kernel_gates:
+        if layer == KERNEL and self._kernel_gates:
             return  # already matched before the launch, at its gate
         with self._cond:
             reason = self._match((layer, name, request_id))

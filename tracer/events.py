@@ -23,12 +23,17 @@ import orjson
 
 from engine.hooks import BEGIN, COUNTER, END, INSTANT, SNAPSHOT
 
-SCHEMA = "vllm-trace"
-SCHEMA_VERSION = 1
+# The modules a request passes through, outermost first (defined once, in engine.trace_names, and
+# re-exported here; "ipc" is the process boundary, "tracer" the tracer's own voice).
+from engine.trace_names import LAYERS, SCHEDULE, SCHEDULER
 
-# The modules a request passes through, outermost first (defined once, in engine.trace_names;
-# "ipc" is the process boundary, "tracer" the tracer's own voice: pauses, events a reader missed).
-from engine.trace_names import LAYERS  # noqa: E402  (re-exported: the tracer's modules import it from here)
+SCHEMA = "vllm-trace"
+SCHEMA_VERSION = 2
+# Version 1 recorded the step's total as the schedule snapshot's (and end event's)
+# ``num_scheduled_tokens``; from version 2 that key is vLLM V1's dict (request id -> tokens) and the
+# total is ``total_num_scheduled_tokens``. read_trace upgrades version-1 events as it reads them.
+READABLE_VERSIONS = (1, SCHEMA_VERSION)
+
 KINDS = (INSTANT, BEGIN, END, COUNTER, SNAPSHOT)
 EVENT_KEYS = ("seq", "ts_ns", "layer", "name", "kind", "request_id", "step", "attrs")
 
@@ -45,8 +50,16 @@ class Event:
     attrs: dict | None = None
 
     def to_dict(self) -> dict:
-        return {"seq": self.seq, "ts_ns": self.ts_ns, "layer": self.layer, "name": self.name, "kind": self.kind,
-                "request_id": self.request_id, "step": self.step, "attrs": json_safe(self.attrs) if self.attrs else None}
+        return {
+            "seq": self.seq,
+            "ts_ns": self.ts_ns,
+            "layer": self.layer,
+            "name": self.name,
+            "kind": self.kind,
+            "request_id": self.request_id,
+            "step": self.step,
+            "attrs": json_safe(self.attrs) if self.attrs else None,
+        }
 
     def to_json(self) -> str:
         return self.to_json_line()[:-1].decode()
@@ -165,6 +178,23 @@ def read_trace(path: str | Path) -> tuple[dict, list[Event]]:
     header = next(lines, None)
     if header is None or not is_header(header):
         raise ValueError(f"{path}: not a vllm-trace file (the first line must be its header)")
-    if header.get("version") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: trace schema version {header.get('version')}, this tracer reads {SCHEMA_VERSION}")
-    return header, [Event.from_dict(d) for d in lines]
+    version = header.get("version")
+    if version not in READABLE_VERSIONS:
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise ValueError(f"{path}: trace schema version {version}, this tracer reads {readable}")
+    events = [Event.from_dict(d) for d in lines]
+    if version == 1:
+        events = [_upgrade_v1(e) for e in events]
+    return header, events
+
+
+def _upgrade_v1(e: Event) -> Event:
+    """A version-1 event in version 2's form: the schedule's total moves to its V1 name."""
+    total = (e.attrs or {}).get("num_scheduled_tokens")
+    if e.layer != SCHEDULER or e.name != SCHEDULE or not isinstance(total, int):
+        return e
+    attrs = {k: v for k, v in e.attrs.items() if k != "num_scheduled_tokens"}
+    attrs["total_num_scheduled_tokens"] = total
+    if "scheduled" in attrs:  # the snapshot: its per-request counts are in its scheduled list
+        attrs["num_scheduled_tokens"] = {s["request_id"]: s["num_tokens"] for s in attrs["scheduled"]}
+    return dataclasses.replace(e, attrs=attrs)

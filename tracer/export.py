@@ -16,12 +16,33 @@ import json
 from pathlib import Path
 
 from engine.hooks import BEGIN, END, SNAPSHOT
-from engine.trace_names import ABORTED, DETOKENIZER, ENGINE, FINISHED, NEW_TOKENS, PREEMPTED, QUEUED, SCHEDULED, SCHEDULER
+from engine.trace_names import (
+    ABORTED,
+    API,
+    BATCH,
+    CLI,
+    DETOKENIZER,
+    ENGINE,
+    FINISHED,
+    HTTP,
+    KERNEL,
+    MODEL_RUNNER,
+    NEW_TOKENS,
+    PREEMPTED,
+    QUEUED,
+    SAMPLED,
+    SAMPLER,
+    SCHEDULE,
+    SCHEDULED,
+    SCHEDULER,
+    STEP,
+    TRACER,
+)
 from tracer.events import Event, json_safe, read_trace
 
 PID = 1
 STEPS_TID, KERNELS_TID = 1, 2
-LAYER_TIDS = {"cli": 10, "http": 11, "api": 12, "engine": 13, "tracer": 14}  # other layers' spans
+LAYER_TIDS = {CLI: 10, HTTP: 11, API: 12, ENGINE: 13, TRACER: 14}  # other layers' spans
 
 
 def _us(ns: int) -> float:
@@ -33,7 +54,7 @@ class _Builder:
         self.out: list[dict] = []
         self.threads: dict[int, str] = {STEPS_TID: "engine steps", KERNELS_TID: "kernels"}
 
-    def x(self, tid: int, name: str, begin_ns: int, end_ns: int, args: dict | None = None, cat: str = "engine"):
+    def x(self, tid: int, name: str, begin_ns: int, end_ns: int, args: dict | None = None, cat: str = ENGINE):
         self.out.append({"ph": "X", "pid": PID, "tid": tid, "name": name, "cat": cat, "ts": _us(begin_ns),
                          "dur": max(0.0, _us(end_ns - begin_ns)), "args": args or {}})
 
@@ -96,22 +117,22 @@ def to_chrome_trace(header: dict, events: list[Event]) -> dict:
         elif rid in tracks and ev.layer == ENGINE and ev.name in (FINISHED, ABORTED):
             tracks[rid].close(ev.ts_ns, {"finish_reason": a.get("finish_reason", "abort")})
         # ---- steps and their phases
-        elif (ev.layer, ev.name) == ("engine", "step") and ev.step is not None:
+        elif (ev.layer, ev.name) == (ENGINE, STEP) and ev.step is not None:
             if ev.kind == BEGIN:
                 step_begin[ev.step] = ev.ts_ns
                 step_marks[ev.step] = {}
             elif ev.kind == END and ev.step in step_begin:
                 _step_slices(b, ev.step, step_begin.pop(ev.step), ev.ts_ns, step_marks.pop(ev.step, {}))
                 _counters(b, ev.ts_ns, a.get("stats", {}))
-        elif ev.layer == "scheduler" and ev.name == "schedule" and ev.step in step_marks:
+        elif ev.layer == SCHEDULER and ev.name == SCHEDULE and ev.step in step_marks:
             step_marks[ev.step][ev.kind] = ev.ts_ns
             if ev.kind == SNAPSHOT:
                 step_marks[ev.step]["snapshot"] = a
                 _counters(b, ev.ts_ns, a.get("stats", {}))
-        elif ev.layer in ("model_runner", "sampler") and ev.step in step_marks:
+        elif ev.layer in (MODEL_RUNNER, SAMPLER) and ev.step in step_marks:
             step_marks[ev.step][ev.name] = (ev.ts_ns, a)
         # ---- kernels: an instant (with duration_ns, emitted when the launch ended) or a span
-        elif ev.layer == "kernel":
+        elif ev.layer == KERNEL:
             if ev.kind == BEGIN:
                 open_spans[key] = ev
                 continue
@@ -119,7 +140,7 @@ def to_chrome_trace(header: dict, events: list[Event]) -> dict:
                 ev.ts_ns - int(a.get("duration_ns") or 0)
             start = max(start, kernel_end)  # one launch after another on this track
             kernel_end = max(ev.ts_ns, start)
-            b.x(KERNELS_TID, ev.name, start, kernel_end, json_safe(dict(a, step=ev.step)), cat="kernel")
+            b.x(KERNELS_TID, ev.name, start, kernel_end, json_safe(dict(a, step=ev.step)), cat=KERNEL)
         # ---- any other layer's spans (startup stages, HTTP handlers, ...)
         elif ev.kind == BEGIN:
             open_spans[key] = ev
@@ -142,15 +163,16 @@ def to_chrome_trace(header: dict, events: list[Event]) -> dict:
 
 def _step_slices(b: _Builder, step: int, begin: int, end: int, marks: dict) -> None:
     snap = marks.get("snapshot", {})
-    batch = marks.get("batch", (None, {}))[1]
-    args = {k: snap.get(k) for k in ("scheduled", "num_scheduled_tokens", "token_budget", "admitted", "preempted")}
+    batch = marks.get(BATCH, (None, {}))[1]
+    keys = ("scheduled", "num_scheduled_tokens", "total_num_scheduled_tokens", "token_budget", "admitted", "preempted")
+    args = {k: snap.get(k) for k in keys}
     args["batch"] = batch
     b.x(STEPS_TID, f"step {step}", begin, end, args)
     sched_end = marks.get(END, marks.get(SNAPSHOT))
     if BEGIN in marks and sched_end is not None:
-        b.x(STEPS_TID, "schedule", marks[BEGIN], sched_end, {"waiting_reasons": snap.get("waiting_reasons")})
-    if "sampled" in marks and sched_end is not None:
-        sampled_ts, sampled = marks["sampled"]
+        b.x(STEPS_TID, SCHEDULE, marks[BEGIN], sched_end, {"waiting_reasons": snap.get("waiting_reasons")})
+    if SAMPLED in marks and sched_end is not None:
+        sampled_ts, sampled = marks[SAMPLED]
         b.x(STEPS_TID, "execute", sched_end, sampled_ts, {"num_tokens": len(batch.get("input_ids", []))})
         b.x(STEPS_TID, "postprocess", sampled_ts, end, {"token_ids": sampled.get("token_ids")})
 

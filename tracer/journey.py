@@ -5,20 +5,34 @@ kernel launch, the schedule span) belong to every request scheduled in that step
 """
 from __future__ import annotations
 
+from engine.trace_names import (
+    API,
+    BLOCK_MANAGER,
+    DETOKENIZER,
+    ENGINE,
+    HTTP,
+    IPC,
+    KERNEL,
+    MODEL_RUNNER,
+    SAMPLER,
+    SCHEDULE,
+    SCHEDULER,
+    TOKENIZER,
+    TRACER,
+)
 from tracer.events import Event
 
 # The order a request meets the layers, outermost to innermost and back out.
-CHAIN = ("http", "api", "tokenizer", "engine", "scheduler", "block_manager", "model_runner", "kernel",
-         "sampler", "detokenizer", "http")
+CHAIN = (HTTP, API, TOKENIZER, ENGINE, SCHEDULER, BLOCK_MANAGER, MODEL_RUNNER, KERNEL, SAMPLER, DETOKENIZER, HTTP)
 # With the engine core in its own process, the request crosses the boundary (ipc) on its way in.
-TWO_PROCESS_CHAIN = ("http", "api", "tokenizer", "ipc", *CHAIN[3:])
+TWO_PROCESS_CHAIN = (HTTP, API, TOKENIZER, IPC, *CHAIN[3:])
 
 
 def scheduled_in_steps(events: list[Event]) -> dict[int, set[str]]:
     """step -> the request ids the schedule snapshot of that step scheduled."""
     out: dict[int, set[str]] = {}
     for ev in events:
-        if ev.layer == "scheduler" and ev.name == "schedule" and ev.kind == "snapshot" and ev.step is not None:
+        if ev.layer == SCHEDULER and ev.name == SCHEDULE and ev.kind == "snapshot" and ev.step is not None:
             out[ev.step] = {s["request_id"] for s in (ev.attrs or {}).get("scheduled", [])}
     return out
 
@@ -27,7 +41,7 @@ def request_events(events: list[Event], request_id: str) -> list[Event]:
     """The request's own events and the step-level events of the steps it was scheduled in."""
     steps = {s for s, ids in scheduled_in_steps(events).items() if request_id in ids}
     return [ev for ev in events if ev.request_id == request_id
-            or (ev.request_id is None and ev.step in steps and ev.layer not in ("engine", "tracer"))]
+            or (ev.request_id is None and ev.step in steps and ev.layer not in (ENGINE, TRACER))]
 
 
 def layer_path(events: list[Event]) -> list[str]:

@@ -17,9 +17,9 @@ import threading
 import time
 from pathlib import Path
 
+from engine.trace_names import EVENTS_LOST, TRACER
 from tracer.bus import EventBus
 from tracer.events import Event, decode_line, make_header
-
 
 
 class Recorder:
@@ -72,7 +72,7 @@ class Recorder:
             if missed:
                 self.num_lost += missed
                 ts = decode_line(data[:data.index(b"\n") + 1]).ts_ns if count else 0
-                self._file.write(Event(-1, ts, "tracer", "events_lost", attrs={"count": missed}).to_json_line())
+                self._file.write(Event(-1, ts, TRACER, EVENTS_LOST, attrs={"count": missed}).to_json_line())
             if count:
                 self._file.write(data)
                 self.num_written += count

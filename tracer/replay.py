@@ -15,6 +15,7 @@ import bisect
 from pathlib import Path
 
 from engine.hooks import END
+from engine.trace_names import ENGINE, STEP
 from tracer.events import Event, read_trace
 from tracer.state import TraceState, fold
 
@@ -27,7 +28,7 @@ class Replay:
         # the index just past each step's END (a step cut off by the end of the trace ends there)
         self._step_end: dict[int, int] = {}
         for i, ev in enumerate(events):
-            if ev.layer == "engine" and ev.name == "step" and ev.step is not None:
+            if ev.layer == ENGINE and ev.name == STEP and ev.step is not None:
                 self._step_end[ev.step] = i + 1 if ev.kind == END else len(events)
         self.steps: list[int] = sorted(self._step_end)
         self._ends = [self._step_end[k] for k in self.steps]  # ascending: steps run in order

@@ -18,8 +18,8 @@ from typing import Iterable, TextIO
 from engine.hooks import Hooks
 from tracer.bus import DEFAULT_CAPACITY, EventBus
 from tracer.controller import StepController
-from tracer.remote_controller import CORE_INSTALL, RemoteStepController
 from tracer.recorder import Recorder
+from tracer.remote_controller import CORE_INSTALL, RemoteStepController
 from tracer.state import LiveState
 from tracer.tracelog import TraceLog
 

@@ -26,8 +26,39 @@ from dataclasses import dataclass, field
 import orjson
 
 from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT
-from engine.trace_names import (ABORTED, DETOKENIZER, ENGINE, FINISHED, NEW_TOKENS, PAUSED, PREEMPTED, QUEUED, RESUMED,
-                                SCHEDULED, SCHEDULER)
+from engine.trace_names import (
+    ABORTED,
+    ALLOCATE,
+    API,
+    BATCH,
+    BLOCK_MANAGER,
+    CACHE_HIT,
+    CLI,
+    CONFIG,
+    DETOKENIZER,
+    ENCODE,
+    ENGINE,
+    EVENTS_LOST,
+    EVICT,
+    FINISHED,
+    FREE,
+    HTTP,
+    KERNEL,
+    MODEL_RUNNER,
+    NEW_TOKENS,
+    PAUSED,
+    PREEMPTED,
+    QUEUED,
+    RESUMED,
+    SAMPLED,
+    SAMPLER,
+    SCHEDULE,
+    SCHEDULED,
+    SCHEDULER,
+    STEP,
+    TOKENIZER,
+    TRACER,
+)
 from tracer.bus import EventBus
 from tracer.events import Event, json_safe
 
@@ -178,7 +209,7 @@ def fold(state: TraceState, ev: Event) -> TraceState:
     if ev.request_id is not None:
         req = state.requests.get(ev.request_id)
         if req is None:
-            if ev.layer in ("http", "api") and ev.kind != BEGIN and not ev.name.endswith("_request"):
+            if ev.layer in (HTTP, API) and ev.kind != BEGIN and not ev.name.endswith("_request"):
                 return state  # the response's last words after its request was dropped: nothing to revive
             req = state.request(ev.request_id)
         if not req.layers or req.layers[-1] != ev.layer:
@@ -213,7 +244,7 @@ def _queued(s: TraceState, ev: Event) -> None:
     req.num_prompt_tokens = req.num_tokens = a.get("num_prompt_tokens", 0)
     req.max_tokens = a.get("max_tokens")
     req.arrival_step, req.arrival_ns = ev.step, ev.ts_ns
-    req.timeline.append({"event": "QUEUED", "step": ev.step, "ts_ns": ev.ts_ns})
+    req.timeline.append({"event": QUEUED, "step": ev.step, "ts_ns": ev.ts_ns})
     if ev.request_id not in s.waiting:
         s.waiting.append(ev.request_id)
 
@@ -320,7 +351,7 @@ def _append_bounded(values: list, value) -> None:
 def _scheduled(s: TraceState, ev: Event) -> None:
     rid, req = ev.request_id, s.request(ev.request_id)
     req.status, req.waiting_reason, req.preempt_reason = "RUNNING", None, None
-    req.timeline.append({"event": "SCHEDULED", "step": ev.step, "ts_ns": ev.ts_ns})
+    req.timeline.append({"event": SCHEDULED, "step": ev.step, "ts_ns": ev.ts_ns})
     if rid in s.waiting:
         s.waiting.remove(rid)
     if rid not in s.running:
@@ -332,7 +363,7 @@ def _preempted(s: TraceState, ev: Event) -> None:
     req.status, req.preempt_reason = PREEMPTED, _attrs(ev).get("reason")
     req.num_computed_tokens, req.block_table = 0, []
     req.num_preemptions += 1
-    req.timeline.append({"event": "PREEMPTED", "step": ev.step, "ts_ns": ev.ts_ns, "reason": req.preempt_reason})
+    req.timeline.append({"event": PREEMPTED, "step": ev.step, "ts_ns": ev.ts_ns, "reason": req.preempt_reason})
     if rid in s.running:
         s.running.remove(rid)
     if rid not in s.waiting:
@@ -388,13 +419,13 @@ def _block_manager(s: TraceState, ev: Event) -> None:
     if ev.request_id is None:
         return
     req = s.request(ev.request_id)
-    if ev.name == "allocate":
+    if ev.name == ALLOCATE:
         req.block_table = list(a.get("block_table", req.block_table))
         s.cached_free.difference_update(req.block_table)  # new blocks, and prefix hits taken back
-    elif ev.name == "free":
+    elif ev.name == FREE:
         _freed(s, req, a.get("block_ids", ()))
         req.block_table = []
-    elif ev.name == "cache_hit":
+    elif ev.name == CACHE_HIT:
         req.num_cached_tokens = a.get("hit_tokens", 0)
         req.cache_hit_blocks = list(a.get("block_ids", ()))  # found; taken only if it is admitted
 
@@ -448,32 +479,32 @@ def _tracer(s: TraceState, ev: Event) -> None:
         s.paused_at = {k: v for k, v in _attrs(ev).items() if k not in ("gen", "pid")}  # where, not plumbing
     elif ev.name == RESUMED:
         s.paused_at = None
-    elif ev.name == "events_lost":
+    elif ev.name == EVENTS_LOST:
         s.events_missed += _attrs(ev).get("count", 0)
 
 
 _HANDLERS = {
-    ("engine", "config"): _config,
-    ("tokenizer", "encode"): _encoded,
+    (ENGINE, CONFIG): _config,
+    (TOKENIZER, ENCODE): _encoded,
     (ENGINE, QUEUED): _queued,
     (ENGINE, FINISHED): _finished,
     (ENGINE, ABORTED): _finished,
-    ("engine", "step"): _step,
+    (ENGINE, STEP): _step,
     (SCHEDULER, SCHEDULED): _scheduled,
     (SCHEDULER, PREEMPTED): _preempted,
-    ("scheduler", "schedule"): _schedule_span,
-    ("block_manager", "evict"): _evict,
-    ("model_runner", "batch"): _batch,
-    ("sampler", "sampled"): _sampled,
+    (SCHEDULER, SCHEDULE): _schedule_span,
+    (BLOCK_MANAGER, EVICT): _evict,
+    (MODEL_RUNNER, BATCH): _batch,
+    (SAMPLER, SAMPLED): _sampled,
     (DETOKENIZER, NEW_TOKENS): _new_tokens,
 }
 _LAYER_HANDLERS = {
-    "http": _http,
-    "engine": _engine,
-    "cli": _cli,
-    "block_manager": _block_manager,
-    "kernel": _kernel,
-    "tracer": _tracer,
+    HTTP: _http,
+    ENGINE: _engine,
+    CLI: _cli,
+    BLOCK_MANAGER: _block_manager,
+    KERNEL: _kernel,
+    TRACER: _tracer,
 }
 
 

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.server.errors import ERROR_RESPONSES, APIError
 from engine.server.protocol import ErrorResponse, Text
 from engine.server.security import require_control, require_trace_read
+from engine.trace_names import ENGINE, SCHEDULE, SCHEDULER, TRACER
 from tracer.bus import Subscription
 from tracer.conditions import Condition, parse_condition
 from tracer.controller import StepController
@@ -106,13 +107,13 @@ class _Filter:
 
     def __call__(self, ev: Event) -> bool:
         if self.request_id is not None:
-            if ev.layer == "scheduler" and ev.name == "schedule" and ev.kind == "snapshot":
+            if ev.layer == SCHEDULER and ev.name == SCHEDULE and ev.kind == "snapshot":
                 if any(s["request_id"] == self.request_id for s in (ev.attrs or {}).get("scheduled", ())):
                     self._step = ev.step
                     return self.layers is None or ev.layer in self.layers
             if ev.request_id != self.request_id and not (
                     ev.request_id is None and ev.step is not None and ev.step == self._step
-                    and ev.layer not in ("engine", "tracer")):
+                    and ev.layer not in (ENGINE, TRACER)):
                 return False
         return self.layers is None or ev.layer in self.layers
 

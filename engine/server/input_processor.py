@@ -25,6 +25,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.hooks import Hooks
+from engine.trace_names import ENCODE, TOKENIZER
 
 TOKENIZER_THREADS = 4
 
@@ -70,7 +71,7 @@ class InputProcessor:
         ids = self.tokenizer.encode(text)
         if self.hooks.active and len(ids) < self.max_model_len:
             pieces = self.tokenizer.batch_decode([[t] for t in ids])
-            self.hooks.emit("tokenizer", "encode", request_id=request_id, token_ids=ids, pieces=pieces)
+            self.hooks.emit(TOKENIZER, ENCODE, request_id=request_id, token_ids=ids, pieces=pieces)
         return ids
 
     def _check_length(self, n: int) -> None:

@@ -39,10 +39,18 @@ class ServerMetrics:
         def histogram(name, doc, buckets):
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
-        self._running = Gauge("vllm:num_requests_running", "Requests in the running queue.", m, registry=r).labels(model_name)
-        self._waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", m, registry=r).labels(model_name)
-        self._kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = 100%).", m, registry=r).labels(model_name)
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.").labels(model_name)
+        self._running = Gauge("vllm:num_requests_running", "Requests in the running queue.", m, registry=r).labels(
+            model_name
+        )
+        self._waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", m, registry=r).labels(
+            model_name
+        )
+        self._kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = 100%).", m, registry=r
+        ).labels(model_name)
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.").labels(
+            model_name
+        )
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.").labels(model_name)
         self.preemptions = counter("vllm:num_preemptions", "Preemptions.").labels(model_name)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(model_name)

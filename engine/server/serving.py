@@ -43,7 +43,9 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise bad_request(e) from None
 
 
-async def submit(state: ServerState, request_ids: list[str], prompts: list, params: SamplingParams) -> list[RequestStream]:
+async def submit(
+    state: ServerState, request_ids: list[str], prompts: list, params: SamplingParams
+) -> list[RequestStream]:
     """Tokenize every prompt (engine.server.input_processor), then queue all or none: a bad
     one aborts those already queued, then raises 400."""
     try:

@@ -13,12 +13,32 @@ from engine.hooks import BEGIN, END
 from engine.outputs import Logprob, RequestOutput
 from engine.server.chat_template import render_chat
 from engine.server.errors import APIError
-from engine.server.protocol import (MAX_LOGPROBS, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                    ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatStreamChoice,
-                                    ChatTokenLogprob, DeltaMessage, TopLogprob, UsageInfo)
-from engine.server.serving import (SSE_DONE, StopHoldback, event_stream, new_request_id, sampling_params, sse, submit,
-                                   until_disconnected)
+from engine.server.protocol import (
+    MAX_LOGPROBS,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+from engine.server.serving import (
+    SSE_DONE,
+    StopHoldback,
+    event_stream,
+    new_request_id,
+    sampling_params,
+    sse,
+    submit,
+    until_disconnected,
+)
 from engine.server.state import ServerState
+from engine.trace_names import API, HTTP
 
 log = logging.getLogger(__name__)
 PATH = "POST /v1/chat/completions"
@@ -57,27 +77,42 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_t
 
 async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
     rid, hooks = new_request_id("chatcmpl"), state.hooks
-    if hooks.active: hooks.emit("http", PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host)
+    if hooks.active:
+        hooks.emit(
+            HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host
+        )
     try:
         state.check_model(body.model)
         num_logprobs = _num_logprobs(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, max_tokens, num_logprobs)
         prompt = await chat_prompt(state, body.messages, body.add_generation_prompt)
-        if hooks.active: hooks.emit("api", "chat_request", request_id=rid, prompt=prompt, num_messages=len(body.messages), params=vars(params), user=body.user)
+        if hooks.active:
+            hooks.emit(
+                API,
+                "chat_request",
+                request_id=rid,
+                prompt=prompt,
+                num_messages=len(body.messages),
+                params=vars(params),
+                user=body.user,
+            )
         [stream] = await submit(state, [rid], [prompt], params)
     except APIError as e:
-        if hooks.active: hooks.emit("http", PATH, END, request_id=rid, status=e.status, error=e.message)
+        if hooks.active:
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=e.status, error=e.message)
         raise
     ctx = _Ctx(state, body, rid, params.stop_strs)
     if body.stream:
         return event_stream(ctx.stream(stream), [stream])
     final = await until_disconnected(request, ctx.collect(stream))
     if final is None:  # the client left; the request was aborted
-        if hooks.active: hooks.emit("http", PATH, END, request_id=rid, status=499, disconnected=True)
+        if hooks.active:
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=499, disconnected=True)
         return Response(status_code=499)
     resp = ctx.response(final)
-    if hooks.active: hooks.emit("http", PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
+    if hooks.active:
+        hooks.emit(HTTP, PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
     return JSONResponse(resp.model_dump())
 
 
@@ -126,7 +161,8 @@ class _Ctx:
                 elif not text and not (lp and lp.content):
                     continue  # nothing new to say (a held-back or partial character)
                 reason = c.finish_reason if out.finished else None
-                if hooks.active: hooks.emit("api", "sse_chunk", request_id=self.rid, text=text, finish_reason=reason)
+                if hooks.active:
+                    hooks.emit(API, "sse_chunk", request_id=self.rid, text=text, finish_reason=reason)
                 chunks += 1
                 yield self._chunk(DeltaMessage(content=text), lp, reason)
             opts = self.body.stream_options
@@ -142,7 +178,10 @@ class _Ctx:
             log.exception("chat stream %s failed", self.rid)
             yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         finally:
-            if hooks.active: hooks.emit("http", PATH, END, request_id=self.rid, status=200, chunks=chunks, complete=final is not None)
+            if hooks.active:
+                hooks.emit(
+                    HTTP, PATH, END, request_id=self.rid, status=200, chunks=chunks, complete=final is not None
+                )
         yield SSE_DONE
 
 

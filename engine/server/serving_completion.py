@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import logging
 import time
-
-from fastapi import Request
 from contextlib import aclosing
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.async_engine import EngineClosedError
@@ -18,10 +17,26 @@ from engine.core import EngineDeadError
 from engine.hooks import BEGIN, END
 from engine.outputs import Logprob, RequestOutput
 from engine.server.errors import APIError
-from engine.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo
-from engine.server.serving import (SSE_DONE, StopHoldback, event_stream, merge_streams, new_request_id, sampling_params, sse,
-                                   submit, until_disconnected)
+from engine.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from engine.server.serving import (
+    SSE_DONE,
+    StopHoldback,
+    event_stream,
+    merge_streams,
+    new_request_id,
+    sampling_params,
+    sse,
+    submit,
+    until_disconnected,
+)
 from engine.server.state import ServerState
+from engine.trace_names import API, HTTP
 
 log = logging.getLogger(__name__)
 PATH = "POST /v1/completions"
@@ -54,7 +69,10 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
 
 async def create_completion(body: CompletionRequest, state: ServerState, request: Request) -> Response:
     rid, hooks = new_request_id("cmpl"), state.hooks
-    if hooks.active: hooks.emit("http", PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host)
+    if hooks.active:
+        hooks.emit(
+            HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host
+        )
     try:
         state.check_model(body.model)
         prompts = _prompts(body.prompt)
@@ -63,20 +81,32 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
                            param="echo")
         params = sampling_params(body, body.max_tokens, body.logprobs)
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-        if hooks.active: hooks.emit("api", "completion_request", request_id=rid, request_ids=ids, num_prompts=len(prompts), params=vars(params), user=body.user)
+        if hooks.active:
+            hooks.emit(
+                API,
+                "completion_request",
+                request_id=rid,
+                request_ids=ids,
+                num_prompts=len(prompts),
+                params=vars(params),
+                user=body.user,
+            )
         streams = await submit(state, ids, prompts, params)
     except APIError as e:
-        if hooks.active: hooks.emit("http", PATH, END, request_id=rid, status=e.status, error=e.message)
+        if hooks.active:
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=e.status, error=e.message)
         raise
     ctx = _Ctx(state, body, rid, ids, params.stop_strs)
     if body.stream:
         return event_stream(ctx.stream(streams), streams)
     finals = await until_disconnected(request, ctx.collect(streams))
     if finals is None:  # the client left; its requests were aborted and nobody reads this
-        if hooks.active: hooks.emit("http", PATH, END, request_id=rid, status=499, disconnected=True)
+        if hooks.active:
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=499, disconnected=True)
         return Response(status_code=499)
     resp = ctx.response(finals)
-    if hooks.active: hooks.emit("http", PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
+    if hooks.active:
+        hooks.emit(HTTP, PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
     return JSONResponse(resp.model_dump())
 
 
@@ -132,7 +162,16 @@ class _Ctx:
             log.exception("completion stream %s failed", self.rid)
             yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         finally:
-            if hooks.active: hooks.emit("http", PATH, END, request_id=self.rid, status=200, chunks=self.chunks, complete=len(self.finals) == len(streams))
+            if hooks.active:
+                hooks.emit(
+                    HTTP,
+                    PATH,
+                    END,
+                    request_id=self.rid,
+                    status=200,
+                    chunks=self.chunks,
+                    complete=len(self.finals) == len(streams),
+                )
         yield SSE_DONE
 
     async def _chunks(self, merged, n: int):
@@ -158,7 +197,8 @@ class _Ctx:
             choice = CompletionChoice(index=i, text=text, logprobs=lp,
                                       finish_reason=c.finish_reason if out.finished else None,
                                       stop_reason=c.stop_reason if out.finished else None)
-            if hooks.active: hooks.emit("api", "sse_chunk", request_id=self.ids[i], text=text, finish_reason=choice.finish_reason)
+            if hooks.active:
+                hooks.emit(API, "sse_chunk", request_id=self.ids[i], text=text, finish_reason=choice.finish_reason)
             self.chunks += 1
             yield sse(CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
                                          choices=[choice]))

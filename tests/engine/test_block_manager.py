@@ -2,7 +2,8 @@
 reference counts never go negative, whatever sequence of allocations and frees happens;
 block 0 is the null block, never handed out."""
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.block_manager import NULL_BLOCK_ID, BlockManager
 from engine.request import Request

@@ -3,10 +3,10 @@ against their checksums, its greedy text is stable, and what it writes is mostly
 import fnmatch
 import re
 import shutil
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -5,10 +5,9 @@ import pytest
 
 from engine import LLM, Hooks, SamplingParams
 from engine.builtin_model import builtin_path
-from kernels import instrument
+from kernels import access_map, instrument
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equivalence import _prompts
-from tracer.tui.access import _recompute
 
 MAX_NEW = 10
 PROMPTS = _prompts(shared_prefix=16, n=8)
@@ -65,7 +64,7 @@ def test_kernel_launches_reach_the_hooks():
     batches = {e[2]: e[3] for e in events if e[:2] == ("model_runner", "batch")}
     assert [r.name for r in records] == [e[1] for e in kernels]
     for (_, name, step, attrs), rec in zip(kernels, records):
-        assert _recompute({"name": name, **attrs}, batches[step]) == rec.access_map
+        assert access_map(name, attrs["meta"], attrs["grid"], batches[step]) == rec.access_map
         assert rec.access_map
     access = records[1].access_map
     assert {a.request for accesses in access.values() for a in accesses} == {0, 1}

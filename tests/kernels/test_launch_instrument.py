@@ -3,8 +3,14 @@ import threading
 import torch
 from kernel_batches import make_batch
 
-from kernels import (AttentionConfig, choose_config, instrument, reshape_and_cache, unified_attention,
-                     unified_attention_ref)
+from kernels import (
+    AttentionConfig,
+    choose_config,
+    instrument,
+    reshape_and_cache,
+    unified_attention,
+    unified_attention_ref,
+)
 
 GPU_SHAPED = AttentionConfig(block_q=4, q_blocks_per_program=1, tile_n=16, heads_per_program=1)
 
@@ -176,7 +182,9 @@ def test_each_tensor_is_described_as_it_is_at_its_launch():
     tensor changed after its launch is still described as it was; launches whose arguments
     look the same share one description."""
     seen = []
-    fn = lambda **kw: None  # noqa: E731
+    def fn(**kw):
+        return None
+
     shared = torch.zeros(2, 3, dtype=torch.int32)
     with instrument.observe(seen.append):
         for rows in (1, 2, 3, 4, 4):

@@ -4,8 +4,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_batches import make_batch
 
-from kernels import (INTERPRETED, AttentionConfig, reshape_and_cache, reshape_and_cache_ref, unified_attention,
-                     unified_attention_ref)
+from kernels import (
+    INTERPRETED,
+    AttentionConfig,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+    unified_attention,
+    unified_attention_ref,
+)
 
 # (query_lens, seq_lens, q_heads, kv_heads, head_size, block_size). Each line covers several
 # items: seq_len == query_len is a fresh prompt, seq_len > query_len a cached prefix.
@@ -51,7 +57,9 @@ def test_split_kv_with_empty_segments():
     # requests get no tile at all and must contribute nothing to the merge.
     b = _batch("decode", seed=1)
     cfg = AttentionConfig(block_q=1, q_blocks_per_program=1, tile_n=16, heads_per_program=2, num_segments=6)
-    torch.testing.assert_close(unified_attention(*b.args(), config=cfg), unified_attention_ref(*b.args()), atol=1e-3, rtol=0)
+    torch.testing.assert_close(
+        unified_attention(*b.args(), config=cfg), unified_attention_ref(*b.args()), atol=1e-3, rtol=0
+    )
 
 
 def test_writes_into_out_and_ignores_stale_block_table_entries():

@@ -54,8 +54,10 @@ def test_stub_fails_cleanly_solution_passes_wrong_fails(info, tmp_path):
 
 
 def test_cli_start_then_check_the_stub_and_bad_input(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "tracer.cli", "exercise", *a],  # noqa: E731
-                                    capture_output=True, text=True, cwd=tmp_path)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "tracer.cli", "exercise", *a],
+                              capture_output=True, text=True, cwd=tmp_path)
+
     r = run("1", "--start")
     stub = tmp_path / "exercise_01_slot_mapping.py"
     assert r.returncode == 0 and stub.is_file()

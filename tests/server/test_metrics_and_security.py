@@ -32,7 +32,9 @@ def test_metrics_names_and_counts(http):
         assert re.search(rf'^{re.escape(name)}\{{.*model_name="tiny-gpt2"', before, re.M), name
     r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True}).json()
     after = http.get("/metrics").text
-    delta = lambda name, **kw: sample(after, name, **kw) - sample(before, name, **kw)  # noqa: E731
+    def delta(name, **kw):
+        return sample(after, name, **kw) - sample(before, name, **kw)
+
     assert delta("vllm:generation_tokens_total") == 5
     assert delta("vllm:prompt_tokens_total") == r["usage"]["prompt_tokens"]
     assert delta("vllm:request_success_total", finished_reason="length") == 1

@@ -102,5 +102,12 @@ def test_echo_and_logprobs(client):
 
 
 def test_seeded_sampling_is_reproducible(client):
-    kw = dict(model="tiny-gpt2", prompt="Hello", max_tokens=10, temperature=1.0, seed=7, extra_body={"top_k": 50, "min_p": 0.01})
+    kw = dict(
+        model="tiny-gpt2",
+        prompt="Hello",
+        max_tokens=10,
+        temperature=1.0,
+        seed=7,
+        extra_body={"top_k": 50, "min_p": 0.01},
+    )
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text

@@ -127,7 +127,9 @@ def test_an_over_long_text_is_refused_before_tokenizing(http, live):
     assert proc.max_token_chars == max(len(tok.decode([i])) for i in range(len(tok)))
     r = http.post(C, json={"prompt": "x" * (proc.max_prompt_chars + 1)})
     assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
-    r = http.post(C, json={"prompt": "x" * live.async_engine.max_model_len})  # within the bound: tokenized, then refused
+    r = http.post(
+        C, json={"prompt": "x" * live.async_engine.max_model_len}
+    )  # within the bound: tokenized, then refused
     assert r.status_code == 400 and "tokens; max_model_len" in r.json()["error"]["message"]
     proc.close()
 

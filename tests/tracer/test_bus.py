@@ -1,6 +1,7 @@
 import threading
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.hooks import Hooks
 from tracer.bus import EventBus

@@ -2,7 +2,6 @@
 
 The full chain starts and ends at `http`; the server adds those layers, so that test belongs
 to the integration. Here: everything from the tokenizer to the detokenizer."""
-import pytest
 
 from engine import LLM, Hooks, SamplingParams
 from tracer.events import read_trace

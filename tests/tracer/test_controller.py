@@ -4,12 +4,12 @@ twice: the engine in this process, and the engine core in its own (the controlle
 import threading
 
 import pytest
+from tracer_helpers import CoreProcess, start_loop
 
 from engine import LLM, Hooks, SamplingParams
 from tracer.conditions import on_arrive, on_finish, on_kernel, on_preempt, parse_condition
 from tracer.controller import StepController
 from tracer.session import TraceSession
-from tracer_helpers import CoreProcess, EngineThread, start_loop
 
 T = 30  # seconds; only reached if something is broken
 _cores: list[CoreProcess] = []
@@ -199,8 +199,14 @@ def test_step_kernel_and_kernel_breakpoint():
             ctl.step(1, "kernel")
             s = ctl.wait_until_paused(T)
             stops.append((s.point, s.info.get("name"), s.info.get("layer")))
-        assert stops == [("execute", None, None), ("kernel", "reshape_and_cache", 0), ("kernel", "unified_attention", 0),
-                         ("kernel", "reshape_and_cache", 1), ("kernel", "unified_attention", 1), ("postprocess", None, None)]
+        assert stops == [
+            ("execute", None, None),
+            ("kernel", "reshape_and_cache", 0),
+            ("kernel", "unified_attention", 0),
+            ("kernel", "reshape_and_cache", 1),
+            ("kernel", "unified_attention", 1),
+            ("postprocess", None, None),
+        ]
         ctl.add_breakpoint(on_kernel("unified_attention"))
         ctl.resume()
         s = ctl.wait_until_paused(T)  # before the launch, in the next step

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tracer.bus import EventBus
-from tracer.events import EVENT_KEYS, LAYERS, Event, decode_line, json_safe, make_header, read_trace
+from tracer.events import EVENT_KEYS, LAYERS, SCHEMA_VERSION, Event, decode_line, json_safe, make_header, read_trace
 
 
 class Color(enum.Enum):
@@ -51,7 +51,8 @@ def test_read_trace_skips_torn_last_line_only(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text("\n".join(lines) + "\n" + '{"seq": 1, "ts_')  # the process died mid-line
     h, events = read_trace(p)
-    assert h["version"] == 1 and h["model"] == "tiny-gpt2" and h["engine_config"]["cache"]["block_size"] == 4
+    assert h["version"] == SCHEMA_VERSION and h["model"] == "tiny-gpt2"
+    assert h["engine_config"]["cache"]["block_size"] == 4
     assert isinstance(h["wall_clock_start_ns"], int)
     assert [e.name for e in events] == ["QUEUED"]
     p.write_text(lines[0] + "\nnot json\n" + lines[1] + "\n")
@@ -67,7 +68,9 @@ def test_the_bus_holds_each_event_as_its_trace_line():
     through json_safe. Readers get what a replay of the file would give them."""
     bus = EventBus(clock=iter(range(10, 10**6, 10)).__next__)  # starts at 10
     bus.publish("engine", "step", "begin", step=0)
-    bus.publish("sampler", "sampled", step=0, attrs={"t": torch.tensor([1, 2]), "s": {3}, "k": {4: "x"}, "shape": (2, 3)})
+    bus.publish(
+        "sampler", "sampled", step=0, attrs={"t": torch.tensor([1, 2]), "s": {3}, "k": {4: "x"}, "shape": (2, 3)}
+    )
     bus.publish("engine", "step", "end", step=0, attrs={})
     lines, missed, end = bus.read_lines(0)
     assert (missed, end) == (0, 3) and all(isinstance(x, bytes) and x.endswith(b"\n") for x in lines)

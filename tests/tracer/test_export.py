@@ -1,8 +1,8 @@
 import json
 
 import pytest
-
 from chrome_check import check_chrome_trace
+
 from engine import LLM, Hooks, SamplingParams
 from tracer.cli import main
 from tracer.events import read_trace
@@ -50,7 +50,9 @@ def test_perfetto_export_is_structurally_valid(trace):
 
 def test_checker_catches_broken_traces():
     ok = {"ph": "b", "name": "request 1", "ts": 1.0, "pid": 1, "tid": 1, "cat": "request", "id": "1"}
-    assert check_chrome_trace({"traceEvents": [ok]}) == ["async track ('async', 1, 'request', '1'): never closed ['request 1']"]
+    assert check_chrome_trace({"traceEvents": [ok]}) == [
+        "async track ('async', 1, 'request', '1'): never closed ['request 1']"
+    ]
     wrong_e = dict(ok, ph="e", name="prefill", ts=2.0)
     assert "does not close" in check_chrome_trace({"traceEvents": [ok, wrong_e]})[0]
     back = dict(ok, ph="e", ts=0.5)

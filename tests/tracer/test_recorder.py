@@ -1,9 +1,8 @@
-import io
 import json
 
 from engine import LLM, Hooks, SamplingParams
 from tracer.bus import EventBus
-from tracer.events import EVENT_KEYS, read_trace
+from tracer.events import EVENT_KEYS, SCHEMA_VERSION, read_trace
 from tracer.recorder import Recorder
 from tracer.session import TraceSession
 
@@ -22,7 +21,7 @@ def test_no_event_lost_at_64_concurrent_requests(tmp_path):
     assert [e.seq for e in events] == list(range(published))
     assert published > 2 * 2048  # more than the ring holds: the writer kept up
     assert session.recorder.num_lost == 0
-    assert header["model"] is None and header["version"] == 1
+    assert header["model"] is None and header["version"] == SCHEMA_VERSION
     assert sum(e.name == "FINISHED" for e in events) == 64
     running = [len(e.attrs["running"]) for e in events if e.kind == "snapshot"]
     assert max(running) == 64

@@ -1,12 +1,13 @@
 """Replay and the fold, checked against the engine's own snapshots and outputs."""
+import json
 import random
 
 import pytest
+from tracer_helpers import traced_run
 
 from tracer.events import read_trace
 from tracer.replay import Replay
 from tracer.state import TraceState, fold, snapshot_view
-from tracer_helpers import traced_run
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +105,39 @@ def test_text_grows_step_by_step(run):
 def test_unknown_step_is_an_error(run):
     with pytest.raises(KeyError, match="not in this trace"):
         Replay.load(run[0]).goto(10_000)
+
+
+def test_a_version_1_recording_replays_as_version_2(run, tmp_path):
+    """Version 1 put the step's total under num_scheduled_tokens; replay reads it as today's form."""
+    path = tmp_path / "v1.jsonl"
+    old = []
+    for i, line in enumerate(run[0].read_text().splitlines()):
+        d = json.loads(line)
+        if i == 0:
+            d["version"] = 1
+        elif d["layer"] == "scheduler" and d["name"] == "schedule" and "total_num_scheduled_tokens" in d["attrs"]:
+            d["attrs"].pop("num_scheduled_tokens", None)
+            d["attrs"]["num_scheduled_tokens"] = d["attrs"].pop("total_num_scheduled_tokens")
+        old.append(json.dumps(d))
+    path.write_text("\n".join(old) + "\n")
+    assert not any('"total_num_scheduled_tokens"' in line for line in old)
+    _, events = read_trace(run[0])
+    recorded = {e.step: e.attrs for e in events if e.kind == "snapshot"}
+    replay = Replay.load(path)
+    assert sorted(recorded) == replay.steps
+    for k in replay.steps:
+        snap = replay.goto(k).snapshot
+        assert snap == recorded[k]
+        assert snap["total_num_scheduled_tokens"] == sum(snap["num_scheduled_tokens"].values())
+    assert any(s["total_num_scheduled_tokens"] > 0 for s in recorded.values())
+    ends = [e for e in read_trace(path)[1] if e.name == "schedule" and e.kind == "end"]
+    assert ends and all(isinstance(e.attrs["total_num_scheduled_tokens"], int) for e in ends)
+
+
+def test_an_unknown_version_is_one_clear_error(run, tmp_path):
+    lines = run[0].read_text().splitlines()
+    header = json.loads(lines[0]) | {"version": 99}
+    path = tmp_path / "v99.jsonl"
+    path.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="schema version 99, this tracer reads 1, 2"):
+        read_trace(path)

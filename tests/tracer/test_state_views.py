@@ -3,10 +3,11 @@ checked against the engine's own structures after a real run."""
 import json
 import time
 
+from tracer_helpers import EngineThread
+
 from engine import LLM, Hooks, SamplingParams
 from tracer.session import TraceSession
 from tracer.state import HISTORY, TraceState
-from tracer_helpers import EngineThread
 
 SHARED = "A shared prefix, a shared prefix! "
 

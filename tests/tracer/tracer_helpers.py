@@ -6,7 +6,6 @@ import threading
 from engine import LLM, Hooks, SamplingParams
 from tracer.session import TraceSession
 
-
 PROMPTS = ["The quick brown fox jumps", "Hello there", "A shared prefix, a shared prefix! one",
            "A shared prefix, a shared prefix! two", "x"]
 

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from tests.tui.helpers import shown
 from tracer.replay import Replay
 from tracer.tui.screens.breakpoints import BreakpointsScreen
 from tracer.tui.screens.confirm import ConfirmQuit
@@ -16,8 +17,6 @@ from tracer.tui.widgets.kernels import KernelsPanel
 from tracer.tui.widgets.log import LogPanel
 from tracer.tui.widgets.request_detail import RequestDetail
 from tracer.tui.widgets.requests import RequestsPanel
-
-from tests.tui.helpers import shown
 
 pytestmark = pytest.mark.asyncio
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.tui.helpers import shown
 from tracer.replay import Replay
 from tracer.tui.app import TraceApp
 from tracer.tui.sources.replay import ReplaySource
 from tracer.tui.widgets.kernels import KernelsPanel, ProgramGrid
-
-from tests.tui.helpers import shown
 
 pytestmark = pytest.mark.asyncio
 

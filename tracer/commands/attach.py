@@ -13,6 +13,7 @@ import os
 import sys
 
 from tracer.commands.send import DEFAULT_URL
+from tracer.errors import UserError
 
 
 def register(sub) -> None:
@@ -37,7 +38,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _attach(url: str, api_key: str | None, web_port: int | None = None) -> int:
-    from tracer.cli import UserError
     from tracer.tui.app import TraceApp
     from tracer.tui.sources.remote import AttachError, RemoteSource
 

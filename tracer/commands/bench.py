@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from tracer.commands.send import DEFAULT_URL, connect_error, error_message
+from tracer.errors import UserError
 
 # Token ids every GPT-2-family vocabulary has (the byte-level base tokens).
 PROMPT_VOCAB = 256
@@ -122,7 +123,6 @@ async def _run(args: argparse.Namespace) -> dict:
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             raise connect_error(url, e) from None
         if resp.status_code != 200:
-            from tracer.cli import UserError
             raise UserError(f"GET /v1/models: {resp.status_code} {error_message(resp)}")
         model = args.model or resp.json()["data"][0]["id"]
         work = make_requests(args.num_requests, args.prompt_len, args.output_len, args.seed)
@@ -205,7 +205,6 @@ def print_report(s: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.num_requests < 1 or (args.concurrency is not None and args.concurrency < 1) or args.request_rate <= 0:
-        from tracer.cli import UserError
         raise UserError("--num-requests, --concurrency and --request-rate must be positive")
     summary = asyncio.run(_run(args))
     print_report(summary)

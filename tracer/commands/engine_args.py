@@ -7,7 +7,9 @@ import argparse
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine", "model, KV cache and scheduler (vLLM's flag names)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (power of two; default 16)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV-cache blocks (overrides --kv-cache-memory)")
+    g.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="exact number of KV-cache blocks (overrides --kv-cache-memory)"
+    )
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (CPU default 256 MiB)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")

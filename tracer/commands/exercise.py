@@ -11,6 +11,8 @@ import argparse
 import importlib
 from pathlib import Path
 
+from tracer.errors import UserError
+
 WIDTH = 80
 
 
@@ -29,7 +31,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracer.cli import UserError
     exercises = importlib.import_module("lessons.exercises")
     if args.which is None:
         if args.start or args.check or args.solution:

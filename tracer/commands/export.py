@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tracer.errors import UserError
+
 FORMATS = ["perfetto"]
 
 
@@ -19,7 +21,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracer.cli import UserError
     from tracer.export import export_perfetto
 
     try:

@@ -11,7 +11,9 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion offline and print it",
                        description="Run the engine offline on one or more prompts and print each completion.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("model", help="tiny-gpt2 (built in, offline), a Hugging Face name such as gpt2, or a local directory")
+    p.add_argument(
+        "model", help="tiny-gpt2 (built in, offline), a Hugging Face name such as gpt2, or a local directory"
+    )
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several run as one batch)")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
@@ -39,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
         if len(args.prompts) > 1:
             print(f"--- request {out.request_id}: {out.prompt!r}")
         print(f"{out.prompt}{c.text}")
-        print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated, finish_reason={c.finish_reason}]",
-              file=sys.stderr)
+        print(
+            f"[{len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated, "
+            f"finish_reason={c.finish_reason}]",
+            file=sys.stderr,
+        )
     return 0

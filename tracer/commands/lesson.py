@@ -28,7 +28,7 @@ def listing(rows: list[tuple[int, str, str, str]], width: int = WIDTH) -> str:
     """One line per lesson, at most `width` columns: number, name, title — and as much of the
     summary as fits (cut with …)."""
     name_w = max(len(name) for _, name, _, _ in rows)
-    lines = [f"vllm-trace lessons (run one: vllm-trace lesson NN, or by name; --no-pause, --tui)"[:width]]
+    lines = ["vllm-trace lessons (run one: vllm-trace lesson NN, or by name; --no-pause, --tui)"[:width]]
     for number, name, title, summary in rows:
         line = f"{number:02d}  {name:<{name_w}}  {title}: {summary}"
         lines.append(line if len(line) <= width else line[:width - 1] + "…")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tracer.errors import UserError
+
 
 def register(sub) -> None:
     p = sub.add_parser("replay", help="open a recorded trace (--trace-file) in the TUI, with time travel",
@@ -16,7 +18,6 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tracer.cli import UserError
     from tracer.tui.app import TraceApp
     from tracer.tui.sources.replay import ReplaySource
 

@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from tracer.errors import UserError
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 # The built-in tiny-gpt2 learned Python's documentation, so a prompt from that world gets readable text
 # back ("Hello, my name is" gets docstring-speak; "The capital of France is" will not lead to "Paris").
@@ -38,7 +40,6 @@ class ServerError(Exception):
 
 
 def connect_error(url: str, e: Exception):
-    from tracer.cli import UserError
     return UserError(f"cannot reach a server at {url} ({type(e).__name__}); is `vllm-trace serve` running there?")
 
 

@@ -35,6 +35,7 @@ import sys
 import time
 
 from tracer.commands.engine_args import add_engine_args, llm_kwargs
+from tracer.errors import UserError
 
 DRAIN_GRACE = 5.0  # s after the drain deadline: the cut responses send their error event and [DONE]
 
@@ -54,7 +55,9 @@ DEATH_GRACE_S = 2.0  # after the engine core died: seconds /health and new reque
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="tiny-gpt2 (built in, offline), a Hugging Face name such as gpt2, or a local directory")
+    p.add_argument(
+        "model", help="tiny-gpt2 (built in, offline), a Hugging Face name such as gpt2, or a local directory"
+    )
     h = p.add_argument_group("http server")
     h.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network, where trace "
@@ -149,7 +152,6 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        from tracer.cli import UserError
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror} (another server running? try --port)") from None
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -158,7 +160,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def build_engine(config, hooks):
     """The engine, warmed up, printing its stages live (a listener attached for startup only)."""
-    from engine.hooks import END
     from engine.llm_engine import LLMEngine, freeze_gc_heap
 
     unsubscribe = hooks.subscribe(_print_stage)
@@ -173,9 +174,9 @@ def build_engine(config, hooks):
 
 def _print_stage(layer, name, kind, request_id, step, attrs) -> None:
     from engine.hooks import END
-    from engine.trace_names import CORE_HANDSHAKE, CORE_PROCESS_START
+    from engine.trace_names import CORE_HANDSHAKE, CORE_PROCESS_START, ENGINE
 
-    if kind == END and "seconds" in attrs and (layer == "engine" or name in (CORE_PROCESS_START, CORE_HANDSHAKE)):
+    if kind == END and "seconds" in attrs and (layer == ENGINE or name in (CORE_PROCESS_START, CORE_HANDSHAKE)):
         _stage(name, attrs["seconds"], _fmt_details(name, attrs))
 
 
@@ -185,7 +186,6 @@ async def start_core(args, config, hooks, session, on_dead, core_proc=None):
     (UserError), not a hang."""
     from engine.async_llm import AsyncLLM
     from engine.core_client import EngineStartupError
-    from tracer.cli import UserError
 
     options = session.core_options() if session is not None else {"trace": True}  # stages: shipped during startup
     async_llm = AsyncLLM(config, hooks, drain_timeout=args.drain_timeout, core_options=options, on_dead=on_dead,
@@ -332,7 +332,8 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
 
     ready = asyncio.Event()
     t_http = time.perf_counter()
-    if hooks.active: hooks.emit("cli", "http_ready", BEGIN, host=args.host, port=sock.getsockname()[1])
+    if hooks.active:
+        hooks.emit("cli", "http_ready", BEGIN, host=args.host, port=sock.getsockname()[1])
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -391,8 +392,19 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
         return 1
     url = _url(args.host, sock.getsockname()[1])
     _stage("http_ready", time.perf_counter() - t_http, f"{url} (uvicorn + engine loop)")
-    if hooks.active: hooks.emit("cli", "http_ready", END, seconds=time.perf_counter() - t_http, url=url)
-    if hooks.active: hooks.emit("cli", "serve", BEGIN, model=args.model, served_model_name=name, host=args.host, port=sock.getsockname()[1], url=url)
+    if hooks.active:
+        hooks.emit("cli", "http_ready", END, seconds=time.perf_counter() - t_http, url=url)
+    if hooks.active:
+        hooks.emit(
+            "cli",
+            "serve",
+            BEGIN,
+            model=args.model,
+            served_model_name=name,
+            host=args.host,
+            port=sock.getsockname()[1],
+            url=url,
+        )
     _banner(args, name, url, control_refusal(args.host, args.api_key), session)
     web = None
     if args.web_port is not None:
@@ -412,7 +424,8 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
             await web.stop()
     if tui is not None:
         print(tui.summary(args.trace_file), file=sys.stderr)
-    if hooks.active: hooks.emit("cli", "serve", END)
+    if hooks.active:
+        hooks.emit("cli", "serve", END)
     if died:
         print(f"vllm-trace serve: stopped because the {died[0]}", file=sys.stderr)
         return 1

@@ -48,6 +48,11 @@ FOLLOW_QUIET = 5.0  # seconds after the user chose a panel during which the app 
 
 
 class TraceApp(App):
+    """The Textual app over one Source (live, attached or replayed): the header, the panels in
+    tabs and the footer's keys. It reads the source's folded state on a timer and sends the
+    source commands (pause, step, breakpoints, travel through a replay); it never makes the
+    engine wait (see the module docstring)."""
+
     CSS_PATH = "app.tcss"
     TITLE = "vllm-trace"
     BINDINGS = [

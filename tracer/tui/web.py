@@ -12,6 +12,8 @@ from __future__ import annotations
 import shlex
 import sys
 
+from tracer.errors import UserError
+
 HOST = "127.0.0.1"
 
 
@@ -35,7 +37,6 @@ class WebView:
     async def start(self) -> "WebView":
         from aiohttp import web
 
-        from tracer.cli import UserError
 
         self.server.debug = False
         app = await self.server._make_app()  # textual-serve's routes (page, websocket, static files)

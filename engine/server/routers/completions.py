@@ -4,8 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from engine.server.errors import ERROR_RESPONSES
-from engine.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                    CompletionResponse)
+from engine.server.protocol import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse
 from engine.server.security import require_api_key
 from engine.server.serving_chat import create_chat_completion
 from engine.server.serving_completion import create_completion

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.trace_names import CONFIG, ENGINE
 from tracer.replay import Replay
 from tracer.state import TraceState
 from tracer.tui.sources.base import EventBatch, Source, SourceInfo, Unsupported, engine_identity
@@ -24,7 +25,7 @@ class ReplaySource(Source):
         self.path = str(path)
         # the engine's own config event is the authority (a header may carry none)
         cfg = next((ev.attrs.get("config") for ev in replay.events[:50]
-                    if ev.layer == "engine" and ev.name == "config" and ev.attrs), None)
+                    if ev.layer == ENGINE and ev.name == CONFIG and ev.attrs), None)
         cfg = cfg or replay.header.get("engine_config") or {}
         model_cfg = cfg.get("model") or {}
         startup = Replay(replay.header, replay.events[:200]).final()  # the startup stages

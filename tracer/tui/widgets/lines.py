@@ -14,7 +14,6 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widget import Widget
 
-
 ROUND = 16
 
 

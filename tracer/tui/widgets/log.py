@@ -14,6 +14,21 @@ from dataclasses import dataclass, field
 from rich.style import Style
 from textual.widgets import Input
 
+from engine.trace_names import (
+    API,
+    BLOCK_MANAGER,
+    CLI,
+    DETOKENIZER,
+    ENGINE,
+    EVENTS_LOST,
+    HTTP,
+    KERNEL,
+    MODEL_RUNNER,
+    SAMPLER,
+    SCHEDULER,
+    TOKENIZER,
+    TRACER,
+)
 from tracer.events import LAYERS, Event
 from tracer.tracelog import format_event
 from tracer.tui.sources.base import EventBatch
@@ -28,9 +43,9 @@ MAX_LINES_PER_TICK = 100
 # from the engine thread through the interpreter lock): then the log is redrawn at most BUSY_HZ
 # times a second. A trickle (a paused or stepping engine) is drawn at once.
 BUSY_LINES, BUSY_HZ = 8, 4
-LAYER_STYLES = {"http": "blue", "api": "blue", "tokenizer": "cyan", "engine": "bold green", "scheduler": "yellow",
-                "block_manager": "magenta", "model_runner": "cyan", "kernel": "#d19a66", "sampler": "green",
-                "detokenizer": "green", "tracer": "bold red", "cli": "dim"}
+LAYER_STYLES = {HTTP: "blue", API: "blue", TOKENIZER: "cyan", ENGINE: "bold green", SCHEDULER: "yellow",
+                BLOCK_MANAGER: "magenta", MODEL_RUNNER: "cyan", KERNEL: "#d19a66", SAMPLER: "green",
+                DETOKENIZER: "green", TRACER: "bold red", CLI: "dim"}
 
 
 @dataclass
@@ -90,7 +105,7 @@ class LogPanel(Panel):
             self._pending.clear()
             self.query_one(LogView).clear()
         if batch.missed:
-            note = Event(-1, 0, "tracer", "events_lost", attrs={"count": batch.missed})
+            note = Event(-1, 0, TRACER, EVENTS_LOST, attrs={"count": batch.missed})
             self.events.append(note)
             self._pending.append(note)
         self.events.extend(batch.events)

@@ -126,7 +126,7 @@ def overview(frame: Frame, width: int, height: int) -> Text:
         kinds = [sch["kind"] for sch in snap.get("scheduled", [])]
         t.append(f"step {s.step}", "bold")
         t.append(f" ({s.phase}) batch: {plural(len(kinds), 'request')}, {kinds.count('prefill')} prefill "
-                 f"{kinds.count('decode')} decode, {snap.get('num_scheduled_tokens', 0)}/"
+                 f"{kinds.count('decode')} decode, {snap.get('total_num_scheduled_tokens', 0)}/"
                  f"{snap.get('token_budget', 0)} tokens" + (" (Step, 4)\n" if width >= 100 else "\n"))
     if s.kernels:
         t.append(f"kernels of step {s.step}", "bold")

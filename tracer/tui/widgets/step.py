@@ -50,7 +50,7 @@ def batch_table(frame: Frame) -> Group | Text:
         table.append(f"{sch['num_tokens']:>6} {sch['num_computed_before']:>6}  "
                      f"{sch['num_computed_before'] + sch['num_tokens']}/{total}\n")
     table.rstrip()
-    used, budget = snap.get("num_scheduled_tokens", 0), snap.get("token_budget", 0)
+    used, budget = snap.get("total_num_scheduled_tokens", 0), snap.get("token_budget", 0)
     n = len(snap.get("scheduled", []))
     head = Text.assemble((f"step {s.step}", "bold"), f"  batch of {n} request{'' if n == 1 else 's'}, ",
                          (f"{used}", "bold"), f"/{budget} tokens of the budget")
@@ -77,7 +77,7 @@ def decisions(frame: Frame) -> Group | Text:
 
 
 def flattened_inputs(frame: Frame) -> Group | Text:
-    s, b = frame.state, frame.state.batch
+    b = frame.state.batch
     if b is None:
         return Text("flattened inputs: the model runner has not built this step's batch yet", "dim")
     ids = b.get("request_ids", [])
