@@ -28,7 +28,19 @@ from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from engine.trace_names import ABORTED, DETOKENIZER, ENGINE, FINISHED, NEW_TOKENS, QUEUED, SCHEDULED, SCHEDULER
+from engine.trace_names import (
+    ABORTED,
+    CONFIG,
+    DETOKENIZER,
+    ENGINE,
+    FINISHED,
+    NEW_TOKENS,
+    QUEUED,
+    SCHEDULE,
+    SCHEDULED,
+    SCHEDULER,
+    STEP,
+)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -58,7 +70,7 @@ class LLMEngine:
         self.detokenize = detokenize
         self.startup: list[tuple[str, float, dict]] = []  # (stage, seconds, details)
         if self.hooks.active:
-            self.hooks.emit("engine", "config", model=config.model.model, config=config.to_dict())
+            self.hooks.emit(ENGINE, CONFIG, model=config.model.model, config=config.to_dict())
         mc, cc = config.model, config.cache
         self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = DTYPES[mc.dtype or ("float16" if self.device.type == "cuda" else "float32")]
@@ -233,7 +245,7 @@ class LLMEngine:
         if self.hooks.gated:
             self.hooks.gate("step", step=self.step_count)
         if self.hooks.active:
-            self.hooks.emit("engine", "step", BEGIN, step=self.step_count)
+            self.hooks.emit(ENGINE, STEP, BEGIN, step=self.step_count)
         sched = self.scheduler.schedule(self.step_count)
         if self.hooks.active:
             self._trace_schedule(sched)
@@ -289,7 +301,7 @@ class LLMEngine:
         if traced:
             self.hooks.emit_many(traced)
         if self.hooks.active:
-            self.hooks.emit("engine", "step", END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
+            self.hooks.emit(ENGINE, STEP, END, step=sched.step, num_outputs=len(outputs), stats=vars(self.stats()))
         if self.hooks.gated:
             self.hooks.gate("step_end", step=sched.step)
         self.step_count += 1
@@ -400,8 +412,8 @@ class LLMEngine:
             h.emit(SCHEDULER, SCHEDULED, request_id=rid, step=sched.step)
         snap = self.snapshot(sched)
         del snap["step"]  # the event's own step field carries it
-        h.emit("scheduler", "schedule", SNAPSHOT, step=sched.step, **snap)
-        h.emit("scheduler", "schedule", END, step=sched.step,
+        h.emit(SCHEDULER, SCHEDULE, SNAPSHOT, step=sched.step, **snap)
+        h.emit(SCHEDULER, SCHEDULE, END, step=sched.step,
                total_num_scheduled_tokens=snap["total_num_scheduled_tokens"])
         if h.gated:
             h.gate("execute", step=sched.step)
@@ -410,7 +422,7 @@ class LLMEngine:
         """Weights read so far, for the startup progress bar: about every 5 %."""
         if self.hooks.active and (done == total or done - self._loaded >= total / 20):
             self._loaded = done
-            self.hooks.emit("engine", "model_load_progress", COUNTER, bytes=done, total_bytes=total)
+            self.hooks.emit(ENGINE, "model_load_progress", COUNTER, bytes=done, total_bytes=total)
 
     def _stage(self, name: str, **details):
         return _Stage(self, name, details)
@@ -425,7 +437,7 @@ class _Stage:
     def __enter__(self) -> dict:
         self.t0 = time.perf_counter()
         if self.engine.hooks.active:
-            self.engine.hooks.emit("engine", self.name, BEGIN, **self.details)
+            self.engine.hooks.emit(ENGINE, self.name, BEGIN, **self.details)
         return self.details
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -433,4 +445,4 @@ class _Stage:
         if exc_type is None:
             self.engine.startup.append((self.name, seconds, self.details))
         if self.engine.hooks.active:
-            self.engine.hooks.emit("engine", self.name, END, seconds=seconds, ok=exc_type is None, **self.details)
+            self.engine.hooks.emit(ENGINE, self.name, END, seconds=seconds, ok=exc_type is None, **self.details)

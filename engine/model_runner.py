@@ -17,6 +17,7 @@ from engine.hooks import INSTANT, Hooks
 from engine.model import GPT2Model
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from engine.trace_names import BATCH, KERNEL, MODEL_RUNNER
 from kernels import instrument
 
 
@@ -67,8 +68,8 @@ class ModelRunner:
         inp = self._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
         if self.hooks.active:
             self.hooks.emit(
-                "model_runner",
-                "batch",
+                MODEL_RUNNER,
+                BATCH,
                 step=sched.step,
                 input_ids=input_ids,
                 positions=positions,
@@ -169,7 +170,7 @@ class ModelRunner:
             launches.append(rec.name)
             if self.hooks.active:
                 self.hooks.emit(
-                    "kernel",
+                    KERNEL,
                     rec.name,
                     layer_idx=rec.tags.get("layer"),
                     grid=list(rec.grid),
@@ -199,7 +200,7 @@ class ModelRunner:
         tags = instrument.current_tags()
         self._held = instrument.pending_launch()
         try:
-            self.hooks.gate("kernel", name=name, grid=grid, step=tags.get("step"), layer_idx=tags.get("layer"))
+            self.hooks.gate(KERNEL, name=name, grid=grid, step=tags.get("step"), layer_idx=tags.get("layer"))
         finally:
             self._held = None
 
@@ -219,6 +220,6 @@ class ModelRunner:
         recs = self._launches
         attrs = [{"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args,
                   "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason} for r in recs]
-        self.hooks.emit_many([("kernel", r.name, INSTANT, None, r.tags.get("step"), a) for r, a in zip(recs, attrs)],
+        self.hooks.emit_many([(KERNEL, r.name, INSTANT, None, r.tags.get("step"), a) for r, a in zip(recs, attrs)],
                              [r.end_ns for r in recs])
         recs.clear()
