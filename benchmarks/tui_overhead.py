@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 
 import torch
 
@@ -28,40 +27,18 @@ from engine import LLM, Hooks
 from engine.async_engine import AsyncLLMEngine
 from tracer.session import TraceSession
 from tracer.tui.app import PANES
+from tracer.tui.measure import stream_load
 
 MODES = ["no-tui", "traced", "tui"]
 
 
-async def _consume(ae: AsyncLLMEngine, rid: str, prompt: list[int], params) -> int:
-    n = 0
-    async for out in ae.generate({"prompt_token_ids": prompt}, params, rid):
-        n = len(out.outputs[0].token_ids)
-    return n
-
-
 async def run_once(mode: str, model: str, workload, pane: str, kv_cache_memory: int | None = None) -> dict:
-    from tracer.tui.app import TraceApp
-    from tracer.tui.serve import live_info
-    from tracer.tui.sources.live import LiveSource
-
     hooks = Hooks()
     session = TraceSession(hooks, model=model) if mode != "no-tui" else None
     ae = AsyncLLMEngine(LLM(model, hooks=hooks, kv_cache_memory=kv_cache_memory).llm_engine, drain_timeout=0).start()
-    app = (TraceApp(LiveSource(session, live_info(ae, model, None), ae), initial_pane=pane, follow=False)
-           if mode == "tui" else None)
-
-    async def workload_run() -> dict:
-        t0, c0, ticks0 = time.perf_counter(), time.process_time(), app.ticks if app else 0
-        counts = await asyncio.gather(*(_consume(ae, f"r{i}", p, s) for i, (p, s) in enumerate(workload)))
-        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return {"tokens": sum(counts), "seconds": seconds, "cpu": cpu,
-                "refresh_hz": (app.ticks - ticks0) / seconds if app else None}
     try:
-        if app is None:
-            return await workload_run()
-        async with app.run_test(size=(160, 48)) as pilot:
-            await pilot.pause()
-            return await workload_run()
+        r = await stream_load(ae, workload, session, mode == "tui", pane, model=model)
+        return {"tokens": r.tokens, "seconds": r.seconds, "cpu": r.cpu, "refresh_hz": r.refresh_hz}
     finally:
         if session is not None:
             session.close()

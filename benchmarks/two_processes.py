@@ -40,16 +40,10 @@ from engine import LLM, Hooks
 from engine.async_llm import AsyncLLM
 from engine.llm import engine_config
 from tracer.session import TraceSession
+from tracer.tui.measure import stream_load
 
 MODES = ["off", "traced", "tui"]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-async def _consume(llm, rid: str, prompt: list[int], params) -> int:
-    n = 0
-    async for out in llm.generate({"prompt_token_ids": prompt}, params, rid):
-        n = len(out.outputs[0].token_ids)
-    return n
 
 
 class Core:
@@ -65,38 +59,10 @@ class Core:
         self.runs = 0
 
     async def run(self, workload, pane: str) -> dict:
-        from tracer.tui.app import TraceApp
-        from tracer.tui.serve import live_info
-        from tracer.tui.sources.live import LiveSource
-
-        self.runs += 1
-        app = None
-        if self.mode == "tui":
-            app = TraceApp(LiveSource(self.session, live_info(self.llm, "bench", None), self.llm), initial_pane=pane)
-
-        async def go() -> dict:
-            ticks0 = app.ticks if app else 0
-            t0, c0, core0 = time.perf_counter(), time.process_time(), proc_cpu(self.llm.core_pid)
-            counts = await asyncio.gather(*(_consume(self.llm, f"r{self.runs}-{i}", p, s)
-                                            for i, (p, s) in enumerate(workload)))
-            seconds = time.perf_counter() - t0
-            return {"tokens": sum(counts), "seconds": seconds, "cpu": time.process_time() - c0,
-                    "core_cpu": proc_cpu(self.llm.core_pid) - core0,
-                    "refresh_hz": (app.ticks - ticks0) / seconds if app else None}
-        if app is None:
-            return await go()
-        result = None
-        try:
-            async with app.run_test(size=(160, 48)) as pilot:
-                await pilot.pause()
-                while app.ticks == 0:  # its first refresh folds the ring's backlog (earlier reps): not this rep's
-                    await asyncio.sleep(0.01)
-                result = await go()
-        except Exception as e:  # the app's own teardown failing after the measured run (a TUI bug, reported)
-            if result is None:
-                raise
-            print(f"  (the TUI raised while closing: {type(e).__name__}: {e})", flush=True)
-        return result
+        core0 = proc_cpu(self.llm.core_pid)
+        r = await stream_load(self.llm, workload, self.session, self.mode == "tui", pane, model="bench")
+        return {"tokens": r.tokens, "seconds": r.seconds, "cpu": r.cpu, "core_cpu": proc_cpu(self.llm.core_pid) - core0,
+                "refresh_hz": r.refresh_hz}
 
     def close(self) -> None:
         self.llm.stop(0)

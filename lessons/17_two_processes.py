@@ -171,8 +171,7 @@ def _tui_cost(lesson, one, one_session, two, session) -> None:
                f"streams {TUI_REQUESTS} requests of {TUI_TOKENS} tokens without the TUI and with it, "
                f"{TUI_REPS} times, interleaved.")
     tok = two.get_tokenizer()
-    prompts = [tok.encode(f"Request {i}: what the TUI costs") for i in range(TUI_REQUESTS)]
-    params = greedy(TUI_TOKENS)
+    workload = [(tok.encode(f"Request {i}: what the TUI costs"), greedy(TUI_TOKENS)) for i in range(TUI_REQUESTS)]
     one_front = AsyncLLMEngine(one.llm_engine).start()  # the lesson's one-process engine, now on its own thread
     fronts = {"one process": (one_front, one_session), "two processes": (two._core.llm, session)}
     runs: dict[tuple[str, bool], list] = {(name, tui): [] for name in fronts for tui in (False, True)}
@@ -181,7 +180,7 @@ def _tui_cost(lesson, one, one_session, two, session) -> None:
         for _ in range(TUI_REPS):
             for name, (front, sess) in fronts.items():
                 for tui in (False, True):
-                    runs[name, tui].append(await stream_load(front, prompts, params, sess, tui, model=lesson.model))
+                    runs[name, tui].append(await stream_load(front, workload, sess, tui, model=lesson.model))
     try:
         asyncio.run(measure())
     finally:

@@ -1,7 +1,7 @@
 """What the TUI costs the engine, measured: stream a load through a front end (``AsyncLLMEngine``,
 the engine on a thread of this process, or ``AsyncLLM``, the engine core in its own process)
 with the Textual app running headless on the same asyncio loop, as `serve` runs it next to
-uvicorn, or without it. Lesson 17 uses it to compare the TUI's cost in one process and in two.
+uvicorn, or without it. Lesson 17 and the benchmarks tui_overhead and two_processes use it.
 
 In one process the TUI's refreshes take the interpreter lock from the engine's own thread; in
 two, they compete only with the API server's work (SSE, detokenizing), while the core steps
@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from tracer.session import TraceSession
 
-_runs = itertools.count()
+_runs = itertools.count()  # request ids stay unique across runs on one front end
+
+Workload = list[tuple[list[int], SamplingParams]]  # (prompt token ids, params) per request
 
 
 @dataclass
 class LoadRun:
     tokens: int  # output tokens of all requests
     seconds: float  # wall clock, first request sent to last output received
+    cpu: float  # CPU seconds of this process (all threads) meanwhile: the front end's side
     refresh_hz: float | None  # the TUI's refreshes per second during the run (None: no TUI)
 
     @property
@@ -37,21 +41,21 @@ async def _stream(front, request_id: str, prompt_ids: list[int], params: Samplin
     return n
 
 
-async def stream_load(front, prompts: list[list[int]], params: SamplingParams, session: TraceSession | None = None,
-                      tui: bool = False, pane: str = "requests", size: tuple[int, int] = (160, 48),
-                      model: str = "") -> LoadRun:
-    """Stream every prompt (token ids) at once through `front`, each consumed as the server's
-    SSE handlers do; with tui, the Textual app (showing `pane`, fed by `session`) runs meanwhile."""
+async def stream_load(front, workload: Workload, session: TraceSession | None = None, tui: bool = False,
+                      pane: str = "requests", size: tuple[int, int] = (160, 48), model: str = "") -> LoadRun:
+    """Send every request of the workload at once through `front`, each consumed as the server's
+    SSE handlers do; with tui, the Textual app (fed by `session`) shows `pane` meanwhile. The app
+    does not follow the engine to the Overview: the pane asked for is the one measured."""
     run = next(_runs)
 
     async def go(app) -> LoadRun:
         ticks0 = app.ticks if app is not None else 0
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        counts = await asyncio.gather(*(_stream(front, f"load{run}-{i}", p, params) for i, p in enumerate(prompts)))
-        seconds = loop.time() - t0
+        t0, c0 = time.perf_counter(), time.process_time()
+        counts = await asyncio.gather(*(_stream(front, f"load{run}-{i}", ids, params)
+                                        for i, (ids, params) in enumerate(workload)))
+        seconds = time.perf_counter() - t0
         hz = (app.ticks - ticks0) / seconds if app is not None else None
-        return LoadRun(sum(counts), seconds, hz)
+        return LoadRun(sum(counts), seconds, time.process_time() - c0, hz)
 
     if not tui:
         return await go(None)
@@ -61,7 +65,7 @@ async def stream_load(front, prompts: list[list[int]], params: SamplingParams, s
 
     if session is None:
         raise ValueError("the TUI needs the trace session that feeds it")
-    app = TraceApp(LiveSource(session, live_info(front, model, None), front), initial_pane=pane)
+    app = TraceApp(LiveSource(session, live_info(front, model, None), front), initial_pane=pane, follow=False)
     async with app.run_test(size=size) as pilot:
         await pilot.pause()
         while app.ticks == 0:  # its first refresh folds the ring's backlog (earlier runs): not this run's cost
