@@ -65,11 +65,40 @@ class SchedulerConfig:
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp")
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor parallelism (vLLM's names). tensor_parallel_size ranks, each a worker process with
+    its own shard of every layer (``distributed_executor_backend="mp"``); 1 keeps today's model
+    runner in the engine-core process ("uni"). distributed_init_method: where the ranks meet
+    (default: a free loopback port, tcp://127.0.0.1:PORT); distributed_timeout_s: how long a
+    collective waits for a missing rank before it fails (torch's default is 30 minutes)."""
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: "uni" for one rank, "mp" for more
+    distributed_init_method: str | None = None
+    distributed_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        _check(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        _check(self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
+               f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+               f"got {self.distributed_executor_backend!r}")
+        _check(not (tp > 1 and self.distributed_executor_backend == "uni"),
+               f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={tp} needs 'mp'")
+        _check(self.distributed_timeout_s > 0, f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if tp == 1 else "mp"
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU (measured faster)
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.core_types import EngineDeadError as EngineDeadError  # re-exported: the serving layer's name
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats
 from engine.request import RequestStatus
@@ -49,10 +50,6 @@ StepCallback = Callable[[list, EngineStats, list[str]], None]
 
 class EngineClosedError(RuntimeError):
     """The engine is shutting down (or has stopped) and takes no new requests."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process died (a crash, a signal, out of memory): nothing it held survives."""
 
 
 @dataclass
@@ -196,6 +193,12 @@ class EngineCore:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDeadError as e:  # a tensor-parallel worker died: no step can run any more
+            log.error("%s; the engine stops", e)
+            self._fail_all(e, include_pending=True)
+            with self._cv:
+                self._stopping = self._exit = True
+            return
         except Exception as e:  # e.g. a kernel failure: fail this batch, keep serving
             log.exception("engine step failed; aborting all requests")
             self._fail_all(e)

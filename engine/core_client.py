@@ -96,6 +96,7 @@ class MPClient:
         self._closing = False  # no more sends, the output thread ends
         self._shutdown_lock, self._shut_down = threading.Lock(), False
         self._dead: str | None = None
+        self._fatal: str | None = None  # why the core said it exits (a worker died), before it did
         self._threads: list[threading.Thread] = []
 
     @property
@@ -206,6 +207,8 @@ class MPClient:
             except zmq.ZMQError:
                 return  # closed under us at shutdown
             msg = decode(frame.buffer)
+            if msg.fatal is not None:
+                self._fatal = msg.fatal
             if msg.ready is not None or msg.startup_error is not None:
                 self.ready, self._startup_error = msg.ready, msg.startup_error
                 self.on_message(msg, len(frame))  # its events: the core's last startup stages
@@ -226,7 +229,7 @@ class MPClient:
         if self._closing:
             return
         time.sleep(0.05)  # let the output thread deliver what the core sent before it died
-        self._dead = death_reason(code)
+        self._dead = f"engine core died: {self._fatal}" if self._fatal else death_reason(code)
         if not self._ready.is_set():
             self._startup_error = self._startup_error or f"{self._dead} during startup"
             self._ready.set()

@@ -114,6 +114,7 @@ class EngineCoreProc:
         if self.options.get("fail_startup"):
             raise RuntimeError(self.options["fail_startup"])
         engine = LLMEngine(self.config, self.hooks, detokenize=False)
+        engine.on_dead = self._worker_died
         engine.warm_up()
         freeze_gc_heap()
         self.core = EngineCore(engine, self._on_step, self._on_fail)
@@ -222,6 +223,15 @@ class EngineCoreProc:
 
     def _on_fail(self, request_ids: list[str], exc: BaseException) -> None:
         self._send(EngineCoreOutputs(failed=request_ids, error=str(exc)))
+
+    def _worker_died(self, reason: str) -> None:
+        """A tensor-parallel worker died or raised: say why, then exit, so the front end takes the
+        path of the core's own death (requests fail with the reason, new ones get 503)."""
+        log.error("%s: the engine core exits", reason)
+        self._send(EngineCoreOutputs(fatal=reason))
+        self.out_q.put(None)
+        self._out_thread.join(5)
+        os._exit(3)
 
     def _send(self, msg: EngineCoreOutputs) -> None:
         """Queue msg for the output thread, with every trace event emitted before it (from any

@@ -14,6 +14,11 @@ from typing import Any
 import msgspec
 
 
+class EngineDeadError(RuntimeError):
+    """The engine core died (its process: a crash, a signal, out of memory; or one of its
+    tensor-parallel workers): nothing it held survives."""
+
+
 class EngineCoreRequestType(enum.Enum):
     """The first frame of every message to the core."""
     ADD = b"\x00"
@@ -73,3 +78,4 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility: tuple | None = None  # (call id, ok, result or error message)
     ready: dict[str, Any] | None = None  # the handshake: num_blocks, block_size, max_model_len, ...
     startup_error: str | None = None  # the core could not start: why, in one line
+    fatal: str | None = None  # the core is about to exit, and why (a tensor-parallel worker died)

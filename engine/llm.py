@@ -14,7 +14,7 @@ from dataclasses import replace
 from itertools import count
 from typing import Sequence
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.hooks import Hooks
 from engine.llm_engine import LLMEngine, freeze_gc_heap
 from engine.outputs import RequestOutput
@@ -26,7 +26,8 @@ def engine_config(model: str = "tiny-gpt2", *, block_size: int = 16, num_kv_bloc
                   max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                   enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                   attention_backend: str | None = None, dtype: str | None = None, device: str | None = None,
-                  seed: int = 0) -> EngineConfig:
+                  seed: int = 0, tensor_parallel_size: int = 1, distributed_init_method: str | None = None,
+                  distributed_timeout_s: float = 30.0) -> EngineConfig:
     """The EngineConfig for LLM's keyword arguments (validated: a bad value raises ConfigError)."""
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
@@ -34,6 +35,9 @@ def engine_config(model: str = "tiny-gpt2", *, block_size: int = 16, num_kv_bloc
                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   enable_chunked_prefill=enable_chunked_prefill),
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                distributed_init_method=distributed_init_method,
+                                distributed_timeout_s=distributed_timeout_s),
         attention_backend=attention_backend,
     )
 
@@ -44,13 +48,16 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  attention_backend: str | None = None, dtype: str | None = None, device: str | None = None,
-                 seed: int = 0, hooks: Hooks | None = None, multiprocess: bool = False):
+                 seed: int = 0, tensor_parallel_size: int = 1, distributed_init_method: str | None = None,
+                 distributed_timeout_s: float = 30.0, hooks: Hooks | None = None, multiprocess: bool = False):
         config = engine_config(
             model, block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            attention_backend=attention_backend, dtype=dtype, device=device, seed=seed)
+            attention_backend=attention_backend, dtype=dtype, device=device, seed=seed,
+            tensor_parallel_size=tensor_parallel_size, distributed_init_method=distributed_init_method,
+            distributed_timeout_s=distributed_timeout_s)
         self._core = None
         if multiprocess:
             self.llm_engine = None
@@ -70,9 +77,12 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the engine-core process (multiprocess=True; also at exit). Safe to call twice."""
+        """Stop the engine-core process (multiprocess=True) and the tensor-parallel workers (also at
+        exit). Safe to call twice."""
         if self._core is not None:
             self._core.close()
+        else:
+            self.llm_engine.shutdown()
 
     def generate(self, prompts: str | dict | Sequence[str | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -10,17 +10,18 @@ import gc
 import random
 import time
 from itertools import count
+from typing import Callable
 
 import torch
 
 from engine import model_loader
-from engine.attention import AttentionBackend, default_backend
+from engine.attention import default_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core_types import EngineCoreOutput
+from engine.executor import Executor, MultiprocExecutor, UniProcExecutor
 from engine.hooks import BEGIN, COUNTER, END, INSTANT, SNAPSHOT, Hooks
-from engine.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
-from engine.model import GPT2Model
+from engine.model import GPT2Model, check_tp_size
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
@@ -41,6 +42,7 @@ from engine.trace_names import (
     SCHEDULER,
     STEP,
 )
+from engine.worker import Worker
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -72,6 +74,7 @@ class LLMEngine:
         if self.hooks.active:
             self.hooks.emit(ENGINE, CONFIG, model=config.model.model, config=config.to_dict())
         mc, cc = config.model, config.cache
+        self.on_dead: Callable[[str], None] | None = None  # a tensor-parallel worker died (set before it can)
         self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = DTYPES[mc.dtype or ("float16" if self.device.type == "cuda" else "float32")]
         self.attention_backend = config.attention_backend or default_backend(self.device)
@@ -92,30 +95,53 @@ class LLMEngine:
             self.eos_token_id = self.tokenizer.eos_token_id
 
         self._loaded = 0  # weight bytes last reported (see _load_progress)
+        tp = config.parallel.tensor_parallel_size
+        check_tp_size(self.model_config, tp)
         with self._stage("model_load", path=str(self.model_path), device=str(self.device),
                          attention_backend=self.attention_backend) as info:
-            torch.manual_seed(mc.seed)
-            self.backend = AttentionBackend(self.attention_backend)
-            self.model = GPT2Model(self.model_config, self.backend)
-            self.model.load_hf_weights(model_loader.load_state_dict(self.model_path, self._load_progress))
-            self.model.to(device=self.device, dtype=self.dtype).eval()
-            info["bytes"] = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            info["params"] = sum(p.numel() for p in self.model.parameters())
+            self.executor = self._make_executor()
+            info |= self.executor.load_model(self._load_progress)
 
         with self._stage("kv_cache_alloc") as info:
-            num_blocks, why = num_blocks_for(cc, self.model_config, self.dtype, self.device)
-            self.kv_caches = allocate_kv_cache(num_blocks, cc.block_size, self.model_config, self.dtype, self.device)
-            per_block = bytes_per_block(self.model_config, cc.block_size, self.dtype)
-            info |= dict(num_blocks=num_blocks, block_size=cc.block_size, bytes=num_blocks * per_block,
-                         bytes_per_block=per_block, reason=why)
+            num_blocks, why = self.executor.determine_num_blocks()
+            info |= self.executor.initialize_kv_cache(num_blocks)
+            info["reason"] = why
 
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.hooks)
-        self.model_runner = ModelRunner(self.model, self.kv_caches, cc.block_size, self.device, self.hooks)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self._ids = count()
         self._rng = random.Random(mc.seed)
+
+    def _make_executor(self) -> Executor:
+        args = (self.config, self.model_path, self.model_config, self.device, self.dtype, self.attention_backend)
+        if self.config.parallel.distributed_executor_backend == "mp":
+            return MultiprocExecutor(*args, self.hooks, on_dead=lambda reason: self.on_dead and self.on_dead(reason))
+        return UniProcExecutor(Worker(*args, hooks=self.hooks))
+
+    # With one rank the model, its KV cache and its model runner live here, for lessons to read
+    @property
+    def model(self) -> GPT2Model:
+        return self._driver_worker().model
+
+    @property
+    def kv_caches(self) -> list:
+        return self._driver_worker().kv_caches
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self._driver_worker().model_runner
+
+    def _driver_worker(self) -> Worker:
+        if not isinstance(self.executor, UniProcExecutor):
+            raise AttributeError(f"with tensor_parallel_size={self.executor.tensor_parallel_size} the model, its KV "
+                                 f"cache and its model runner live in the worker processes, not in this one")
+        return self.executor.worker
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also at exit). Safe to call twice."""
+        self.executor.shutdown()
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
@@ -129,8 +155,8 @@ class LLMEngine:
         max_tokens = self._check_lengths(ids, params)
         req = Request(request_id, text, ids, params, self.eos_token_id, max_tokens,
                       arrival_time=arrival_time or time.monotonic())
-        req.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
-                                                      else self._rng.getrandbits(63))
+        req.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req.generator = torch.Generator().manual_seed(req.sampling_seed)
         if self.detokenize:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = req
@@ -220,12 +246,12 @@ class LLMEngine:
         if self.step_count:  # it writes (then zeroes) cache blocks the prefix cache may now own
             raise RuntimeError("warm_up() must run before the first engine step")
         with self._stage("kernel_warmup", backend=self.attention_backend) as info:
-            info |= self.model_runner.warm_up(self.max_model_len)
+            info |= self.executor.warm_up(self.max_model_len)
         return info
 
     def held_attention_on_triton(self) -> dict:
         """A utility for viewers: see ModelRunner.held_attention_on_triton."""
-        return self.model_runner.held_attention_on_triton()
+        return self.executor.held_attention_on_triton()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -249,7 +275,7 @@ class LLMEngine:
         sched = self.scheduler.schedule(self.step_count)
         if self.hooks.active:
             self._trace_schedule(sched)
-        sampled = self.model_runner.execute(sched) if not sched.is_empty else None
+        sampled = self.executor.execute_model(sched) if not sched.is_empty else None
         if self.hooks.gated:
             self.hooks.gate("postprocess", step=sched.step)
         return self._postprocess(sched, sampled)

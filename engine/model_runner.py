@@ -36,8 +36,10 @@ class ModelRunner:
     runs the forward pass over the KV caches it was given and samples one token per request. It
     holds no request state: the scheduler decides what runs, the engine applies the result."""
 
-    def __init__(self, model: GPT2Model, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None):
+    def __init__(self, model: GPT2Model, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None,
+                 rank: int = 0):
         self.model = model
+        self.rank = rank  # tensor-parallel rank: in every kernel event; only rank 0 samples
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -66,7 +68,7 @@ class ModelRunner:
             qsl.append(qsl[-1] + s.num_tokens)
             tables.append(table)
         inp = self._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
-        if self.hooks.active:
+        if self.hooks.active and self.rank == 0:  # the same on every rank: traced once
             self.hooks.emit(
                 MODEL_RUNNER,
                 BATCH,
@@ -104,8 +106,9 @@ class ModelRunner:
         return ModelInput(input_ids=tensor(i64[:T]), positions=tensor(i64[T:2 * T]), meta=meta,
                           logits_indices=tensor(i64[3 * T:]), all_last=T == n)
 
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
-        """One forward pass and sampling for a non-empty SchedulerOutput.
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
+        """One forward pass and sampling for a non-empty SchedulerOutput (None on a
+        tensor-parallel rank other than 0: its logits went to rank 0).
 
         Returns one sampled token (with logprobs and ranks when asked for) per scheduled request,
         in ``sched.scheduled`` order; a prefill chunk that does not end its prompt gets one too,
@@ -124,19 +127,21 @@ class ModelRunner:
         with instrument.observe(self._launches.append, before, access_maps=False, step=sched.step):
             return self._run(sched, inp)
 
-    def forward(self, inp: ModelInput) -> torch.Tensor:
-        """The model on one batch: logits of each request's last scheduled position.
-        (Callers run it under torch.inference_mode().)"""
+    def forward(self, inp: ModelInput) -> torch.Tensor | None:
+        """The model on one batch: logits of each request's last scheduled position (None on a
+        tensor-parallel rank other than 0). (Callers run it under torch.inference_mode().)"""
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         return self.model.compute_logits(hidden if inp.all_last else hidden[inp.logits_indices])
 
     @torch.inference_mode()
-    def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput:
+    def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput | None:
         try:
             logits = self.forward(inp)
         finally:
             if self._launches:
                 self._publish_launches()
+        if logits is None:
+            return None
         out = self.sampler(logits, [s.request for s in sched.scheduled])
         if self.hooks.active:
             self.hooks.emit(
@@ -179,6 +184,7 @@ class ModelRunner:
                     duration_ns=rec.duration_ns,
                     timing=rec.timing,
                     reason=rec.reason,
+                    rank=self.rank,
                     warmup=True,
                 )
 
@@ -218,8 +224,9 @@ class ModelRunner:
     def _publish_launches(self) -> None:
         # Plain data only: viewers recompute a launch's access map from the step's batch event
         recs = self._launches
+        rank = self.rank
         attrs = [{"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args,
-                  "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason} for r in recs]
+                  "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason, "rank": rank} for r in recs]
         self.hooks.emit_many([(KERNEL, r.name, INSTANT, None, r.tags.get("step"), a) for r, a in zip(recs, attrs)],
                              [r.end_ns for r in recs])
         recs.clear()

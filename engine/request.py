@@ -52,6 +52,8 @@ class Request:
         self.num_sent = 0  # output tokens already sent to the front end (EngineCoreOutput)
         self.output_text = ""
         self.detokenizer = None  # set by the engine
+        self.sampling_seed: int | None = None  # set by the engine: seeds generator (and rank 0's copy of it)
+        self.generator = None
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -36,6 +36,8 @@ class SchedulerOutput:
     admitted: list[str] = field(default_factory=list)
     waiting_reasons: dict[str, str] = field(default_factory=dict)  # request id -> why not admitted
     token_budget: int = 0
+    # finished or aborted since the last step (V1's name): workers drop the state they keep for them
+    finished_req_ids: set[str] = field(default_factory=set)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -67,6 +69,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.finished_req_ids: set[str] = set()  # handed to the next SchedulerOutput
 
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
@@ -90,7 +93,9 @@ class Scheduler:
             self.hooks.emit(
                 SCHEDULER, SCHEDULE, BEGIN, step=step, num_waiting=len(self.waiting), num_running=len(self.running)
             )
-        out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens)
+        out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens,
+                              finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
         budget = self.config.max_num_batched_tokens
 
         # 1. Running requests first, in admission order.
@@ -160,6 +165,7 @@ class Scheduler:
         """Remove a finished (or aborted) request and free its blocks. (V1's takes request ids: its
         scheduler keeps an id -> request map, ours leaves that to the engine.)"""
         req.status = status
+        self.finished_req_ids.add(req.request_id)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -49,13 +49,14 @@ class EventShipper:
         self._unsubscribe = hooks.subscribe(self._on_event, self._on_many)
 
     def _on_event(self, layer, name, kind, request_id, step, attrs) -> None:
-        attrs["pid"] = self.pid  # a fresh dict: emit() built it from keywords
+        attrs.setdefault("pid", self.pid)  # a fresh dict: emit() built it from keywords
         self._events.append((layer, name, kind, request_id, step, attrs, time.perf_counter_ns()))
 
     def _on_many(self, events: list[tuple], at_ns: list[int] | None = None) -> None:
         append, pid = self._events.append, self.pid
         for (layer, name, kind, request_id, step, attrs), at in zip(events, at_ns or repeat(time.perf_counter_ns())):
-            attrs = {**attrs, "pid": pid} if attrs else {"pid": pid}  # attrs may be shared by launches
+            # attrs may be shared by launches; a worker's events keep their own pid
+            attrs = {"pid": pid, **attrs} if attrs else {"pid": pid}
             append((layer, name, kind, request_id, step, attrs, at))
 
     def take(self) -> list[tuple]:

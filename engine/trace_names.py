@@ -10,7 +10,8 @@ from __future__ import annotations
 CLI, HTTP, API, TOKENIZER, IPC, ENGINE = "cli", "http", "api", "tokenizer", "ipc", "engine"
 SCHEDULER, BLOCK_MANAGER, MODEL_RUNNER, KERNEL = "scheduler", "block_manager", "model_runner", "kernel"
 SAMPLER, DETOKENIZER, TRACER = "sampler", "detokenizer", "tracer"
-LAYERS = (CLI, HTTP, API, TOKENIZER, IPC, ENGINE, SCHEDULER, BLOCK_MANAGER, MODEL_RUNNER, KERNEL, SAMPLER,
+WORKER = "worker"  # a tensor-parallel rank's own process (its startup, the step it received)
+LAYERS = (CLI, HTTP, API, TOKENIZER, IPC, ENGINE, SCHEDULER, BLOCK_MANAGER, WORKER, MODEL_RUNNER, KERNEL, SAMPLER,
           DETOKENIZER, TRACER)
 # where each runs with the engine core in its own process (in one process: all here)
 FRONTEND_LAYERS = frozenset({CLI, HTTP, API, TOKENIZER, DETOKENIZER})
@@ -21,6 +22,8 @@ ENCODE = "encode"  # tokenizer
 SCHEDULE = "schedule"  # scheduler: a span, with a snapshot (the queues and the batch) before its end
 ALLOCATE, FREE, EVICT, CACHE_HIT, CACHE_MISS = "allocate", "free", "evict", "cache_hit", "cache_miss"  # block_manager
 BATCH = "batch"  # model_runner: the step's flattened batch
+EXECUTE_MODEL, WORKER_READY = "execute_model", "ready"  # worker: the step it received; up and serving
+ALL_REDUCE, GATHER = "all_reduce", "gather"  # kernel: tensor-parallel collectives, traced as launches
 SAMPLED = "sampled"  # sampler
 EVENTS_LOST = "events_lost"  # tracer: a reader fell behind the ring and missed this many events
 # request lifecycle (engine, scheduler)

@@ -204,20 +204,23 @@ def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, acc
     _publish(frames, name, grid, dict(meta) if meta else {}, described, duration_ns, timing, reason, end_ns, access_fn)
 
 
-def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str = "") -> Any:
-    """Run a PyTorch function that stands in for a kernel (the reference backend), recorded
-    like a launch when anyone observes: no grid (PyTorch picks its own), wall-clock time."""
+def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str = "",
+         meta: dict[str, Any] | None = None) -> Any:
+    """Run a PyTorch function that stands in for a kernel (the reference backend, a collective),
+    recorded like a launch when anyone observes: no grid (PyTorch picks its own), wall-clock
+    time; meta: what the record's ``meta`` should say (a collective's bytes)."""
     frames = _state.frames
     if not frames:
         return fn(**args)
-    _before(frames, name, (), {}, args)
+    meta = meta or {}
+    _before(frames, name, (), meta, args)
     described, on_gpu = _describe(args)  # before the call, while its arguments are still in cache
     t0 = time.perf_counter_ns()
     out = fn(**args)
     if on_gpu:
         torch.cuda.synchronize()
     end_ns = time.perf_counter_ns()
-    _publish(frames, name, (), {}, described, end_ns - t0, "wall_clock", reason, end_ns, None)
+    _publish(frames, name, (), meta, described, end_ns - t0, "wall_clock", reason, end_ns, None)
     return out
 
 

@@ -58,7 +58,9 @@ def test_kernel_launches_reach_the_hooks():
         for name in ("reshape_and_cache", "unified_attention")]
     first_attention = kernels[1][3]
     assert len(first_attention["grid"]) == 3 and first_attention["duration_ns"] > 0
-    assert all(set(e[3]) == {"layer_idx", "grid", "meta", "args", "duration_ns", "timing", "reason"} for e in kernels)
+    assert all(set(e[3]) == {"layer_idx", "grid", "meta", "args", "duration_ns", "timing", "reason", "rank"}
+               for e in kernels)
+    assert {e[3]["rank"] for e in kernels} == {0}
     # The events are plain data; the map a viewer recomputes from them and the step's batch is
     # the launch's own, program for program.
     batches = {e[2]: e[3] for e in events if e[:2] == ("model_runner", "batch")}

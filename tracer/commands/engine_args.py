@@ -24,6 +24,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weights and KV cache (default: float32 on CPU, float16 on CUDA)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling (default 0)")
+    par = parser.add_argument_group("tensor parallelism", "split every layer over N worker processes (gloo on the "
+                                    "CPU, NCCL on CUDA); see lessons/18_tensor_parallelism.py")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                     help="ranks, one worker process each; must divide the model's attention heads (default 1: "
+                          "no workers, the model runs in the engine core)")
+    par.add_argument("--distributed-init-method", default=None, metavar="URL",
+                     help="where the ranks meet: tcp://HOST:PORT, or env:// with MASTER_ADDR and MASTER_PORT set "
+                          "(default: a free loopback port; several machines are not tested here)")
+    par.add_argument("--distributed-timeout", type=float, default=30.0, metavar="S",
+                     help="seconds a collective waits for a missing rank before the step fails (default 30; "
+                          "torch's own default is 30 minutes)")
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
@@ -31,4 +42,5 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill, attention_backend=args.attention_backend,
-                dtype=args.dtype, device=args.device, seed=args.seed)
+                dtype=args.dtype, device=args.device, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                distributed_init_method=args.distributed_init_method, distributed_timeout_s=args.distributed_timeout)

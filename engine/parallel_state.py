@@ -1,0 +1,100 @@
+"""The tensor-parallel group: which rank this process is, and the two collectives the sharded
+model needs (vLLM's ``parallel_state`` and ``communication_op``).
+
+``TPGroup(rank=0, world_size=1)`` is the group of an unsharded model: its collectives return
+their input. A real group comes from ``init_distributed``: gloo on the CPU, NCCL on CUDA,
+meeting at ``init_method`` (default a loopback port; for several machines pass
+``tcp://HOST:PORT`` or ``env://`` with MASTER_ADDR / MASTER_PORT set: that path exists but is not
+tested here).
+
+Two process groups over the same ranks, because a step controller may stop time. Between
+steps the workers wait on a socket, not in a collective, but a kernel-level stop holds rank 0
+*inside* the forward pass while the other ranks sit in their next all-reduce. Ungated steps use
+the ``fast`` group, whose timeout is seconds (``distributed_timeout_s``): a stuck rank fails
+the step quickly instead of after torch's default 30 minutes. A step that starts while a
+controller may hold the engine runs on the ``stepping`` group, whose timeout is a day, and a
+dead rank is then noticed by the executor's process monitor instead.
+
+Both collectives are traced as kernel launches (layer ``kernel``, names ``all_reduce`` and
+``gather``) through ``kernels.instrument.call``, with the bytes each rank sends.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.trace_names import ALL_REDUCE, GATHER
+from kernels import instrument
+
+STEPPING_TIMEOUT = datetime.timedelta(days=1)
+
+
+@dataclass
+class TPGroup:
+    """This process's place in the tensor-parallel group (explicit: the model holds one)."""
+    rank: int = 0
+    world_size: int = 1
+    groups: dict = field(default_factory=dict)  # "fast" / "stepping" -> torch.distributed ProcessGroup
+    active: str = "fast"  # which of them this step's collectives use (the executor says, per step)
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: it gathers the logits and samples."""
+        return self.rank == 0
+
+    def shard(self, n: int) -> tuple[int, int]:
+        """[start, end) of this rank's equal share of n (n must divide evenly)."""
+        per = n // self.world_size
+        return self.rank * per, (self.rank + 1) * per
+
+    def all_reduce(self, x: torch.Tensor, site: str) -> torch.Tensor:
+        """Sum x over the ranks, in place; every rank gets the sum."""
+        if self.world_size == 1:
+            return x
+        meta = dict(op="sum", world_size=self.world_size, bytes=x.numel() * x.element_size(), site=site,
+                    group=self.active)
+        instrument.call(ALL_REDUCE, self._all_reduce, dict(tensor=x), meta=meta,
+                        reason=f"row-parallel {site}: each rank holds a partial sum; the sum, everywhere")
+        return x
+
+    def gather(self, x: torch.Tensor, site: str) -> torch.Tensor | None:
+        """Concatenate every rank's x along the last dimension on rank 0; None on the others."""
+        if self.world_size == 1:
+            return x
+        meta = dict(op="gather", world_size=self.world_size, bytes=x.numel() * x.element_size(), site=site,
+                    group=self.active)
+        return instrument.call(GATHER, self._gather, dict(tensor=x), meta=meta,
+                               reason=f"{site}: each rank's slice of the vocabulary, to rank 0 (it samples)")
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        import torch.distributed as dist
+        dist.all_reduce(tensor, group=self.groups[self.active])
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        import torch.distributed as dist
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.is_driver else None
+        dist.gather(tensor, parts, dst=0, group=self.groups[self.active])
+        return torch.cat(parts, dim=-1) if self.is_driver else None
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,
+                     timeout_s: float) -> TPGroup:
+    """Join the group (blocks until every rank has joined, or timeout_s passes)."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    ranks = list(range(world_size))
+    # new_group is collective: every rank creates the same groups in the same order
+    stepping = dist.new_group(ranks, timeout=STEPPING_TIMEOUT, backend=backend)
+    return TPGroup(rank, world_size, {"fast": dist.group.WORLD, "stepping": stepping})
+
+
+def destroy_distributed() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,193 @@
+"""Tensor parallelism with 2 CPU ranks (gloo): greedy outputs equal TP=1 and transformers under
+the default settings, forced preemption, chunked prefill and prefix caching, with no leaked
+blocks; every rank's kernels are traced; kernel gates cross into worker rank 0; a dead or
+failing worker is a clear error and leaves no process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.builtin_model import NAME, builtin_path
+from engine.config import ConfigError
+from engine.core_types import EngineDeadError
+from engine.hooks import Hooks
+from engine.trace_names import EXECUTE_MODEL, KERNEL, WORKER
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_hf_equivalence import MAX_NEW, _prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _generate(prompts, **kwargs):
+    llm = LLM(NAME, tensor_parallel_size=2, **kwargs)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        stats = llm.llm_engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
+        assert stats.num_waiting == stats.num_running == 0
+        return [o.outputs[0].token_ids for o in outs], stats
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(builtin_path())
+
+
+@pytest.mark.parametrize("setting", ["default", "preemption", "chunked_prefill", "prefix_caching"])
+def test_tp2_equals_tp1_and_transformers(path, setting):
+    kwargs = dict(default={}, preemption=dict(num_kv_blocks=12), chunked_prefill=dict(max_num_batched_tokens=16),
+                  prefix_caching=dict(enable_prefix_caching=True))[setting]
+    prompts = _prompts(shared_prefix=48 if setting == "prefix_caching" else 0)
+    got, stats = _generate(prompts, **kwargs)
+    tp1 = LLM(NAME, **kwargs).generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in tp1]
+    assert got == hf_greedy(path, prompts, MAX_NEW)
+    if setting == "preemption":
+        assert stats.num_preemptions > 0
+    if setting == "prefix_caching":
+        assert stats.prefix_cache_hits > 0
+
+
+def test_seeded_sampling_and_logprobs_equal_tp1():
+    """Rank 0 samples with a copy of each request's seeded generator: the same draws as TP=1."""
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=12, logprobs=2) for s in range(4)]
+    prompts = ["Once upon a time", "The cat", "A list of", "In the morning"]
+    tp1 = LLM(NAME).generate(prompts, params, use_tqdm=False)
+    llm = LLM(NAME, tensor_parallel_size=2)
+    try:
+        tp2 = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
+    for a, b in zip(tp1, tp2):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
+
+
+def test_every_rank_is_traced():
+    events = []
+    hooks = Hooks()
+    hooks.subscribe(lambda *e: events.append(e))
+    llm = LLM(NAME, tensor_parallel_size=2, hooks=hooks)
+    try:
+        llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    n_layer = 4  # tiny-gpt2
+    kernels = [e for e in events if e[0] == KERNEL and e[4] is not None]
+    assert {e[5]["rank"] for e in kernels} == {0, 1}
+    for step in {e[4] for e in kernels}:
+        for rank in (0, 1):
+            mine = [e for e in kernels if e[4] == step and e[5]["rank"] == rank]
+            reduces = [e for e in mine if e[1] == "all_reduce"]
+            assert len(reduces) == 2 * n_layer  # after attn.c_proj and mlp.c_proj, each layer
+            assert {e[5]["meta"]["site"] for e in reduces} == {"attn.c_proj", "mlp.c_proj"}
+            assert all(e[5]["meta"]["bytes"] > 0 and e[5]["duration_ns"] > 0 for e in reduces)
+            assert [e[5]["meta"]["site"] for e in mine if e[1] == "gather"] == ["lm_head"]
+            assert any(e[1].startswith("unified_attention") for e in mine)
+    pids = {e[5]["pid"] for e in kernels}
+    assert len(pids) == 2 and os.getpid() not in pids  # each rank's own process
+    # both workers received the same scheduler output, every step
+    received = [e for e in events if e[0] == WORKER and e[1] == EXECUTE_MODEL]
+    for step in {e[4] for e in received}:
+        mine = [e[5] for e in received if e[4] == step]
+        assert sorted(a["rank"] for a in mine) == [0, 1]
+        assert len({a["digest"] for a in mine}) == 1 and len({str(a["num_scheduled_tokens"]) for a in mine}) == 1
+    # each rank's startup: its heads, and its share of the KV cache
+    loads = {e[5]["rank"]: e[5] for e in events if e[0] == WORKER and e[1] == "model_load" and e[2] == "end"}
+    assert loads[0]["heads"] == [0, 2] and loads[1]["heads"] == [2, 4]
+    kv = [e[5] for e in events if e[0] == "engine" and e[1] == "kv_cache_alloc" and e[2] == "end"][0]
+    assert [r["heads"] for r in kv["ranks"]] == [[0, 2], [2, 4]]
+
+
+def test_kernel_gates_reach_worker_rank_0_and_outlast_the_timeout():
+    """A controller holds rank 0 inside the forward pass, longer than the collective timeout: the
+    gated step runs on the long-timeout group, so rank 1 waits in its all-reduce instead of failing.
+    While held before an attention launch, the rerun on Triton happens in rank 0's process."""
+    hooks, seen, reruns = Hooks(), [], []
+
+    def gate(point, info):
+        if point != KERNEL:
+            return
+        seen.append(info["name"])
+        if len(seen) == 1:
+            time.sleep(1.5)  # > distributed_timeout_s
+        if info["name"].startswith("unified_attention") and not reruns:
+            reruns.append(llm.llm_engine.held_attention_on_triton())
+
+    llm = LLM(NAME, tensor_parallel_size=2, distributed_timeout_s=1.0, hooks=hooks)
+    try:
+        hooks.add_gate(gate)
+        out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert "all_reduce" in seen and "gather" in seen and any(n.startswith("unified_attention") for n in seen)
+    assert reruns and reruns[0]["max_abs_diff"] < 1e-3
+
+
+def test_bad_sizes_are_clear_errors():
+    with pytest.raises(ValueError, match="must divide the model's 4 attention heads.*choose one of \\[1, 2, 4\\]"):
+        LLM(NAME, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(NAME, tensor_parallel_size=0)
+
+
+def test_a_worker_that_fails_to_start_is_one_clear_error():
+    before = _worker_pids()
+    with pytest.raises(EngineDeadError, match="worker rank [01]: RuntimeError: No rendezvous handler for bogus://"):
+        LLM(NAME, tensor_parallel_size=2, distributed_init_method="bogus://nowhere")
+    time.sleep(0.5)
+    assert _worker_pids() <= before, "orphaned worker processes"
+
+
+def test_a_dead_worker_fails_the_engine_without_orphans():
+    llm = LLM(NAME, tensor_parallel_size=2)
+    pids = [p.pid for p in llm.llm_engine.executor.procs]
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 died \(signal 9\)"):
+        llm.generate(["Once upon a time"], SamplingParams(max_tokens=4), use_tqdm=False)
+    deadline = time.monotonic() + 10
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, pids)), "worker rank 0 outlived the dead rank"
+    with pytest.raises(EngineDeadError):  # and it stays dead, with the same reason
+        llm.generate(["again"], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.shutdown()
+
+
+def _worker_pids() -> set[int]:
+    pids = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if b"engine.worker_proc" in f.read():
+                        pids.add(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+def test_llm_engine_objects_say_where_they_live():
+    llm = LLM(NAME, tensor_parallel_size=2)
+    try:
+        with pytest.raises(AttributeError, match="live in the worker processes"):
+            llm.llm_engine.model_runner
+    finally:
+        llm.shutdown()
