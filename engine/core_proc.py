@@ -93,7 +93,9 @@ class EngineCoreProc:
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(input_addr)
-        self.output = self.ctx.socket(zmq.PUSH)
+        # its own context: terminating it flushes what was sent, while the input thread still listens
+        self.out_ctx = zmq.Context()
+        self.output = self.out_ctx.socket(zmq.PUSH)
         self.output.setsockopt(zmq.LINGER, 2000)
         self.output.connect(output_addr)
         self.hooks = Hooks()
@@ -150,6 +152,7 @@ class EngineCoreProc:
         self._out_thread.join(5)
         self.input.close(linger=0)
         self.output.close()
+        self.out_ctx.term()
         self.ctx.term()
 
     # ---- input IO ---------------------------------------------------------------------------
@@ -231,6 +234,8 @@ class EngineCoreProc:
         self._send(EngineCoreOutputs(fatal=reason))
         self.out_q.put(None)
         self._out_thread.join(5)
+        self.output.close()
+        self.out_ctx.term()  # delivered (or 2 s of linger passed) before the process ends
         os._exit(3)
 
     def _send(self, msg: EngineCoreOutputs) -> None:
