@@ -88,7 +88,8 @@ class EngineCore:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        alive = self._thread is not None and self._thread.is_alive() and not self._stopping
+        return alive and self.engine.dead is None
 
     @property
     def is_parked(self) -> bool:
@@ -119,6 +120,9 @@ class EngineCore:
     # ---- requests (any thread) ------------------------------------------------------------
     def add_request(self, add: PendingAdd) -> None:
         """Queue a request; add.settle runs once it is in `waiting` (or with why not)."""
+        dead = self.engine.dead
+        if dead is not None:  # a tensor-parallel worker died: the engine cannot run this
+            raise EngineClosedError(f"the engine died: {dead}")
         with self._cv:
             if self._stopping or self._thread is None or not self._thread.is_alive():
                 raise EngineClosedError("the engine is not running (shutting down?)")

@@ -139,6 +139,11 @@ class LLMEngine:
                                  f"cache and its model runner live in the worker processes, not in this one")
         return self.executor.worker
 
+    @property
+    def dead(self) -> str | None:
+        """Why the engine can no longer run (a tensor-parallel worker died), or None."""
+        return getattr(self.executor, "dead", None)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also at exit). Safe to call twice."""
         self.executor.shutdown()

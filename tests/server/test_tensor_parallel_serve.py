@@ -85,3 +85,25 @@ def test_serve_with_two_ranks(model_cache, tmp_path):
     assert {e.name for e in kernels} >= {"all_reduce", "gather"}
     loads = [e for e in events if e.layer == "worker" and e.name == "model_load" and e.kind == "end"]
     assert sorted(e.attrs["rank"] for e in loads) == [0, 1]
+
+
+def test_a_dead_worker_stops_a_one_process_server_too(model_cache):
+    proc, _, url = spawn_serve("--no-tui", "--no-multiprocessing", "--tensor-parallel-size", "2")
+    try:
+        workers = _children_of(proc.pid, b"engine.worker_proc")
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + DEADLINE
+        while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=DEADLINE)
+        assert r.status_code == 503 and "died (signal 9)" in r.json()["error"]["message"], r.text
+        assert proc.wait(DEADLINE) == 1
+        err = proc.stderr.read()
+        assert re.search(r"stopped because the engine died: worker rank \d died \(signal 9\)", err), err
+        assert "Traceback" not in err, err
+        assert not any(map(_alive, workers))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

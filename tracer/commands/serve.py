@@ -314,6 +314,7 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
 
     if args.no_multiprocessing:
         engine = await asyncio.to_thread(build_engine, config, hooks)  # the loop (the TUI) keeps running
+        engine.on_dead = lambda reason: on_dead(f"engine died: {reason}")  # a tensor-parallel worker died
         async_engine = AsyncLLMEngine(engine, drain_timeout=args.drain_timeout)
     else:
         async_engine = await start_core(args, config, hooks, session, on_dead, core_proc)
