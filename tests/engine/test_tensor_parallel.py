@@ -191,3 +191,15 @@ def test_llm_engine_objects_say_where_they_live():
             llm.llm_engine.model_runner
     finally:
         llm.shutdown()
+
+
+def test_triton_backend_with_two_ranks():
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["Once upon a time", "The cat sat on the mat and then"]
+    one = LLM(NAME, attention_backend="triton", num_kv_blocks=32).generate(prompts, params, use_tqdm=False)
+    llm = LLM(NAME, attention_backend="triton", num_kv_blocks=32, tensor_parallel_size=2)
+    try:
+        two = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
