@@ -40,6 +40,7 @@ from engine.trace_names import (
     ENGINE,
     EVENTS_LOST,
     EVICT,
+    EXECUTE_MODEL,
     FINISHED,
     FREE,
     HTTP,
@@ -58,6 +59,8 @@ from engine.trace_names import (
     STEP,
     TOKENIZER,
     TRACER,
+    WORKER,
+    WORKER_READY,
 )
 from tracer.bus import EventBus
 from tracer.events import Event, json_safe
@@ -118,7 +121,7 @@ class TraceState:
     snapshot: dict | None = None  # the latest schedule snapshot, exactly as recorded
     snapshot_step: int | None = None
     batch: dict | None = None  # this step's flattened model input
-    kernels: list[dict] = field(default_factory=list)  # this step's kernel launches (name, grid, ...)
+    kernels: list[dict] = field(default_factory=list)  # this step's kernel launches (name, grid, rank, ...)
     sampled: dict | None = None  # this step's sampled token ids
     stats: dict = field(default_factory=dict)  # latest EngineStats
     num_blocks: int | None = None
@@ -131,6 +134,12 @@ class TraceState:
     cached_free: set[int] = field(default_factory=set)
     kv_usage_history: list[float] = field(default_factory=list)  # KV-cache use at each step's end
     kernel_history: dict[str, list[int]] = field(default_factory=dict)  # name -> ns per step (all layers)
+    # Tensor parallelism: N ranks (config.parallel; 1 for an old trace). workers[r] is rank r's
+    # worker: its startup stages by name ({"model_load": END attrs, "kv_cache_alloc": ...}),
+    # "ready", and "execute_model", the step it received last. A list, not a dict: the
+    # state goes through JSON (attach), where int keys would come back as strings.
+    tensor_parallel_size: int = 1
+    workers: list[dict] = field(default_factory=list)
     last_ts_ns: int = 0  # trace time of the latest event: "now" for a replay
     engine_config: dict | None = None
     paused_at: dict | None = None  # where the step controller holds the engine, if it does
@@ -174,6 +183,7 @@ class TraceState:
         c.kernels, c.startup, c.stats = list(self.kernels), list(self.startup), dict(self.stats)
         c.cached_free, c.kv_usage_history = set(self.cached_free), list(self.kv_usage_history)
         c.kernel_history = {k: list(v) for k, v in self.kernel_history.items()}
+        c.workers = [dict(w) for w in self.workers]  # fold replaces a worker's values, never changes them
         return c
 
     @classmethod
@@ -228,6 +238,7 @@ def _attrs(ev: Event) -> dict:
 def _config(s: TraceState, ev: Event) -> None:
     s.engine_config = _attrs(ev).get("config")
     s.phase = "startup"
+    s.tensor_parallel_size = int(((s.engine_config or {}).get("parallel") or {}).get("tensor_parallel_size") or 1)
 
 
 def _startup_stage(s: TraceState, ev: Event) -> None:
@@ -236,6 +247,8 @@ def _startup_stage(s: TraceState, ev: Event) -> None:
         s.startup.append({"stage": ev.name, **a})
         if ev.name == "kv_cache_alloc" and "num_blocks" in a:
             s.num_blocks = a["num_blocks"]
+        if a.get("tensor_parallel_size"):
+            s.tensor_parallel_size = a["tensor_parallel_size"]
 
 
 def _queued(s: TraceState, ev: Event) -> None:
@@ -306,6 +319,8 @@ def _step(s: TraceState, ev: Event) -> None:
         _append_bounded(s.kv_usage_history, s.kv_cache_usage)
         per_name: dict[str, int] = {}
         for k in s.kernels:
+            if k.get("rank", 0) != 0:
+                continue  # the sparklines follow rank 0: the same work on every rank, not N times over
             per_name[k["name"]] = per_name.get(k["name"], 0) + (k.get("duration_ns") or 0)
         for name, ns in per_name.items():
             _append_bounded(s.kernel_history.setdefault(name, []), ns)
@@ -459,6 +474,55 @@ def _kernel(s: TraceState, ev: Event) -> None:
     s.phase = "execute"
 
 
+def rank_of(launch: dict) -> int:
+    """The tensor-parallel rank that made a launch (an old trace's launches: rank 0)."""
+    return launch.get("rank") or 0
+
+
+def step_ranks(s: TraceState) -> list[int]:
+    """The ranks with launches in this step, in order."""
+    return sorted({rank_of(k) for k in s.kernels})
+
+
+def worker(s: TraceState, rank: int) -> dict:
+    """Rank `rank`'s worker record (made on first use)."""
+    while len(s.workers) <= rank:
+        s.workers.append({"rank": len(s.workers)})
+    return s.workers[rank]
+
+
+def kv_shards(s: TraceState) -> list[dict]:
+    """Each rank's share of the KV cache, [{"rank", "heads": [a, b), "bytes", "bytes_per_block"}]:
+    the engine's kv_cache_alloc says it for all ranks; failing that (a trace cut short), the
+    workers' own. Empty with one rank."""
+    for st in reversed(s.startup):
+        if st["stage"] == "kv_cache_alloc" and st.get("ranks"):
+            return list(st["ranks"])
+    return [{"rank": w["rank"], **{k: w["kv_cache_alloc"].get(k) for k in ("heads", "bytes", "bytes_per_block")}}
+            for w in s.workers if "kv_cache_alloc" in w]
+
+
+def _worker(s: TraceState, ev: Event) -> None:
+    """A tensor-parallel worker's own events: its startup stages (per rank, beside the
+    engine's, which stay in `startup`), ready, and the scheduler output it got each step."""
+    a = _attrs(ev)
+    if "rank" not in a:
+        return
+    rank = a["rank"]
+    if a.get("world_size"):
+        s.tensor_parallel_size = max(s.tensor_parallel_size, a["world_size"])
+    w = worker(s, rank)
+    if ev.name == EXECUTE_MODEL:
+        w[EXECUTE_MODEL] = {"step": ev.step, **a}
+    elif ev.name == WORKER_READY:
+        w[WORKER_READY] = True
+    elif ev.kind == BEGIN:
+        w["current"] = ev.name
+    elif ev.kind == END:
+        w[ev.name] = dict(a)
+        w["current"] = None
+
+
 def _sampled(s: TraceState, ev: Event) -> None:
     s.sampled, s.phase = _attrs(ev), "postprocess"
 
@@ -505,6 +569,7 @@ _LAYER_HANDLERS = {
     BLOCK_MANAGER: _block_manager,
     KERNEL: _kernel,
     TRACER: _tracer,
+    WORKER: _worker,
 }
 
 
