@@ -172,12 +172,23 @@ def build_engine(config, hooks):
         unsubscribe()  # without a tracer, hooks.active costs nothing from here on
 
 
+_rank_lines: dict[str, list[tuple[int, str]]] = {}  # a stage's per-rank lines, printed under the engine's line for it
+
+
 def _print_stage(layer, name, kind, request_id, step, attrs) -> None:
     from engine.hooks import END
-    from engine.trace_names import CORE_HANDSHAKE, CORE_PROCESS_START, ENGINE
+    from engine.trace_names import CORE_HANDSHAKE, CORE_PROCESS_START, ENGINE, WORKER
 
-    if kind == END and "seconds" in attrs and (layer == ENGINE or name in (CORE_PROCESS_START, CORE_HANDSHAKE)):
+    if kind == END and layer == WORKER and "rank" in attrs and "seconds" in attrs:
+        # the workers finish first: their lines wait for the engine's, which says what they add up to
+        from tracer.tui.fmt import shard_details
+        _rank_lines.setdefault(name, []).append((attrs["rank"], (
+            f"    rank {attrs['rank']:<10} {attrs['seconds'] * 1000:8.1f} ms  {shard_details(name, attrs)}")))
+    elif kind == END and "seconds" in attrs and (layer == ENGINE or name in (CORE_PROCESS_START, CORE_HANDSHAKE)):
         _stage(name, attrs["seconds"], _fmt_details(name, attrs))
+        for _, line in sorted(_rank_lines.pop(name, [])) if layer == ENGINE else ():
+            if _SHOW_STAGES:
+                print(line, file=sys.stderr, flush=True)
 
 
 async def start_core(args, config, hooks, session, on_dead, core_proc=None):

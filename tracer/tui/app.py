@@ -67,6 +67,7 @@ class TraceApp(App):
         Binding("end", "travel('end')", "last", priority=True),
         Binding("q", "quit", "quit"),
         Binding("t", "triton", "on Triton"),
+        Binding("r", "next_rank", "next rank", show=False),  # tensor parallelism only: kept out of the footer
         Binding("slash", "filter", "filter"),
         Binding("question_mark", "help", "help"),
         Binding("tab", "cycle_pane(1)", "next panel", show=False, priority=True),
@@ -273,6 +274,12 @@ class TraceApp(App):
         self.show_pane("kernels", chosen=True)
         self.notify(f"running {held.get('name')} (layer {held.get('layer_idx')}) through the Triton kernel…")
         self.run_worker(self._triton(held), group="triton", exclusive=True)
+
+    def action_next_rank(self) -> None:
+        """`r`: the Kernels panel lists the next tensor-parallel rank's launches (then all ranks')."""
+        self.show_pane("kernels", chosen=True)
+        if not self.query_one(KernelsPanel).next_rank():
+            self.notify("r picks a tensor-parallel rank: this engine runs on one (serve --tensor-parallel-size 2)")
 
     async def _triton(self, held: dict) -> None:
         try:

@@ -80,3 +80,19 @@ def status_text(status: str) -> Text:
 
 def shorten(s: str, n: int) -> str:
     return s if len(s) <= n else s[:n - 1] + "…"
+
+
+def fmt_span(r) -> str:
+    """[start, end) of a rank's heads, columns or rows."""
+    return f"[{r[0]}, {r[1]})" if r else "-"
+
+
+def shard_details(stage: str, info: dict) -> str:
+    """A tensor-parallel rank's shard, as its worker reported it at the end of a startup stage
+    (model_load or kv_cache_alloc): the Startup panel's and `serve`'s per-rank lines."""
+    if stage == "model_load":
+        return (f"{info.get('params', 0):,} parameters, {fmt_bytes(info.get('bytes'))} · heads "
+                f"{fmt_span(info.get('heads'))} · mlp cols {fmt_span(info.get('mlp'))} · vocab "
+                f"{fmt_span(info.get('vocab'))}")
+    return (f"{info.get('num_blocks')} blocks × {fmt_bytes(info.get('bytes_per_block'))} = "
+            f"{fmt_bytes(info.get('bytes'))} · heads {fmt_span(info.get('heads'))}")

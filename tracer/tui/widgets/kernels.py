@@ -7,6 +7,11 @@ table. On the CPU the default attention backend is the PyTorch reference, whose 
 have no grid: its rows show the argument shapes instead, and when the engine is held before
 an attention launch (`k`), `t` runs that very launch through our Triton kernel (interpreted
 on the CPU) and draws its grid, its programs and its difference from the PyTorch output.
+
+With tensor parallelism every rank's launches arrive, the collectives (all_reduce, gather)
+among them. Then a rank column appears, `r` cycles the list through rank 0, 1, ... and all,
+and a line per rank sums its launches and the share of its time spent communicating. With
+one rank the panel is as it always was.
 """
 from __future__ import annotations
 
@@ -20,8 +25,10 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Static
 
+from engine.trace_names import ALL_REDUCE, GATHER
 from kernels.instrument import ProgramAccess
-from tracer.tui.fmt import fmt_ns, sparkline
+from tracer.state import TraceState, rank_of, step_ranks
+from tracer.tui.fmt import fmt_bytes, fmt_ns, sparkline
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import FixedText
 from tracer.tui.widgets.panel import Panel
@@ -46,6 +53,30 @@ def arg_shapes(args: dict | None) -> str:
     if not args:
         return "-"
     return " ".join(f"{name} {'×'.join(map(str, shape)) or 'scalar'}" for name, (shape, _dtype) in args.items())
+
+
+COLLECTIVES = (ALL_REDUCE, GATHER)
+
+
+def collective_detail(launch: dict) -> str:
+    """'2.0 KiB attn.c_proj (sum over 2 ranks)': what an all_reduce / gather row shows."""
+    m = launch.get("meta") or {}
+    over = f"{m.get('op', '?')} over {m.get('world_size', '?')} ranks"
+    return f"{fmt_bytes(m.get('bytes'))} {m.get('site', '?')} ({over})"
+
+
+def rank_summary(kernels: list[dict], rank: int) -> str:
+    """'rank 0: 17 launches · 9.1 ms · communication 6.2 ms (68%)'."""
+    mine = [k for k in kernels if rank_of(k) == rank]
+    total = sum(k.get("duration_ns") or 0 for k in mine)
+    comm = sum(k.get("duration_ns") or 0 for k in mine if k["name"] in COLLECTIVES)
+    share = f" ({comm / total:.0%})" if total else ""
+    return (f"rank {rank}: {len(mine)} launch{'' if len(mine) == 1 else 'es'} · {fmt_ns(total)} · "
+            f"communication {fmt_ns(comm)}{share}")
+
+
+def multi_rank(s: TraceState) -> bool:
+    return s.tensor_parallel_size > 1 or len(step_ranks(s)) > 1
 
 
 def held_launch(frame: Frame) -> dict | None:
@@ -206,6 +237,7 @@ class KernelsPanel(Panel):
         self._texts: dict[str, Text] = {}  # what each Static shows
         self.rerun: dict | None = None  # `t`: the Triton re-run of the held launch
         self.rerun_of: tuple | None = None  # (step, layer, name) of the launch it re-ran
+        self.rank: int | None = None  # `r`: the rank whose launches are listed (None: all)
 
     def focus_list(self) -> None:
         self.query_one(RowList).focus()
@@ -214,34 +246,64 @@ class KernelsPanel(Panel):
         self.rerun, self.rerun_of = result, (held.get("step"), held.get("layer_idx"), held.get("name"))
         self._key = None
 
+    def next_rank(self) -> bool:
+        """`r`: list rank 0's launches, then rank 1's, ..., then all ranks' again. False (and
+        nothing changes) when the engine runs on one rank."""
+        s = self._frame.state if self._frame is not None else None
+        if s is None or not multi_rank(s):
+            return False
+        n = max([s.tensor_parallel_size] + [r + 1 for r in step_ranks(s)])
+        self.rank = 0 if self.rank is None else None if self.rank + 1 >= n else self.rank + 1
+        self._key = None
+        self.query_one(RowList).move_cursor(0)
+        self.show(self._frame, force=True)
+        return True
+
+    def launches(self, s: TraceState) -> list[dict]:
+        """This step's launches as listed: the chosen rank's, or every rank's."""
+        return s.kernels if self.rank is None else [k for k in s.kernels if rank_of(k) == self.rank]
+
     def show(self, frame: Frame, force: bool = False) -> None:
         s, c = frame.state, frame.controller
-        key = (s.step, s.phase, len(s.kernels), c.get("point"), c.get("paused"), self.size.width)
+        key = (s.step, s.phase, len(s.kernels), c.get("point"), c.get("paused"), self.size.width, self.rank)
         now = time.monotonic()
         if not force and (key == self._key or (not c.get("paused") and now - self._drawn_at < 1 / BUSY_HZ)):
             return  # while the engine runs, at most BUSY_HZ redraws a second
         self._frame, self._key, self._drawn_at = frame, key, now
+        launches, ranks = self.launches(s), multi_rank(s)
         head = Text.assemble((f"step {'-' if s.step is None else s.step}: ", "bold"),
-                             (f"{len(s.kernels)} launch{'' if len(s.kernels) == 1 else 'es'}", "bold"),
+                             (f"{len(launches)} launch{'' if len(launches) == 1 else 'es'}", "bold"),
                              (f" ({s.phase})" if s.phase not in ("done", "idle") else "", "dim"))
         held = held_launch(frame)
         if held is not None:
             head.append(f"   held before {held.get('name', '?')} (layer {held.get('layer_idx', '?')})", "yellow")
             if str(held.get("name", "")).startswith("unified_attention_ref"):
                 head.append("  t: run it on Triton", "bold yellow")
+        if ranks:
+            head.append(f"   rank {'all' if self.rank is None else self.rank} of {s.tensor_parallel_size}", "bold")
+            head.append("  (r: next rank)", "dim")
+            for r in step_ranks(s):
+                head.append("\n" + rank_summary(s.kernels, r), "bold" if r == self.rank else "")
         self.query_one("#kernels-head", FixedText).update(head)
         width = self.size.width or 80
-        names = [k["name"] for k in s.kernels]
-        grids = [fmt_grid(k.get("grid")) for k in s.kernels]
-        columns = [("#", 3), ("layer", 5), ("kernel", max([6] + list(map(len, names)))),
+        names = [k["name"] for k in launches]
+        grids = [fmt_grid(k.get("grid")) for k in launches]
+        columns = [("#", 3), *([("rank", 4)] if ranks else []), ("layer", 5),
+                   ("kernel", max([6] + list(map(len, names)))),
                    ("grid", max([4] + list(map(len, grids)))), ("time", 9), ("per step", 12),
                    ("meta / argument shapes", 0)]
         widths = [w for _, w in columns]
         widths[-1] = max(10, width - sum(widths[:-1]) - 2 * len(widths) - 2)
         rows = []
-        for i, k in enumerate(s.kernels):
-            detail = short_meta(k["meta"]) if k.get("meta") else arg_shapes(k.get("args"))
-            rows.append((str(i), cells_text([str(i), str(k.get("layer_idx", "")), k["name"], grids[i],
+        for i, k in enumerate(launches):
+            if k["name"] in COLLECTIVES:
+                detail = collective_detail(k)
+            else:
+                detail = short_meta(k["meta"]) if k.get("meta") else arg_shapes(k.get("args"))
+            rank = [str(rank_of(k))] if ranks else []
+            # a gather belongs to no layer; one rank keeps the table as it always was
+            layer = "" if ranks and k.get("layer_idx") is None else str(k.get("layer_idx", ""))
+            rows.append((str(i), cells_text([str(i), *rank, layer, k["name"], grids[i],
                                              fmt_ns(k.get("duration_ns")),
                                              sparkline(s.kernel_history.get(k["name"], []), 12), detail], widths)))
         self.query_one(RowList).set_rows(cells_text([n for n, _ in columns], widths), rows)
@@ -268,12 +330,19 @@ class KernelsPanel(Panel):
                 held.get("step"), held.get("layer_idx"), held.get("name")):
             return self._show_rerun(frame, held)
         self._set("#kernels-rerun", Text(""))
-        table = self.query_one(RowList)
-        if not frame.state.kernels:
+        table, launches = self.query_one(RowList), self.launches(frame.state)
+        if not launches:
             grid.set_launch((), None, frame)
             self._set("#program-access", Text("no launches yet in this step", "dim"))
             return
-        k = frame.state.kernels[min(table.cursor, len(frame.state.kernels) - 1)]
+        k = launches[min(table.cursor, len(launches) - 1)]
+        if k["name"] in COLLECTIVES:
+            grid.set_launch((), None, frame)
+            self._set("#program-access", Text(
+                f"{k['name']} on rank {rank_of(k)}: {k.get('reason', '')}.\nIt moves "
+                f"{fmt_bytes((k.get('meta') or {}).get('bytes'))} from this rank in {fmt_ns(k.get('duration_ns'))} "
+                "(wall clock: the wait for the slowest rank included). A collective has no program grid.", "dim"))
+            return
         if not k.get("grid"):
             grid.set_launch((), None, frame)
             self._set("#program-access", Text(

@@ -8,6 +8,10 @@ The whole cache always fits on the screen: when there are more blocks than cells
 default of thousands of blocks), each cell stands for k blocks (the summary says k) and shows
 █ all k in use, ▒ some in use, ░ none in use but some cached, · all free. The selected
 request's blocks stay in colour while everyone else's fade.
+
+With tensor parallelism each rank's worker holds its own shard: the KV of its attention heads
+for every block. The block ids (and the block tables) are the same on every rank, so one
+grid stands for all of them; the summary adds a line per rank with its heads and bytes.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 
-from tracer.tui.fmt import sparkline
+from tracer.state import kv_shards
+from tracer.tui.fmt import fmt_bytes, sparkline
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import FixedText, LinesView
 from tracer.tui.widgets.panel import Panel
@@ -76,6 +81,20 @@ def draw_blocks(frame: Frame, num_blocks: int, width: int, rows_available: int) 
 _styles: dict[str, Style] = {}
 
 
+def shard_lines(shards: list[dict]) -> str:
+    """One line saying the block table is shared, then each rank's heads and bytes ('' for one rank)."""
+    if len(shards) < 2:
+        return ""
+    n_head = max((sh.get("heads") or [0, 0])[1] for sh in shards)
+    lines = [f"\n{len(shards)} ranks, one shard each: the same blocks and block tables on every rank, "
+             "each holding its own heads' K and V"]
+    for sh in shards:
+        a, b = sh.get("heads") or ("?", "?")
+        lines.append(f"rank {sh['rank']}: heads [{a}, {b}) of {n_head} · {fmt_bytes(sh.get('bytes'))} "
+                     f"({fmt_bytes(sh.get('bytes_per_block'))} a block)")
+    return "\n".join(lines)
+
+
 def _style(spec: str) -> Style:
     style = _styles.get(spec)
     if style is None:
@@ -108,7 +127,8 @@ class KVCachePanel(Panel):
         usage = used / total if total else 0.0
         bar_w = max(10, min(40, width - 56))
         filled = round(usage * bar_w)
-        grid_rows = max(4, (self.size.height or 20) - 5)
+        shards = shard_lines(kv_shards(s))
+        grid_rows = max(4, (self.size.height or 20) - 5 - shards.count("\n"))
         k = blocks_per_cell(total, width, grid_rows) if total else 1
         legend = ("\n█ owned  ▓ shared prefix  ░ cached, free  · free" if k == 1 else
                   f"\neach cell = {k} blocks: █ all in use  ▒ some  ▓ shared  ░ cached, free  · free")
@@ -116,6 +136,7 @@ class KVCachePanel(Panel):
             ("KV cache ", "bold"), ("█" * filled, "green" if usage < 0.8 else "red"),
             ("░" * (bar_w - filled), "dim"),
             f" {usage:5.1%} {used}/{total} used · {shared} shared · {len(s.cached_free)} cached",
+            (shards, "cyan"),
             ("\nper step ", "dim"), (sparkline(s.kv_usage_history, max(10, width - 12), top=1.0), "green"),
             (legend, "dim"),
             ("   (select a request to highlight its blocks)" if frame.selected is None

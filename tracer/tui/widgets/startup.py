@@ -2,6 +2,8 @@
 
 The stages come from the trace (engine BEGIN/END spans), so a replay shows the recorded run's
 startup too. A stage in progress shows a bar; model weights and the KV cache show their sizes.
+With tensor parallelism the weights and the KV cache get a line per rank under the engine's
+(its worker's own time, and its shard: heads, MLP columns, vocabulary rows, bytes).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import ProgressBar, Static
 
-from tracer.tui.fmt import fmt_bytes
+from tracer.tui.fmt import fmt_bytes, shard_details
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.panel import Panel
 
@@ -34,6 +36,23 @@ def stage_details(stage: dict) -> str:
     if name == "resolve_model":
         return str(stage.get("model", ""))
     return ""
+
+
+RANK_STAGES = ("model_load", "kv_cache_alloc")  # the stages every worker does for itself
+
+
+def rank_rows(workers: list[dict], stage: str) -> list[tuple]:
+    """One row per rank for a stage: done (✓/✗ with its time and shard), in progress (…), or not yet."""
+    rows = []
+    for w in workers:
+        label = f"  rank {w['rank']}"
+        if stage in w:
+            info, ok = w[stage], w[stage].get("ok", True)
+            rows.append((Text("✓" if ok else "✗", "green" if ok else "red"), label,
+                         f"{info.get('seconds', 0) * 1000:.1f} ms", shard_details(stage, info)))
+        elif w.get("current") == stage:
+            rows.append((Text("…", "yellow"), label, "", Text("in progress", "yellow")))
+    return rows
 
 
 def curl_line(url: str, model: str) -> str:
@@ -61,7 +80,8 @@ class StartupPanel(Panel):
     def show(self, frame: Frame, force: bool = False) -> None:
         s = frame.state
         cur = s.startup_current
-        key = (len(s.startup), cur and (cur["stage"], cur.get("progress")), s.step is not None)
+        ranks = tuple((w.get("current"), *(st in w for st in RANK_STAGES)) for w in s.workers)
+        key = (len(s.startup), cur and (cur["stage"], cur.get("progress")), s.step is not None, ranks)
         if key == self._key and not force:
             return  # nothing new: startup panels are static once the server is up
         self._key = key
@@ -74,10 +94,16 @@ class StartupPanel(Panel):
             ok = st.get("ok", True)
             table.add_row(Text("✓" if ok else "✗", "green" if ok else "red"), LABELS.get(st["stage"], st["stage"]),
                           f"{st.get('seconds', 0) * 1000:.1f} ms", stage_details(st))
+            if st["stage"] in RANK_STAGES and s.workers:
+                for row in rank_rows(s.workers, st["stage"]):
+                    table.add_row(*row)
         done, total = (cur or {}).get("progress") or (0, None)
         if cur is not None:
             what = f"in progress: {fmt_bytes(done)} of {fmt_bytes(total)}" if total else "in progress"
             table.add_row(Text("…", "yellow"), LABELS.get(cur["stage"], cur["stage"]), "", Text(what, "yellow"))
+            if cur["stage"] in RANK_STAGES and s.workers:
+                for row in rank_rows(s.workers, cur["stage"]):
+                    table.add_row(*row)
         self.query_one("#startup-stages", Static).update(table)
         bar = self.query_one("#startup-progress", ProgressBar)
         # The weights report bytes read; other stages only begin and end (an indeterminate bar).
