@@ -3,8 +3,11 @@
     one async track per request   "request R" with nested queued / prefill / decode (b/e)
     thread "engine steps"         one X slice per step (its batch in args), schedule / execute /
                                   postprocess nested inside
-    thread "kernels"              one X slice per kernel launch (grid, meta in args)
-    thread per other layer        its begin/end spans (startup stages, HTTP handlers, ...)
+    thread "kernels"              one X slice per kernel launch (grid, meta in args); with tensor
+                                  parallelism one thread per rank ("kernels rank R"), all_reduce
+                                  and gather among its launches
+    thread per other layer        its begin/end spans (startup stages, HTTP handlers, ...); a
+                                  worker's per rank ("worker rank R")
     counters                      vllm:num_requests_waiting / _running, vllm:kv_cache_usage_perc
     M events                      process and thread names
 
@@ -37,12 +40,14 @@ from engine.trace_names import (
     SCHEDULER,
     STEP,
     TRACER,
+    WORKER,
 )
 from tracer.events import Event, json_safe, read_trace
 
 PID = 1
 STEPS_TID, KERNELS_TID = 1, 2
 LAYER_TIDS = {CLI: 10, HTTP: 11, API: 12, ENGINE: 13, TRACER: 14}  # other layers' spans
+RANK_KERNELS_TID, RANK_WORKER_TID = 100, 200  # + rank: tensor-parallel ranks > 0, and workers
 
 
 def _us(ns: int) -> float:
@@ -97,12 +102,13 @@ def to_chrome_trace(header: dict, events: list[Event]) -> dict:
     open_spans: dict[tuple, Event] = {}  # (layer, name, request_id) -> its BEGIN
     step_begin: dict[int, int] = {}
     step_marks: dict[int, dict] = {}  # step -> ts of its phase boundaries, and its batch
-    kernel_end = 0
+    kernel_end: dict[int, int] = {}  # rank -> where its track's last launch ended
     last_ts = events[-1].ts_ns if events else 0
 
     for ev in events:
-        key = (ev.layer, ev.name, ev.request_id)
         a = ev.attrs or {}
+        rank = a.get("rank") or 0
+        key = (ev.layer, ev.name, ev.request_id, rank)
         rid = ev.request_id
         # ---- requests
         if (ev.layer, ev.name) == (ENGINE, QUEUED):
@@ -138,16 +144,22 @@ def to_chrome_trace(header: dict, events: list[Event]) -> dict:
                 continue
             start = open_spans.pop(key).ts_ns if ev.kind == END and key in open_spans else \
                 ev.ts_ns - int(a.get("duration_ns") or 0)
-            start = max(start, kernel_end)  # one launch after another on this track
-            kernel_end = max(ev.ts_ns, start)
-            b.x(KERNELS_TID, ev.name, start, kernel_end, json_safe(dict(a, step=ev.step)), cat=KERNEL)
+            start = max(start, kernel_end.get(rank, 0))  # one launch after another on this track
+            kernel_end[rank] = max(ev.ts_ns, start)
+            tid = RANK_KERNELS_TID + rank if rank else KERNELS_TID
+            if rank:
+                b.threads[KERNELS_TID], b.threads[tid] = "kernels rank 0", f"kernels rank {rank}"
+            b.x(tid, ev.name, start, kernel_end[rank], json_safe(dict(a, step=ev.step)), cat=KERNEL)
         # ---- any other layer's spans (startup stages, HTTP handlers, ...)
         elif ev.kind == BEGIN:
             open_spans[key] = ev
         elif ev.kind == END and key in open_spans:
             begin = open_spans.pop(key)
-            tid = LAYER_TIDS.get(ev.layer, 20 + len(LAYER_TIDS))
-            b.threads[tid] = f"{ev.layer} spans"
+            if ev.layer == WORKER:
+                tid, b.threads[RANK_WORKER_TID + rank] = RANK_WORKER_TID + rank, f"worker rank {rank}"
+            else:
+                tid = LAYER_TIDS.get(ev.layer, 20 + len(LAYER_TIDS))
+                b.threads[tid] = f"{ev.layer} spans"
             b.x(tid, ev.name + (f" {rid}" if rid else ""), begin.ts_ns, ev.ts_ns, dict(a), cat=ev.layer)
 
     for track in tracks.values():  # the trace ended with these requests unfinished

@@ -284,7 +284,11 @@ class KernelsPanel(Panel):
             head.append("  (r: next rank)", "dim")
             for r in step_ranks(s):
                 head.append("\n" + rank_summary(s.kernels, r), "bold" if r == self.rank else "")
-        self.query_one("#kernels-head", FixedText).update(head)
+        box = self.query_one("#kernels-head", FixedText)
+        height = 1 + head.plain.count("\n")  # a line per rank under the CSS's one
+        if box.styles.height is None or box.styles.height.value != height:
+            box.styles.height = height
+        box.update(head)
         width = self.size.width or 80
         names = [k["name"] for k in launches]
         grids = [fmt_grid(k.get("grid")) for k in launches]

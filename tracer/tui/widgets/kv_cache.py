@@ -136,12 +136,16 @@ class KVCachePanel(Panel):
             ("KV cache ", "bold"), ("█" * filled, "green" if usage < 0.8 else "red"),
             ("░" * (bar_w - filled), "dim"),
             f" {usage:5.1%} {used}/{total} used · {shared} shared · {len(s.cached_free)} cached",
-            (shards, "cyan"),
             ("\nper step ", "dim"), (sparkline(s.kv_usage_history, max(10, width - 12), top=1.0), "green"),
             (legend, "dim"),
             ("   (select a request to highlight its blocks)" if frame.selected is None
-             else f"   highlighted: request {frame.selected}", "dim"))
-        self.query_one("#kv-summary", FixedText).update(summary)
+             else f"   highlighted: request {frame.selected}", "dim"),
+            (shards, "cyan"))
+        head = self.query_one("#kv-summary", FixedText)
+        height = 3 + shards.count("\n")  # the CSS's 3 lines, and the ranks' under them
+        if head.styles.height is None or head.styles.height.value != height:
+            head.styles.height = height
+        head.update(summary)
         grid = self.query_one("#kv-grid", LinesView)
         now = time.monotonic()
         if not total:

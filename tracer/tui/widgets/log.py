@@ -28,6 +28,7 @@ from engine.trace_names import (
     SCHEDULER,
     TOKENIZER,
     TRACER,
+    WORKER,
 )
 from tracer.events import LAYERS, Event
 from tracer.tracelog import format_event
@@ -45,7 +46,7 @@ MAX_LINES_PER_TICK = 100
 BUSY_LINES, BUSY_HZ = 8, 4
 LAYER_STYLES = {HTTP: "blue", API: "blue", TOKENIZER: "cyan", ENGINE: "bold green", SCHEDULER: "yellow",
                 BLOCK_MANAGER: "magenta", MODEL_RUNNER: "cyan", KERNEL: "#d19a66", SAMPLER: "green",
-                DETOKENIZER: "green", TRACER: "bold red", CLI: "dim"}
+                DETOKENIZER: "green", TRACER: "bold red", CLI: "dim", WORKER: "bright_magenta"}
 
 
 @dataclass
