@@ -1,0 +1,159 @@
+"""The panels with tensor parallelism, driven headless on synthetic 2-rank traces (as the event
+contract says the engine emits them): the Kernels panel's rank column, `r` and per-rank sums,
+collective rows; the KV panel's shards; the Startup panel's and `serve`'s per-rank lines; the
+Perfetto export's per-rank threads. With one rank nothing of it shows."""
+from __future__ import annotations
+
+import pytest
+
+from tests.tui.helpers import shown
+from tests.tui.tp_events import HIDDEN, rank_ns, tp_events, write_trace
+from tracer.replay import Replay
+from tracer.tui.app import TraceApp
+from tracer.tui.fmt import fmt_ns
+from tracer.tui.sources.replay import ReplaySource
+
+
+def app_on(events) -> TraceApp:
+    return TraceApp(ReplaySource(Replay({"model": "tiny-gpt2"}, events)))
+
+
+def table_rows(app) -> list[list[str]]:
+    """The Kernels list's rows on screen, split into cells (the header line left out)."""
+    lines = shown(app.query_one("#kernels-table")).splitlines()[1:]
+    return [line.split() for line in lines if line.strip()]
+
+
+@pytest.mark.asyncio
+async def test_r_cycles_the_kernels_list_through_the_ranks():
+    app = app_on(tp_events(n=2))
+    async with app.run_test(size=(140, 60)) as pilot:
+        await pilot.pause()
+        await pilot.press("5")
+        head = shown(app.query_one("#kernels-head"))
+        assert "step 0: 18 launches" in head and "rank all of 2" in head and "r: next rank" in head
+        header = shown(app.query_one("#kernels-table")).splitlines()[0].split()
+        assert header[:3] == ["#", "rank", "layer"]
+        assert {row[1] for row in table_rows(app)} == {"0", "1"}
+        for rank in (0, 1):
+            await pilot.press("r")
+            head = shown(app.query_one("#kernels-head"))
+            assert f"step 0: 9 launches   rank {rank} of 2" in head
+            assert {row[1] for row in table_rows(app)} == {str(rank)}
+        await pilot.press("r")  # back to every rank's
+        assert "rank all of 2" in shown(app.query_one("#kernels-head")) and app.query_one("#kernels-table").row_count == 18
+
+
+@pytest.mark.asyncio
+async def test_each_rank_has_its_sums_and_collectives_show_bytes_site_and_time():
+    app = app_on(tp_events(n=2))
+    async with app.run_test(size=(140, 60)) as pilot:
+        await pilot.pause()
+        await pilot.press("5")
+        head = shown(app.query_one("#kernels-head"))
+        for r in (0, 1):
+            total, comm = rank_ns(r)
+            assert (f"rank {r}: 9 launches · {fmt_ns(total)} · communication {fmt_ns(comm)} "
+                    f"({comm / total:.0%})") in head
+        await pilot.press("r", "r")  # rank 1
+        rows = table_rows(app)
+        reduce = [row for row in rows if row[3] == "all_reduce"]
+        assert len(reduce) == 4 and all(row[1] == "1" for row in reduce)
+        assert " ".join(reduce[0][5:7]) == fmt_ns(2 * 2_000_000)  # rank 1: twice rank 0's time
+        assert f"{HIDDEN * 4} B attn.c_proj (sum over 2 ranks)" in " ".join(reduce[0])  # 128 floats
+        assert "mlp.c_proj" in " ".join(reduce[1])
+        gather = [row for row in rows if "gather" in row]
+        assert len(gather) == 1 and gather[0][2] == "gather"  # no layer: the LM head's
+        assert "lm_head (gather over 2 ranks)" in " ".join(gather[0])
+        # the cursor on a collective: what it moves, no program grid
+        await pilot.press("down", "down")
+        assert rows[2][3] == "all_reduce"
+        text = shown(app.query_one("#program-access"))
+        assert "all_reduce on rank 1" in text and "512 B from this rank" in text
+
+
+@pytest.mark.asyncio
+async def test_one_rank_shows_no_ranks_and_r_changes_nothing():
+    app = app_on(tp_events(n=1, with_rank=False))
+    async with app.run_test(size=(140, 40)) as pilot:
+        await pilot.pause()
+        await pilot.press("5")
+        head = shown(app.query_one("#kernels-head"))
+        rows = table_rows(app)
+        assert "rank" not in head and "rank" not in shown(app.query_one("#kernels-table")).splitlines()[0]
+        await pilot.press("r")
+        assert shown(app.query_one("#kernels-head")) == head and table_rows(app) == rows
+        assert any("one" in n.message for n in app._notifications)
+        await pilot.press("3")
+        assert "rank" not in shown(app.query_one("#kv-summary"))
+        await pilot.press("7")
+        assert "rank" not in shown(app.query_one("#startup-stages"))
+
+
+@pytest.mark.asyncio
+async def test_the_kv_panel_shows_each_ranks_share():
+    app = app_on(tp_events(n=2))
+    async with app.run_test(size=(140, 40)) as pilot:
+        await pilot.pause()
+        await pilot.press("3")
+        summary = shown(app.query_one("#kv-summary"))
+        assert "the same blocks and block tables on every rank" in summary
+        assert "rank 0: heads [0, 2) of 4 · 512.0 KiB (8.0 KiB a block)" in summary
+        assert "rank 1: heads [2, 4) of 4 · 512.0 KiB (8.0 KiB a block)" in summary
+        assert "per step" in summary  # the ranks' lines come under the summary, not over it
+
+
+@pytest.mark.asyncio
+async def test_the_startup_panel_has_a_line_per_rank_for_weights_and_kv():
+    app = app_on(tp_events(n=2))
+    async with app.run_test(size=(140, 40)) as pilot:
+        await pilot.pause()
+        await pilot.press("7")
+        lines = [line.split() for line in shown(app.query_one("#startup-stages")).splitlines() if line.strip()]
+        names = [" ".join(line[1:3]) for line in lines]
+        assert names[:6] == ["weights 500.0", "rank 0", "rank 1", "KV cache", "rank 0", "rank 1"]
+        weights1, kv0 = " ".join(lines[2]), " ".join(lines[4])
+        assert "40.0 ms" in weights1 and "1,000,000 parameters" in weights1
+        assert "heads [2, 4) · mlp cols [256, 512) · vocab [2048, 4096)" in weights1
+        assert "64 blocks × 8.0 KiB = 512.0 KiB · heads [0, 2)" in kv0
+
+
+def test_a_worker_loading_its_weights_shows_in_progress():
+    from tracer.state import TraceState, fold
+    from tracer.tui.widgets.startup import rank_rows
+
+    events = tp_events(n=2)
+    cut = next(i for i, ev in enumerate(events) if ev.layer == "worker" and ev.kind == "end")
+    s = TraceState()
+    for ev in events[:cut]:
+        fold(s, ev)
+    rows = rank_rows(s.workers, "model_load")
+    assert len(rows) == 1 and rows[0][1].strip() == "rank 0" and rows[0][3].plain == "in progress"
+
+
+def test_serve_prints_each_ranks_lines_under_the_engines(capsys):
+    from tracer.commands import serve
+
+    for ev in tp_events(n=2):
+        serve._print_stage(ev.layer, ev.name, ev.kind, ev.request_id, ev.step, ev.attrs or {})
+    lines = capsys.readouterr().err.splitlines()
+    starts = [line.split()[0] + (" " + line.split()[1] if line.split()[0] == "rank" else "") for line in lines]
+    assert starts == ["model_load", "rank 0", "rank 1", "kv_cache_alloc", "rank 0", "rank 1"]
+    assert "heads [2, 4) · mlp cols [256, 512)" in lines[2] and "64 blocks × 8.0 KiB" in lines[4]
+
+
+def test_the_perfetto_export_has_a_kernels_thread_per_rank(tmp_path):
+    from tracer.export import export_perfetto
+
+    chrome = export_perfetto(write_trace(tmp_path / "tp.jsonl", tp_events(n=2)), tmp_path / "tp.json")
+    threads = {e["tid"]: e["args"]["name"] for e in chrome["traceEvents"] if e["name"] == "thread_name"}
+    by_name = {name: tid for tid, name in threads.items()}
+    assert {"kernels rank 0", "kernels rank 1", "worker rank 0", "worker rank 1"} <= set(by_name)
+    slices = [e for e in chrome["traceEvents"] if e["ph"] == "X"]
+    for r in (0, 1):
+        mine = [e for e in slices if e["tid"] == by_name[f"kernels rank {r}"]]
+        assert len(mine) == 9 and all(e["args"]["rank"] == r for e in mine)
+        loads = [e for e in slices if e["tid"] == by_name[f"worker rank {r}"]]
+        assert [e["name"] for e in loads] == ["model_load", "kv_cache_alloc"]
+    one = export_perfetto(write_trace(tmp_path / "one.jsonl", tp_events(n=1, with_rank=False)), tmp_path / "1.json")
+    assert "kernels" in {e["args"]["name"] for e in one["traceEvents"] if e["name"] == "thread_name"}
