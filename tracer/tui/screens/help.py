@@ -40,7 +40,11 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
   a program and a head and show the physical blocks it reads (`esc`: back to the list).
   On the PyTorch backend, hold the engine before an attention launch (`k`) and press `t`:
   that very launch runs through our Triton kernel (interpreted on a CPU) and its grid, its
-  programs and its largest difference from the PyTorch output are shown.
+  programs and its largest difference from the PyTorch output are shown. With tensor
+  parallelism (`--tensor-parallel-size N`) every rank's launches are listed, `all_reduce` and
+  `gather` with their bytes and site, a line per rank sums its time and communication; `r`
+  lists one rank's launches, then the next, then all. The KV cache and Startup panels add a
+  line per rank (its heads, its weights, its KV shard).
 - **Log** (6): the event stream, `[TRACE] layer name key=value`; `/` filters by layer
   (`scheduler kernel`), request (`request=ID`) or words.
 - **Startup** (7): the engine's startup stages with their timings (model files, tokenizer,
@@ -55,6 +59,7 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
 | `k` | run to the next kernel launch (held *before* it) |
 | `b` | breakpoints: on arrival, finish, preemption, a layer, a kernel, a request id |
 | `t` | held before an attention launch: run it through the Triton kernel (Kernels panel) |
+| `r` | tensor parallelism: the Kernels panel lists the next rank's launches (rank 0, 1, …, all) |
 | `enter` | open the selected request |
 | `1`–`7`, `tab` / `shift+tab` | show a panel (its list takes the arrows, `enter`, `home`/`end`) |
 | `/` | filter (Requests, Log) |
