@@ -67,14 +67,21 @@ def test_workers_survive_json_and_clones():
     assert c.workers[0]["execute_model"]["step"] == 0
 
 
-def test_a_real_two_rank_run_folds_to_the_engines_shards(tmp_path):
-    from tracer_helpers import traced_run
-
+def test_a_real_two_rank_run_folds_to_the_engines_shards():
+    from engine import LLM, Hooks, SamplingParams
     from engine.model_loader import read_config, resolve
-    outs, session = traced_run(tmp_path / "tp.jsonl", prompts=["Hello there", "x"], max_tokens=3,
-                               tensor_parallel_size=2)
+    from tracer.session import TraceSession
+
+    hooks = Hooks()
+    session = TraceSession(hooks, control=False)
+    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, tensor_parallel_size=2)
+    try:
+        llm.generate(["Hello there", "x"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        s = session.state.view()
+    finally:
+        session.close()
+        llm.shutdown()  # the workers
     cfg = read_config(resolve("tiny-gpt2"))
-    s = session.state.view()
     assert s.tensor_parallel_size == 2 and [w["rank"] for w in s.workers] == [0, 1]
     heads = [w["model_load"]["heads"] for w in s.workers]
     assert heads[0][0] == 0 and heads[0][1] == heads[1][0] and heads[1][1] == cfg.n_head

@@ -183,7 +183,7 @@ def _print_stage(layer, name, kind, request_id, step, attrs) -> None:
         # the workers finish first: their lines wait for the engine's, which says what they add up to
         from tracer.tui.fmt import shard_details
         _rank_lines.setdefault(name, []).append((attrs["rank"], (
-            f"    rank {attrs['rank']:<10} {attrs['seconds'] * 1000:8.1f} ms  {shard_details(name, attrs)}")))
+            f"    rank {attrs['rank']:<9} {attrs['seconds'] * 1000:8.1f} ms  {shard_details(name, attrs)}")))
     elif kind == END and "seconds" in attrs and (layer == ENGINE or name in (CORE_PROCESS_START, CORE_HANDSHAKE)):
         _stage(name, attrs["seconds"], _fmt_details(name, attrs))
         for _, line in sorted(_rank_lines.pop(name, [])) if layer == ENGINE else ():
