@@ -199,3 +199,14 @@ async def test_a_live_two_rank_engine_in_the_tui(model_cache):
         session.close()
         engine.stop(drain_timeout=0)
         llm.shutdown()  # the workers
+
+
+@pytest.mark.asyncio
+async def test_the_overview_counts_rank_0s_launches():
+    app = app_on(tp_events(n=2))
+    async with app.run_test(size=(140, 40)) as pilot:
+        await pilot.pause()
+        await pilot.press("1")
+        body = shown(app.query_one("#overview-body"))
+        assert "(9 launches on rank 0 of 2; Kernels, 5)" in body
+        assert "all_reduce" in body and " 4×" in body.split("all_reduce")[1][:40]  # 2 a layer, rank 0 only

@@ -16,6 +16,7 @@ import time
 
 from rich.text import Text
 
+from tracer.state import rank_of
 from tracer.tui.fmt import fmt_ns, status_text
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import LinesView
@@ -48,10 +49,15 @@ def this_step(frame: Frame) -> dict:
     return {sch["request_id"]: f"{sch['kind']} {sch['num_tokens']}" for sch in snap.get("scheduled", [])}
 
 
+def rank0_launches(s) -> list[dict]:
+    return [k for k in s.kernels if rank_of(k) == 0]
+
+
 def kernel_lines(frame: Frame, limit: int) -> list[Text]:
-    """One line per kernel of the step's launches: how many, total time, time per launch."""
+    """One line per kernel of the step's launches: how many, total time, time per launch (rank
+    0's with tensor parallelism: every rank does the same launches)."""
     per: dict[str, list[int]] = {}
-    for k in frame.state.kernels:
+    for k in rank0_launches(frame.state):
         per.setdefault(k["name"], []).append(k.get("duration_ns") or 0)
     lines = []
     for name, times in list(per.items())[:limit]:
@@ -130,7 +136,9 @@ def overview(frame: Frame, width: int, height: int) -> Text:
                  f"{snap.get('token_budget', 0)} tokens" + (" (Step, 4)\n" if width >= 100 else "\n"))
     if s.kernels:
         t.append(f"kernels of step {s.step}", "bold")
-        t.append(f"  ({plural(len(s.kernels), 'launch')}; Kernels, 5)\n", "dim")
+        n = len(rank0_launches(s))
+        ranks = f" on rank 0 of {s.tensor_parallel_size}" if s.tensor_parallel_size > 1 else ""
+        t.append(f"  ({plural(n, 'launch')}{ranks}; Kernels, 5)\n", "dim")
         for line in kernel_lines(frame, 4):
             t.append_text(line)
             t.append("\n")
