@@ -210,3 +210,22 @@ async def test_the_overview_counts_rank_0s_launches():
         body = shown(app.query_one("#overview-body"))
         assert "(9 launches on rank 0 of 2; Kernels, 5)" in body
         assert "all_reduce" in body and " 4×" in body.split("all_reduce")[1][:40]  # 2 a layer, rank 0 only
+
+
+@pytest.mark.asyncio
+async def test_the_step_panel_says_every_worker_got_the_same_scheduler_output():
+    app = app_on(tp_events(n=2))
+    async with app.run_test(size=(140, 40)) as pilot:
+        await pilot.pause()
+        await pilot.press("4")
+        left = shown(app.query_one("#step-left"))
+        assert "rank 0: 1 token of 1 request, digest d0000" in left and "rank 1: 1 token" in left
+        assert "the same scheduler output on every rank" in left
+    events = tp_events(n=2)
+    bad = next(ev for ev in events if ev.name == "execute_model" and ev.attrs["rank"] == 1)
+    bad.attrs = dict(bad.attrs, digest="ffff")
+    app = app_on(events)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await pilot.pause()
+        await pilot.press("4")
+        assert "the ranks received different outputs!" in shown(app.query_one("#step-left"))

@@ -5,6 +5,9 @@ flattened inputs from the model runner's batch event. For the chosen request (th
 selected in Requests, else the first in the batch) its slice of the flattened arrays is
 shown: its token ids, their positions, and the cache slots they are written to
 (slot = physical block × block size + offset).
+
+With tensor parallelism a line per rank says what its worker received this step (its
+tokens and the digest of the scheduler output): the same on every rank.
 """
 from __future__ import annotations
 
@@ -76,6 +79,26 @@ def decisions(frame: Frame) -> Group | Text:
     return Group(*out)
 
 
+def workers_received(frame: Frame) -> Text | None:
+    """Each rank's execute_model of this step; None with one rank."""
+    s = frame.state
+    got = [w["execute_model"] for w in s.workers if (w.get("execute_model") or {}).get("step") == s.step]
+    if not s.workers:
+        return None
+    t = Text("workers", "bold")
+    if not got:
+        return t.append(": no scheduler output received yet in this step", "dim")
+    for e in got:
+        n, m = e.get("total_num_scheduled_tokens") or 0, len(e.get("num_scheduled_tokens") or {})
+        t.append(f"\nrank {e['rank']}: {n} token{'' if n == 1 else 's'} of {m} request{'' if m == 1 else 's'}, "
+                 f"digest {e.get('digest')}")
+    same = len({e.get("digest") for e in got}) == 1
+    if len(got) == len(s.workers):
+        t.append("\nthe same scheduler output on every rank" if same else "\nthe ranks received different outputs!",
+                 "green" if same else "bold red")
+    return t
+
+
 def flattened_inputs(frame: Frame) -> Group | Text:
     b = frame.state.batch
     if b is None:
@@ -120,11 +143,14 @@ class StepPanel(Panel):
 
     def show(self, frame: Frame, force: bool = False) -> None:
         s = frame.state
-        key = (s.step, s.phase, s.snapshot_step, s.batch is not None, frame.selected, len(s.requests))
+        received = tuple((w.get("execute_model") or {}).get("step") for w in s.workers)
+        key = (s.step, s.phase, s.snapshot_step, s.batch is not None, frame.selected, len(s.requests), received)
         now = time.monotonic()
         if not force and (key == self._key or (not frame.controller.get("paused")
                                                and now - self._drawn_at < 1 / BUSY_HZ)):
             return  # (a skipped change is drawn by a later refresh: the key still differs then)
         self._key, self._drawn_at = key, now
-        self.query_one("#step-left", LinesView).update(Group(batch_table(frame), decisions(frame)))
+        workers = workers_received(frame)
+        left = (batch_table(frame), decisions(frame)) + ((Text(""), workers) if workers is not None else ())
+        self.query_one("#step-left", LinesView).update(Group(*left))
         self.query_one("#step-right", LinesView).update(flattened_inputs(frame))
