@@ -43,8 +43,8 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
   programs and its largest difference from the PyTorch output are shown. With tensor
   parallelism (`--tensor-parallel-size N`) every rank's launches are listed, `all_reduce` and
   `gather` with their bytes and site, a line per rank sums its time and communication; `r`
-  lists one rank's launches, then the next, then all. The KV cache and Startup panels add a
-  line per rank (its heads, its weights, its KV shard).
+  lists one rank's launches, then the next, then all. The KV cache, Startup and Step panels
+  add a line per rank (its heads, its weights, its KV shard, the scheduler output it got).
 - **Log** (6): the event stream, `[TRACE] layer name key=value`; `/` filters by layer
   (`scheduler kernel`), request (`request=ID`) or words.
 - **Startup** (7): the engine's startup stages with their timings (model files, tokenizer,
