@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.tui.helpers import shown
+from tests.tui.test_live_keys import footer_shows
 from tests.tui.tp_events import HIDDEN, rank_ns, tp_events, write_trace
 from tracer.replay import Replay
 from tracer.tui.app import TraceApp
@@ -31,6 +32,7 @@ async def test_r_cycles_the_kernels_list_through_the_ranks():
         await pilot.pause()
         await pilot.press("5")
         head = shown(app.query_one("#kernels-head"))
+        assert footer_shows(app, "r", "rank")
         assert "step 0: 18 launches" in head and "rank all of 2" in head and "r: next rank" in head
         header = shown(app.query_one("#kernels-table")).splitlines()[0].split()
         assert header[:3] == ["#", "rank", "layer"]
@@ -82,9 +84,9 @@ async def test_one_rank_shows_no_ranks_and_r_changes_nothing():
         head = shown(app.query_one("#kernels-head"))
         rows = table_rows(app)
         assert "rank" not in head and "rank" not in shown(app.query_one("#kernels-table")).splitlines()[0]
+        assert not footer_shows(app, "r", "rank")  # one rank: no r in the footer, and r does nothing
         await pilot.press("r")
         assert shown(app.query_one("#kernels-head")) == head and table_rows(app) == rows
-        assert any("one" in n.message for n in app._notifications)
         await pilot.press("3")
         assert "rank" not in shown(app.query_one("#kv-summary"))
         await pilot.press("7")
@@ -187,6 +189,7 @@ async def test_a_live_two_rank_engine_in_the_tui(model_cache):
             await pilot.press("5")
             head = shown(live.app.query_one("#kernels-head"))
             assert "rank all of 2" in head and "rank 0: " in head and "rank 1: " in head, head
+            assert footer_shows(live.app, "r", "rank") and footer_shows(live.app, "q", "quit")
             await pilot.press("r", "r")
             assert {row[1] for row in table_rows(live.app)} == {"1"}
             assert any("all_reduce" in row for row in table_rows(live.app))

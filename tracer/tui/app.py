@@ -67,7 +67,7 @@ class TraceApp(App):
         Binding("end", "travel('end')", "last", priority=True),
         Binding("q", "quit", "quit"),
         Binding("t", "triton", "on Triton"),
-        Binding("r", "next_rank", "next rank", show=False),  # tensor parallelism only: kept out of the footer
+        Binding("r", "next_rank", "rank"),  # tensor parallelism only (check_action)
         Binding("slash", "filter", "filter"),
         Binding("question_mark", "help", "help"),
         Binding("tab", "cycle_pane(1)", "next panel", show=False, priority=True),
@@ -92,6 +92,7 @@ class TraceApp(App):
         self._known = 0  # requests the state had at the last refresh
         self._chosen_at = -1e9  # when the user last chose a panel (monotonic seconds)
         self._held_name: str | None = None  # the launch the engine is held before
+        self._ranks = 1  # tensor-parallel ranks: the footer shows `r` with more than one
     # ---- layout ----------------------------------------------------------------------------
     def compose(self):
         info = self.source.info
@@ -134,6 +135,8 @@ class TraceApp(App):
             from tracer.tui.widgets.kernels import held_launch
             held = held_launch(self.frame) or {}
             return str(held.get("name", "")).startswith("unified_attention")  # (the footer shows t only then)
+        if action == "next_rank" and self.frame is not None:
+            return self.frame.state.tensor_parallel_size > 1  # the footer shows r only with several ranks
         return True
 
     # ---- the refresh -----------------------------------------------------------------------
@@ -153,8 +156,9 @@ class TraceApp(App):
             self.stepping = False
         self.frame = frame = Frame.of(state, controller, self.source.now_ns(), self.selected)
         held = (frame.state.paused_at or {}).get("info", {}).get("name") if controller.get("paused") else None
-        if held != self._held_name:  # the footer shows `t` only before an attention launch
-            self._held_name = held
+        ranks = frame.state.tensor_parallel_size
+        if held != self._held_name or ranks != self._ranks:  # `t` only before an attention launch, `r` with ranks
+            self._held_name, self._ranks = held, ranks
             self.refresh_bindings()
         self.header.connection = self.source.disconnected()
         self.header.show(frame, self.stepping)
@@ -278,8 +282,7 @@ class TraceApp(App):
     def action_next_rank(self) -> None:
         """`r`: the Kernels panel lists the next tensor-parallel rank's launches (then all ranks')."""
         self.show_pane("kernels", chosen=True)
-        if not self.query_one(KernelsPanel).next_rank():
-            self.notify("r picks a tensor-parallel rank: this engine runs on one (serve --tensor-parallel-size 2)")
+        self.query_one(KernelsPanel).next_rank()
 
     async def _triton(self, held: dict) -> None:
         try:
