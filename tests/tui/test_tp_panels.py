@@ -4,6 +4,8 @@ collective rows; the KV panel's shards; the Startup panel's and `serve`'s per-ra
 Perfetto export's per-rank threads. With one rank nothing of it shows."""
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 import pytest
 
 from tests.tui.helpers import shown
@@ -19,6 +21,22 @@ def app_on(events) -> TraceApp:
     return TraceApp(ReplaySource(Replay({"model": "tiny-gpt2"}, events)))
 
 
+@asynccontextmanager
+async def on_pane(events, key: str, size=(140, 40)):
+    """The app on these events, headless, showing the panel of this key (1-7): (app, pilot)."""
+    app = app_on(events)
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        await pilot.press(key)
+        yield app, pilot
+
+
+async def pane_text(events, key: str, selector: str) -> str:
+    """What a panel's widget shows after its key."""
+    async with on_pane(events, key) as (app, _):
+        return shown(app.query_one(selector))
+
+
 def table_rows(app) -> list[list[str]]:
     """The Kernels list's rows on screen, split into cells (the header line left out)."""
     lines = shown(app.query_one("#kernels-table")).splitlines()[1:]
@@ -27,10 +45,7 @@ def table_rows(app) -> list[list[str]]:
 
 @pytest.mark.asyncio
 async def test_r_cycles_the_kernels_list_through_the_ranks():
-    app = app_on(tp_events(n=2))
-    async with app.run_test(size=(140, 60)) as pilot:
-        await pilot.pause()
-        await pilot.press("5")
+    async with on_pane(tp_events(n=2), "5", (140, 60)) as (app, pilot):
         head = shown(app.query_one("#kernels-head"))
         assert footer_shows(app, "r", "rank")
         assert "step 0: 18 launches" in head and "rank all of 2" in head and "r: next rank" in head
@@ -49,10 +64,7 @@ async def test_r_cycles_the_kernels_list_through_the_ranks():
 
 @pytest.mark.asyncio
 async def test_each_rank_has_its_sums_and_collectives_show_bytes_site_and_time():
-    app = app_on(tp_events(n=2))
-    async with app.run_test(size=(140, 60)) as pilot:
-        await pilot.pause()
-        await pilot.press("5")
+    async with on_pane(tp_events(n=2), "5", (140, 60)) as (app, pilot):
         head = shown(app.query_one("#kernels-head"))
         for r in (0, 1):
             total, comm = rank_ns(r)
@@ -95,30 +107,23 @@ async def test_one_rank_shows_no_ranks_and_r_changes_nothing():
 
 @pytest.mark.asyncio
 async def test_the_kv_panel_shows_each_ranks_share():
-    app = app_on(tp_events(n=2))
-    async with app.run_test(size=(140, 40)) as pilot:
-        await pilot.pause()
-        await pilot.press("3")
-        summary = shown(app.query_one("#kv-summary"))
-        assert "the same blocks and block tables on every rank" in summary
-        assert "rank 0: heads [0, 2) of 4 · 512.0 KiB (8.0 KiB a block)" in summary
-        assert "rank 1: heads [2, 4) of 4 · 512.0 KiB (8.0 KiB a block)" in summary
-        assert "per step" in summary  # the ranks' lines come under the summary, not over it
+    summary = await pane_text(tp_events(n=2), "3", "#kv-summary")
+    assert "the same blocks and block tables on every rank" in summary
+    assert "rank 0: heads [0, 2) of 4 · 512.0 KiB (8.0 KiB a block)" in summary
+    assert "rank 1: heads [2, 4) of 4 · 512.0 KiB (8.0 KiB a block)" in summary
+    assert "per step" in summary  # the ranks' lines come under the summary, not over it
 
 
 @pytest.mark.asyncio
 async def test_the_startup_panel_has_a_line_per_rank_for_weights_and_kv():
-    app = app_on(tp_events(n=2))
-    async with app.run_test(size=(140, 40)) as pilot:
-        await pilot.pause()
-        await pilot.press("7")
-        lines = [line.split() for line in shown(app.query_one("#startup-stages")).splitlines() if line.strip()]
-        names = [" ".join(line[1:3]) for line in lines]
-        assert names[:6] == ["weights 500.0", "rank 0", "rank 1", "KV cache", "rank 0", "rank 1"]
-        weights1, kv0 = " ".join(lines[2]), " ".join(lines[4])
-        assert "40.0 ms" in weights1 and "1,000,000 parameters" in weights1
-        assert "heads [2, 4) · mlp cols [256, 512) · vocab [2048, 4096)" in weights1
-        assert "64 blocks × 8.0 KiB = 512.0 KiB · heads [0, 2)" in kv0
+    stages = await pane_text(tp_events(n=2), "7", "#startup-stages")
+    lines = [line.split() for line in stages.splitlines() if line.strip()]
+    names = [" ".join(line[1:3]) for line in lines]
+    assert names[:6] == ["weights 500.0", "rank 0", "rank 1", "KV cache", "rank 0", "rank 1"]
+    weights1, kv0 = " ".join(lines[2]), " ".join(lines[4])
+    assert "40.0 ms" in weights1 and "1,000,000 parameters" in weights1
+    assert "heads [2, 4) · mlp cols [256, 512) · vocab [2048, 4096)" in weights1
+    assert "64 blocks × 8.0 KiB = 512.0 KiB · heads [0, 2)" in kv0
 
 
 def test_a_worker_loading_its_weights_shows_in_progress():
@@ -206,29 +211,17 @@ async def test_a_live_two_rank_engine_in_the_tui(model_cache):
 
 @pytest.mark.asyncio
 async def test_the_overview_counts_rank_0s_launches():
-    app = app_on(tp_events(n=2))
-    async with app.run_test(size=(140, 40)) as pilot:
-        await pilot.pause()
-        await pilot.press("1")
-        body = shown(app.query_one("#overview-body"))
-        assert "(9 launches on rank 0 of 2; Kernels, 5)" in body
-        assert "all_reduce" in body and " 4×" in body.split("all_reduce")[1][:40]  # 2 a layer, rank 0 only
+    body = await pane_text(tp_events(n=2), "1", "#overview-body")
+    assert "(9 launches on rank 0 of 2; Kernels, 5)" in body
+    assert "all_reduce" in body and " 4×" in body.split("all_reduce")[1][:40]  # 2 a layer, rank 0 only
 
 
 @pytest.mark.asyncio
 async def test_the_step_panel_says_every_worker_got_the_same_scheduler_output():
-    app = app_on(tp_events(n=2))
-    async with app.run_test(size=(140, 40)) as pilot:
-        await pilot.pause()
-        await pilot.press("4")
-        left = shown(app.query_one("#step-left"))
-        assert "rank 0: 1 token of 1 request, digest d0000" in left and "rank 1: 1 token" in left
-        assert "the same scheduler output on every rank" in left
+    left = await pane_text(tp_events(n=2), "4", "#step-left")
+    assert "rank 0: 1 token of 1 request, digest d0000" in left and "rank 1: 1 token" in left
+    assert "the same scheduler output on every rank" in left
     events = tp_events(n=2)
     bad = next(ev for ev in events if ev.name == "execute_model" and ev.attrs["rank"] == 1)
     bad.attrs = dict(bad.attrs, digest="ffff")
-    app = app_on(events)
-    async with app.run_test(size=(140, 40)) as pilot:
-        await pilot.pause()
-        await pilot.press("4")
-        assert "the ranks received different outputs!" in shown(app.query_one("#step-left"))
+    assert "the ranks received different outputs!" in await pane_text(events, "4", "#step-left")
