@@ -19,6 +19,7 @@ core's PR_SET_PDEATHSIG fires when the *thread* that started it ends.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import pickle
 import shutil
@@ -35,6 +36,8 @@ import zmq
 from engine.config import EngineConfig
 from engine.core_types import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall
 from engine.serial_utils import encoder, outputs_decoder
+
+log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 600.0  # model load and kernel warm-up happen before the handshake (a big model on CPU)
 CALL_TIMEOUT_S = 10.0
@@ -211,18 +214,26 @@ class MPClient:
                 self._fatal = msg.fatal
             if msg.ready is not None or msg.startup_error is not None:
                 self.ready, self._startup_error = msg.ready, msg.startup_error
-                self.on_message(msg, len(frame))  # its events: the core's last startup stages
+                self._deliver(msg, len(frame))  # its events: the core's last startup stages
                 self._ready.set()
                 continue
             if msg.utility is not None:
                 fut = self._calls.get(msg.utility[0])
                 msg_util, msg.utility = msg.utility, None
-                self.on_message(msg, len(frame))  # events first: the caller then sees a consistent state
+                self._deliver(msg, len(frame))  # events first: the caller then sees a consistent state
                 if fut is not None and not fut.done():
                     call_id, ok, result = msg_util
                     fut.set_result(result) if ok else fut.set_exception(RuntimeError(result))
                 continue
-            self.on_message(msg, len(frame))
+            self._deliver(msg, len(frame))
+
+    def _deliver(self, msg: EngineCoreOutputs, nbytes: int) -> None:
+        # A failing observer (a trace listener) must not end this thread: nothing would read the
+        # core any more, and the handshake or every request would wait for ever.
+        try:
+            self.on_message(msg, nbytes)
+        except Exception:
+            log.exception("handling a message from the engine core failed")
 
     def _monitor(self) -> None:
         code = self.proc.wait()
