@@ -11,6 +11,7 @@ import time
 import httpx
 
 from engine import LLM, SamplingParams
+from tests.engine.test_tensor_parallel import _alive
 from tests.server.conftest import spawn_serve
 from tracer.events import read_trace
 
@@ -32,14 +33,6 @@ def _children_of(pid: int, marker: bytes) -> list[int]:
         if ppid == pid and marker in cmd:
             found.append(int(d))
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_serve_with_two_ranks(model_cache, tmp_path):
