@@ -7,8 +7,8 @@
 import importlib
 
 # Imported on first use (PEP 562), not here: `import engine.core_client` must not pay for torch
-# and transformers (~2.5 s), so that `serve` can start the engine-core process first and let it
-# import them while the API server imports its own half.
+# (~1.5 s), so that `serve` can start the engine-core process first and let it import torch while
+# the API server imports its own half, which never needs torch (tests/engine/test_tokenizer.py).
 _EXPORTS = {
     "engine.config": ("CacheConfig", "ConfigError", "EngineConfig", "ModelConfig", "SchedulerConfig"),
     "engine.hooks": ("Hooks",), "engine.llm": ("LLM",), "engine.llm_engine": ("LLMEngine",),

@@ -12,15 +12,17 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.core import EngineClosedError as EngineClosedError  # re-exported: engine.server imports it from here
 from engine.core import EngineCore, PendingAdd
 from engine.hooks import Hooks
-from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the serving layer imports this module; torch only where an engine is built
+    from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,8 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, hooks: Hooks | None = None, **kwargs) -> AsyncLLMEngine:
+        from engine.llm_engine import LLMEngine
+
         return cls(LLMEngine(config, hooks), **kwargs)
 
     @property

@@ -34,13 +34,15 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engine.core_types import EngineDeadError as EngineDeadError  # re-exported: the serving layer's name
-from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the API server imports this module's errors and must not import torch
+    from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

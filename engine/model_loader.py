@@ -12,11 +12,12 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from engine import builtin_model
+
+if TYPE_CHECKING:  # torch is imported where weights are read: the API server resolves names without it
+    import torch
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
@@ -167,6 +168,8 @@ def load_state_dict(path: Path, progress: Callable[[int, int], None] | None = No
         if progress is not None:  # the files also hold headers: the last tensor is not quite `total`
             progress(total, total)
     else:
+        import torch
+
         state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
         if progress is not None:
             size = (path / "pytorch_model.bin").stat().st_size

@@ -89,7 +89,8 @@ def run(lesson) -> None:
     lesson.say(
         f"The server was ready **{ready_s:.1f} s** after launch. The engine's own stages add up to only "
         f"**{engine_ms:.0f} ms**; most of the wait before `resolve_model` ({first_stage_at:.1f} s) is "
-        "Python importing torch, transformers, Triton and the web server. Real vLLM spends that too, "
+        "Python importing torch and Triton (in the engine-core process) while the API server imports the web "
+        "server and the `tokenizers` library (never torch: it does not need it). Real vLLM spends that too, "
         "and more (see below).\n\n"
         "**kernel_warmup** runs one dummy prefill and one decode through the model before any request "
         "arrives, so the attention kernels are built (compiled, for Triton on a GPU) before a user "

@@ -58,6 +58,11 @@ def wait_dead(pid: int, timeout: float = DEADLINE) -> bool:
     return False
 
 
+def _running(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
 def test_kill_9_of_the_core_fails_requests_in_flight_and_stops_serve():
     proc, startup, url = spawn_serve("--no-tui", "--no-trace", "--num-kv-blocks", "64")
     pid = core_pid(startup)
@@ -70,6 +75,9 @@ def test_kill_9_of_the_core_fails_requests_in_flight_and_stops_serve():
         with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=DEADLINE) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))  # it is generating
+            end = time.monotonic() + DEADLINE  # and so is the blocking one (its thread may start late)
+            while _running(url) < 2 and time.monotonic() < end:
+                time.sleep(0.05)
             os.kill(pid, signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data: ")]
         errors = [json.loads(x[6:])["error"] for x in rest if x.startswith("data: {\"error\"")]

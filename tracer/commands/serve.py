@@ -263,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     _stage("args", (t_args - t0) / 1e9, f"{args.host}:{sock.getsockname()[1]}")
     session = None
     try:
-        from engine.llm import engine_config
+        from engine.config import engine_config
 
         config = engine_config(args.model, **llm_kwargs(args))  # a bad value: ConfigError, one line
         t_config = time.perf_counter_ns()
