@@ -40,7 +40,7 @@ class TrainConfig:
     n_positions: int = 512
     seq_len: int = 512
     batch_size: int = 8
-    steps: int = 500
+    steps: int = 1800
     lr: float = 3e-3
     warmup: int = 40
     weight_decay: float = 0.1

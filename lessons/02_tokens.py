@@ -111,7 +111,7 @@ def run(lesson) -> None:
                "combining accent, ZWJ emoji, CJK": "e\u0301 👨‍👩‍👧 漢字\ttab\nnewline"}
     rows, all_ok = [], True
     for name, text in samples.items():
-        t_ids = tok.encode(text, verbose=False)  # verbose=False: no warning about texts > 512 tokens
+        t_ids = tok.encode(text)
         back = tok.decode(t_ids)
         all_ok &= back == text
         n_b = len(text.encode("utf-8"))
