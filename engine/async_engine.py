@@ -4,7 +4,7 @@ The loop, and who may touch the LLMEngine when (the engine lock, parking while a
 controller holds the engine, requests queued while paused, aborts at the step boundary), is
 ``engine.core.EngineCore``: the same loop runs in the engine-core process behind
 ``engine.async_llm.AsyncLLM``. This module adapts it to asyncio: each request's outputs go to
-an asyncio queue, with one ``call_soon_threadsafe`` per step.
+a ``RequestOutputCollector``, with one ``call_soon_threadsafe`` per step.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class _Add:
     prompt: object
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    collector: RequestOutputCollector
     accepted: asyncio.Future
 
 
@@ -54,6 +54,34 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
         pass
 
 
+class RequestOutputCollector:
+    """One request's output not yet taken by its consumer (vLLM V1's ``RequestOutputCollector``).
+
+    put() (event loop) keeps one pending item: outputs are cumulative, so a newer output replaces
+    an older one nobody read yet, and an exception (the request is over) replaces any output.
+    A consumer that falls behind, say 64 SSE streams on two cores, then takes one output
+    carrying several new tokens and writes one chunk for them, instead of working through a
+    backlog of one-token outputs that each cost a chunk (measured in benchmarks.two_processes).
+    """
+    __slots__ = ("item", "ready")
+
+    def __init__(self):
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self.item, BaseException):
+            self.item = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self.item is None:
+            await self.ready.wait()
+        item, self.item = self.item, None
+        self.ready.clear()
+        return item
+
+
 class RequestStream:
     """One request's outputs, as an async iterator. Ends after the finished output.
 
@@ -61,8 +89,8 @@ class RequestStream:
     consumer that just stops iterating should call ``abort()`` (a no-op once finished).
     """
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, queue: asyncio.Queue):
-        self.engine, self.request_id, self._queue = engine, request_id, queue
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, collector: RequestOutputCollector):
+        self.engine, self.request_id, self._collector = engine, request_id, collector
         self.finished = False
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -71,7 +99,7 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                item = await self._queue.get()
+                item = await self._collector.get()
                 if isinstance(item, BaseException):
                     self.finished = True  # the engine already dropped it
                     raise item
@@ -89,7 +117,7 @@ class RequestStream:
 class AsyncLLMEngine:
     """The engine loop (an EngineCore) in a thread of this process, served to asyncio: the
     one-process mode (`serve --no-multiprocessing`, the tests, lessons). The LLMEngine
-    detokenizes and checks stop strings itself; outputs go to each request's asyncio queue
+    detokenizes and checks stop strings itself; outputs go to each request's collector
     with one ``call_soon_threadsafe`` per step."""
 
     def __init__(self, engine: LLMEngine, drain_timeout: float = 5.0):
@@ -174,7 +202,7 @@ class AsyncLLMEngine:
         """Queue a request; returns once the engine has it (in `waiting`). Raises the
         engine's ValueError (bad prompt, too long, bad params) with nothing queued."""
         loop = asyncio.get_running_loop()
-        add = _Add(request_id, prompt, params, loop, asyncio.Queue(), loop.create_future())
+        add = _Add(request_id, prompt, params, loop, RequestOutputCollector(), loop.create_future())
 
         def settle(exc: BaseException | None) -> None:  # under the engine lock
             if exc is None:
@@ -187,7 +215,7 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:
             self.abort(request_id)  # it may have been added meanwhile
             raise
-        return RequestStream(self, request_id, add.queue)
+        return RequestStream(self, request_id, add.collector)
 
     async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs (cumulative) of one request until it finishes. Aborts it if the consumer
@@ -215,7 +243,7 @@ class AsyncLLMEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            by_loop.setdefault(add.loop, []).append((add.queue, out))
+            by_loop.setdefault(add.loop, []).append((add.collector, out))
         for loop, batch in by_loop.items():
             _call_soon(loop, _deliver, batch)
         for listener in self.step_listeners:
@@ -228,9 +256,9 @@ class AsyncLLMEngine:
         for rid in request_ids:
             add = self._streams.pop(rid, None)
             if add is not None:
-                _call_soon(add.loop, add.queue.put_nowait, exc)
+                _call_soon(add.loop, add.collector.put, exc)
 
 
-def _deliver(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue, out in batch:
-        queue.put_nowait(out)
+def _deliver(batch: list[tuple[RequestOutputCollector, RequestOutput]]) -> None:
+    for collector, out in batch:
+        collector.put(out)

@@ -8,7 +8,7 @@ It offers the front-end interface of ``AsyncLLMEngine`` (generate, add_request, 
 tokenizer, max_model_len, stats, step_listeners, hooks, is_running, start, shutdown, stop,
 drain_timeout), so the server and the TUI serve either. Outputs are processed on the
 client's output IO thread (detokenization never runs on the event loop) and handed to each
-request's asyncio queue with one ``call_soon_threadsafe`` per message, as in one process.
+request's RequestOutputCollector with one ``call_soon_threadsafe`` per message, as in one process.
 
 Tracing: the core ships its trace events (with their own perf_counter_ns times, one clock on
 Linux) only while this process has listeners on ``hooks``; they are republished here, in
@@ -39,7 +39,7 @@ import time
 from dataclasses import asdict
 from typing import AsyncIterator, Callable
 
-from engine.async_engine import RequestStream, StepListener, _call_soon, _deliver
+from engine.async_engine import RequestOutputCollector, RequestStream, StepListener, _call_soon, _deliver
 from engine.config import EngineConfig
 from engine.core import EngineClosedError, EngineDeadError
 from engine.core_client import HANDSHAKE_TIMEOUT_S, MPClient
@@ -68,10 +68,10 @@ log = logging.getLogger(__name__)
 
 
 class _Stream:
-    __slots__ = ("loop", "queue", "accepted")
+    __slots__ = ("loop", "collector", "accepted")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.queue, self.accepted = loop, asyncio.Queue(), loop.create_future()
+        self.loop, self.collector, self.accepted = loop, RequestOutputCollector(), loop.create_future()
 
 
 def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
@@ -232,7 +232,7 @@ class AsyncLLM:
         except BaseException:
             self._drop(request_id)
             raise
-        return RequestStream(self, request_id, stream.queue)
+        return RequestStream(self, request_id, stream.collector)
 
     async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs (cumulative) of one request until it finishes; aborts it if the consumer goes away."""
@@ -326,7 +326,7 @@ class AsyncLLM:
                     continue
                 if out.finished:
                     del self._streams[out.request_id]
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+                by_loop.setdefault(stream.loop, []).append((stream.collector, out))
             if not self._streams:
                 self._idle.set()
         for loop, batch in by_loop.items():
@@ -389,7 +389,7 @@ def _fail_stream(stream: _Stream, exc: BaseException) -> None:
     if not stream.accepted.done():
         stream.accepted.set_exception(exc if not isinstance(exc, EngineDeadError) else EngineClosedError(str(exc)))
     else:
-        stream.queue.put_nowait(exc)
+        stream.collector.put(exc)
 
 
 def _wire_params(params: SamplingParams) -> dict:

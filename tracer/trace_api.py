@@ -53,7 +53,7 @@ JSON_ONLY = {415: {"model": ErrorResponse, "description": "the body is not decla
 
 
 # ---- dependencies ---------------------------------------------------------------------------
-def get_session(request: Request) -> TraceSession:
+async def get_session(request: Request) -> TraceSession:
     session = getattr(request.app.state, "trace", None)
     if session is None:
         raise APIError(503, "tracing is off on this server (started with --no-trace); restart without it "
@@ -61,7 +61,7 @@ def get_session(request: Request) -> TraceSession:
     return session
 
 
-def get_controller(session: Annotated[TraceSession, Depends(get_session)]) -> StepController:
+async def get_controller(session: Annotated[TraceSession, Depends(get_session)]) -> StepController:
     if session.controller is None:
         raise APIError(503, "this trace session has no step controller", code="control_unavailable")
     return session.controller

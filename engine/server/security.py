@@ -48,7 +48,7 @@ def _check_key(request: Request, state: ServerState) -> None:
                        code="invalid_api_key")
 
 
-def require_api_key(request: Request, state: ServerState = Depends(get_state)) -> None:
+async def require_api_key(request: Request, state: ServerState = Depends(get_state)) -> None:
     if state.api_key is not None:
         _check_key(request, state)
 
@@ -62,11 +62,11 @@ def _key_or_loopback(request: Request, state: ServerState, code: str) -> None:
         raise APIError(403, reason + "; restart with --api-key or bind 127.0.0.1", code=code)
 
 
-def require_trace_read(request: Request, state: ServerState = Depends(get_state)) -> None:
+async def require_trace_read(request: Request, state: ServerState = Depends(get_state)) -> None:
     _key_or_loopback(request, state, "trace_disabled")
 
 
-def require_control(request: Request, state: ServerState = Depends(get_state)) -> None:
+async def require_control(request: Request, state: ServerState = Depends(get_state)) -> None:
     _key_or_loopback(request, state, "control_disabled")
     if request.method == "POST":
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()

@@ -8,6 +8,7 @@ import json
 import uuid
 from typing import AsyncIterator
 
+import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -141,6 +142,26 @@ def sse(obj: BaseModel | dict | str) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class ChunkFrames:
+    """The SSE frames of one streamed response's chunks.
+
+    The envelope (id, object, created, model, usage) is the pydantic model's own JSON, made once
+    per response from a chunk with no choices; each chunk's choice (a dict with the fields of the
+    model's choice class) is serialized with orjson between its halves. 0.6 µs a chunk instead of
+    6 µs for building and dumping the pydantic models, paid 64 times a step under 64 streams
+    (measured). tests/server/test_streaming_frames.py checks both give the same JSON.
+    """
+
+    def __init__(self, envelope: BaseModel):
+        head, sep, tail = envelope.model_dump_json().partition('"choices":[]')
+        if not sep:
+            raise ValueError("the envelope must be a chunk with choices=[]")
+        self.head, self.tail = f"data: {head}\"choices\":[".encode(), f"]{tail}\n\n".encode()
+
+    def frame(self, choice: dict) -> bytes:
+        return self.head + orjson.dumps(choice) + self.tail
 
 
 def event_stream(gen, streams: list[RequestStream]) -> StreamingResponse:

@@ -21,14 +21,13 @@ from engine.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
-    ChatStreamChoice,
     ChatTokenLogprob,
-    DeltaMessage,
     TopLogprob,
     UsageInfo,
 )
 from engine.server.serving import (
     SSE_DONE,
+    ChunkFrames,
     StopHoldback,
     event_stream,
     new_request_id,
@@ -142,15 +141,18 @@ class _Ctx:
         return ChatCompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
                                       choices=[choice], usage=_usage(out))
 
-    def _chunk(self, delta: DeltaMessage, logprobs=None, finish_reason=None) -> str:
-        choice = ChatStreamChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-        return sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.state.model_name,
-                                       choices=[choice]))
+    def _chunk(self, delta: dict, logprobs: ChatLogprobs | None = None, finish_reason: str | None = None) -> bytes:
+        """One chunk's frame; delta holds only what changed (DeltaMessage without its None fields)."""
+        return self._frames.frame({"index": 0, "delta": delta,
+                                   "logprobs": logprobs.model_dump() if logprobs is not None else None,
+                                   "finish_reason": finish_reason})
 
     async def stream(self, stream: RequestStream):
         hooks, hold, sent_tokens, chunks, final = self.state.hooks, StopHoldback(self.stops), 0, 0, None
         try:
-            yield self._chunk(DeltaMessage(role="assistant", content=""))  # OpenAI opens with the role
+            self._frames = ChunkFrames(ChatCompletionChunk(id=self.rid, created=self.created,
+                                                           model=self.state.model_name, choices=[]))
+            yield self._chunk({"role": "assistant", "content": ""})  # OpenAI opens with the role
             async for out in stream:
                 c = out.outputs[0]
                 text = hold.delta(c.text, out.finished)
@@ -164,7 +166,7 @@ class _Ctx:
                 if hooks.active:
                     hooks.emit(API, "sse_chunk", request_id=self.rid, text=text, finish_reason=reason)
                 chunks += 1
-                yield self._chunk(DeltaMessage(content=text), lp, reason)
+                yield self._chunk({"content": text}, lp, reason)
             opts = self.body.stream_options
             if opts and opts.include_usage and final is not None:
                 yield sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.state.model_name,

@@ -26,6 +26,7 @@ from engine.server.protocol import (
 )
 from engine.server.serving import (
     SSE_DONE,
+    ChunkFrames,
     StopHoldback,
     event_stream,
     merge_streams,
@@ -178,6 +179,8 @@ class _Ctx:
         b, hooks = self.body, self.state.hooks
         hold = [StopHoldback(self.stops) for _ in range(n)]
         sent_tokens, offsets, started = [0] * n, [0] * n, [False] * n
+        frames = ChunkFrames(CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
+                                                choices=[]))
         async for i, out in merged:
             c = out.outputs[0]
             text = hold[i].delta(c.text, out.finished)
@@ -194,14 +197,12 @@ class _Ctx:
                 self.finals.append(out)
             elif not text and not (lp and lp.tokens):
                 continue  # nothing new to say (a held-back stop prefix or a partial character)
-            choice = CompletionChoice(index=i, text=text, logprobs=lp,
-                                      finish_reason=c.finish_reason if out.finished else None,
-                                      stop_reason=c.stop_reason if out.finished else None)
+            finish_reason = c.finish_reason if out.finished else None
             if hooks.active:
-                hooks.emit(API, "sse_chunk", request_id=self.ids[i], text=text, finish_reason=choice.finish_reason)
+                hooks.emit(API, "sse_chunk", request_id=self.ids[i], text=text, finish_reason=finish_reason)
             self.chunks += 1
-            yield sse(CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
-                                         choices=[choice]))
+            yield frames.frame({"index": i, "text": text, "logprobs": lp.model_dump() if lp is not None else None,
+                                "finish_reason": finish_reason, "stop_reason": c.stop_reason if out.finished else None})
 
 
 def _usage(finals: list[RequestOutput]) -> UsageInfo:

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,9 +84,17 @@ class Live:
         from engine.outputs import EngineStats
         return EngineStats(**self.async_engine.client.call("stats"))
 
-    def all_blocks_free(self) -> bool:
-        s = self.stats()
-        return s.num_free_blocks == s.num_total_blocks and not s.num_waiting and not s.num_running
+    def all_blocks_free(self, timeout: float = 5.0) -> bool:
+        """True once no request holds a block, waiting up to timeout: an abort (a rejected
+        sibling prompt, a client gone) is applied at the engine's next step boundary."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if s.num_free_blocks == s.num_total_blocks and not s.num_waiting and not s.num_running:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
 
 
 def make_engine(mode: str = "inproc", hooks=None, core_options=None, **kwargs):
