@@ -38,6 +38,7 @@ import torch
 from benchmarks.workload import make_workload, resolve_model
 from engine import LLM, Hooks
 from engine.async_llm import AsyncLLM
+from engine.gc_utils import freeze_gc_heap
 from engine.llm import engine_config
 from tracer.session import TraceSession
 from tracer.tui.measure import stream_load
@@ -81,6 +82,7 @@ async def part1(args, workload) -> None:
     try:
         for core in cores.values():  # warm-up: first-use costs, CSS
             await core.run(make_workload(4), args.pane)
+        freeze_gc_heap()  # as serve's front end does once it is up
         results: dict[str, list[dict]] = {m: [] for m in MODES}
         for rep in range(args.reps):
             order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]  # rotate who goes first

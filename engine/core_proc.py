@@ -32,6 +32,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.core import EngineClosedError, EngineCore, PendingAdd
 from engine.core_types import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall
+from engine.gc_utils import freeze_gc_heap
 from engine.hooks import Hooks
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
@@ -111,7 +112,7 @@ class EngineCoreProc:
 
     # ---- startup ----------------------------------------------------------------------------
     def _build(self) -> dict:
-        from engine.llm_engine import LLMEngine, freeze_gc_heap
+        from engine.llm_engine import LLMEngine
 
         if self.options.get("fail_startup"):
             raise RuntimeError(self.options["fail_startup"])

@@ -15,8 +15,9 @@ from itertools import count
 from typing import Sequence
 
 from engine.config import engine_config
+from engine.gc_utils import freeze_gc_heap
 from engine.hooks import Hooks
-from engine.llm_engine import LLMEngine, freeze_gc_heap
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 

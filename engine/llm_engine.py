@@ -5,8 +5,6 @@
 """
 from __future__ import annotations
 
-import atexit
-import gc
 import random
 import time
 from itertools import count
@@ -45,17 +43,6 @@ from engine.trace_names import (
 from engine.worker import Worker
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def freeze_gc_heap() -> None:
-    """As vLLM does once its engine is up: collect, then move every object alive now (torch,
-    transformers, the model, ...) into the garbage collector's permanent generation. A full
-    collection otherwise walks that whole heap (130-180 ms measured here, with transformers
-    imported) at whatever point of a run it falls due. Later objects are collected as usual."""
-    gc.collect()
-    gc.freeze()
-    atexit.unregister(gc.unfreeze)  # once, however many engines a process builds
-    atexit.register(gc.unfreeze)  # at exit everything is collectable again, so it is torn down cleanly
 
 
 class LLMEngine:

@@ -160,7 +160,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def build_engine(config, hooks):
     """The engine, warmed up, printing its stages live (a listener attached for startup only)."""
-    from engine.llm_engine import LLMEngine, freeze_gc_heap
+    from engine.gc_utils import freeze_gc_heap
+    from engine.llm_engine import LLMEngine
 
     unsubscribe = hooks.subscribe(_print_stage)
     try:
@@ -309,6 +310,7 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
     import uvicorn
 
     from engine.async_engine import AsyncLLMEngine
+    from engine.gc_utils import freeze_gc_heap
     from engine.hooks import BEGIN, END
     from engine.server import build_app
     from engine.server.chat_template import load_chat_template
@@ -418,6 +420,7 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
             url=url,
         )
     _banner(args, name, url, control_refusal(args.host, args.api_key), session)
+    freeze_gc_heap()  # the front end's startup heap (FastAPI, Textual): see engine.gc_utils
     web = None
     if args.web_port is not None:
         from tracer.tui.web import WebView

@@ -213,7 +213,7 @@ class TraceApp(App):
         self.selected = message.request_id
         if message.open:
             self.push_screen(RequestScreen(message.request_id))
-        if self.frame is not None:
+        if self.frame is not None and self.panes.is_attached:  # (a Selected still queued at exit: no panes)
             self.frame.selected = self.selected
             self.active_panel().show(self.frame)
 

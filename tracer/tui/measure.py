@@ -66,8 +66,24 @@ async def stream_load(front, workload: Workload, session: TraceSession | None = 
     if session is None:
         raise ValueError("the TUI needs the trace session that feeds it")
     app = TraceApp(LiveSource(session, live_info(front, model, None), front), initial_pane=pane, follow=False)
-    async with app.run_test(size=size) as pilot:
-        await pilot.pause()
-        while app.ticks == 0:  # its first refresh folds the ring's backlog (earlier runs): not this run's cost
-            await asyncio.sleep(0.01)
-        return await go(app)
+    try:
+        async with app.run_test(size=size) as pilot:
+            await pilot.pause()
+            while app.ticks == 0:  # its first refresh folds the ring's backlog (earlier runs): not this run's cost
+                await asyncio.sleep(0.01)
+            return await go(app)
+    finally:
+        _forget_app_caches()
+
+
+def _forget_app_caches() -> None:
+    """Let the widgets of an app that has exited go. Textual's StylesCache.get_inner_outer is an
+    lru_cache (1,024 entries) keyed by the widget's StylesCache, so it keeps every app's caches, and
+    their rendered lines, alive after the app is gone: a run opening a new app each time (as this
+    module does; serve has one app for its life) carried ~34,000 more objects for the garbage
+    collector to walk into each later run, and its refreshes slowed run after run."""
+    from textual._styles_cache import StylesCache
+
+    clear = getattr(StylesCache.get_inner_outer, "cache_clear", None)
+    if clear is not None:  # (a private API: nothing to do if a later Textual changes it)
+        clear()
