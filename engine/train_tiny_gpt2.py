@@ -165,6 +165,23 @@ def save(out: Path, model, tok, cfg: TrainConfig, eot: int, card: dict) -> None:
     (out / CHECKSUM_FILE).write_text("".join(f"{sha256(out / f)}  {f}\n" for f in CHECKED_FILES))
 
 
+def version_drift(sources: list[tiny_corpus.Source]) -> list[str]:
+    """What differs from the corpus the committed model was trained on: the text comes from the
+    installed packages, so another version of one (a newer transformers) changes the corpus, the
+    tokenizer and every weight. One line per source that differs."""
+    card = ARTIFACT_DIR / "train_config.json"
+    if not card.is_file():
+        return []
+    trained = {s["name"].rsplit(" ", 1)[0]: s["name"] for s in json.loads(card.read_text()).get("sources", [])}
+    lines = []
+    for s in sources:
+        base = s.name.rsplit(" ", 1)[0]
+        if base in trained and trained[base] != s.name:
+            lines.append(f"{s.name} is installed; the committed model was trained with {trained[base]} "
+                         "(a different corpus: install that version to reproduce it)")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     d = TrainConfig()
     ap = argparse.ArgumentParser(
@@ -191,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     corpus_hash = tiny_corpus.corpus_sha256(sources)
     n_chars = sum(len(doc) for s in sources for doc in s.documents)
     print(f"  {sum(len(s.documents) for s in sources)} documents, {n_chars:,} characters, sha256 {corpus_hash[:16]}")
+    for line in version_drift(sources):
+        print("  note: " + line, flush=True)
     train_docs, val_docs = split_documents(sources, cfg.val_every_n_docs)
     tok = train_tokenizer(train_docs, cfg.vocab_size)
     eot = tok.token_to_id(tiny_corpus.EOT)

@@ -1,4 +1,5 @@
 """Lesson 12: sampling — temperature, top-k, top-p, min-p, penalties and seeds on a real next-token distribution."""
+import math
 import pathlib
 import sys
 
@@ -105,9 +106,19 @@ def run(lesson) -> None:
     lesson.check(all(a < b for a, b in zip(tops, tops[1:])) and all(
         entropy[a] > entropy[b] for a, b in zip(temps, temps[1:])),
         "the lower the temperature, the higher the top token's probability and the lower the entropy")
-    cold = engine_draws(logits, 500, temperature=0.05)
-    lesson.check(tops[-1] > 0.999 and set(cold) == {order[0]},
-                 f"at T=0.05 the top token has p = {tops[-1]:.6f}, and 500 engine draws all picked it")
+    # How cold is cold enough depends on the gap between the two top logits: the top token has
+    # p >= 1 / (1 + (V - 1) * exp(-gap / T)), which is >= 0.999 once T <= gap / ln(999 (V - 1)).
+    gap = float(logits[order[0]] - logits[order[1]])
+    t_cold = float(f"{max(gap / math.log(999 * (V - 1)), 1e-6):.1g}")  # one significant digit, rounded down
+    t_cold = t_cold if t_cold <= gap / math.log(999 * (V - 1)) else t_cold / 2
+    p_cold = float(probs_at(t_cold)[order[0]])
+    lesson.say(f"How cold is cold enough depends on how far the top logit is ahead of the second: here by only "
+               f"{gap:.3f}, so even at T = {temps[-1]} the top token has just {tops[-1]:.0%} of the probability. "
+               f"It needs T = {t_cold:g}: the logits are divided by T, so the gap becomes {gap / t_cold:.0f} and "
+               "the runner-up's share falls as exp(-gap / T).")
+    cold = engine_draws(logits, 500, temperature=t_cold)
+    lesson.check(p_cold > 0.999 and set(cold) == {order[0]},
+                 f"at T = {t_cold:g} the top token has p = {p_cold:.6f}, and 500 engine draws all picked it")
     lesson.pause()
 
     pt = probs_at(T)

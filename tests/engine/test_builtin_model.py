@@ -1,6 +1,7 @@
 """The trained built-in tiny-gpt2: its BPE tokenizer round-trips any text, its files are checked
 against their checksums, its greedy text is stable, and what it writes is mostly English words."""
 import fnmatch
+import json
 import re
 import shutil
 from pathlib import Path
@@ -18,7 +19,8 @@ from engine.tokenizer import load_tokenizer
 ROOT = Path(__file__).resolve().parents[2]
 EOT = "<|endoftext|>"
 GREEDY_PROMPT = "The first argument is"
-GREEDY_EXPECTED = " a given value is a list of the given value." + "\n" * 13
+GREEDY_EXPECTED = (" the function is used to the function.\n\n"
+                   "The function is a function is a function is used to the function.")
 WORD_PROMPTS = ["The default value is", "Return a new list", "This module provides", "If the file does not exist,",
                 "The function returns", "An object that"]
 
@@ -141,4 +143,16 @@ def test_most_generated_words_are_english(llm):
     share = sum(_is_word(w, words) for w in found) / len(found)
     print(f"\n{share:.1%} of {len(found)} generated words are dictionary words (english-words web2+gcide, "
           f"with inflections), sampled at temperature 0.8, top-p 0.95")
-    assert len(found) > 100 and share >= 0.9  # measured 99.6 % of 285 words
+    assert len(found) > 100 and share >= 0.9  # measured 98.2 % of 281 words (the 500-step model: 99.6 % of 285)
+
+
+def test_training_says_when_an_installed_package_would_change_the_corpus():
+    from engine.tiny_corpus import Source
+    from engine.train_tiny_gpt2 import ARTIFACT_DIR, version_drift
+
+    trained = json.loads((ARTIFACT_DIR / "train_config.json").read_text())["sources"]
+    same = [Source(s["name"], s["licence"], []) for s in trained]
+    assert version_drift(same) == []
+    name, version = trained[2]["name"].rsplit(" ", 1)
+    [line] = version_drift(same[:2] + [Source(f"{name} {version}.post1", "MIT", [])])
+    assert f"{name} {version}.post1 is installed" in line and trained[2]["name"] in line
