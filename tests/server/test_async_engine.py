@@ -31,9 +31,23 @@ async def test_generate_matches_the_offline_engine(async_engine):
     from engine import LLM
 
     outs = await collect(async_engine, "a")
-    assert outs[-1].finished and [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+    lengths = [len(o.outputs[0].token_ids) for o in outs]  # one a step, unless the loop fell behind (merged)
+    assert outs[-1].finished and lengths == sorted(set(lengths)) and lengths[-1] == 8
     offline = LLM("tiny-gpt2", num_kv_blocks=64).generate("Hello", GREEDY, use_tqdm=False)[0]
     assert outs[-1].outputs[0].token_ids == offline.outputs[0].token_ids
+
+
+@pytest.mark.asyncio
+async def test_a_consumer_that_falls_behind_gets_one_output_with_every_new_token(async_engine):
+    """The RequestOutputCollector keeps the newest (cumulative) output: a stream not read while the
+    engine ran 8 steps yields one output, finished, holding all 8 tokens, not 8 queued outputs."""
+    stream = await async_engine.add_request("late", "Hello", GREEDY)
+    deadline = time.monotonic() + 30
+    while async_engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)  # the engine thread steps; nobody reads the stream
+    outs = [out async for out in stream]
+    assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs[0].token_ids) == 8
+    assert outs[0].outputs[0].token_ids == (await collect(async_engine, "prompt"))[-1].outputs[0].token_ids
 
 
 @pytest.mark.asyncio
