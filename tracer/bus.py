@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.hooks import INSTANT, Hooks
-from tracer.events import Event, decode_line, encode_event
+from tracer.events import Event, decode_lines, encode_event
 
 DEFAULT_CAPACITY = 1 << 16  # events
 BYTES_PER_EVENT = 512  # capacity_bytes defaults to this many bytes an event (lines average 150-500)
@@ -200,8 +200,8 @@ class EventBus:
 
     def read(self, cursor: int, max_events: int | None = None) -> tuple[list[Event], int, int]:
         """(events from seq `cursor` on, how many before them were lost, the next cursor)."""
-        lines, missed, end = self.read_lines(cursor, max_events)
-        return [decode_line(x) for x in lines], missed, end  # decoded outside the lock
+        data, _, missed, end = self.read_bytes(cursor, max_events)
+        return decode_lines(data), missed, end  # decoded outside the lock
 
     def read_lines(self, cursor: int, max_events: int | None = None) -> tuple[list[bytes], int, int]:
         """read(), as the events' trace-file lines."""

@@ -4,9 +4,22 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tracer.bus import EventBus
-from tracer.events import EVENT_KEYS, LAYERS, SCHEMA_VERSION, Event, decode_line, json_safe, make_header, read_trace
+from tracer.events import (
+    EVENT_KEYS,
+    LAYERS,
+    SCHEMA_VERSION,
+    Event,
+    decode_line,
+    decode_lines,
+    encode_event,
+    json_safe,
+    make_header,
+    read_trace,
+)
 
 
 class Color(enum.Enum):
@@ -87,3 +100,15 @@ def test_the_bus_holds_each_event_as_its_trace_line():
     assert events[1] == Event(1, 20, "sampler", "sampled", "instant", None, 0,
                               {"t": [1, 2], "s": [3], "k": {"4": "x"}, "shape": [2, 3]})
     assert [e.to_json_line() for e in events] == lines and decode_line(lines[2]) == events[2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text(), st.one_of(st.none(), st.text(min_size=1)),
+                          st.dictionaries(st.text(), st.one_of(st.text(), st.integers(-2 ** 63, 2 ** 63 - 1),
+                                                               st.lists(st.integers(0, 50000)), st.none()))),
+                max_size=20))
+def test_decode_lines_reads_joined_lines_as_decode_line_reads_each(items):
+    """Text with newlines, quotes and any Unicode inside: the bus decodes a run of lines at once."""
+    lines = [encode_event(i, 10 ** 12 + i, "api", name, "instant", rid, i, attrs) for i, (name, rid, attrs) in
+             enumerate(items)]
+    assert decode_lines(b"".join(lines)) == [decode_line(x) for x in lines]

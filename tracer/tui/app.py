@@ -85,6 +85,8 @@ class TraceApp(App):
         self.selected: str | None = None
         self.stepping = False
         self.ticks = 0  # refreshes done (the overhead benchmark counts them)
+        self.busy_ticks, self.busy_seconds = 0, 0.0  # refreshes, and time, with requests in flight
+        self._last_tick = None  # (time of the last refresh, whether requests were in flight then)
         self.frame: Frame | None = None
         self._timer = None
         self._initial_pane = initial_pane or ("overview" if source.info.mode == "replay" else "startup")
@@ -168,6 +170,7 @@ class TraceApp(App):
         went_idle = not busy and (self._busy or arrived)
         went_busy = (busy or arrived) and not self._busy
         self._busy, self._known = busy, len(state.requests)
+        self._count_busy(busy)
         if went_busy and self._may_follow():
             self.show_pane("overview")
         if isinstance(self.screen, RequestScreen):
@@ -175,6 +178,19 @@ class TraceApp(App):
         else:
             self._show(self.active_panel(), frame, went_idle)
         self.ticks += 1
+
+    def _count_busy(self, busy: bool) -> None:
+        """Refreshes per second while requests are in flight, what `serve` reports at exit (and
+        benchmarks.tui_terminal reads): the rate that matters is the one under load."""
+        now = time.monotonic()
+        if self._last_tick is not None and self._last_tick[1]:
+            self.busy_seconds += now - self._last_tick[0]
+        self.busy_ticks += busy
+        self._last_tick = (now, busy)
+
+    @property
+    def busy_refresh_hz(self) -> float | None:
+        return self.busy_ticks / self.busy_seconds if self.busy_seconds > 0.5 else None
 
     @staticmethod
     def _show(panel: Panel, frame: Frame, force: bool) -> None:

@@ -106,6 +106,10 @@ class LiveTui:
         lines = [f"vllm-trace serve: {len(done) - aborted} request{'' if len(done) - aborted == 1 else 's'} served "
                  f"({tokens} tokens generated{f', {aborted} aborted' if aborted else ''}) in "
                  f"{'no step' if s.step is None else f'{s.step + 1} engine steps'}"]
+        hz = self.app.busy_refresh_hz
+        if hz is not None:
+            lines.append(f"  TUI: {hz:.1f} refreshes/s while requests were in flight "
+                         f"({self.app.busy_ticks} in {self.app.busy_seconds:.1f} s)")
         if trace_file:
             lines.append(f"  trace: {trace_file}   replay it: vllm-trace replay {trace_file}")
         else:
