@@ -73,7 +73,7 @@ def quit_tui_server() -> str:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         text = tmux("capture-pane", "-p", "-t", SESSION, "-S", "-200")
-        if "requests served" in text or "request served" in text:
+        if re.search(r"requests? served|requests finished in", text):
             return text
         time.sleep(0.2)
     raise RuntimeError("serve did not print its summary after q:\n" + text)

@@ -631,14 +631,23 @@ class LiveState:
         while not self._follower_stop.wait(interval):
             self.update()
 
+    @property
+    def following(self) -> bool:
+        return self._follower is not None
+
     def update(self, max_events: int | None = None) -> int:
         """Fold the pending events; returns how many."""
+        return len(self.update_events(max_events)[0])
+
+    def update_events(self, max_events: int | None = None) -> tuple[list[Event], int]:
+        """Fold the pending events; returns them, and how many before them were lost (what a
+        TUI's log panel shows, so the TUI folds this state instead of decoding every event again)."""
         with self._lock:
             pulled = self._sub.pull(max_events)
             self.state.events_missed += pulled.missed
             for ev in pulled.events:
                 fold(self.state, ev)
-            return len(pulled.events)
+            return pulled.events, pulled.missed
 
     def view(self) -> TraceState:
         self.update()

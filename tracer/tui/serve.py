@@ -103,9 +103,14 @@ class LiveTui:
         done = [s.requests[r] for r in s.finished if r in s.requests]
         aborted = sum(r.status == "FINISHED_ABORTED" for r in done)
         tokens = sum(len(r.output_token_ids) for r in done)
-        lines = [f"vllm-trace serve: {len(done) - aborted} request{'' if len(done) - aborted == 1 else 's'} served "
-                 f"({tokens} tokens generated{f', {aborted} aborted' if aborted else ''}) in "
-                 f"{'no step' if s.step is None else f'{s.step + 1} engine steps'}"]
+        steps = "no step" if s.step is None else f"{s.step + 1} engine steps"
+        served, cut = len(done) - aborted, f", {aborted} aborted" if aborted else ""
+        if s.num_finished > len(done):  # the state keeps the latest --trace-max-finished requests
+            lines = [f"vllm-trace serve: {s.num_finished} requests finished in {steps}; the latest {len(done)}: "
+                     f"{served} served, {tokens} tokens generated{cut}"]
+        else:
+            lines = [f"vllm-trace serve: {served} request{'' if served == 1 else 's'} served "
+                     f"({tokens} tokens generated{cut}) in {steps}"]
         hz = self.app.busy_refresh_hz
         if hz is not None:
             lines.append(f"  TUI: {hz:.1f} refreshes/s while requests were in flight "
