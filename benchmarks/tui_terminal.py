@@ -90,9 +90,9 @@ def tui_pids() -> dict[str, int]:
 async def run(args) -> None:
     workload = make_workload(args.requests, output_len=(args.min_tokens, args.max_tokens))
     off_proc, off_url, _ = spawn_serve(args.model, args.threads)
-    tui_url = start_tui_server(args.model, args.threads)
     rates: dict[str, list[float]] = {"off": [], "tui": []}
     try:
+        tui_url = start_tui_server(args.model, args.threads)
         for url in (off_url, tui_url):  # warm-up: first requests, the app's first busy redraws
             await http_run(url, args.model, make_workload(8))
         pids = tui_pids()
@@ -106,6 +106,9 @@ async def run(args) -> None:
                 c0 = {name: proc_cpu(pid) for name, pid in pids.items()}
                 t0 = time.perf_counter()
                 tokens = await http_run(tui_url if mode == "tui" else off_url, args.model, workload)
+                if tokens == 0:
+                    raise RuntimeError("the server generated no tokens: do --max-tokens and the prompts (up to 96 "
+                                       "tokens) fit the model's context?")
                 rates[mode].append(tokens / (time.perf_counter() - t0))
                 for name, pid in pids.items():
                     cpu[name] += proc_cpu(pid) - c0[name]
@@ -143,8 +146,13 @@ def main() -> None:
         sys.exit("benchmarks.tui_terminal needs tmux (apt-get install -y tmux)")
     if args.requests < 1 or args.reps < 1 or args.threads < 1:
         ap.error("--requests, --reps and --threads must be >= 1")
+    if not 1 <= args.min_tokens <= args.max_tokens:
+        ap.error("need 1 <= --min-tokens <= --max-tokens")
     args.model = resolve_model(args.model)
-    asyncio.run(run(args))
+    try:
+        asyncio.run(run(args))
+    except RuntimeError as e:
+        sys.exit(f"benchmarks.tui_terminal: {e}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ It offers the front-end interface of ``AsyncLLMEngine`` (generate, add_request, 
 tokenizer, max_model_len, stats, step_listeners, hooks, is_running, start, shutdown, stop,
 drain_timeout), so the server and the TUI serve either. Outputs are processed on the
 client's output IO thread (detokenization never runs on the event loop) and handed to each
-request's RequestOutputCollector with one ``call_soon_threadsafe`` per message, as in one process.
+request's RequestOutputCollector with one ``call_soon_threadsafe`` per message, as in one
+process.
 
 Tracing: the core ships its trace events (with their own perf_counter_ns times, one clock on
 Linux) only while this process has listeners on ``hooks``; they are republished here, in

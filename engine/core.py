@@ -23,8 +23,9 @@ Who may touch the LLMEngine
   freeing its blocks mid-step would corrupt that step. The rest wait for the step boundary.
 
 The same EngineCore serves both modes: in one process (``AsyncLLMEngine``) its callbacks
-hand outputs to each request's RequestOutputCollector; in the engine-core process (``EngineCoreProc``, below) they
-hand them to the output IO thread, which serializes and sends them while the next step runs.
+hand outputs to each request's RequestOutputCollector; in the engine-core process
+(``EngineCoreProc``, below) they hand them to the output IO thread, which serializes and
+sends them while the next step runs.
 """
 from __future__ import annotations
 

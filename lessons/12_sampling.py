@@ -109,8 +109,9 @@ def run(lesson) -> None:
     # How cold is cold enough depends on the gap between the two top logits: the top token has
     # p >= 1 / (1 + (V - 1) * exp(-gap / T)), which is >= 0.999 once T <= gap / ln(999 (V - 1)).
     gap = float(logits[order[0]] - logits[order[1]])
-    t_cold = float(f"{max(gap / math.log(999 * (V - 1)), 1e-6):.1g}")  # one significant digit, rounded down
-    t_cold = t_cold if t_cold <= gap / math.log(999 * (V - 1)) else t_cold / 2
+    bound = max(gap / math.log(999 * (V - 1)), 1e-6)
+    unit = 10 ** math.floor(math.log10(bound))
+    t_cold = math.floor(bound / unit) * unit  # the bound, rounded down to one significant digit
     p_cold = float(probs_at(t_cold)[order[0]])
     lesson.say(f"How cold is cold enough depends on how far the top logit is ahead of the second: here by only "
                f"{gap:.3f}, so even at T = {temps[-1]} the top token has just {tops[-1]:.0%} of the probability. "

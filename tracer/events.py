@@ -94,10 +94,13 @@ def encode_event(seq: int, ts_ns: int, layer: str, name: str, kind: str, request
         return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
 
 
+def _event(d: dict) -> Event:
+    return Event(d["seq"], d["ts_ns"], d["layer"], d["name"], d["kind"], d["request_id"], d["step"], d["attrs"])
+
+
 def decode_line(line: bytes | str) -> Event:
     """The event of one trace line (as encode_event wrote it)."""
-    d = orjson.loads(line)
-    return Event(d["seq"], d["ts_ns"], d["layer"], d["name"], d["kind"], d["request_id"], d["step"], d["attrs"])
+    return _event(orjson.loads(line))
 
 
 def decode_lines(data: bytes) -> list[Event]:
@@ -107,8 +110,7 @@ def decode_lines(data: bytes) -> list[Event]:
     ends a line: inside a string JSON writes it as the two characters \\n."""
     if not data:
         return []
-    return [Event(d["seq"], d["ts_ns"], d["layer"], d["name"], d["kind"], d["request_id"], d["step"], d["attrs"])
-            for d in orjson.loads(b"[" + data[:-1].replace(b"\n", b",") + b"]")]
+    return [_event(d) for d in orjson.loads(b"[" + data[:-1].replace(b"\n", b",") + b"]")]
 
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 64 - 1  # what orjson writes as a number

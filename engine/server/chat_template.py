@@ -11,7 +11,8 @@ a trailing ``Assistant:`` for the model to continue::
 ``--chat-template FILE`` replaces it with any Jinja template written for transformers
 (``messages``, ``add_generation_prompt``, ``bos_token``, ``raise_exception`` ...); a
 tokenizer that ships its own template uses that unless a file is given. Rendering goes
-through the tokenizer's ``apply_chat_template``, in the Jinja sandbox transformers uses (engine.tokenizer).
+through the tokenizer's ``apply_chat_template`` (engine.tokenizer), in the Jinja sandbox
+transformers uses.
 """
 from __future__ import annotations
 

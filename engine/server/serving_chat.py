@@ -119,6 +119,8 @@ class _Ctx:
     def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, stops: list[str]):
         self.state, self.body, self.rid, self.stops = state, body, rid, stops
         self.created = int(time.time())
+        self._frames = ChunkFrames(ChatCompletionChunk(id=rid, created=self.created, model=state.model_name,
+                                                       choices=[]))
 
     def _logprobs(self, token_ids, entries) -> ChatLogprobs | None:
         return chat_logprobs(token_ids, entries, self.body.top_logprobs or 0) if self.body.logprobs else None
@@ -150,8 +152,6 @@ class _Ctx:
     async def stream(self, stream: RequestStream):
         hooks, hold, sent_tokens, chunks, final = self.state.hooks, StopHoldback(self.stops), 0, 0, None
         try:
-            self._frames = ChunkFrames(ChatCompletionChunk(id=self.rid, created=self.created,
-                                                           model=self.state.model_name, choices=[]))
             yield self._chunk({"role": "assistant", "content": ""})  # OpenAI opens with the role
             async for out in stream:
                 c = out.outputs[0]

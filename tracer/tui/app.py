@@ -86,7 +86,7 @@ class TraceApp(App):
         self.stepping = False
         self.ticks = 0  # refreshes done (the overhead benchmark counts them)
         self.busy_ticks, self.busy_seconds = 0, 0.0  # refreshes, and time, with requests in flight
-        self._last_tick = None  # (time of the last refresh, whether requests were in flight then)
+        self._last_tick: float | None = None  # when the last refresh ran
         self.frame: Frame | None = None
         self._timer = None
         self._initial_pane = initial_pane or ("overview" if source.info.mode == "replay" else "startup")
@@ -169,8 +169,8 @@ class TraceApp(App):
         arrived = len(state.requests) > self._known  # (a short request may come and go between two refreshes)
         went_idle = not busy and (self._busy or arrived)
         went_busy = (busy or arrived) and not self._busy
-        self._busy, self._known = busy, len(state.requests)
         self._count_busy(busy)
+        self._busy, self._known = busy, len(state.requests)
         if went_busy and self._may_follow():
             self.show_pane("overview")
         if isinstance(self.screen, RequestScreen):
@@ -183,10 +183,10 @@ class TraceApp(App):
         """Refreshes per second while requests are in flight, what `serve` reports at exit (and
         benchmarks.tui_terminal reads): the rate that matters is the one under load."""
         now = time.monotonic()
-        if self._last_tick is not None and self._last_tick[1]:
-            self.busy_seconds += now - self._last_tick[0]
+        if self._busy and self._last_tick is not None:  # busy since the last refresh
+            self.busy_seconds += now - self._last_tick
         self.busy_ticks += busy
-        self._last_tick = (now, busy)
+        self._last_tick = now
 
     @property
     def busy_refresh_hz(self) -> float | None:
