@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -54,10 +55,18 @@ class Live:
             return {r["request_id"]: r["block_table"] for r in snap["waiting"] + snap["running"]}
         return {rid: r.block_ids for rid, r in self.engine.engine.requests.items()}
 
-    async def settle(self, pilot):
-        """One refresh of the TUI now (the timer would do it within 100 ms) and its redraw."""
+    async def settle(self, pilot, until=None, timeout: float = 5.0):
+        """One refresh of the TUI now (the timer would do it within 100 ms) and its redraw; with
+        `until` (a function of nothing), refreshes on until it returns true or `timeout` passes
+        (what a user sees within a few of the app's own refreshes: CI under load twice failed on
+        a check made after exactly one, which a person at the terminal never sees)."""
         self.app.tick()
         await pilot.pause()
+        deadline = time.monotonic() + timeout
+        while until is not None and not until() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            self.app.tick()
+            await pilot.pause()
 
 
 @pytest.fixture(params=["inproc", "mp"])

@@ -34,6 +34,15 @@ def footer_shows(app, key: str, description: str) -> bool:
                and k.region.right <= app.size.width for k in app.query(FooterKey))
 
 
+def shown_state(live) -> str:
+    """What the app and its source held when a check failed (for the CI log)."""
+    app, state = live.app, live.source.refresh()
+    panel = app.active_panel()
+    return (f"pane {app.panes.active!r} ({type(panel).__name__}, mounted {panel.is_mounted}, size {panel.size}), "
+            f"focused {app.focused!r}, ticks {app.ticks}, waiting {state.waiting}, running {state.running}, "
+            f"paused_at {state.paused_at}, controller {live.source.controller()}")
+
+
 def header(app) -> str:
     return shown(app.query_one(StatusHeader))
 
@@ -42,7 +51,9 @@ async def test_held_requests_wait_then_n_runs_exactly_one_step_and_fills_the_blo
     async with live.app.run_test(size=(120, 36)) as pilot:
         await live.submit()
         await pilot.press("2")
-        await live.settle(pilot)
+        table = live.app.query_one("#requests-table")
+        await live.settle(pilot, until=lambda: {"r0", "r1", "r2"} <= set(table.keys))
+        assert {"r0", "r1", "r2"} <= set(table.keys), shown_state(live)
         for rid in ("r0", "r1", "r2"):
             assert cells(live.app, rid)[1] == "waiting"
             assert "not scheduled yet" in cells(live.app, rid)[5]
@@ -103,13 +114,13 @@ async def test_k_stops_before_each_kernel_launch_and_the_kernels_panel_says_whic
             await pilot.press("k")
             points.append(await live.held())
         second = points[-1]
-        await live.settle(pilot)
+        panel = live.app.query_one(KernelsPanel)
+        await live.settle(pilot, until=lambda: "held before" in shown(panel.query_one("#kernels-head")))
         # a finer step also stops at the coarser points: between schedule and execute first
         assert [p.point for p in points] == ["execute", "kernel", "kernel"]
         assert len(live.source.refresh().kernels) == 1  # the first launch ran, the second is held before
-        panel = live.app.query_one(KernelsPanel)
         head = shown(panel.query_one("#kernels-head"))
-        assert f"held before {second.info['name']} (layer 0)" in head
+        assert f"held before {second.info['name']} (layer 0)" in head, shown_state(live)
         assert panel.query_one("#kernels-table").row_count == 1
         row = shown(panel.query_one("#kernels-table")).splitlines()[1]
         assert "reshape_and_cache_ref" in row and "key 37×4×32" in row  # full name; 11 + 25 + 1 tokens: the shapes
