@@ -65,7 +65,11 @@ def test_the_browser_view_shows_requests_and_takes_keys(model_cache, tmp_path):
                 wait_for(lambda: rid in screen_text(page), 30, "the request id in the browser")
             except AssertionError:
                 raise AssertionError(f"{rid} is not on the page:\n{screen_text(page)}") from None
-            assert "finished 1" in screen_text(page)  # the Overview opened by itself
+            # the request has finished (its answer is here): the page shows that within a few refreshes
+            try:
+                wait_for(lambda: "finished 1" in screen_text(page), 15, "the finished request in the header")
+            except AssertionError:
+                raise AssertionError(f"'finished 1' is not on the page:\n{screen_text(page)}") from None
 
             page.click(".textual-terminal")
             page.keyboard.press("2")  # the Requests panel: its column names, the request in it
