@@ -79,39 +79,66 @@ def quit_tui_server() -> str:
     raise RuntimeError("serve did not print its summary after q:\n" + text)
 
 
+def children(pid: int, pattern: str = "") -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid), *(["-f", pattern] if pattern else [])], capture_output=True,
+                         text=True).stdout
+    return [int(p) for p in out.split()]
+
+
 def tui_pids() -> dict[str, int]:
-    """The TUI server's API-server process (the pane's shell's child) and the tmux server, which
-    parses everything the TUI draws."""
+    """The TUI server's API-server process (the pane's shell's child), its engine core, and the
+    tmux server, which parses everything the TUI draws."""
     shell = int(tmux("display-message", "-p", "-t", SESSION, "#{pane_pid}").strip())
-    serve = int(subprocess.run(["pgrep", "-P", str(shell)], capture_output=True, text=True).stdout.split()[0])
-    return {"API server + TUI": serve, "tmux": int(tmux("display-message", "-p", "#{pid}").strip())}
+    serve = children(shell)[0]
+    return {"API server + TUI": serve, "core (traced)": children(serve, "engine.core_proc")[0],
+            "tmux": int(tmux("display-message", "-p", "#{pid}").strip())}
+
+
+def cpu_budget(cpu: dict[str, float], tokens: dict[str, int], wall: dict[str, float], target: float = 0.90) -> str:
+    """The CPU the machine spent per token in each mode (the servers, their cores, tmux and the
+    clients in this process), and what the target leaves the TUI when the machine is CPU-bound:
+    then tokens/s is cores / (CPU per token), so tui / off >= target needs the TUI's extra CPU
+    per token to stay under (1/target - 1) x off's."""
+    per = {m: cpu[m] / tokens[m] * 1e6 for m in cpu}
+    busy = {m: cpu[m] / wall[m] for m in cpu}
+    extra, budget = per["tui"] - per["off"], (1 / target - 1) * per["off"]
+    return (f"  machine CPU per token (servers, cores, tmux, clients): off {per['off']:.0f} us, tui {per['tui']:.0f} "
+            f"us; cores busy: off {busy['off']:.2f}, tui {busy['tui']:.2f} of {os.cpu_count()}\n"
+            f"  the TUI mode's extra CPU per token: {extra:.0f} us; a CPU-bound machine reaches {target} with at most "
+            f"{budget:.0f} us")
 
 
 async def run(args) -> None:
     workload = make_workload(args.requests, output_len=(args.min_tokens, args.max_tokens))
-    off_proc, off_url, _ = spawn_serve(args.model, args.threads)
+    off_proc, off_url, off_core = spawn_serve(args.model, args.threads)
     rates: dict[str, list[float]] = {"off": [], "tui": []}
     try:
         tui_url = start_tui_server(args.model, args.threads)
         for url in (off_url, tui_url):  # warm-up: first requests, the app's first busy redraws
             await http_run(url, args.model, make_workload(8))
         pids = tui_pids()
-        cpu = {name: 0.0 for name in pids} | {"API server, no TUI": 0.0}
-        pids["API server, no TUI"] = off_proc.pid
+        pids |= {"API server, no TUI": off_proc.pid, "core (untraced)": off_core}
+        cpu = {name: 0.0 for name in pids}
+        mode_cpu, mode_tokens, mode_wall = {"off": 0.0, "tui": 0.0}, {"off": 0, "tui": 0}, {"off": 0.0, "tui": 0.0}
         for rep in range(args.reps):
             for mode in (["off", "tui"] if rep % 2 == 0 else ["tui", "off"]):
                 if mode == "tui":
                     tmux("send-keys", "-t", SESSION, "2")  # the Requests panel, chosen (the app won't switch away)
                     await asyncio.sleep(0.5)
                 c0 = {name: proc_cpu(pid) for name, pid in pids.items()}
-                t0 = time.perf_counter()
+                t0, clients0 = time.perf_counter(), time.process_time()
                 tokens = await http_run(tui_url if mode == "tui" else off_url, args.model, workload)
                 if tokens == 0:
                     raise RuntimeError("the server generated no tokens: do --max-tokens and the prompts (up to 96 "
                                        "tokens) fit the model's context?")
-                rates[mode].append(tokens / (time.perf_counter() - t0))
-                for name, pid in pids.items():
-                    cpu[name] += proc_cpu(pid) - c0[name]
+                seconds = time.perf_counter() - t0
+                rates[mode].append(tokens / seconds)
+                used = {name: proc_cpu(pid) - c0[name] for name, pid in pids.items()}
+                for name in pids:
+                    cpu[name] += used[name]
+                mode_cpu[mode] += sum(used.values()) + time.process_time() - clients0  # (the idle server's too)
+                mode_tokens[mode] += tokens
+                mode_wall[mode] += seconds
                 print(f"rep {rep} {mode:>3}: {rates[mode][-1]:8.1f} tokens/s ({tokens} tokens)", flush=True)
         summary = quit_tui_server()
     finally:
@@ -124,8 +151,8 @@ async def run(args) -> None:
           f"the TUI in a {160}x{48} tmux pane on its Requests panel")
     print(f"median tokens/s: off {statistics.median(rates['off']):.1f}, tui {statistics.median(rates['tui']):.1f}")
     print(f"  tui / off (median of per-repetition ratios) = {ratio:.3f}   (target >= 0.90)")
-    print("  CPU seconds over all repetitions: " + ", ".join(f"{name} {sec:.2f}" for name, sec in cpu.items())
-          + " (the core processes are alike in both modes)")
+    print("  CPU seconds over all repetitions: " + ", ".join(f"{name} {sec:.2f}" for name, sec in cpu.items()))
+    print(cpu_budget(mode_cpu, mode_tokens, mode_wall))
     if m:
         print(f"  TUI refreshes/s while requests were in flight: {m.group(1)} ({m.group(2)} refreshes in "
               f"{m.group(3)} s, warm-up included)   (target >= 10)")
