@@ -116,8 +116,8 @@ class LinesView(ScrollView):
         i = y + scroll_y
         width = self.scrollable_content_region.width
         if i >= len(self._strips):
-            return Strip.blank(width, self.rich_style)
-        return self._line(i).crop_extend(scroll_x, scroll_x + width, self.rich_style)
+            return Strip.blank(width, self.visual_style.rich_style)
+        return self._line(i).crop_extend(scroll_x, scroll_x + width, self.visual_style.rich_style)
 
 
 class FixedText(Widget):
@@ -146,9 +146,9 @@ class FixedText(Widget):
         width = self.size.width
         if width != self._width:
             console = self.app.console
-            base = self.rich_style  # the widget's own colours under the text's styles
+            base = self.visual_style.rich_style  # the widget's own colours under the text's styles
             self._lines = [Strip(line).apply_style(base)
                            for line in console.render_lines(self._text, console.options.update_width(width), pad=False)]
             self._width = width
         line = self._lines[y] if y < len(self._lines) else Strip([])
-        return line.crop_extend(0, width, self.rich_style)
+        return line.crop_extend(0, width, self.visual_style.rich_style)

@@ -55,6 +55,6 @@ class LogView(ScrollView, can_focus=True):
         i = y + scroll_y - (self.max_lines - len(self.lines))  # the lines sit at the bottom
         width = self.scrollable_content_region.width
         if not 0 <= i < len(self.lines):
-            return Strip.blank(width, self.rich_style)
+            return Strip.blank(width, self.visual_style.rich_style)
         strip = Strip([Segment(text, style) for text, style in self.lines[i]])
-        return strip.crop_extend(scroll_x, scroll_x + width, self.rich_style)
+        return strip.crop_extend(scroll_x, scroll_x + width, self.visual_style.rich_style)

@@ -160,7 +160,7 @@ class RowList(ScrollView, can_focus=True):
             return self._header_strip(width, scroll_x, scroll_y)
         i = y - 1 + scroll_y
         if i >= len(self.texts):
-            return Strip.blank(width, self.rich_style)
+            return Strip.blank(width, self.visual_style.rich_style)
         focus = self.has_focus
         key = (self.texts[i], i == self.cursor, focus, width, scroll_x)
         strip = self._cache.get(key)
@@ -183,7 +183,7 @@ class RowList(ScrollView, can_focus=True):
         return strip
 
     def _strip(self, row: tuple, style: Style | None, width: int, scroll_x: int) -> Strip:
-        strip = Strip(_segments(row)).crop_extend(scroll_x, scroll_x + width, self.rich_style)
+        strip = Strip(_segments(row)).crop_extend(scroll_x, scroll_x + width, self.visual_style.rich_style)
         return strip.apply_style(style) if style else strip
 
     def _virtual_height(self) -> int:
