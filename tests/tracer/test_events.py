@@ -103,12 +103,15 @@ def test_the_bus_holds_each_event_as_its_trace_line():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.text(), st.one_of(st.none(), st.text(min_size=1)),
+@given(st.lists(st.tuples(st.text(), st.one_of(st.none(), st.text(min_size=1), st.integers(0, 99)),
                           st.dictionaries(st.text(), st.one_of(st.text(), st.integers(-2 ** 63, 2 ** 63 - 1),
-                                                               st.lists(st.integers(0, 50000)), st.none()))),
+                                                               st.floats(allow_nan=False, allow_infinity=False),
+                                                               st.lists(st.integers(0, 50000)), st.none(),
+                                                               st.dictionaries(st.text(), st.booleans())))),
                 max_size=20))
 def test_decode_lines_reads_joined_lines_as_decode_line_reads_each(items):
-    """Text with newlines, quotes and any Unicode inside: the bus decodes a run of lines at once."""
+    """Text with newlines, quotes and any Unicode inside: the bus decodes a run of lines at once
+    (msgspec, typed), as decode_line (orjson) reads each; a request id that is a number too."""
     lines = [encode_event(i, 10 ** 12 + i, "api", name, "instant", rid, i, attrs) for i, (name, rid, attrs) in
              enumerate(items)]
     assert decode_lines(b"".join(lines)) == [decode_line(x) for x in lines]
