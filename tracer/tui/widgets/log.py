@@ -95,7 +95,7 @@ class LogPanel(Panel):
     def on_mount(self) -> None:
         self.events: deque[Event] = deque(maxlen=KEEP)
         self.filter = LogFilter()
-        self._pending: list[Event] = []
+        self._pending: deque[Event] = deque(maxlen=KEEP)  # a list trimmed each refresh copied 2,000 pointers
         self._drawn_at = 0.0
         self.query_one("#log-filter").display = False
 
@@ -111,8 +111,6 @@ class LogPanel(Panel):
             self._pending.append(note)
         self.events.extend(batch.events)
         self._pending.extend(batch.events)
-        if len(self._pending) > KEEP:
-            del self._pending[:-KEEP]
 
     def focus_list(self) -> None:
         self.query_one(LogView).focus()
@@ -126,7 +124,8 @@ class LogPanel(Panel):
             return  # busy: drawn by a later refresh
         self._drawn_at = now
         log = self.query_one(LogView)
-        pending, self._pending = self._pending, []
+        pending = list(self._pending)
+        self._pending.clear()
         f = self.filter
         if not f.words:  # layers and a request id need no formatting: cut first, format the newest
             pending = [ev for ev in pending if f.keep(ev, "")]
@@ -154,7 +153,7 @@ class LogPanel(Panel):
         self.filter = LogFilter.parse(text)
         log = self.query_one(LogView)
         log.clear()
-        self._pending = list(self.events)
+        self._pending = deque(self.events, maxlen=KEEP)
         self.show(limit=KEEP)
 
     def key_escape(self) -> None:
