@@ -310,7 +310,7 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
     import uvicorn
 
     from engine.async_engine import AsyncLLMEngine
-    from engine.gc_utils import freeze_gc_heap
+    from engine.gc_utils import freeze_gc_heap, raise_young_threshold
     from engine.hooks import BEGIN, END
     from engine.server import build_app
     from engine.server.chat_template import load_chat_template
@@ -421,6 +421,7 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
         )
     _banner(args, name, url, control_refusal(args.host, args.api_key), session)
     freeze_gc_heap()  # the front end's startup heap (FastAPI, Textual): see engine.gc_utils
+    raise_young_threshold()  # it decodes and folds every event: see engine.gc_utils
     web = None
     if args.web_port is not None:
         from tracer.tui.web import WebView
