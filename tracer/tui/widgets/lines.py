@@ -101,8 +101,21 @@ class LinesView(ScrollView):
             if key is not None:
                 cache[key] = lines
             strips.extend(lines)
-        self._strips, self._cache, self._width = strips, cache, width
-        self._resize_virtual(width)
+        old, self._strips, self._cache, self._width = self._strips, strips, cache, width
+        if not self._resize_virtual(width, repaint=False):
+            self.refresh()
+            return
+        # Only the lines that changed are painted again: a streaming request's detail changes a
+        # few of its lines (the counts, the text, the timeline's last rows), and Textual styles
+        # every painted line anew (~0.2 ms each under load).
+        start = None
+        for i in range(max(len(old), len(strips)) + 1):
+            same = i >= len(old) and i >= len(strips) or (i < len(old) and i < len(strips) and old[i] == strips[i])
+            if not same and start is None:
+                start = i
+            elif same and start is not None:
+                self.refresh_lines(start, i - start)
+                start = None
 
     def on_resize(self) -> None:
         if self.scrollable_content_region.width != self._width and self._content:
