@@ -103,7 +103,7 @@ class RowList(ScrollView, can_focus=True):
         keys, texts = [k for k, _ in rows], [t for _, t in rows]
         changed = header != self.header or keys != self.keys
         if not changed:
-            dirty = [i for i, (a, b) in enumerate(zip(texts, self.texts)) if a != b]
+            dirty = {i for i, (a, b) in enumerate(zip(texts, self.texts)) if a != b}
         self.header, self.keys, self.texts = header, keys, texts
         size = Size(1 + sum(len(t) + 2 for t, _ in header), self._virtual_height())
         if size != self.virtual_size:
@@ -115,9 +115,14 @@ class RowList(ScrollView, can_focus=True):
         if changed or len(self._cache) > 4 * len(keys) + 64:  # drop lines of rows that are gone
             self._cache.clear()
             self.refresh()
-        else:
-            for i in dirty:
-                self.refresh_line(i + 1)  # row i is drawn under the header
+        else:  # one region per run of changed rows (under load: all of them, one call)
+            start = None
+            for i in range(len(texts) + 1):
+                if i < len(texts) and i in dirty:
+                    start = i if start is None else start
+                elif start is not None:
+                    self.refresh_lines(start + 1, i - start)  # row i is drawn under the header
+                    start = None
         if self.cursor_key != old_key and self.cursor_key is not None:
             self.post_message(self.Highlighted(self, self.cursor_key))
 
