@@ -120,18 +120,22 @@ async def run(args) -> None:
         pids |= {"API server, no TUI": off_proc.pid, "core (untraced)": off_core}
         cpu = {name: 0.0 for name in pids}
         mode_cpu, mode_tokens, mode_wall = {"off": 0.0, "tui": 0.0}, {"off": 0, "tui": 0}, {"off": 0.0, "tui": 0.0}
+        # each API server's main thread (its event loop: HTTP, and the TUI's refreshes), in its own mode's reps
+        loop_pid, loop_cpu = {"off": off_proc.pid, "tui": pids["API server + TUI"]}, {"off": 0.0, "tui": 0.0}
         for rep in range(args.reps):
             for mode in (["off", "tui"] if rep % 2 == 0 else ["tui", "off"]):
                 if mode == "tui":
                     tmux("send-keys", "-t", SESSION, "2")  # the Requests panel, chosen (the app won't switch away)
                     await asyncio.sleep(0.5)
                 c0 = {name: proc_cpu(pid) for name, pid in pids.items()}
+                loop0 = proc_cpu(loop_pid[mode], loop_pid[mode])
                 t0, clients0 = time.perf_counter(), time.process_time()
                 tokens = await http_run(tui_url if mode == "tui" else off_url, args.model, workload)
                 if tokens == 0:
                     raise RuntimeError("the server generated no tokens: do --max-tokens and the prompts (up to 96 "
                                        "tokens) fit the model's context?")
                 seconds = time.perf_counter() - t0
+                loop_cpu[mode] += proc_cpu(loop_pid[mode], loop_pid[mode]) - loop0
                 rates[mode].append(tokens / seconds)
                 used = {name: proc_cpu(pid) - c0[name] for name, pid in pids.items()}
                 for name in pids:
@@ -153,6 +157,14 @@ async def run(args) -> None:
     print(f"  tui / off (median of per-repetition ratios) = {ratio:.3f}   (target >= 0.90)")
     print("  CPU seconds over all repetitions: " + ", ".join(f"{name} {sec:.2f}" for name, sec in cpu.items()))
     print(cpu_budget(mode_cpu, mode_tokens, mode_wall))
+    loop = {mode: loop_cpu[mode] / mode_tokens[mode] * 1e6 for mode in loop_cpu}
+    line = (f"  the API server's event loop (main thread), CPU per token: {loop['tui']:.0f} us with the TUI, "
+            f"{loop['off']:.0f} us without")
+    if m:
+        refreshes = float(m.group(1)) * mode_wall["tui"]  # (the rate is the TUI's own count while busy)
+        share = loop_cpu["tui"] - loop_cpu["off"] * mode_tokens["tui"] / mode_tokens["off"]
+        line += f"; the TUI's share: {share / refreshes * 1e3:.1f} ms a refresh"
+    print(line)
     if m:
         print(f"  TUI refreshes/s while requests were in flight: {m.group(1)} ({m.group(2)} refreshes in "
               f"{m.group(3)} s, warm-up included)   (target >= 10)")

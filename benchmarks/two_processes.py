@@ -71,9 +71,10 @@ class Core:
             self.session.close()
 
 
-def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a process has used, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def proc_cpu(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) a process (or one of its threads: tid) has used, from /proc."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
