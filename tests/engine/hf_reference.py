@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -24,6 +25,14 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
             new = []
             for _ in range(max_new_tokens):
                 new.append(int(out.logits[0, -1].argmax()))
-                out = model(torch.tensor([[new[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+                out = model(torch.tensor([[new[-1]]]), **_cache_kwargs(model, out), use_cache=True)
             outs.append(new)
     return outs
+
+
+def _cache_kwargs(model, out) -> dict:
+    """The KV cache handed back: transformers 5.24 renamed `past_key_values` to `cache` (the old
+    name warns, and goes in 5.40); earlier 5.x has only the old one."""
+    if "cache" in inspect.signature(type(model).forward).parameters:
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}
