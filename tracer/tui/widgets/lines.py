@@ -37,6 +37,7 @@ class LinesView(ScrollView):
         self._strips: list[Strip | None] = []  # None: not drawn yet (update_rows)
         self._rows: list[list[Segment]] = []
         self._width = 0
+        self._rewrap_due = False
 
     @property
     def text(self) -> str:
@@ -117,6 +118,12 @@ class LinesView(ScrollView):
                 self.refresh_lines(start, i - start)
                 start = None
 
+    def _rewrap(self) -> None:
+        self._rewrap_due = False
+        if self.scrollable_content_region.width != self._width and self._content:
+            self._cache.clear()
+            self._render_strips()
+
     def on_resize(self) -> None:
         if self.scrollable_content_region.width != self._width and self._content:
             self._cache.clear()
@@ -128,6 +135,12 @@ class LinesView(ScrollView):
         scroll_x, scroll_y = self.scroll_offset
         i = y + scroll_y
         width = self.scrollable_content_region.width
+        if self._content and width != self._width and width > 0 and not self._rewrap_due:
+            # A vertical scrollbar came (or went) since the text was wrapped: the widget's size did
+            # not change, so no resize says so. Wrapped to the old width, it would overflow by the
+            # bar's width and grow a horizontal scrollbar (seen, now and then, in a snapshot).
+            self._rewrap_due = True
+            self.call_after_refresh(self._rewrap)
         if i >= len(self._strips):
             return Strip.blank(width, self.visual_style.rich_style)
         return self._line(i).crop_extend(scroll_x, scroll_x + width, self.visual_style.rich_style)
