@@ -1,12 +1,17 @@
 """The TUI's cost in a real terminal: `vllm-trace serve` with its TUI drawing into a tmux pane
-(160x48, the Requests panel shown) against `serve --no-tui --no-trace`, both with the engine
-core in its own process, answering the same 64 streaming HTTP clients. Issue 15's target:
+(160x48, the Requests panel shown) against `serve --no-tui` (tracing on, as `serve` traces by
+default) and `serve --no-tui --no-trace`, all with the engine core in its own process, answering
+the same 64 streaming HTTP clients. Issue 15's targets (tokens per wall second):
 
-    tui / off >= 0.90 (tokens per wall second), and >= 10 refreshes/s while requests are in flight
+    tui / traced >= 0.90: the TUI on / off, everything else equal (#6 measured it against --no-tui)
+    traced / off >= 0.90: tracing on / off
+    >= 10 refreshes/s while requests are in flight
+
+It also prints tui / off: the TUI and the tracing it cannot run without, together.
 
     python -m benchmarks.tui_terminal [--reps 5] [--requests 64]
 
-The two servers stay up for the whole run and take turns (the order rotates each repetition).
+The three servers stay up for the whole run and take turns (the order rotates each repetition).
 Before each TUI repetition the benchmark presses `2` in the pane, as a user would, so the
 Requests panel is the one drawing. The refresh rate is the TUI's own count, printed by `serve`
 when it quits (`q`): refreshes per second of the time requests were in flight. The clients run
@@ -94,43 +99,56 @@ def tui_pids() -> dict[str, int]:
             "tmux": int(tmux("display-message", "-p", "#{pid}").strip())}
 
 
-def cpu_budget(cpu: dict[str, float], tokens: dict[str, int], wall: dict[str, float], target: float = 0.90) -> str:
+MODES = {"off": "serve --no-tui --no-trace", "traced": "serve --no-tui", "tui": "serve (TUI)"}
+
+
+def cpu_budget(cpu: dict[str, float], tokens: dict[str, int], wall: dict[str, float], base: str,
+               target: float = 0.90) -> str:
     """The CPU the machine spent per token in each mode (the servers, their cores, tmux and the
     clients in this process), and what the target leaves the TUI when the machine is CPU-bound:
-    then tokens/s is cores / (CPU per token), so tui / off >= target needs the TUI's extra CPU
-    per token to stay under (1/target - 1) x off's."""
+    then tokens/s is cores / (CPU per token), so tui / base >= target needs the TUI's extra CPU
+    per token to stay under (1/target - 1) x base's."""
     per = {m: cpu[m] / tokens[m] * 1e6 for m in cpu}
     busy = {m: cpu[m] / wall[m] for m in cpu}
-    extra, budget = per["tui"] - per["off"], (1 / target - 1) * per["off"]
-    return (f"  machine CPU per token (servers, cores, tmux, clients): off {per['off']:.0f} us, tui {per['tui']:.0f} "
-            f"us; cores busy: off {busy['off']:.2f}, tui {busy['tui']:.2f} of {os.cpu_count()}\n"
-            f"  the TUI mode's extra CPU per token: {extra:.0f} us; a CPU-bound machine reaches {target} with at most "
-            f"{budget:.0f} us")
+    extra, budget = per["tui"] - per[base], (1 / target - 1) * per[base]
+    return ("  machine CPU per token (servers, cores, tmux, clients): "
+            + ", ".join(f"{m} {per[m]:.0f} us" for m in per) + "; cores busy: "
+            + ", ".join(f"{m} {busy[m]:.2f}" for m in busy) + f" of {os.cpu_count()}\n"
+            f"  the TUI's extra CPU per token over {base}: {extra:.0f} us; a CPU-bound machine reaches {target} with "
+            f"at most {budget:.0f} us")
+
+
+def ratio(rates: dict[str, list[float]], a: str, b: str) -> float:
+    return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
 
 
 async def run(args) -> None:
     workload = make_workload(args.requests, output_len=(args.min_tokens, args.max_tokens))
     off_proc, off_url, off_core = spawn_serve(args.model, args.threads)
-    rates: dict[str, list[float]] = {"off": [], "tui": []}
+    traced_proc, traced_url, traced_core = spawn_serve(args.model, args.threads, trace=True)
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     try:
-        tui_url = start_tui_server(args.model, args.threads)
-        for url in (off_url, tui_url):  # warm-up: first requests, the app's first busy redraws
+        urls = {"off": off_url, "traced": traced_url, "tui": start_tui_server(args.model, args.threads)}
+        for url in urls.values():  # warm-up: first requests, the app's first busy redraws
             await http_run(url, args.model, make_workload(8))
         pids = tui_pids()
-        pids |= {"API server, no TUI": off_proc.pid, "core (untraced)": off_core}
+        pids |= {"API server, no TUI": traced_proc.pid, "core (traced, no TUI)": traced_core,
+                 "API server, untraced": off_proc.pid, "core (untraced)": off_core}
         cpu = {name: 0.0 for name in pids}
-        mode_cpu, mode_tokens, mode_wall = {"off": 0.0, "tui": 0.0}, {"off": 0, "tui": 0}, {"off": 0.0, "tui": 0.0}
+        mode_cpu, mode_tokens, mode_wall = ({m: 0.0 for m in MODES}, {m: 0 for m in MODES}, {m: 0.0 for m in MODES})
         # each API server's main thread (its event loop: HTTP, and the TUI's refreshes), in its own mode's reps
-        loop_pid, loop_cpu = {"off": off_proc.pid, "tui": pids["API server + TUI"]}, {"off": 0.0, "tui": 0.0}
+        loop_pid = {"off": off_proc.pid, "traced": traced_proc.pid, "tui": pids["API server + TUI"]}
+        loop_cpu = {m: 0.0 for m in MODES}
+        order = list(MODES)
         for rep in range(args.reps):
-            for mode in (["off", "tui"] if rep % 2 == 0 else ["tui", "off"]):
+            for mode in order[rep % 3:] + order[:rep % 3]:  # each mode first, second and third in turn
                 if mode == "tui":
                     tmux("send-keys", "-t", SESSION, "2")  # the Requests panel, chosen (the app won't switch away)
                     await asyncio.sleep(0.5)
                 c0 = {name: proc_cpu(pid) for name, pid in pids.items()}
                 loop0 = proc_cpu(loop_pid[mode], loop_pid[mode])
                 t0, clients0 = time.perf_counter(), time.process_time()
-                tokens = await http_run(tui_url if mode == "tui" else off_url, args.model, workload)
+                tokens = await http_run(urls[mode], args.model, workload)
                 if tokens == 0:
                     raise RuntimeError("the server generated no tokens: do --max-tokens and the prompts (up to 96 "
                                        "tokens) fit the model's context?")
@@ -140,30 +158,35 @@ async def run(args) -> None:
                 used = {name: proc_cpu(pid) - c0[name] for name, pid in pids.items()}
                 for name in pids:
                     cpu[name] += used[name]
-                mode_cpu[mode] += sum(used.values()) + time.process_time() - clients0  # (the idle server's too)
+                mode_cpu[mode] += sum(used.values()) + time.process_time() - clients0  # (the idle servers' too)
                 mode_tokens[mode] += tokens
                 mode_wall[mode] += seconds
-                print(f"rep {rep} {mode:>3}: {rates[mode][-1]:8.1f} tokens/s ({tokens} tokens)", flush=True)
+                print(f"rep {rep} {mode:>6}: {rates[mode][-1]:8.1f} tokens/s ({tokens} tokens)", flush=True)
         summary = quit_tui_server()
     finally:
-        off_proc.terminate()
-        off_proc.wait(30)
+        for proc in (off_proc, traced_proc):
+            proc.terminate()
+            proc.wait(30)
         subprocess.run(["tmux", "-L", SOCKET, "kill-server"], capture_output=True)
-    ratio = statistics.median(t / o for t, o in zip(rates["tui"], rates["off"]))
     m = re.search(r"TUI: ([\d.]+) refreshes/s while requests were in flight \((\d+) in ([\d.]+) s\)", summary)
     print(f"\n{args.requests} streaming HTTP clients, {args.reps} repetitions, engine core in its own process, "
-          f"the TUI in a {160}x{48} tmux pane on its Requests panel")
-    print(f"median tokens/s: off {statistics.median(rates['off']):.1f}, tui {statistics.median(rates['tui']):.1f}")
-    print(f"  tui / off (median of per-repetition ratios) = {ratio:.3f}   (target >= 0.90)")
+          f"the TUI in a {160}x{48} tmux pane on its Requests panel; modes: "
+          + ", ".join(f"{m} = {what}" for m, what in MODES.items()))
+    print("median tokens/s: " + ", ".join(f"{m} {statistics.median(r):.1f}" for m, r in rates.items()))
+    print("  medians of per-repetition ratios:")
+    print(f"  tui / traced = {ratio(rates, 'tui', 'traced'):.3f}   the TUI on / off, tracing on in both, as `serve` "
+          f"against `serve --no-tui` (target >= 0.90)")
+    print(f"  traced / off = {ratio(rates, 'traced', 'off'):.3f}   tracing on / off, no TUI (target >= 0.90)")
+    print(f"  tui / off    = {ratio(rates, 'tui', 'off'):.3f}   both together: the TUI and the tracing it needs")
     print("  CPU seconds over all repetitions: " + ", ".join(f"{name} {sec:.2f}" for name, sec in cpu.items()))
-    print(cpu_budget(mode_cpu, mode_tokens, mode_wall))
+    print(cpu_budget(mode_cpu, mode_tokens, mode_wall, base="traced"))
     loop = {mode: loop_cpu[mode] / mode_tokens[mode] * 1e6 for mode in loop_cpu}
-    line = (f"  the API server's event loop (main thread), CPU per token: {loop['tui']:.0f} us with the TUI, "
-            f"{loop['off']:.0f} us without")
+    line = ("  the API server's event loop (main thread), CPU per token: "
+            + ", ".join(f"{mode} {us:.0f} us" for mode, us in loop.items()))
     if m:
         refreshes = float(m.group(1)) * mode_wall["tui"]  # (the rate is the TUI's own count while busy)
         share = loop_cpu["tui"] - loop_cpu["off"] * mode_tokens["tui"] / mode_tokens["off"]
-        line += f"; the TUI's share: {share / refreshes * 1e3:.1f} ms a refresh"
+        line += f"; the TUI's share (tui - off): {share / refreshes * 1e3:.1f} ms a refresh"
     print(line)
     if m:
         print(f"  TUI refreshes/s while requests were in flight: {m.group(1)} ({m.group(2)} refreshes in "

@@ -107,11 +107,12 @@ async def part1(args, workload) -> None:
     print(f"  TUI refreshes/s during the runs: median {statistics.median(hz):.1f}, min {min(hz):.1f} (target >= 10)")
 
 
-def spawn_serve(model: str, threads: int, *flags: str) -> tuple[subprocess.Popen, str, int | None]:
+def spawn_serve(model: str, threads: int, *flags: str, trace: bool = False) -> tuple[subprocess.Popen, str, int | None]:
+    """serve --no-tui (and --no-trace unless trace): its process, URL and engine core's pid."""
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen([sys.executable, "-m", "tracer.cli", "serve", model, "--port", "0", "--no-tui",
-                             "--no-trace", *flags], cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True, env=env)
+                             *([] if trace else ["--no-trace"]), *flags], cwd=ROOT, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, env=env)
     core = None
     for line in proc.stderr:
         m = re.search(r"engine core pid (\d+)", line)
