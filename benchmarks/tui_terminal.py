@@ -95,7 +95,7 @@ def tui_pids() -> dict[str, int]:
     tmux server, which parses everything the TUI draws."""
     shell = int(tmux("display-message", "-p", "-t", SESSION, "#{pane_pid}").strip())
     serve = children(shell)[0]
-    return {"API server + TUI": serve, "core (traced)": children(serve, "engine.core_proc")[0],
+    return {"API server + TUI": serve, "core (TUI server)": children(serve, "engine.core_proc")[0],
             "tmux": int(tmux("display-message", "-p", "#{pid}").strip())}
 
 
@@ -132,7 +132,7 @@ async def run(args) -> None:
         for url in urls.values():  # warm-up: first requests, the app's first busy redraws
             await http_run(url, args.model, make_workload(8))
         pids = tui_pids()
-        pids |= {"API server, no TUI": traced_proc.pid, "core (traced, no TUI)": traced_core,
+        pids |= {"API server, no TUI": traced_proc.pid, "core (no TUI, traced)": traced_core,
                  "API server, untraced": off_proc.pid, "core (untraced)": off_core}
         cpu = {name: 0.0 for name in pids}
         mode_cpu, mode_tokens, mode_wall = ({m: 0.0 for m in MODES}, {m: 0 for m in MODES}, {m: 0.0 for m in MODES})

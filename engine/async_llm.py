@@ -212,6 +212,10 @@ class AsyncLLM:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
+            # Again, under the lock: the core may have died since the check above, and its monitor
+            # fails only the streams registered before it took the lock (this one would wait for ever).
+            if self.client.dead is not None:
+                raise EngineClosedError(self.client.dead)
             self._streams[request_id] = stream
             self.processor.add(request_id, text, ids, params)
             self._idle.clear()

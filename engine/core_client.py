@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 600.0  # model load and kernel warm-up happen before the handshake (a big model on CPU)
 CALL_TIMEOUT_S = 10.0
 POLL_MS = 100
+SEND_POLL_MS = 50  # a send that finds no room (the core not reading, or gone) checks the process this often
 
 
 def _pythonpath() -> str:
@@ -173,7 +174,16 @@ class MPClient:
         with self._send_lock:
             if self._closing:
                 raise RuntimeError("the engine core client is closed")
-            self._input.send_multipart((kind.value, payload), copy=False)
+            # Not a blocking send: a PUSH socket whose peer has gone blocks for ever, and this is
+            # often the event loop's thread. Wait for room while the core lives; once it is dead, say so.
+            while True:
+                try:
+                    self._input.send_multipart((kind.value, payload), zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    if self.proc is not None and self.proc.poll() is not None:
+                        raise RuntimeError(self._dead or self._why_dead(self.proc.returncode)) from None
+                    self._input.poll(SEND_POLL_MS, zmq.POLLOUT)
         return len(payload)
 
     def add_request(self, req: EngineCoreRequest, before: Callable[[int], None] | None = None) -> int:
@@ -235,12 +245,15 @@ class MPClient:
         except Exception:
             log.exception("handling a message from the engine core failed")
 
+    def _why_dead(self, exitcode: int | None) -> str:
+        return f"engine core died: {self._fatal}" if self._fatal else death_reason(exitcode)
+
     def _monitor(self) -> None:
         code = self.proc.wait()
         if self._closing:
             return
         time.sleep(0.05)  # let the output thread deliver what the core sent before it died
-        self._dead = f"engine core died: {self._fatal}" if self._fatal else death_reason(code)
+        self._dead = self._why_dead(code)
         if not self._ready.is_set():
             self._startup_error = self._startup_error or f"{self._dead} during startup"
             self._ready.set()

@@ -51,6 +51,7 @@ from engine.worker import NewRequestData, ScheduledReq, Worker, WorkerReply, Wor
 
 STARTUP_TIMEOUT_S = 600.0  # loading a big model's shard on the CPU
 STOP_TIMEOUT_S = 3.0
+SEND_POLL_MS = 50  # a send that finds no room checks whether its rank is still alive this often
 
 
 class WorkerDiedError(EngineDeadError):
@@ -293,13 +294,30 @@ class MultiprocExecutor(Executor):
             self.hooks.emit_many([tuple(e[:6]) for e in events], [e[6] for e in events])
 
     def _broadcast(self, kind: bytes, payload: bytes) -> None:
-        with self._send_lock:
-            for sock in self.inputs:
-                sock.send_multipart([kind, payload])
+        self._send_to(range(self.tensor_parallel_size), kind, payload)
 
     def _send(self, rank: int, kind: bytes, payload: bytes) -> None:
+        self._send_to([rank], kind, payload)
+
+    def _send_to(self, ranks, kind: bytes, payload: bytes) -> None:
+        """Raises WorkerDiedError if a rank is gone. Not blocking sends: a PUSH socket whose peer
+        has died blocks for ever, and here it would block holding the lock _mark_dead needs."""
         with self._send_lock:
-            self.inputs[rank].send_multipart([kind, payload])
+            died = next((why for rank in ranks if (why := self._push(rank, kind, payload))), None)
+        if died is not None:
+            self._fail(died)
+
+    def _push(self, rank: int, kind: bytes, payload: bytes) -> str | None:
+        sock, proc = self.inputs[rank], self.procs[rank]
+        while True:
+            try:
+                sock.send_multipart([kind, payload], zmq.NOBLOCK)
+                return None
+            except zmq.Again:  # no room: the rank is busy, or gone
+                code = proc.poll()
+                if code is not None:
+                    return f"worker rank {rank} died ({_how(code)})"
+                sock.poll(SEND_POLL_MS, zmq.POLLOUT)
 
     def _read(self) -> None:
         decode = msgspec.msgpack.Decoder(WorkerReply).decode

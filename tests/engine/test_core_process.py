@@ -141,3 +141,42 @@ def test_handshake_errors_raise_with_the_core_s_own_message_or_the_timeout():
     with pytest.raises(EngineStartupError, match="did not answer the handshake within 0 s"):
         slow.wait_ready(timeout=0.01)
     assert slow.client.proc.poll() is not None  # not left running
+
+
+def test_a_request_added_as_the_core_dies_is_refused_not_left_waiting():
+    """The race the kill test can lose under load: a request passes add_request's first check of
+    `dead`, then the core's monitor marks it dead and fails the streams it knows, before this one
+    is registered. Here the core is killed, and its death handled, exactly in that gap."""
+    import asyncio
+
+    from engine import SamplingParams
+    from engine.async_llm import AsyncLLM
+    from engine.core import EngineClosedError
+
+    llm = AsyncLLM(engine_config("tiny-gpt2-random")).start()
+    tokenize = llm._tokenize
+
+    def tokenize_then_die(prompt, request_id):
+        out = tokenize(prompt, request_id)
+        os.kill(llm.client.pid, signal.SIGKILL)
+        deadline = time.monotonic() + DEADLINE
+        while llm.client.dead is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the monitor: dead set, the streams it knew failed (none)
+        return out
+
+    llm._tokenize = tokenize_then_die
+    raised = []
+
+    def add():  # on a thread of its own: a send that blocks for ever would block the test too
+        try:
+            asyncio.run(asyncio.wait_for(llm.add_request("late", "Hello", SamplingParams(max_tokens=2)), 10))
+        except BaseException as e:
+            raised.append(e)
+
+    t = threading.Thread(target=add, daemon=True)
+    t.start()
+    t.join(DEADLINE)
+    assert not t.is_alive(), "add_request blocked: sending to a dead core"
+    llm.stop(0)
+    assert len(raised) == 1 and isinstance(raised[0], EngineClosedError), raised
+    assert str(raised[0]) == "engine core died: signal 9"

@@ -171,6 +171,44 @@ def test_a_dead_worker_fails_the_engine_without_orphans():
     llm.shutdown()
 
 
+def test_a_send_to_a_dead_rank_raises_instead_of_blocking(tmp_path):
+    """A PUSH socket whose peer is gone blocks a plain send for ever; the executor holds its send
+    lock meanwhile, so the rank's death could never be marked. Its send says the rank died."""
+    import subprocess
+    import sys
+    import threading
+
+    import zmq
+
+    from engine.executor import MultiprocExecutor, WorkerDiedError
+
+    ex = MultiprocExecutor.__new__(MultiprocExecutor)  # just the plumbing: one rank, already dead
+    ex.tensor_parallel_size, ex.dead, ex.on_dead, ex._closing, ex._reruns = 1, None, None, False, {}
+    ex._send_lock, ex._dir, ex.ctx = threading.Lock(), str(tmp_path), zmq.Context()
+    ex.results = ex.ctx.socket(zmq.PULL)
+    sock = ex.ctx.socket(zmq.PUSH)
+    sock.bind(f"ipc://{tmp_path}/rank0")  # nobody connects: a send finds no room
+    ex.inputs = [sock]
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    proc.wait()
+    ex.procs, ex._reader = [proc], threading.Thread(target=lambda: None)
+    ex._reader.start()
+    raised = []
+
+    def send():
+        try:
+            ex._broadcast(b"step", b"")
+        except WorkerDiedError as e:
+            raised.append(e)
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "the send blocked"
+    assert [str(e) for e in raised] == ["worker rank 0 died (signal 9)"]
+    assert ex.dead == "worker rank 0 died (signal 9)"
+
+
 def _worker_pids() -> set[int]:
     pids = set()
     for d in os.listdir("/proc"):
