@@ -35,14 +35,13 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core_types import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityCall
-from engine.serial_utils import encoder, outputs_decoder
+from engine.serial_utils import encoder, outputs_decoder, send_while_alive
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 600.0  # model load and kernel warm-up happen before the handshake (a big model on CPU)
 CALL_TIMEOUT_S = 10.0
 POLL_MS = 100
-SEND_POLL_MS = 50  # a send that finds no room (the core not reading, or gone) checks the process this often
 
 
 def _pythonpath() -> str:
@@ -174,16 +173,10 @@ class MPClient:
         with self._send_lock:
             if self._closing:
                 raise RuntimeError("the engine core client is closed")
-            # Not a blocking send: a PUSH socket whose peer has gone blocks for ever, and this is
-            # often the event loop's thread. Wait for room while the core lives; once it is dead, say so.
-            while True:
-                try:
-                    self._input.send_multipart((kind.value, payload), zmq.NOBLOCK, copy=False)
-                    break
-                except zmq.Again:
-                    if self.proc is not None and self.proc.poll() is not None:
-                        raise RuntimeError(self._dead or self._why_dead(self.proc.returncode)) from None
-                    self._input.poll(SEND_POLL_MS, zmq.POLLOUT)
+            # (often on the event loop's thread: a core that just died must not block it for ever)
+            code = send_while_alive(self._input, (kind.value, payload), self.proc, copy=False)
+        if code is not None:
+            raise RuntimeError(self._why_dead(code))
         return len(payload)
 
     def add_request(self, req: EngineCoreRequest, before: Callable[[int], None] | None = None) -> int:

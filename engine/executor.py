@@ -46,12 +46,11 @@ from engine.core_types import EngineDeadError
 from engine.hooks import Hooks
 from engine.sampler import SamplerOutput
 from engine.scheduler import SchedulerOutput
-from engine.serial_utils import encoder
+from engine.serial_utils import encoder, send_while_alive
 from engine.worker import NewRequestData, ScheduledReq, Worker, WorkerReply, WorkerStep
 
 STARTUP_TIMEOUT_S = 600.0  # loading a big model's shard on the CPU
 STOP_TIMEOUT_S = 3.0
-SEND_POLL_MS = 50  # a send that finds no room checks whether its rank is still alive this often
 
 
 class WorkerDiedError(EngineDeadError):
@@ -300,24 +299,17 @@ class MultiprocExecutor(Executor):
         self._send_to([rank], kind, payload)
 
     def _send_to(self, ranks, kind: bytes, payload: bytes) -> None:
-        """Raises WorkerDiedError if a rank is gone. Not blocking sends: a PUSH socket whose peer
-        has died blocks for ever, and here it would block holding the lock _mark_dead needs."""
+        """Raises WorkerDiedError if a rank is gone (a plain send to it would block for ever,
+        holding the lock _mark_dead needs)."""
+        died = None
         with self._send_lock:
-            died = next((why for rank in ranks if (why := self._push(rank, kind, payload))), None)
+            for rank in ranks:
+                code = send_while_alive(self.inputs[rank], [kind, payload], self.procs[rank])
+                if code is not None:
+                    died = f"worker rank {rank} died ({_how(code)})"
+                    break
         if died is not None:
             self._fail(died)
-
-    def _push(self, rank: int, kind: bytes, payload: bytes) -> str | None:
-        sock, proc = self.inputs[rank], self.procs[rank]
-        while True:
-            try:
-                sock.send_multipart([kind, payload], zmq.NOBLOCK)
-                return None
-            except zmq.Again:  # no room: the rank is busy, or gone
-                code = proc.poll()
-                if code is not None:
-                    return f"worker rank {rank} died ({_how(code)})"
-                sock.poll(SEND_POLL_MS, zmq.POLLOUT)
 
     def _read(self) -> None:
         decode = msgspec.msgpack.Decoder(WorkerReply).decode

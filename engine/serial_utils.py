@@ -1,4 +1,5 @@
-"""msgpack encoding of the core's messages (msgspec), and the trace-event shipper.
+"""msgpack encoding of the core's messages (msgspec), the trace-event shipper, and the send
+that both ends of a PUSH socket to another process use (``send_while_alive``).
 
 Trace events cross the process boundary as plain tuples inside ``EngineCoreOutputs``; their
 attrs are almost always plain data already. What msgpack cannot say (a torch.Size, a dtype, a
@@ -8,12 +9,14 @@ from __future__ import annotations
 
 import enum
 import os
+import subprocess
 import time
 from collections import deque
 from itertools import repeat
 from typing import Any
 
 import msgspec
+import zmq
 
 from engine.core_types import EngineCoreOutputs
 from engine.hooks import Hooks
@@ -35,6 +38,25 @@ def encoder() -> msgspec.msgpack.Encoder:
 
 def outputs_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+
+SEND_POLL_MS = 50  # a send that finds no room (the peer busy, or gone) checks the process this often
+
+
+def send_while_alive(sock: zmq.Socket, frames, proc: subprocess.Popen | None, copy: bool = True) -> int | None:
+    """Send frames on a PUSH socket whose peer is the process proc; returns None once sent, or
+    proc's exit code if it died first. A plain send would block for ever once the peer is gone
+    (a PUSH socket with no peer never has room), on whatever thread, holding whatever lock.
+    Without a process (not started yet) it waits for room as a plain send does."""
+    while True:
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            return None
+        except zmq.Again:
+            code = proc.poll() if proc is not None else None
+            if code is not None:
+                return code
+            sock.poll(SEND_POLL_MS, zmq.POLLOUT)
 
 
 class EventShipper:

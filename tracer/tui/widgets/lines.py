@@ -118,17 +118,17 @@ class LinesView(ScrollView):
                 self.refresh_lines(start, i - start)
                 start = None
 
-    def _rewrap(self) -> None:
+    def _rewrap(self) -> bool:
+        """Wrap the text again if the width it has to fit changed; True if it did."""
         self._rewrap_due = False
-        if self.scrollable_content_region.width != self._width and self._content:
-            self._cache.clear()
-            self._render_strips()
+        if self.scrollable_content_region.width == self._width or not self._content:
+            return False
+        self._cache.clear()
+        self._render_strips()
+        return True
 
     def on_resize(self) -> None:
-        if self.scrollable_content_region.width != self._width and self._content:
-            self._cache.clear()
-            self._render_strips()
-        else:  # the height that fits without a scrollbar may have changed
+        if not self._rewrap():  # the height that fits without a scrollbar may have changed
             self._resize_virtual(self.virtual_size.width)
 
     def render_line(self, y: int) -> Strip:
