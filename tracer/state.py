@@ -35,6 +35,7 @@ from engine.trace_names import (
     CACHE_HIT,
     CLI,
     CONFIG,
+    CORE_DIED,
     DETOKENIZER,
     ENCODE,
     ENGINE,
@@ -44,6 +45,7 @@ from engine.trace_names import (
     FINISHED,
     FREE,
     HTTP,
+    IPC,
     KERNEL,
     MODEL_RUNNER,
     NEW_TOKENS,
@@ -146,6 +148,7 @@ class TraceState:
     num_events: int = 0
     events_missed: int = 0
     last_seq: int | None = None
+    engine_dead: str | None = None  # why the engine core died ("engine core died: signal 9"), once it has
 
     @property
     def kv_cache_usage(self) -> float:
@@ -547,7 +550,12 @@ def _tracer(s: TraceState, ev: Event) -> None:
         s.events_missed += _attrs(ev).get("count", 0)
 
 
+def _core_died(s: TraceState, ev: Event) -> None:
+    s.engine_dead = _attrs(ev).get("reason") or "the engine core died"
+
+
 _HANDLERS = {
+    (IPC, CORE_DIED): _core_died,
     (ENGINE, CONFIG): _config,
     (TOKENIZER, ENCODE): _encoded,
     (ENGINE, QUEUED): _queued,

@@ -352,3 +352,18 @@ async def test_the_tui_opens_the_overview_when_work_arrives_unless_a_panel_was_j
 def live_params(max_tokens: int):
     from engine import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("live", ["mp"], indirect=True)
+async def test_the_header_says_when_the_engine_core_dies(live):
+    import os
+    import signal
+
+    async with live.app.run_test(size=(160, 48)) as pilot:
+        await live.settle(pilot)
+        assert "RUNNING" in header(live.app) or "PAUSED" in header(live.app)
+        os.kill(live.engine.client.pid, signal.SIGKILL)
+        await live.settle(pilot, until=lambda: "ENGINE DEAD" in header(live.app), timeout=15)
+        assert "ENGINE DEAD" in header(live.app), shown_state(live)
+        assert "engine core died: signal 9: requests in flight failed, new ones get 503" in header(live.app)
+        assert "RUNNING" not in header(live.app) and "PAUSED" not in header(live.app)

@@ -69,7 +69,8 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
 | `←` / `→`, `home` / `end` | replay: step back / forward in time, jump to the first / last step |
 
 The header shows the model, device and attention backend, the engine's state (RUNNING,
-PAUSED, STEPPING; DISCONNECTED when an attached server went away), the step and phase, the
+PAUSED, STEPPING; DISCONNECTED when an attached server went away; ENGINE DEAD, with the reason
+on its second line, when the engine core died), the step and phase, the
 queues (`waiting 0 · running 3 · finished 1`, or `W0 R3 F1` on a narrow terminal) and the
 URL to send requests to. Its second line says what a held engine is waiting for.
 """

@@ -1,4 +1,4 @@
-"""The header: what is being traced, and whether the engine runs, is held or is stepping.
+"""The header: what is being traced, and whether the engine runs, is held, is stepping or died.
 
 Line one never wraps: the queue sizes are spelled out (`waiting 0 · running 3 · finished 1`)
 and abbreviated (`W0 R3 F1`), the title and then the URL dropped, only when the terminal is too
@@ -27,6 +27,8 @@ def engine_mode(frame: Frame, stepping: bool, mode: str, connected: bool = True)
     c = frame.controller
     if not connected:
         return "DISCONNECTED", "bold white on red"
+    if frame.state.engine_dead:
+        return "ENGINE DEAD", "bold white on red"
     if mode == "replay":
         return "REPLAY", "bold black on #61afef"
     if c.get("paused"):
@@ -94,6 +96,8 @@ class StatusHeader(FixedText):
         line.no_wrap, line.overflow = True, "ellipsis"
         if self.connection is not None:
             line.append(f"\n lost the server: {self.connection}; retrying", "bold red")
+        elif s.engine_dead:
+            line.append(f"\n {s.engine_dead}: requests in flight failed, new ones get 503", "bold red")
         elif c.get("paused") and c.get("reason"):
             line.append(f"\n {held_text(frame)}", "yellow")
         elif c.get("pause_requested"):
