@@ -96,7 +96,7 @@ def main() -> None:
     llm_path = str(LLM(args.model, num_kv_blocks=2).llm_engine.model_path)
     from pathlib import Path
 
-    from engine.model_loader import read_config
+    from engine.model_executor.model_loader import read_config
     cfg = read_config(Path(llm_path))
     work = make_workload(args.num_requests, vocab_size=cfg.vocab_size, seed=args.seed)
     print(f"model {args.model} ({cfg.n_layer} layers, {cfg.n_embd} wide), {len(work)} requests, "

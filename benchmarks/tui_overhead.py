@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.workload import make_workload, resolve_model
 from engine import LLM, Hooks
-from engine.async_engine import AsyncLLMEngine
+from engine.engine.async_engine import AsyncLLMEngine
 from tracer.session import TraceSession
 from tracer.tui.app import PANES
 from tracer.tui.measure import stream_load

@@ -95,7 +95,7 @@ def tui_pids() -> dict[str, int]:
     tmux server, which parses everything the TUI draws."""
     shell = int(tmux("display-message", "-p", "-t", SESSION, "#{pane_pid}").strip())
     serve = children(shell)[0]
-    return {"API server + TUI": serve, "core (TUI server)": children(serve, "engine.core_proc")[0],
+    return {"API server + TUI": serve, "core (TUI server)": children(serve, "engine.engine.core_proc")[0],
             "tmux": int(tmux("display-message", "-p", "#{pid}").strip())}
 
 

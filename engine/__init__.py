@@ -6,13 +6,13 @@
 """
 import importlib
 
-# Imported on first use (PEP 562), not here: `import engine.core_client` must not pay for torch
+# Imported on first use (PEP 562), not here: `import engine.engine.core_client` must not pay for torch
 # (~1.5 s), so that `serve` can start the engine-core process first and let it import torch while
 # the API server imports its own half, which never needs torch (tests/engine/test_tokenizer.py).
 _EXPORTS = {
     "engine.config": ("CacheConfig", "ConfigError", "EngineConfig", "ModelConfig", "SchedulerConfig"),
-    "engine.hooks": ("Hooks",), "engine.llm": ("LLM",), "engine.llm_engine": ("LLMEngine",),
-    "engine.model_loader": ("ModelNotFoundError", "NotAGPT2CheckpointError"),
+    "engine.hooks": ("Hooks",), "engine.entrypoints.llm": ("LLM",), "engine.engine.llm_engine": ("LLMEngine",),
+    "engine.model_executor.model_loader": ("ModelNotFoundError", "NotAGPT2CheckpointError"),
     "engine.outputs": ("CompletionOutput", "EngineStats", "Logprob", "RequestOutput"),
     "engine.sampling_params": ("SamplingParams", "SamplingParamsError"),
 }

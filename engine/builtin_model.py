@@ -2,7 +2,7 @@
 
 ``tiny-gpt2``: a small GPT-2 (4 layers, 192 wide, 3 heads, 512 positions) with a 4,096-token
 byte-level BPE tokenizer, trained on English documentation that ships with Python and with
-permissively licensed packages (``python -m engine.train_tiny_gpt2``; model card in the
+permissively licensed packages (``python -m engine.builtin.train_tiny_gpt2``; model card in the
 README). Its files are package data (``engine/builtin/tiny-gpt2/``) with a SHA256SUMS file
 that ``model_loader.check_checkpoint`` verifies, so it loads with no network through the same
 loader as any Hugging Face checkpoint.
@@ -52,7 +52,7 @@ def builtin_path(name: str = NAME) -> Path:
         if not (PACKAGED / "model.safetensors").exists():
             raise BuiltinModelMissingError(
                 f"the built-in model's files are missing from {PACKAGED} (an install without package data?). "
-                f"Reinstall vllm-trace, or rebuild them: python -m engine.train_tiny_gpt2")
+                f"Reinstall vllm-trace, or rebuild them: python -m engine.builtin.train_tiny_gpt2")
         return PACKAGED
     if name != RANDOM_NAME:
         raise ValueError(f"{name!r} is not a built-in model; those are {', '.join(NAMES)}")

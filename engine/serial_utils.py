@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.core_types import EngineCoreOutputs
+from engine.engine.core_types import EngineCoreOutputs
 from engine.hooks import Hooks
 
 

@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `python lessons/NN_x.py` from a checkout
 
 from engine.hooks import END  # noqa: E402
-from engine.model import GPT2Model  # noqa: E402
+from engine.model_executor.models.gpt2 import GPT2Model  # noqa: E402
 from lessons.framework import events_of, main, table  # noqa: E402
 
 TITLE = "From `vllm-trace serve` to ready"
@@ -154,7 +154,7 @@ def run(lesson) -> None:
     lesson.check(allocated == kv["bytes"], f"the cache tensors really occupy {allocated / 2**20:.0f} MiB")
     if engine.config.cache.num_kv_blocks is None and engine.config.cache.kv_cache_memory is None \
             and engine.device.type == "cpu":
-        from engine.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY as budget
+        from engine.core.kv_cache_utils import DEFAULT_CPU_KV_CACHE_MEMORY as budget
         lesson.check(kv["num_blocks"] == budget // per_block, f"num_blocks = {budget:,} byte budget // {per_block:,}")
     capacity = kv["num_blocks"] * kv["block_size"]
     usable = (kv["num_blocks"] - 1) * kv["block_size"]

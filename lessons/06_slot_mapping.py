@@ -7,7 +7,7 @@ from rich.markup import escape
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine.block_manager import NULL_BLOCK_ID
+from engine.core.block_manager import NULL_BLOCK_ID
 from engine.hooks import SNAPSHOT
 from lessons.framework import events_of, greedy, main, queues, table
 

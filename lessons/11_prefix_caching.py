@@ -4,7 +4,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine.block_manager import hash_block
+from engine.core.block_manager import hash_block
 from lessons.framework import greedy, main, table
 
 TITLE = "Prefix caching"

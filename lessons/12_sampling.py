@@ -9,7 +9,7 @@ import torch
 
 from engine import SamplingParams
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sample.sampler import Sampler
 from lessons.framework import main, table
 
 TITLE = "Sampling"

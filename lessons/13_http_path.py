@@ -10,10 +10,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 import httpx
 
 from engine import Hooks
-from engine.async_llm import AsyncLLM
-from engine.llm import engine_config
-from engine.server import build_app
-from engine.server.background import start_background
+from engine.engine.async_llm import AsyncLLM
+from engine.entrypoints.llm import engine_config
+from engine.entrypoints.openai import build_app
+from engine.entrypoints.openai.background import start_background
 from lessons.framework import events_of, main, table
 from tracer.journey import TWO_PROCESS_CHAIN, layer_path, missing_links, request_events
 from tracer.session import TraceSession

@@ -11,10 +11,10 @@ import httpx
 from rich.markup import escape
 
 from engine import SamplingParams
-from engine.async_engine import AsyncLLMEngine
-from engine.server import build_app
-from engine.server.background import start_background
-from engine.server.serving import StopHoldback
+from engine.engine.async_engine import AsyncLLMEngine
+from engine.entrypoints.openai import build_app
+from engine.entrypoints.openai.background import start_background
+from engine.entrypoints.openai.serving import StopHoldback
 from lessons.framework import events_of, main, table
 
 TITLE = "When a request stops"
@@ -162,7 +162,7 @@ def run(lesson) -> None:
         sent.append(delta)
         rows.append([step + 1, escape(repr(text)), escape(repr(delta)), escape(repr(text[hold.sent:]))])
     lesson.say("Streaming: each step the server gets the text so far and sends only what cannot be the start "
-               "of a stop string (`StopHoldback` in engine/server/serving.py). Otherwise it might send the "
+               "of a stop string (`StopHoldback` in engine/entrypoints/openai/serving.py). Otherwise it might send the "
                "first character of the stop string and could not take it back.")
     lesson.show(table(["step", "text so far", "sent now", "held back"], rows[max(0, i - 2):],
                       title=f"stop={escape(repr(stop))}: the last steps of the stream"))

@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.text import Text
 
 from engine import LLM
-from engine.async_engine import AsyncLLMEngine
-from engine.kv_cache import bytes_per_block
-from engine.server import build_app
-from engine.server.background import start_background
+from engine.core.kv_cache_utils import bytes_per_block
+from engine.engine.async_engine import AsyncLLMEngine
+from engine.entrypoints.openai import build_app
+from engine.entrypoints.openai.background import start_background
 from lessons.framework import greedy, main, table
 from tracer.commands import bench
 

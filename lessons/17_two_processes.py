@@ -12,9 +12,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 import msgspec
 
 from engine import LLM, Hooks, SamplingParams
-from engine.async_engine import AsyncLLMEngine
-from engine.async_llm import _wire_params
-from engine.core_types import EngineCoreRequest
+from engine.engine.async_engine import AsyncLLMEngine
+from engine.engine.async_llm import _wire_params
+from engine.engine.core_types import EngineCoreRequest
 from lessons.framework import events_of, greedy, main, table
 from tracer.session import TraceSession
 from tracer.tui.measure import stream_load

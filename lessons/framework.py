@@ -28,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine import LLM, Hooks, SamplingParams
-from engine.block_manager import NULL_BLOCK_ID
+from engine.core.block_manager import NULL_BLOCK_ID
 from engine.request import Request
 from tracer.events import Event
 from tracer.session import TraceSession

@@ -6,7 +6,7 @@
         ...                                       # tracing.controller.step(), tracing.state.view()
 
 Create the session before the engine, so the engine's startup is in the trace. With the
-engine core in another process (``engine.async_llm.AsyncLLM``), pass ``remote_control=True``
+engine core in another process (``engine.engine.async_llm.AsyncLLM``), pass ``remote_control=True``
 and give the engine ``session.core_options()``; once it is launched, ``session.bind(async_llm)``.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ engine must not depend on the tracer (design notes: kernels <- engine <- tracer)
 Reading (state, events, the breakpoint list) shows every user's prompts and outputs, so it
 goes through ``require_trace_read`` (the API key, or loopback-only without one); changing the
 engine's course through ``require_control`` (the same, and a POST must be JSON: see
-engine.server.security).
+engine.entrypoints.openai.security).
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.server.errors import ERROR_RESPONSES, APIError
-from engine.server.protocol import ErrorResponse, Text
-from engine.server.security import require_control, require_trace_read
+from engine.entrypoints.openai.errors import ERROR_RESPONSES, APIError
+from engine.entrypoints.openai.protocol import ErrorResponse, Text
+from engine.entrypoints.openai.security import require_control, require_trace_read
 from engine.trace_names import ENGINE, SCHEDULE, SCHEDULER, TRACER
 from tracer.bus import Subscription
 from tracer.conditions import Condition, parse_condition
@@ -177,7 +177,7 @@ async def trace_events(session: SessionDep, request: Request,
 # ---- step control ---------------------------------------------------------------------------
 class EmptyBody(BaseModel):
     """Pause and resume take no parameters, but their POST must be JSON (``{}``): see
-    engine.server.security.require_control."""
+    engine.entrypoints.openai.security.require_control."""
     model_config = ConfigDict(extra="allow")
 
 

@@ -7,7 +7,7 @@ system prompt and runs out of blocks (preemption) must produce the engine's own 
 from __future__ import annotations
 
 from engine import LLM, SamplingParams
-from engine.block_manager import NULL_BLOCK_ID, BlockManager
+from engine.core.block_manager import NULL_BLOCK_ID, BlockManager
 from engine.request import Request
 from lessons.exercises import Grader, greedy, learner_call
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import NULL_BLOCK_ID, BlockManager
+from engine.core.block_manager import NULL_BLOCK_ID, BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.builtin_model import NAME, PACKAGED, RANDOM_NAME, builtin_path
-from engine.model_loader import CHECKSUM_FILE, ChecksumMismatchError, resolve, verify_checksums
+from engine.model_executor.model_loader import CHECKSUM_FILE, ChecksumMismatchError, resolve, verify_checksums
 from engine.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,8 +147,8 @@ def test_most_generated_words_are_english(llm):
 
 
 def test_training_says_when_an_installed_package_would_change_the_corpus():
-    from engine.tiny_corpus import Source
-    from engine.train_tiny_gpt2 import ARTIFACT_DIR, version_drift
+    from engine.builtin.tiny_corpus import Source
+    from engine.builtin.train_tiny_gpt2 import ARTIFACT_DIR, version_drift
 
     trained = json.loads((ARTIFACT_DIR / "train_config.json").read_text())["sources"]
     same = [Source(s["name"], s["licence"], []) for s in trained]

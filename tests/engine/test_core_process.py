@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.core_client import EngineStartupError
-from engine.llm import engine_config
+from engine.engine.core_client import EngineStartupError
+from engine.entrypoints.llm import engine_config
 from tests.server.conftest import spawn_serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ def test_no_orphan_core_when_serve_dies(how):
 
 
 def test_a_core_that_cannot_start_is_one_line_not_a_hang(tmp_path):
-    from engine.model_loader import resolve
+    from engine.model_executor.model_loader import resolve
 
     broken = tmp_path / "broken-gpt2"
     shutil.copytree(resolve("tiny-gpt2"), broken)
@@ -130,7 +130,7 @@ def test_a_core_that_cannot_start_is_one_line_not_a_hang(tmp_path):
 
 
 def test_handshake_errors_raise_with_the_core_s_own_message_or_the_timeout():
-    from engine.async_llm import AsyncLLM
+    from engine.engine.async_llm import AsyncLLM
 
     llm = AsyncLLM(engine_config("tiny-gpt2"), core_options={"fail_startup": "no GPU left"})
     with pytest.raises(EngineStartupError, match="RuntimeError: no GPU left"):
@@ -150,8 +150,8 @@ def test_a_request_added_as_the_core_dies_is_refused_not_left_waiting():
     import asyncio
 
     from engine import SamplingParams
-    from engine.async_llm import AsyncLLM
-    from engine.core import EngineClosedError
+    from engine.engine.async_llm import AsyncLLM
+    from engine.engine.core import EngineClosedError
 
     llm = AsyncLLM(engine_config("tiny-gpt2-random")).start()
     tokenize = llm._tokenize

@@ -4,7 +4,7 @@ import torch
 
 from engine import SamplingParams
 from engine.request import Request
-from engine.sampler import Sampler, argmax
+from engine.sample.sampler import Sampler, argmax
 
 
 def test_seeded_request_same_alone_and_in_batch_of_8(llm):

@@ -13,7 +13,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.builtin_model import NAME, builtin_path
 from engine.config import ConfigError
-from engine.core_types import EngineDeadError
+from engine.engine.core_types import EngineDeadError
 from engine.hooks import Hooks
 from engine.trace_names import EXECUTE_MODEL, KERNEL, WORKER
 from tests.engine.hf_reference import hf_greedy
@@ -180,7 +180,7 @@ def test_a_send_to_a_dead_rank_raises_instead_of_blocking(tmp_path):
 
     import zmq
 
-    from engine.executor import MultiprocExecutor, WorkerDiedError
+    from engine.executor.multiproc_executor import MultiprocExecutor, WorkerDiedError
 
     ex = MultiprocExecutor.__new__(MultiprocExecutor)  # just the plumbing: one rank, already dead
     ex.tensor_parallel_size, ex.dead, ex.on_dead, ex._closing, ex._reruns = 1, None, None, False, {}
@@ -215,7 +215,7 @@ def _worker_pids() -> set[int]:
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if b"engine.worker_proc" in f.read():
+                    if b"engine.executor.worker_proc" in f.read():
                         pids.add(int(d))
             except OSError:
                 pass

@@ -113,7 +113,8 @@ def _builtin_pair():
 def test_the_api_server_never_imports_torch():
     """What serve's front end imports in two-process mode (the app, the client, the trace API, the
     config) leaves torch and transformers out: that is most of a second of startup on 2 cores."""
-    code = ("import sys; import engine.server, engine.async_llm, engine.config, tracer.trace_api, tracer.session; "
+    code = ("import sys; import engine.entrypoints.openai, engine.engine.async_llm, engine.config; "
+            "import tracer.trace_api, tracer.session; "
             "from engine.tokenizer import load_tokenizer; from engine.builtin_model import builtin_path; "
             "load_tokenizer(builtin_path()); print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

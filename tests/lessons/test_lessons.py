@@ -23,7 +23,7 @@ def test_lesson_runs_and_its_checks_pass(info, capsys):
 
 def test_paged_kv_cache_lesson_fails_if_blocks_are_over_allocated(monkeypatch, capsys):
     """Break the block manager: every request gets one block more than it needs."""
-    from engine.block_manager import BlockManager
+    from engine.core.block_manager import BlockManager
     original = BlockManager.blocks_needed
     monkeypatch.setattr(BlockManager, "blocks_needed", lambda self, n: original(self, n) + 1)
     module = importlib.import_module(lessons.find("paged_kv_cache").module)

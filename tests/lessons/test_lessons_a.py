@@ -8,7 +8,7 @@ from lessons.framework import main
 def test_slot_mapping_lesson_fails_if_slots_ignore_the_block_table(monkeypatch, capsys):
     """Break the model runner: every token's K/V goes to slot = position, as if each request's
     cache were contiguous from slot 0 (the block table is ignored)."""
-    from engine.model_runner import ModelRunner
+    from engine.worker.model_runner import ModelRunner
     original = ModelRunner.prepare_inputs
 
     def contiguous(self, sched):

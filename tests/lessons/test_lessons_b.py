@@ -13,7 +13,7 @@ class OldestFirst(list):
 
 
 def test_preemption_lesson_fails_if_the_oldest_request_is_preempted(monkeypatch, capsys):
-    from engine.scheduler import Scheduler
+    from engine.core.sched.scheduler import Scheduler
     original = Scheduler.__init__
 
     def init(self, *args, **kwargs):

@@ -16,7 +16,7 @@ def said(capsys) -> str:
 
 def test_paged_kv_cache_lesson_fails_if_block_0_is_handed_out(monkeypatch, capsys):
     """Break the block manager: block 0, the null block, goes back into the free queue."""
-    from engine.block_manager import BlockManager
+    from engine.core.block_manager import BlockManager
     original = BlockManager.__init__
 
     def init(self, *args, **kwargs):
@@ -32,14 +32,14 @@ def test_paged_kv_cache_lesson_fails_if_block_0_is_handed_out(monkeypatch, capsy
 def test_stopping_lesson_fails_if_min_tokens_only_delays_the_stop(monkeypatch, capsys):
     """Break the sampler as it was before vLLM's rule: stop tokens are sampled below min_tokens
     (and merely not obeyed), instead of being masked out."""
-    from engine.sampler import Sampler
+    from engine.sample.sampler import Sampler
     monkeypatch.setattr(Sampler, "_block_stop_tokens", staticmethod(lambda logits, requests, rows: logits))
     assert run_lesson("when_a_request_stops") == 1
     assert "claims: with min_tokens=" in said(capsys)
 
 
 def test_stopping_lesson_fails_if_streams_send_a_partial_stop_string(monkeypatch, capsys):
-    from engine.server.serving import StopHoldback
+    from engine.entrypoints.openai.serving import StopHoldback
     monkeypatch.setattr(StopHoldback, "_held", lambda self, text: 0)
     assert run_lesson("when_a_request_stops") == 1
     assert "a prefix of the stop string: it was held back" in said(capsys)
@@ -63,7 +63,7 @@ def test_stopping_lesson_holds_when_the_model_does_produce_eos(monkeypatch, caps
     """The built-in model may not produce EOS today; a trained one will. Make a token that greedy
     decoding does produce the EOS token, and the lesson's EOS branch must hold."""
     from engine import LLM, SamplingParams
-    from engine.llm_engine import LLMEngine
+    from engine.engine.llm_engine import LLMEngine
     out = LLM("tiny-gpt2", num_kv_blocks=16).generate("Once upon a time", SamplingParams(temperature=0, max_tokens=6),
                                                       use_tqdm=False)[0].outputs[0]
     eos = out.token_ids[3]

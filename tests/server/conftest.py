@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.server.background import start_background
+from engine.entrypoints.openai.background import start_background
 
 NUM_KV_BLOCKS = 48
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +59,7 @@ MODES = ["inproc", "mp"]
 @dataclass
 class Live:
     url: str
-    async_engine: object  # engine.async_engine.AsyncLLMEngine, or engine.async_llm.AsyncLLM in "mp"
+    async_engine: object  # engine.engine.async_engine.AsyncLLMEngine, or engine.engine.async_llm.AsyncLLM in "mp"
     model: str = "tiny-gpt2"
     mode: str = "inproc"
 
@@ -100,20 +100,20 @@ class Live:
 def make_engine(mode: str = "inproc", hooks=None, core_options=None, **kwargs):
     """An AsyncLLMEngine (inproc) or a started AsyncLLM (mp: its core launched from this thread)."""
     if mode == "mp":
-        from engine.async_llm import AsyncLLM
-        from engine.llm import engine_config
+        from engine.engine.async_llm import AsyncLLM
+        from engine.entrypoints.llm import engine_config
 
         llm = AsyncLLM(engine_config("tiny-gpt2", **kwargs), hooks, core_options=core_options)
         return llm.start()
     from engine import LLM
-    from engine.async_engine import AsyncLLMEngine
+    from engine.engine.async_engine import AsyncLLMEngine
 
     return AsyncLLMEngine(LLM("tiny-gpt2", hooks=hooks, **kwargs).llm_engine)
 
 
 @pytest.fixture(scope="session", params=MODES)
 def live(model_cache, request):
-    from engine.server import build_app
+    from engine.entrypoints.openai import build_app
 
     async_engine = make_engine(request.param, core_options={"trace": True}, num_kv_blocks=NUM_KV_BLOCKS)
     server, thread, url = start_server(build_app(async_engine, "tiny-gpt2"))

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from engine import SamplingParams
-from engine.async_engine import EngineClosedError
+from engine.engine.async_engine import EngineClosedError
 
 from .conftest import make_engine
 

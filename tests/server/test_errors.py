@@ -84,7 +84,7 @@ def test_rejected_requests_leave_nothing_behind(http, live):
 
 def test_api_key(live):
     """Same engine, a second app with a key (no lifespan: the live server owns the engine)."""
-    from engine.server import build_app
+    from engine.entrypoints.openai import build_app
 
     app = build_app(live.async_engine, "tiny-gpt2", api_key="s3cret", shutdown_engine=False)
     c = TestClient(app)

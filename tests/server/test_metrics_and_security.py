@@ -7,8 +7,8 @@ import pytest
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
-from engine.server.errors import install_error_handlers
-from engine.server.security import control_refusal, is_loopback, require_control
+from engine.entrypoints.openai.errors import install_error_handlers
+from engine.entrypoints.openai.security import control_refusal, is_loopback, require_control
 
 NAMES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
          "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from engine.server.input_processor import InputProcessor
+from engine.entrypoints.openai.input_processor import InputProcessor
 from tests.server.conftest import spawn_serve
 from tests.server.test_trace_api import DEADLINE, Send, t, traced, wait_for  # noqa: F401 (fixtures)
 from tracer.events import encode_event, json_safe

@@ -4,7 +4,7 @@ request holds blocks, and the cache is then untouched."""
 from __future__ import annotations
 
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
+from engine.core.block_manager import BlockManager
 from engine.request import Request
 
 PROMPT = "The first argument is the name of the file that the module reads. " * 3  # several full blocks

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from engine.server.protocol import (
+from engine.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatLogprobs,
     ChatStreamChoice,
@@ -16,7 +16,7 @@ from engine.server.protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from engine.server.serving import ChunkFrames, sse
+from engine.entrypoints.openai.serving import ChunkFrames, sse
 
 
 def _parse(frame: bytes | str) -> dict:

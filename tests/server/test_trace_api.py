@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from engine import Hooks
-from engine.server.errors import install_error_handlers
+from engine.entrypoints.openai.errors import install_error_handlers
 from tests.server.conftest import MODES, make_engine, start_server
 from tracer import trace_api
 from tracer.bus import EventBus
@@ -30,7 +30,7 @@ DEADLINE = 30.0
 def traced(model_cache, tmp_path_factory, request):
     """A live server with a TraceSession recording to a file (its own engine: tests here pause it),
     the engine core in this process (inproc) or in its own (mp: the controller is remote)."""
-    from engine.server import build_app
+    from engine.entrypoints.openai import build_app
 
     mode = request.param
     path = tmp_path_factory.mktemp("trace") / "serve.jsonl"

@@ -69,7 +69,7 @@ def test_workers_survive_json_and_clones():
 
 def test_a_real_two_rank_run_folds_to_the_engines_shards():
     from engine import LLM, Hooks, SamplingParams
-    from engine.model_loader import read_config, resolve
+    from engine.model_executor.model_loader import read_config, resolve
     from tracer.session import TraceSession
 
     hooks = Hooks()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine import LLM, Hooks, SamplingParams
-from engine.async_engine import AsyncLLMEngine
+from engine.engine.async_engine import AsyncLLMEngine
 from tracer.session import TraceSession
 from tracer.tui.app import TraceApp
 from tracer.tui.sources.base import SourceInfo
@@ -78,8 +78,8 @@ def live(model_cache, request):
     mp = request.param == "mp"
     session = TraceSession(hooks, start_paused=True, model="tiny-gpt2-random", remote_control=mp)
     if mp:
-        from engine.async_llm import AsyncLLM
-        from engine.llm import engine_config
+        from engine.engine.async_llm import AsyncLLM
+        from engine.entrypoints.llm import engine_config
 
         config = engine_config("tiny-gpt2-random", block_size=4, num_kv_blocks=64)
         engine = AsyncLLM(config, hooks, drain_timeout=0, core_options=session.core_options()).start()

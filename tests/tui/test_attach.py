@@ -12,8 +12,8 @@ import uvicorn
 trace_api = pytest.importorskip("tracer.trace_api", reason="the /trace/* router (tracer/trace_api.py) is not here yet")
 
 from engine import LLM, Hooks  # noqa: E402
-from engine.async_engine import AsyncLLMEngine  # noqa: E402
-from engine.server import build_app  # noqa: E402
+from engine.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from engine.entrypoints.openai import build_app  # noqa: E402
 from tracer.session import TraceSession  # noqa: E402
 from tracer.tui.app import TraceApp  # noqa: E402
 from tracer.tui.sources.remote import AttachError, RemoteSource  # noqa: E402

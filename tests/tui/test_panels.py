@@ -101,7 +101,7 @@ def test_a_bad_port_is_a_usage_error_not_a_traceback(capsys):
 
 
 def test_the_startup_hint_names_a_real_command():
-    from engine.model_loader import ModelNotFoundError, resolve
+    from engine.model_executor.model_loader import ModelNotFoundError, resolve
     with pytest.raises(ModelNotFoundError) as e:
         resolve("./nonexistent-model")
     assert "vllm-trace serve tiny-gpt2" in str(e.value) and "--model" not in str(e.value)

@@ -171,7 +171,7 @@ def test_the_perfetto_export_has_a_kernels_thread_per_rank(tmp_path):
 async def test_a_live_two_rank_engine_in_the_tui(model_cache):
     """The real thing: LLM(tensor_parallel_size=2) held, one step, then the panels."""
     from engine import LLM, Hooks, SamplingParams
-    from engine.async_engine import AsyncLLMEngine
+    from engine.engine.async_engine import AsyncLLMEngine
     from tests.tui.conftest import Live
     from tracer.session import TraceSession
     from tracer.tui.sources.base import SourceInfo

@@ -69,7 +69,7 @@ def register(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* and on trace control endpoints")
     h.add_argument("--chat-template", metavar="FILE", default=None,
                    help="Jinja chat template, as transformers uses (default: the tokenizer's own, else a plain "
-                        "'Role: content' transcript; see engine/server/chat_template.py)")
+                        "'Role: content' transcript; see engine/entrypoints/openai/chat_template.py)")
     h.add_argument("--drain-timeout", type=float, default=5.0,
                    help="on Ctrl-C or SIGTERM, seconds in-flight requests get to finish; then each ends with an "
                         "error (a stream: an error event and [DONE]). Again: abort them now (default 5)")
@@ -160,8 +160,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def build_engine(config, hooks):
     """The engine, warmed up, printing its stages live (a listener attached for startup only)."""
+    from engine.engine.llm_engine import LLMEngine
     from engine.gc_utils import freeze_gc_heap
-    from engine.llm_engine import LLMEngine
 
     unsubscribe = hooks.subscribe(_print_stage)
     try:
@@ -196,8 +196,8 @@ async def start_core(args, config, hooks, session, on_dead, core_proc=None):
     """The engine core in its own process (core_proc: spawned early, see run), its stages printed
     live; returns the AsyncLLM once the handshake is done. A core that cannot start is one line
     (UserError), not a hang."""
-    from engine.async_llm import AsyncLLM
-    from engine.core_client import EngineStartupError
+    from engine.engine.async_llm import AsyncLLM
+    from engine.engine.core_client import EngineStartupError
 
     options = session.core_options() if session is not None else {"trace": True}  # stages: shipped during startup
     async_llm = AsyncLLM(config, hooks, drain_timeout=args.drain_timeout, core_options=options, on_dead=on_dead,
@@ -232,7 +232,7 @@ def _config_summary(config) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.core_client import spawn_core_process
+    from engine.engine.core_client import spawn_core_process
     from engine.hooks import Hooks
     from tracer.tracelog import check_layers
 
@@ -309,12 +309,12 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, config, hooks, s
 async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, core_proc=None) -> int:
     import uvicorn
 
-    from engine.async_engine import AsyncLLMEngine
+    from engine.engine.async_engine import AsyncLLMEngine
+    from engine.entrypoints.openai import build_app
+    from engine.entrypoints.openai.chat_template import load_chat_template
+    from engine.entrypoints.openai.security import control_refusal
     from engine.gc_utils import freeze_gc_heap, raise_young_threshold
     from engine.hooks import BEGIN, END
-    from engine.server import build_app
-    from engine.server.chat_template import load_chat_template
-    from engine.server.security import control_refusal
     from tracer import trace_api
 
     died: list[str] = []  # why the engine core died, if it did (set on its monitor thread)

@@ -1,0 +1,48 @@
+"""The paged KV cache: per layer, one K and one V tensor of
+``[num_blocks, block_size, num_heads, head_size]``, sized from a memory budget. With tensor
+parallelism each rank holds the K/V of its own heads (n_head / N of them) for every block: the
+block ids, and so the block tables, are the same on every rank."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig
+from engine.model_executor.model_loader import GPT2Config
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024 * 1024
+
+
+def bytes_per_block(model: GPT2Config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """K and V, all layers, one block (on one rank: its n_head / tp_size heads)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.n_layer * block_size * (model.n_head // tp_size) * model.head_size * elem
+
+
+def num_blocks_for(cache: CacheConfig, model: GPT2Config, dtype: torch.dtype, device: torch.device,
+                   tp_size: int = 1) -> tuple[int, str]:
+    """How many blocks to allocate (on each rank, from each rank's budget), and a sentence saying why."""
+    per_block = bytes_per_block(model, cache.block_size, dtype, tp_size)
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks, f"num_kv_blocks={cache.num_kv_blocks} set exactly"
+    if cache.kv_cache_memory is not None:
+        budget, why = cache.kv_cache_memory, f"kv_cache_memory={cache.kv_cache_memory} bytes"
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * cache.gpu_memory_utilization) - used
+        why = (f"gpu_memory_utilization={cache.gpu_memory_utilization} of {total} bytes, "
+               f"{used} already in use")
+    else:
+        budget, why = DEFAULT_CPU_KV_CACHE_MEMORY, f"default CPU budget of {DEFAULT_CPU_KV_CACHE_MEMORY} bytes"
+    n = budget // per_block
+    if n < 2:  # block 0 is the null block: one more is the least a request can use
+        raise ValueError(f"KV-cache budget too small: {why} holds fewer than 2 blocks of {per_block} bytes "
+                         f"(block_size={cache.block_size}); raise kv_cache_memory or set num_kv_blocks")
+    return n, f"{why} / {per_block} bytes per block"
+
+
+def allocate_kv_cache(num_blocks: int, block_size: int, model: GPT2Config, dtype: torch.dtype,
+                      device: torch.device, tp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, model.n_head // tp_size, model.head_size)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model.n_layer)]

@@ -1,0 +1,259 @@
+"""The front end's side of the process boundary (vLLM V1's ``v1/engine/core_client.py``).
+
+``MPClient`` starts an ``EngineCoreProc`` (a fresh interpreter, ``python -m engine.engine.core_proc``,
+as multiprocessing's 'spawn' would, but without re-running the caller's ``__main__``: a
+lesson or a script needs no ``if __name__ == "__main__"`` guard), binds the two ZMQ
+sockets it connects to (ipc:// files in a private temporary directory), and then runs two
+threads of its own:
+
+    output IO      recv + decode EngineCoreOutputs, hand each to on_message
+    death monitor  waits on the process; on an unplanned exit, on_dead("engine core died: signal 9")
+
+Sends (ADD, ABORT, UTILITY) come from any thread, under one lock (ZMQ sockets are not
+thread-safe). ``call`` is a utility call that waits for its answer (which the core sends
+after every trace event emitted before it, so what the caller sees next is consistent).
+
+Start it from a thread that lives as long as the client (the main thread): on Linux the
+core's PR_SET_PDEATHSIG fires when the *thread* that started it ends.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.engine.core_types import (
+    EngineCoreAbort,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityCall,
+)
+from engine.serial_utils import encoder, outputs_decoder, send_while_alive
+from engine.utils import child_pythonpath
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 600.0  # model load and kernel warm-up happen before the handshake (a big model on CPU)
+CALL_TIMEOUT_S = 10.0
+POLL_MS = 100
+
+
+
+
+def spawn_core_process() -> subprocess.Popen:
+    """Start ``python -m engine.engine.core_proc``. It imports torch and the engine at once, then waits on
+    stdin for its arguments (MPClient.launch sends them), so a caller that spawns it first
+    overlaps the two processes' imports (serve: ready ~2.5 s sooner on 2 cores). Its own process
+    group: a Ctrl-C at the terminal reaches the front end only, which stops the core in order."""
+    return subprocess.Popen([sys.executable, "-m", "engine.engine.core_proc"], stdin=subprocess.PIPE,
+                            env=os.environ | {"PYTHONPATH": child_pythonpath()}, process_group=0)
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core failed to start: its own error, its death, or a handshake timeout."""
+
+
+def death_reason(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"engine core died: signal {-exitcode}"
+    return f"engine core died: exit code {exitcode}"
+
+
+class MPClient:
+    """An engine core in another process (see the module docstring).
+
+    on_message(msg, nbytes) runs on the output IO thread for every message after the
+    handshake, and for the trace events the core ships during startup; on_dead(reason) once
+    if the process exits while the client is not shutting it down."""
+
+    def __init__(self, config: EngineConfig, on_message: Callable[[EngineCoreOutputs, int], None],
+                 on_dead: Callable[[str], None], options: dict | None = None, proc: subprocess.Popen | None = None):
+        self.config, self.options = config, dict(options or {})
+        self._spawned = proc  # from spawn_core_process(), started early; None: launch() starts one
+        self.on_message, self.on_dead = on_message, on_dead
+        self.ready: dict | None = None  # the handshake: num_blocks, block_size, max_model_len, pid, ...
+        self.proc: subprocess.Popen | None = None
+        self._dir = tempfile.mkdtemp(prefix="vllm-trace-")
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._input.bind(f"ipc://{self._dir}/input")
+        self._output.bind(f"ipc://{self._dir}/output")
+        self._send_lock = threading.Lock()
+        self._encode = encoder().encode
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count(1)
+        self._ready = threading.Event()
+        self._startup_error: str | None = None
+        self._closing = False  # no more sends, the output thread ends
+        self._shutdown_lock, self._shut_down = threading.Lock(), False
+        self._dead: str | None = None
+        self._fatal: str | None = None  # why the core said it exits (a worker died), before it did
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def dead(self) -> str | None:
+        """Why the core died, or None while it lives (or was shut down on purpose)."""
+        return self._dead
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def launch(self) -> None:
+        """Start the process and the IO threads; returns at once (see wait_ready)."""
+        args = (self.config, f"ipc://{self._dir}/input", f"ipc://{self._dir}/output", os.getpid(), self.options)
+        self.proc = self._spawned if self._spawned is not None else spawn_core_process()
+        self.proc.stdin.write(pickle.dumps(args))
+        self.proc.stdin.close()
+        for target, name in ((self._output_loop, "core-output-io"), (self._monitor, "core-monitor")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def wait_ready(self, timeout: float = HANDSHAKE_TIMEOUT_S) -> dict:
+        """Block until the handshake; raises EngineStartupError with one line saying why not."""
+        if not self._ready.wait(timeout):
+            self.shutdown(0)
+            raise EngineStartupError(f"the engine core did not answer the handshake within {timeout:.0f} s")
+        if self.ready is None:
+            self.shutdown(0)
+            raise EngineStartupError(self._startup_error or "the engine core failed to start")
+        return self.ready
+
+    def shutdown(self, drain_timeout: float = 0.0, timeout: float = 10.0) -> None:
+        """Stop the core (it aborts what it still holds, then exits), then the threads. Safe twice,
+        and from two threads at once (a drain's stop and a forced second stop): the second caller
+        waits for the first one's shutdown to finish; sockets are never closed under a send."""
+        with self._shutdown_lock:
+            if not self._shut_down:
+                self._shutdown(drain_timeout, timeout)
+                self._shut_down = True
+
+    def _shutdown(self, drain_timeout: float, timeout: float) -> None:
+        if self.proc is not None and self.proc.poll() is None and self.ready is not None and self._dead is None:
+            try:
+                self.call("shutdown", drain_timeout, timeout=timeout + drain_timeout)
+            except Exception:
+                pass
+        with self._send_lock:  # a send in progress finishes first; later ones see _closing
+            self._closing = True
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(2)
+        for fut in list(self._calls.values()):
+            if not fut.done():
+                fut.set_exception(EngineStartupError("the engine core stopped"))
+        self._ctx.destroy(linger=0)  # closes both sockets, then terminates
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- sends (any thread) -----------------------------------------------------------------
+    def _send(self, kind: EngineCoreRequestType, obj, before: Callable[[int], None] | None = None) -> int:
+        payload = self._encode(obj)
+        if before is not None:
+            before(len(payload))  # e.g. trace the send: before the answer can possibly be traced
+        with self._send_lock:
+            if self._closing:
+                raise RuntimeError("the engine core client is closed")
+            # (often on the event loop's thread: a core that just died must not block it for ever)
+            code = send_while_alive(self._input, (kind.value, payload), self.proc, copy=False)
+        if code is not None:
+            raise RuntimeError(self._why_dead(code))
+        return len(payload)
+
+    def add_request(self, req: EngineCoreRequest, before: Callable[[int], None] | None = None) -> int:
+        """Send an ADD. before(size in bytes) runs once it is encoded, before it is sent."""
+        return self._send(EngineCoreRequestType.ADD, req, before)
+
+    def abort_requests(self, request_ids: list[str], finish_reason: str = "abort", stop_reason: str | None = None,
+                       before: Callable[[int], None] | None = None) -> int:
+        return self._send(EngineCoreRequestType.ABORT, EngineCoreAbort(request_ids, finish_reason, stop_reason), before)
+
+    def call(self, method: str, *args: Any, wait: bool = True, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """A utility call in the core. With wait, its result (its error raised as RuntimeError)."""
+        if not wait:
+            self._send(EngineCoreRequestType.UTILITY, UtilityCall(0, method, list(args)))
+            return None
+        call_id, fut = next(self._call_ids), Future()
+        self._calls[call_id] = fut
+        try:
+            self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+            return fut.result(timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
+    # ---- threads ----------------------------------------------------------------------------
+    def _output_loop(self) -> None:
+        decode, sock = outputs_decoder().decode, self._output
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._closing:
+            try:
+                if not poller.poll(POLL_MS):
+                    continue
+                frame = sock.recv(copy=False)
+            except zmq.ZMQError:
+                return  # closed under us at shutdown
+            msg = decode(frame.buffer)
+            if msg.fatal is not None:
+                self._fatal = msg.fatal
+            if msg.ready is not None or msg.startup_error is not None:
+                self.ready, self._startup_error = msg.ready, msg.startup_error
+                self._deliver(msg, len(frame))  # its events: the core's last startup stages
+                self._ready.set()
+                continue
+            if msg.utility is not None:
+                fut = self._calls.get(msg.utility[0])
+                msg_util, msg.utility = msg.utility, None
+                self._deliver(msg, len(frame))  # events first: the caller then sees a consistent state
+                if fut is not None and not fut.done():
+                    call_id, ok, result = msg_util
+                    fut.set_result(result) if ok else fut.set_exception(RuntimeError(result))
+                continue
+            self._deliver(msg, len(frame))
+
+    def _deliver(self, msg: EngineCoreOutputs, nbytes: int) -> None:
+        # A failing observer (a trace listener) must not end this thread: nothing would read the
+        # core any more, and the handshake or every request would wait for ever.
+        try:
+            self.on_message(msg, nbytes)
+        except Exception:
+            log.exception("handling a message from the engine core failed")
+
+    def _why_dead(self, exitcode: int | None) -> str:
+        return f"engine core died: {self._fatal}" if self._fatal else death_reason(exitcode)
+
+    def _monitor(self) -> None:
+        code = self.proc.wait()
+        if self._closing:
+            return
+        time.sleep(0.05)  # let the output thread deliver what the core sent before it died
+        self._dead = self._why_dead(code)
+        if not self._ready.is_set():
+            self._startup_error = self._startup_error or f"{self._dead} during startup"
+            self._ready.set()
+        for fut in list(self._calls.values()):
+            if not fut.done():
+                fut.set_exception(RuntimeError(self._dead))
+        self.on_dead(self._dead)

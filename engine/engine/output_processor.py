@@ -1,0 +1,110 @@
+"""OutputProcessor: the API-server side of a request's outputs (vLLM V1's ``output_processor.py``).
+
+The core sends token ids; here they become text. Per request: incremental detokenization,
+stop strings (a match finishes the request and is returned so the caller aborts it in the
+core: the core cannot see text), logprobs as ``Logprob`` objects, and one ``RequestOutput``
+per step (or only the final one, for output_kind "final_only"). It traces what it does as
+the ``detokenizer`` layer's NEW_TOKENS, as the engine does in one process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.engine.core_types import EngineCoreOutput
+from engine.hooks import INSTANT, Hooks
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer
+from engine.trace_names import DETOKENIZER, NEW_TOKENS
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    text: str = ""
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+class OutputProcessor:
+    """Turns EngineCoreOutputs into RequestOutputs. Not thread-safe: one thread processes
+    (the client's output thread); add/remove from others go through the caller's lock."""
+
+    def __init__(self, tokenizer, hooks: Hooks):
+        self.tokenizer, self.hooks = tokenizer, hooks
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        det = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, det)
+
+    def remove(self, request_id: str) -> RequestState | None:
+        return self.requests.pop(request_id, None)
+
+    def process(self, outputs: list[EngineCoreOutput], step: int | None
+                ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """(the RequestOutputs to hand out, the (request id, stop string) of requests a stop
+        string finished, to abort in the core)."""
+        results, stopped = [], []
+        traced = [] if self.hooks.active else None
+        for out in outputs:
+            st = self.requests.get(out.request_id)
+            if st is None:
+                continue  # finished here already (a stop string), or aborted
+            piece = self._append(st, out)
+            finish, stop_reason = out.finish_reason, out.stop_reason
+            cut = None
+            if finish != "stop":  # eos and stop tokens were checked first in the core
+                stop = self._match_stop(st, len(piece))
+                if stop is not None:
+                    finish, stop_reason, cut = "stop", stop, st.text
+                    if out.finish_reason is None:
+                        stopped.append((st.request_id, stop))
+            if traced is not None:
+                attrs = {"token_ids": out.new_token_ids, "text": piece}
+                if cut is not None:  # the core's FINISHED has no text: the trace learns the cut here
+                    attrs |= {"stop": stop_reason, "text_after_stop": cut}
+                traced.append((DETOKENIZER, NEW_TOKENS, INSTANT, st.request_id, step, attrs))
+            if finish is not None:
+                del self.requests[st.request_id]
+            if finish is not None or st.params.output_kind != "final_only":
+                results.append(self._output(st, finish, stop_reason))
+        if traced:
+            self.hooks.emit_many(traced)
+        return results, stopped
+
+    def _append(self, st: RequestState, out: EngineCoreOutput) -> str:
+        pieces = [st.detokenizer.add(tok) for tok in out.new_token_ids]
+        st.token_ids += out.new_token_ids
+        st.text = st.detokenizer.text
+        if out.new_logprobs is not None:
+            st.logprobs += [{t: Logprob(lp, rank, dec) for t, lp, rank, dec in entry} for entry in out.new_logprobs]
+        if out.metrics:
+            st.metrics |= out.metrics
+        st.num_cached_tokens = out.num_cached_tokens
+        return "".join(pieces)
+
+    def _match_stop(self, st: RequestState, new_chars: int) -> str | None:
+        p = st.params
+        if not p.stop_strs or len(st.token_ids) < p.min_tokens:
+            return None
+        for stop in p.stop_strs:
+            # only the new tail can hold a new match: what was checked before had none
+            at = st.text.find(stop, max(0, len(st.text) - new_chars - len(stop) - 64))
+            if at >= 0:
+                st.text = st.text[:at + (len(stop) if p.include_stop_str_in_output else 0)]
+                return stop
+        return None
+
+    def _output(self, st: RequestState, finish: str | None, stop_reason) -> RequestOutput:
+        completion = CompletionOutput(0, st.text, list(st.token_ids),
+                                      list(st.logprobs) if st.params.logprobs is not None else None,
+                                      finish, stop_reason)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion], finish is not None,
+                             st.num_cached_tokens, dict(st.metrics))

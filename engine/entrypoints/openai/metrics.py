@@ -1,0 +1,108 @@
+"""Prometheus metrics with vLLM V1's names, labelled with ``model_name``.
+
+Counters and histograms are fed from the engine thread after every step (a step listener on
+the AsyncLLMEngine), with vLLM V1's accounting: a request's prompt tokens count in the step
+that produced its first token. Gauges are read from the engine's latest published stats at
+scrape time, so a request queued while the engine is paused shows in
+``vllm:num_requests_waiting`` at once. Each app has its own registry (tests build several).
+"""
+from __future__ import annotations
+
+import time
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.engine.async_engine import AsyncLLMEngine
+from engine.outputs import EngineStats, RequestOutput
+
+# vLLM V1's buckets
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+        prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside each counter
+        self.engine = engine
+        self.registry = r = CollectorRegistry()
+        m = ["model_name"]
+
+        def counter(name, doc, labels=m):
+            return Counter(name, doc, labels, registry=r)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+        self._running = Gauge("vllm:num_requests_running", "Requests in the running queue.", m, registry=r).labels(
+            model_name
+        )
+        self._waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", m, registry=r).labels(
+            model_name
+        )
+        self._kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = 100%).", m, registry=r
+        ).labels(model_name)
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.").labels(
+            model_name
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.").labels(model_name)
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions.").labels(model_name)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(model_name)
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(model_name)
+        self.request_success = counter("vllm:request_success", "Finished requests, by finish reason.",
+                                       m + ["finished_reason"])
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_BUCKETS)
+        self.model_name = model_name
+        self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens so far, last token time)
+        self._last = engine.stats
+        engine.step_listeners.append(self.on_step)
+
+    def on_step(self, outputs: list[RequestOutput], stats: EngineStats, aborted: list[str]) -> None:
+        """Engine thread, after each step."""
+        now, step_tokens = time.monotonic(), 0
+        for out in outputs:
+            m, n = out.metrics, len(out.outputs[0].token_ids)
+            before, last_time = self._seen.get(out.request_id, (0, None))
+            new = n - before
+            if new > 0:
+                step_tokens += new
+                self.generation_tokens.inc(new)
+                if before == 0:  # first token: its prompt was processed in this step
+                    step_tokens += len(out.prompt_token_ids)
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+                    self.queue_time.observe(m["first_scheduled_time"] - m["arrival_time"])
+                else:
+                    self.itl.observe((now - last_time) / new)
+            if out.finished:
+                self._seen.pop(out.request_id, None)
+                self.request_success.labels(self.model_name, out.outputs[0].finish_reason).inc()
+                self.e2e.observe(now - m["arrival_time"])
+            else:
+                self._seen[out.request_id] = (n, now)
+        for rid in aborted:
+            self._seen.pop(rid, None)
+            self.request_success.labels(self.model_name, "abort").inc()
+        if outputs:
+            self.iteration_tokens.observe(step_tokens)
+        last, self._last = self._last, stats
+        self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
+        self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
+        self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+
+    def render(self) -> bytes:
+        stats = self.engine.stats
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting)
+        self._kv_usage.set(stats.kv_cache_usage)
+        return generate_latest(self.registry)

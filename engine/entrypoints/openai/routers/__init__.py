@@ -1,0 +1,1 @@
+"""FastAPI routers, one per concern. ``engine.entrypoints.openai.app.build_app`` includes them."""

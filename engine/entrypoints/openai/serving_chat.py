@@ -1,0 +1,192 @@
+"""POST /v1/chat/completions: messages -> chat template -> one engine request."""
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.engine.async_engine import EngineClosedError, RequestStream
+from engine.engine.core import EngineDeadError
+from engine.entrypoints.openai.chat_template import render_chat
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.protocol import (
+    MAX_LOGPROBS,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from engine.entrypoints.openai.serving import (
+    SSE_DONE,
+    ChunkFrames,
+    StopHoldback,
+    event_stream,
+    new_request_id,
+    sampling_params,
+    sse,
+    submit,
+    until_disconnected,
+)
+from engine.entrypoints.openai.state import ServerState
+from engine.hooks import BEGIN, END
+from engine.outputs import Logprob, RequestOutput
+from engine.trace_names import API, HTTP
+
+log = logging.getLogger(__name__)
+PATH = "POST /v1/chat/completions"
+
+
+async def chat_prompt(state: ServerState, messages, add_generation_prompt: bool = True) -> str:
+    """The prompt text of `messages`, rendered on the tokenizer threads (a long conversation
+    takes a while, and the event loop serves everyone)."""
+    msgs = [dict(role=m.role, content=m.text()) | ({"name": m.name} if m.name else {}) for m in messages]
+    try:
+        return await state.processor.run(render_chat, state.engine.tokenizer, state.chat_template, msgs,
+                                         add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def _num_logprobs(body: ChatCompletionRequest) -> int | None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                       param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> ChatLogprobs:
+    def top(lp: Logprob) -> dict:
+        return dict(token=lp.decoded_token, logprob=lp.logprob, bytes=list(lp.decoded_token.encode()))
+
+    content = []
+    for tok, entry in zip(token_ids, entries):
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num_top]
+        content.append(ChatTokenLogprob(**top(entry[tok]), top_logprobs=[TopLogprob(**top(lp)) for lp in ranked]))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
+    rid, hooks = new_request_id("chatcmpl"), state.hooks
+    if hooks.active:
+        hooks.emit(
+            HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host
+        )
+    try:
+        state.check_model(body.model)
+        num_logprobs = _num_logprobs(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = sampling_params(body, max_tokens, num_logprobs)
+        prompt = await chat_prompt(state, body.messages, body.add_generation_prompt)
+        if hooks.active:
+            hooks.emit(
+                API,
+                "chat_request",
+                request_id=rid,
+                prompt=prompt,
+                num_messages=len(body.messages),
+                params=vars(params),
+                user=body.user,
+            )
+        [stream] = await submit(state, [rid], [prompt], params)
+    except APIError as e:
+        if hooks.active:
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=e.status, error=e.message)
+        raise
+    ctx = _Ctx(state, body, rid, params.stop_strs)
+    if body.stream:
+        return event_stream(ctx.stream(stream), [stream])
+    final = await until_disconnected(request, ctx.collect(stream))
+    if final is None:  # the client left; the request was aborted
+        if hooks.active:
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=499, disconnected=True)
+        return Response(status_code=499)
+    resp = ctx.response(final)
+    if hooks.active:
+        hooks.emit(HTTP, PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
+    return JSONResponse(resp.model_dump())
+
+
+class _Ctx:
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, stops: list[str]):
+        self.state, self.body, self.rid, self.stops = state, body, rid, stops
+        self.created = int(time.time())
+        self._frames = ChunkFrames(ChatCompletionChunk(id=rid, created=self.created, model=state.model_name,
+                                                       choices=[]))
+
+    def _logprobs(self, token_ids, entries) -> ChatLogprobs | None:
+        return chat_logprobs(token_ids, entries, self.body.top_logprobs or 0) if self.body.logprobs else None
+
+    async def collect(self, stream: RequestStream) -> RequestOutput:
+        out = None
+        try:
+            async for out in stream:
+                pass
+        except EngineClosedError as e:
+            self.state.num_cut_at_shutdown += 1
+            raise APIError(503, str(e)) from None
+        return out
+
+    def response(self, out: RequestOutput) -> ChatCompletionResponse:
+        c = out.outputs[0]
+        choice = ChatChoice(index=0, message=ChatResponseMessage(content=c.text),
+                            logprobs=self._logprobs(c.token_ids, c.logprobs), finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason)
+        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
+                                      choices=[choice], usage=_usage(out))
+
+    def _chunk(self, delta: dict, logprobs: ChatLogprobs | None = None, finish_reason: str | None = None) -> bytes:
+        """One chunk's frame; delta holds only what changed (DeltaMessage without its None fields)."""
+        return self._frames.frame({"index": 0, "delta": delta,
+                                   "logprobs": logprobs.model_dump() if logprobs is not None else None,
+                                   "finish_reason": finish_reason})
+
+    async def stream(self, stream: RequestStream):
+        hooks, hold, sent_tokens, chunks, final = self.state.hooks, StopHoldback(self.stops), 0, 0, None
+        try:
+            yield self._chunk({"role": "assistant", "content": ""})  # OpenAI opens with the role
+            async for out in stream:
+                c = out.outputs[0]
+                text = hold.delta(c.text, out.finished)
+                lp = self._logprobs(c.token_ids[sent_tokens:], c.logprobs[sent_tokens:]) if self.body.logprobs else None
+                sent_tokens = len(c.token_ids)
+                if out.finished:
+                    final = out
+                elif not text and not (lp and lp.content):
+                    continue  # nothing new to say (a held-back or partial character)
+                reason = c.finish_reason if out.finished else None
+                if hooks.active:
+                    hooks.emit(API, "sse_chunk", request_id=self.rid, text=text, finish_reason=reason)
+                chunks += 1
+                yield self._chunk({"content": text}, lp, reason)
+            opts = self.body.stream_options
+            if opts and opts.include_usage and final is not None:
+                yield sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.state.model_name,
+                                              choices=[], usage=_usage(final)))
+        except EngineDeadError as e:  # the engine core process died: say so, no traceback
+            yield sse(APIError(500, str(e), code="engine_dead").body())
+        except EngineClosedError as e:  # the server is shutting down: say so, then [DONE]
+            self.state.num_cut_at_shutdown += 1
+            yield sse(APIError(503, str(e)).body())
+        except Exception as e:  # the status line is gone already: report it in the stream
+            log.exception("chat stream %s failed", self.rid)
+            yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+        finally:
+            if hooks.active:
+                hooks.emit(
+                    HTTP, PATH, END, request_id=self.rid, status=200, chunks=chunks, complete=final is not None
+                )
+        yield SSE_DONE
+
+
+def _usage(out: RequestOutput) -> UsageInfo:
+    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)

@@ -1,0 +1,211 @@
+"""POST /v1/completions: prompts in, text (or a stream of chunks) out.
+
+Several prompts in one request become several engine requests, ``cmpl-X-0``, ``cmpl-X-1``
+(a single prompt keeps the plain ``cmpl-X``), answered as choices with the prompt's index.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import aclosing
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.engine.async_engine import EngineClosedError
+from engine.engine.core import EngineDeadError
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from engine.entrypoints.openai.serving import (
+    SSE_DONE,
+    ChunkFrames,
+    StopHoldback,
+    event_stream,
+    merge_streams,
+    new_request_id,
+    sampling_params,
+    sse,
+    submit,
+    until_disconnected,
+)
+from engine.entrypoints.openai.state import ServerState
+from engine.hooks import BEGIN, END
+from engine.outputs import Logprob, RequestOutput
+from engine.trace_names import API, HTTP
+
+log = logging.getLogger(__name__)
+PATH = "POST /v1/completions"
+
+
+def _prompts(prompt) -> list:
+    """str | list[str] | list[int] | list[list[int]] -> one engine prompt per choice."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return list(prompt)
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int,
+                        offset: int = 0) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for tok, entry in zip(token_ids, entries):
+        sampled = entry[tok]
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+        top = {lp.decoded_token: lp.logprob for t, lp in ranked[:num_top]}
+        top[sampled.decoded_token] = sampled.logprob  # OpenAI always lists the chosen token
+        out.tokens.append(sampled.decoded_token)
+        out.token_logprobs.append(sampled.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(sampled.decoded_token)
+    return out
+
+
+async def create_completion(body: CompletionRequest, state: ServerState, request: Request) -> Response:
+    rid, hooks = new_request_id("cmpl"), state.hooks
+    if hooks.active:
+        hooks.emit(
+            HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host
+        )
+    try:
+        state.check_model(body.model)
+        prompts = _prompts(body.prompt)
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which this engine does not compute",
+                           param="echo")
+        params = sampling_params(body, body.max_tokens, body.logprobs)
+        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        if hooks.active:
+            hooks.emit(
+                API,
+                "completion_request",
+                request_id=rid,
+                request_ids=ids,
+                num_prompts=len(prompts),
+                params=vars(params),
+                user=body.user,
+            )
+        streams = await submit(state, ids, prompts, params)
+    except APIError as e:
+        if hooks.active:
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=e.status, error=e.message)
+        raise
+    ctx = _Ctx(state, body, rid, ids, params.stop_strs)
+    if body.stream:
+        return event_stream(ctx.stream(streams), streams)
+    finals = await until_disconnected(request, ctx.collect(streams))
+    if finals is None:  # the client left; its requests were aborted and nobody reads this
+        if hooks.active:
+            hooks.emit(HTTP, PATH, END, request_id=rid, status=499, disconnected=True)
+        return Response(status_code=499)
+    resp = ctx.response(finals)
+    if hooks.active:
+        hooks.emit(HTTP, PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
+    return JSONResponse(resp.model_dump())
+
+
+class _Ctx:
+    """One completion request being answered."""
+
+    def __init__(self, state: ServerState, body: CompletionRequest, rid: str, ids: list[str], stops: list[str]):
+        self.state, self.body, self.rid, self.ids, self.stops = state, body, rid, ids, stops
+        self.created = int(time.time())
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.state.engine.tokenizer.decode(out.prompt_token_ids)
+
+    async def collect(self, streams) -> list[RequestOutput]:
+        finals: list = [None] * len(streams)
+        try:
+            async with aclosing(merge_streams(streams)) as merged:
+                async for i, out in merged:
+                    finals[i] = out
+        except EngineClosedError as e:
+            self.state.num_cut_at_shutdown += 1
+            raise APIError(503, str(e)) from None
+        return finals
+
+    def response(self, finals: list[RequestOutput]) -> CompletionResponse:
+        b, choices = self.body, []
+        for i, out in enumerate(finals):
+            c = out.outputs[0]
+            lp = completion_logprobs(c.token_ids, c.logprobs, b.logprobs) if b.logprobs is not None else None
+            text = (self._prompt_text(out) if b.echo else "") + c.text
+            choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
+        return CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name, choices=choices,
+                                  usage=_usage(finals))
+
+    async def stream(self, streams):
+        """SSE events: one chunk per new text, then usage (if asked), then [DONE]."""
+        hooks, self.chunks, self.finals = self.state.hooks, 0, []
+        try:
+            async with aclosing(merge_streams(streams)) as merged:
+                async for event in self._chunks(merged, len(streams)):
+                    yield event
+            opts = self.body.stream_options
+            if opts and opts.include_usage:
+                yield sse(CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
+                                             choices=[], usage=_usage(self.finals)))
+        except EngineDeadError as e:  # the engine core process died: say so, no traceback
+            yield sse(APIError(500, str(e), code="engine_dead").body())
+        except EngineClosedError as e:  # the server is shutting down: say so, then [DONE]
+            self.state.num_cut_at_shutdown += 1
+            yield sse(APIError(503, str(e)).body())
+        except Exception as e:  # the status line is gone already: report it in the stream
+            log.exception("completion stream %s failed", self.rid)
+            yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+        finally:
+            if hooks.active:
+                hooks.emit(
+                    HTTP,
+                    PATH,
+                    END,
+                    request_id=self.rid,
+                    status=200,
+                    chunks=self.chunks,
+                    complete=len(self.finals) == len(streams),
+                )
+        yield SSE_DONE
+
+    async def _chunks(self, merged, n: int):
+        b, hooks = self.body, self.state.hooks
+        hold = [StopHoldback(self.stops) for _ in range(n)]
+        sent_tokens, offsets, started = [0] * n, [0] * n, [False] * n
+        frames = ChunkFrames(CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
+                                                choices=[]))
+        async for i, out in merged:
+            c = out.outputs[0]
+            text = hold[i].delta(c.text, out.finished)
+            if b.echo and not started[i]:
+                text = self._prompt_text(out) + text
+            started[i] = True
+            lp = None
+            if b.logprobs is not None:
+                lp = completion_logprobs(c.token_ids[sent_tokens[i]:], c.logprobs[sent_tokens[i]:], b.logprobs,
+                                         offsets[i])
+                offsets[i] += sum(len(t) for t in lp.tokens)
+            sent_tokens[i] = len(c.token_ids)
+            if out.finished:
+                self.finals.append(out)
+            elif not text and not (lp and lp.tokens):
+                continue  # nothing new to say (a held-back stop prefix or a partial character)
+            finish_reason = c.finish_reason if out.finished else None
+            if hooks.active:
+                hooks.emit(API, "sse_chunk", request_id=self.ids[i], text=text, finish_reason=finish_reason)
+            self.chunks += 1
+            yield frames.frame({"index": i, "text": text, "logprobs": lp.model_dump() if lp is not None else None,
+                                "finish_reason": finish_reason, "stop_reason": c.stop_reason if out.finished else None})
+
+
+def _usage(finals: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

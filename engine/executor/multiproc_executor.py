@@ -1,0 +1,382 @@
+"""Executors: how the engine core runs a step's model work (vLLM V1's ``v1/executor``).
+
+``UniProcExecutor``: one rank, a ``Worker`` in this process, handed the scheduler's own objects.
+
+``MultiprocExecutor``: N ranks, one worker process each (``engine.executor.worker_proc``). Every step
+the scheduler output is turned into one ``WorkerStep`` (plain data), encoded once and sent to
+every rank; every rank replies when its forward pass is done, rank 0 with the sampled tokens.
+
+Transport: ZMQ over ipc:// sockets, as between the front end and the engine core, not a
+shared-memory ring like vLLM's ``shm_broadcast``. A step message here is a few hundred bytes to a
+few KB (new requests whole, known ones as their new tokens), and a zmq ipc round trip costs tens
+of microseconds against a step of milliseconds; a shared-memory ring pays off when 8 GPUs take
+steps of a millisecond. One PUSH socket per worker carries the broadcast; one PULL socket
+collects every rank's replies, read by a thread that routes them (step replies and kernel
+gates to the engine thread, held-launch reruns to their caller).
+
+Faults: a worker that raises replies ``error``; a worker that exits is seen by its monitor
+thread. Either way the executor is dead: ``execute_model`` raises ``WorkerDiedError`` (an
+``EngineDeadError``), the other ranks are stopped, and ``on_dead(reason)`` is called once, so
+the engine-core process can take the same path as its own death (clear error, 503, exit).
+Workers die with their parent, so none is ever orphaned.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import pickle
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import asdict
+from typing import Callable
+
+import msgspec
+import zmq
+
+from engine.core.sched.scheduler import SchedulerOutput
+from engine.engine.core_types import EngineDeadError
+from engine.hooks import Hooks
+from engine.sample.sampler import SamplerOutput
+from engine.serial_utils import encoder, send_while_alive
+from engine.utils import child_pythonpath
+from engine.worker.worker import NewRequestData, ScheduledReq, Worker, WorkerReply, WorkerStep
+
+STARTUP_TIMEOUT_S = 600.0  # loading a big model's shard on the CPU
+STOP_TIMEOUT_S = 3.0
+
+
+class WorkerDiedError(EngineDeadError):
+    """A tensor-parallel worker died or raised: the executor, and the engine, cannot go on (an
+    EngineDeadError: the serving layer answers it as it answers the engine core's death)."""
+
+
+class Executor:
+    """What the engine asks of its ranks. load_model(progress) -> dict (bytes, params, ...);
+    determine_num_blocks() -> (n, why), the least over the ranks; initialize_kv_cache(n) ->
+    dict; warm_up(max_model_len) -> dict; execute_model(sched) -> SamplerOutput (rank 0's);
+    held_attention_on_triton() -> dict; shutdown()."""
+
+    tensor_parallel_size = 1
+
+
+class UniProcExecutor(Executor):
+    """One rank in this process: the worker gets the scheduler's Request objects directly."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def load_model(self, progress=None) -> dict:
+        return self.worker.load_model(progress)
+
+    def determine_num_blocks(self) -> tuple[int, str]:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> dict:
+        return self.worker.initialize_kv_cache(num_blocks)
+
+    def warm_up(self, max_model_len: int) -> dict:
+        return self.worker.warm_up(max_model_len)
+
+    def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
+        return self.worker.execute_model(sched)
+
+    def held_attention_on_triton(self) -> dict:
+        return self.worker.model_runner.held_attention_on_triton()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _how(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+
+
+class MultiprocExecutor(Executor):
+    """N worker processes (see the module docstring). Built by the engine on its own thread;
+    execute_model, warm_up and the startup calls run on that thread (the engine thread), which
+    is also where forwarded kernel gates are consulted (``hooks.gate``), so a step controller
+    holds the engine there exactly as it does with one rank."""
+
+    def __init__(self, config, model_path, model_config, device, dtype, attention_backend: str, hooks: Hooks,
+                 on_dead: Callable[[str], None] | None = None):
+        pc = config.parallel
+        self.tensor_parallel_size = n = pc.tensor_parallel_size
+        self.hooks, self.on_dead = hooks, on_dead
+        self.dead: str | None = None
+        self._closing = False
+        self._replies: queue.Queue = queue.Queue()  # step / gate / startup replies, and death notices
+        self._reruns: dict[int, Future] = {}
+        self._rerun_ids = itertools.count(1)
+        self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
+        self._sent: dict[str, int] = {}  # request id -> token ids the workers have
+        self._dir = tempfile.mkdtemp(prefix="vllm-trace-workers-")
+        self.ctx = zmq.Context()
+        self.results = self.ctx.socket(zmq.PULL)
+        out_addr = f"ipc://{self._dir}/results"
+        self.results.bind(out_addr)
+        self.inputs = []
+        if device.type == "cuda":
+            import torch
+            if torch.cuda.device_count() < n:
+                raise ValueError(f"tensor_parallel_size={n} needs {n} CUDA devices; "
+                                 f"this machine has {torch.cuda.device_count()}")
+        init_method = pc.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(n):
+            sock = self.ctx.socket(zmq.PUSH)
+            addr = f"ipc://{self._dir}/rank{rank}"
+            sock.bind(addr)
+            self.inputs.append(sock)
+            args = dict(rank=rank, world_size=n, input_addr=addr, output_addr=out_addr, init_method=init_method,
+                        timeout_s=pc.distributed_timeout_s, config=config, model_path=model_path,
+                        model_config=model_config, dtype=dtype, attention_backend=attention_backend,
+                        device=f"cuda:{rank}" if device.type == "cuda" else "cpu", parent_pid=os.getpid(),
+                        trace=hooks.active)
+            proc = subprocess.Popen([sys.executable, "-m", "engine.executor.worker_proc"], stdin=subprocess.PIPE,
+                                    env=os.environ | {"PYTHONPATH": child_pythonpath()}, process_group=0)
+            proc.stdin.write(pickle.dumps(args))
+            proc.stdin.close()
+            self.procs.append(proc)
+        self._reader = threading.Thread(target=self._read, name="executor-results", daemon=True)
+        self._reader.start()
+        for rank, proc in enumerate(self.procs):
+            threading.Thread(target=self._monitor, args=(rank, proc), name=f"worker-{rank}-monitor",
+                             daemon=True).start()
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().shutdown())
+        self.ranks: list[dict] = [{} for _ in range(n)]  # what each rank reported at startup
+
+    # ---- startup -------------------------------------------------------------------------------
+    def load_model(self, progress=None) -> dict:
+        replies = self._all("load", None, "ready", STARTUP_TIMEOUT_S)
+        for r in replies:
+            self.ranks[r.rank] = dict(r.data)
+        return dict(bytes=sum(r.data["bytes"] for r in replies), params=sum(r.data["params"] for r in replies),
+                    tensor_parallel_size=self.tensor_parallel_size)
+
+    def determine_num_blocks(self) -> tuple[int, str]:
+        rank = min(range(self.tensor_parallel_size), key=lambda r: self.ranks[r]["num_blocks"])
+        n = self.ranks[rank]["num_blocks"]
+        return n, f"{self.ranks[rank]['reason']} (the least of {self.tensor_parallel_size} ranks: rank {rank})"
+
+    def initialize_kv_cache(self, num_blocks: int) -> dict:
+        replies = self._all("kv", num_blocks, "kv", STARTUP_TIMEOUT_S)
+        ranks = [dict(rank=r.rank, heads=r.data["heads"], bytes=r.data["bytes"],
+                      bytes_per_block=r.data["bytes_per_block"]) for r in replies]
+        first = replies[0].data
+        return dict(num_blocks=num_blocks, block_size=first["block_size"], bytes=sum(r["bytes"] for r in ranks),
+                    bytes_per_block=sum(r["bytes_per_block"] for r in ranks),
+                    tensor_parallel_size=self.tensor_parallel_size, ranks=ranks)
+
+    def warm_up(self, max_model_len: int) -> dict:
+        replies = self._all("warm", max_model_len, "warm", STARTUP_TIMEOUT_S)
+        return replies[0].data
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
+        """Broadcast the step, consult forwarded kernel gates (on this, the engine thread), wait
+        for every rank; rank 0's sampled tokens. Raises WorkerDiedError if a rank fails."""
+        self._check()
+        self._broadcast(b"step", self._step_message(sched))
+        pending, result, events = set(range(self.tensor_parallel_size)), None, []
+        while pending:
+            reply = self._next(None)
+            if reply.kind == "gate":
+                self._emit(reply.events)
+                info = dict(reply.data)
+                self.hooks.gate(info.pop("point"), **info)
+                self._send(0, b"go", b"")
+                continue
+            if reply.kind != "step":
+                self._fail(f"worker rank {reply.rank} sent {reply.kind!r} during a step")
+            events += reply.events
+            pending.discard(reply.rank)
+            if reply.rank == 0:
+                result = SamplerOutput(**reply.data) if reply.data is not None else None
+        events.sort(key=lambda e: e[6])  # the ranks' launches, interleaved in time (one clock on Linux)
+        self._emit(events)
+        return result
+
+    def _step_message(self, sched: SchedulerOutput) -> bytes:
+        new, scheduled, sent = [], [], self._sent
+        for rid in sched.finished_req_ids:
+            sent.pop(rid, None)
+        for s in sched.scheduled:
+            req, rid = s.request, s.request.request_id
+            have = sent.get(rid)
+            if have is None:
+                params = {k: v for k, v in asdict(req.params).items() if k != "stop_strs"}
+                new.append(NewRequestData(rid, list(req.all_token_ids), len(req.prompt_token_ids), params,
+                                          req.eos_token_id, req.sampling_seed))
+                have = len(req.all_token_ids)
+                delta = []
+            else:
+                delta = req.all_token_ids[have:]
+            sent[rid] = have + len(delta)
+            scheduled.append(ScheduledReq(rid, delta, s.num_computed_before, s.num_tokens, list(req.block_ids)))
+        msg = WorkerStep(sched.step, new, scheduled, sorted(sched.finished_req_ids), gated=self.hooks.gated,
+                         trace=self.hooks.active)
+        return encoder().encode(msg)
+
+    def held_attention_on_triton(self) -> dict:
+        """Rank 0's held attention launch, rerun on Triton there (called from another thread
+        while a forwarded gate holds the engine)."""
+        self._check()
+        call_id = next(self._rerun_ids)
+        fut = self._reruns[call_id] = Future()
+        self._send(0, b"rerun", msgspec.msgpack.encode(call_id))
+        try:
+            ok, result = fut.result(timeout=120)
+        finally:
+            self._reruns.pop(call_id, None)
+        if not ok:
+            raise ValueError(result.split(": ", 1)[-1])
+        return result
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def _all(self, kind: str, payload, reply_kind: str, timeout: float) -> list[WorkerReply]:
+        self._broadcast(kind.encode(), msgspec.msgpack.encode(payload))
+        replies = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < self.tensor_parallel_size:
+            reply = self._next(max(0.0, deadline - time.monotonic()))
+            self._emit(reply.events)
+            if reply.kind != reply_kind:
+                self._fail(f"worker rank {reply.rank} sent {reply.kind!r}, expected {reply_kind!r}")
+            replies[reply.rank] = reply
+        return [replies[r] for r in sorted(replies)]
+
+    def _next(self, timeout: float | None) -> WorkerReply:
+        try:
+            reply = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            self._fail(f"the workers did not answer within {timeout:.0f} s")
+        if isinstance(reply, str):  # a death notice
+            self._fail(reply)
+        if reply.kind == "error":
+            self._emit(reply.events)
+            self._fail(self._root_cause(reply.rank, reply.data))
+        return reply
+
+    def _root_cause(self, rank: int, error: str) -> str:
+        """A rank that died makes its peers' collectives fail ("connection reset"): name the death."""
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            for other, proc in enumerate(self.procs):
+                code = proc.poll()
+                if other != rank and code is not None and code < 0:  # killed: a rank that raised exits 1
+                    return f"worker rank {other} died ({_how(code)})"
+            time.sleep(0.02)
+        return error
+
+    def _emit(self, events: list) -> None:
+        if events and self.hooks.active:
+            self.hooks.emit_many([tuple(e[:6]) for e in events], [e[6] for e in events])
+
+    def _broadcast(self, kind: bytes, payload: bytes) -> None:
+        self._send_to(range(self.tensor_parallel_size), kind, payload)
+
+    def _send(self, rank: int, kind: bytes, payload: bytes) -> None:
+        self._send_to([rank], kind, payload)
+
+    def _send_to(self, ranks, kind: bytes, payload: bytes) -> None:
+        """Raises WorkerDiedError if a rank is gone (a plain send to it would block for ever,
+        holding the lock _mark_dead needs)."""
+        died = None
+        with self._send_lock:
+            for rank in ranks:
+                code = send_while_alive(self.inputs[rank], [kind, payload], self.procs[rank])
+                if code is not None:
+                    died = f"worker rank {rank} died ({_how(code)})"
+                    break
+        if died is not None:
+            self._fail(died)
+
+    def _read(self) -> None:
+        decode = msgspec.msgpack.Decoder(WorkerReply).decode
+        poller = zmq.Poller()
+        poller.register(self.results, zmq.POLLIN)
+        while not self._closing:
+            try:
+                if not poller.poll(100):
+                    continue
+                reply = decode(self.results.recv())
+            except zmq.ZMQError:
+                return
+            if reply.kind == "rerun":
+                call_id, ok, result = reply.data
+                fut = self._reruns.get(call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result((ok, result))
+                continue
+            self._replies.put(reply)
+
+    def _monitor(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._closing:
+            return
+        # A worker that raised sent an error reply, then exited 1: that reply says why, not the exit.
+        time.sleep(0.05 if code < 0 else 1.0)
+        self._replies.put(f"worker rank {rank} died ({_how(code)})")
+        self._mark_dead(f"worker rank {rank} died ({_how(code)})")
+
+    def _mark_dead(self, reason: str) -> None:
+        with self._send_lock:
+            if self.dead is not None:
+                return
+            self.dead = reason
+        for fut in list(self._reruns.values()):
+            if not fut.done():
+                fut.set_result((False, reason))
+        threading.Thread(target=self.shutdown, name="executor-stop", daemon=True).start()
+        if self.on_dead is not None:
+            self.on_dead(reason)
+
+    def _fail(self, reason: str):
+        self._mark_dead(reason)
+        raise WorkerDiedError(self.dead)
+
+    def _check(self) -> None:
+        if self.dead is not None:
+            raise WorkerDiedError(self.dead)
+
+    def shutdown(self) -> None:
+        """Stop every worker (politely, then by force) and close the sockets. Safe to call twice."""
+        with self._send_lock:
+            if self._closing:
+                return
+            self._closing = True
+            for sock in self.inputs:
+                try:
+                    sock.send_multipart([b"stop", b""], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._reader.join(1)
+        for sock in [*self.inputs, self.results]:
+            sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

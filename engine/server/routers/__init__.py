@@ -1,1 +1,0 @@
-"""FastAPI routers, one per concern. ``engine.server.app.build_app`` includes them."""

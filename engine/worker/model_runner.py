@@ -1,0 +1,232 @@
+"""The model runner: one flattened batch per step -> one forward pass -> sampled tokens.
+
+All scheduled tokens of all requests are concatenated (no padding). For each token we
+know its position and its slot in the paged cache (slot = physical block * block_size +
+offset, looked up in the request's block table). Only each request's last position is
+projected to logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.core.sched.scheduler import SchedulerOutput
+from engine.hooks import INSTANT, Hooks
+from engine.model_executor.layers.attention import AttentionMetadata
+from engine.model_executor.models.gpt2 import GPT2Model
+from engine.sample.sampler import Sampler, SamplerOutput
+from engine.trace_names import BATCH, KERNEL, MODEL_RUNNER
+from kernels import instrument
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # last scheduled position of each request
+    all_last: bool = False  # every row is some request's last (all decodes): no rows to pick
+
+
+class ModelRunner:
+    """Runs a scheduled batch through the model: flattens it into one token list with its
+    paged-attention metadata (positions, slot_mapping, seq_lens, query_start_loc, block_tables),
+    runs the forward pass over the KV caches it was given and samples one token per request. It
+    holds no request state: the scheduler decides what runs, the engine applies the result."""
+
+    def __init__(self, model: GPT2Model, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None,
+                 rank: int = 0):
+        self.model = model
+        self.rank = rank  # tensor-parallel rank: in every kernel event; only rank 0 samples
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+        self.hooks = hooks or Hooks()
+        # numpy array -> tensor on the model's device (no copy on the CPU)
+        self._tensor = torch.from_numpy if device.type == "cpu" else lambda a: torch.from_numpy(a).to(device)
+        self._launches: list[instrument.LaunchRecord] = []  # this step's, not yet published
+        self._held: tuple[str, dict] | None = None  # (name, arguments) of the launch a gate holds before
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
+        bs = self.block_size
+        input_ids, positions, slots, seq_lens, qsl, tables = [], [], [], [], [0], []
+        for s in sched.scheduled:
+            start, end = s.num_computed_before, s.num_computed_before + s.num_tokens
+            table = s.request.block_ids
+            if s.num_tokens == 1:  # a decode, the common case: no slices or ranges to build
+                input_ids.append(s.request.all_token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids += s.request.all_token_ids[start:end]
+                positions += range(start, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + s.num_tokens)
+            tables.append(table)
+        inp = self._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
+        if self.hooks.active and self.rank == 0:  # the same on every rank: traced once
+            self.hooks.emit(
+                MODEL_RUNNER,
+                BATCH,
+                step=sched.step,
+                input_ids=input_ids,
+                positions=positions,
+                slot_mapping=slots,
+                seq_lens=seq_lens,
+                query_start_loc=qsl,
+                block_tables=inp.meta.block_tables.tolist(),
+                request_ids=[s.request.request_id for s in sched.scheduled],
+            )
+        return inp
+
+    def _model_input(self, input_ids, positions, slots, seq_lens, qsl, tables) -> ModelInput:
+        # The step's ints go through two numpy conversions (int64, int32) and are handed to torch
+        # as slices: right after a forward pass every torch call costs several microseconds
+        # (cold caches), so this path makes as few as it can (measured: split() was slower).
+        n, T, width = len(seq_lens), len(input_ids), max(map(len, tables))
+        padded = []
+        for t in tables:  # block tables padded with the null block (0) to the longest, row after row
+            padded += t
+            padded += [0] * (width - len(t))
+        i64 = np.array(input_ids + positions + slots + [q - 1 for q in qsl[1:]], np.int64)
+        i32 = np.array(qsl + seq_lens + padded, np.int32)
+        tensor = self._tensor
+        meta = AttentionMetadata(
+            slot_mapping=tensor(i64[2 * T:3 * T]),
+            query_start_loc=tensor(i32[:n + 1]),
+            seq_lens=tensor(i32[n + 1:2 * n + 1]),
+            block_tables=tensor(i32[2 * n + 1:].reshape(n, width)),
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+            max_seq_len=max(seq_lens),
+        )
+        return ModelInput(input_ids=tensor(i64[:T]), positions=tensor(i64[T:2 * T]), meta=meta,
+                          logits_indices=tensor(i64[3 * T:]), all_last=T == n)
+
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
+        """One forward pass and sampling for a non-empty SchedulerOutput (None on a
+        tensor-parallel rank other than 0: its logits went to rank 0).
+
+        Returns one sampled token (with logprobs and ranks when asked for) per scheduled request,
+        in ``sched.scheduled`` order; a prefill chunk that does not end its prompt gets one too,
+        which the engine discards. Changes: writes the batch's keys and values into the KV cache
+        at slot_mapping, nothing else. Hooks (when active): model_runner/batch, one kernel event
+        per Triton launch (published after the forward pass, or before a gate holds the engine),
+        sampler/sampled; when gated as the step starts, a kernel gate before each launch."""
+        inp = self.prepare_inputs(sched)
+        if not self.hooks.active:
+            return self._run(sched, inp)
+        # A step's launches are kept as they happen and published together once its forward
+        # pass is done, each with its own time (or sooner, before a gate may hold the engine).
+        # Kernel gates are consulted only if a gate is on as the step starts: a stop at kernels
+        # asked for in the middle of a forward pass takes effect from the next step's launches.
+        before = self._before_launch if self.hooks.gated else None
+        with instrument.observe(self._launches.append, before, access_maps=False, step=sched.step):
+            return self._run(sched, inp)
+
+    def forward(self, inp: ModelInput) -> torch.Tensor | None:
+        """The model on one batch: logits of each request's last scheduled position (None on a
+        tensor-parallel rank other than 0). (Callers run it under torch.inference_mode().)"""
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+        return self.model.compute_logits(hidden if inp.all_last else hidden[inp.logits_indices])
+
+    @torch.inference_mode()
+    def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput | None:
+        try:
+            logits = self.forward(inp)
+        finally:
+            if self._launches:
+                self._publish_launches()
+        if logits is None:
+            return None
+        out = self.sampler(logits, [s.request for s in sched.scheduled])
+        if self.hooks.active:
+            self.hooks.emit(
+                "sampler",
+                "sampled",
+                step=sched.step,
+                token_ids=out.token_ids,
+                request_ids=[s.request.request_id for s in sched.scheduled],
+            )
+        return out
+
+    @torch.inference_mode()
+    def warm_up(self, max_model_len: int) -> dict:
+        """Real forward passes of a dummy sequence, outside the scheduler: a prefill of up to
+        block_size + 1 tokens (it spans two blocks), then one decode token reading that cache,
+        so both kernel configurations (prefill and decode) are built. With the triton backend
+        this compiles (or, interpreted, first runs) the kernels before a user's first request
+        pays for it. It is no request and no engine step; its kernel launches are traced with
+        step None and ``warmup: true``. The blocks it wrote are zeroed again afterwards."""
+        bs, num_blocks = self.block_size, self.kv_caches[0][0].shape[0]
+        n = max(1, min(bs + 1, max_model_len - 1, num_blocks * bs - 1))  # prompt; +1 decode token
+        table = list(range(-(-(n + 1) // bs)))
+        def slot(p: int) -> int:
+            return table[p // bs] * bs + p % bs
+
+        batches = [self._model_input([0] * n, list(range(n)), [slot(p) for p in range(n)], [n], [0, n], [table]),
+                   self._model_input([0], [n], [slot(n)], [n + 1], [0, 1], [table])]
+        launches = []
+
+        def on_launch(rec: instrument.LaunchRecord) -> None:
+            launches.append(rec.name)
+            if self.hooks.active:
+                self.hooks.emit(
+                    KERNEL,
+                    rec.name,
+                    layer_idx=rec.tags.get("layer"),
+                    grid=list(rec.grid),
+                    meta=rec.meta,
+                    args=rec.args,
+                    duration_ns=rec.duration_ns,
+                    timing=rec.timing,
+                    reason=rec.reason,
+                    rank=self.rank,
+                    warmup=True,
+                )
+
+        with instrument.observe(on_launch, access_maps=False, warmup=True):  # no before_launch: nothing to gate here
+            for inp in batches:
+                self.forward(inp)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the stage's time includes the kernels themselves
+        for k, v in self.kv_caches:  # table is blocks 0..m-1: a slice, so zero_() writes in place
+            k[:len(table)].zero_()
+            v[:len(table)].zero_()
+        return dict(num_tokens=n + 1, num_launches=len(launches), kernels=sorted(set(launches)))
+
+    def _before_launch(self, name: str, grid: tuple, meta: dict) -> None:
+        if not self.hooks.gated:  # nobody may stop the engine here: skip building the gate's info
+            return
+        if self._launches:  # a viewer held here sees every launch before this one
+            self._publish_launches()
+        tags = instrument.current_tags()
+        self._held = instrument.pending_launch()
+        try:
+            self.hooks.gate(KERNEL, name=name, grid=grid, step=tags.get("step"), layer_idx=tags.get("layer"))
+        finally:
+            self._held = None
+
+    def held_attention_on_triton(self) -> dict:
+        """While a gate holds the engine before an attention launch: run that launch's inputs
+        through the Triton kernel (kernels.rerun); plain data back. Called from another thread
+        (the engine's is the one held); the inputs are copied first."""
+        from kernels.rerun import attention_inputs, attention_on_triton
+
+        held = self._held
+        if held is None or not held[0].startswith("unified_attention"):
+            raise ValueError("the engine is not held before an attention launch (press k until it is)")
+        return attention_on_triton(**attention_inputs(held[1]))
+
+    def _publish_launches(self) -> None:
+        # Plain data only: viewers recompute a launch's access map from the step's batch event
+        recs = self._launches
+        rank = self.rank
+        attrs = [{"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args,
+                  "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason, "rank": rank} for r in recs]
+        self.hooks.emit_many([(KERNEL, r.name, INSTANT, None, r.tags.get("step"), a) for r, a in zip(recs, attrs)],
+                             [r.end_ns for r in recs])
+        recs.clear()

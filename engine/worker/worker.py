@@ -1,0 +1,173 @@
+"""A worker: one tensor-parallel rank's model shard, KV-cache shard and model runner (vLLM V1's
+``Worker`` / ``GPUModelRunner`` pair).
+
+With one rank the ``UniProcExecutor`` holds a Worker in the engine-core process and hands it
+the scheduler's own objects. With N ranks each Worker lives in its own process
+(``engine.executor.worker_proc``, started by ``MultiprocExecutor``) and keeps, as V1's model runner does, a
+``CachedRequestState`` per live request: the token ids it has been sent, the sampling
+parameters and, on rank 0, the request's own seeded generator. Every step it receives the same
+``WorkerStep`` (the scheduler output as plain data: new requests whole, known ones as the
+tokens added since) and runs the same forward pass over its shard; the all-reduces and the
+logits gather inside the model tie the ranks together, and rank 0 samples.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from engine.core.kv_cache_utils import allocate_kv_cache, bytes_per_block, num_blocks_for
+from engine.core.sched.scheduler import ScheduledRequest, SchedulerOutput
+from engine.distributed.parallel_state import TPGroup
+from engine.hooks import Hooks
+from engine.model_executor.layers.attention import AttentionBackend
+from engine.model_executor.model_loader import GPT2Config, load_state_dict
+from engine.model_executor.models.gpt2 import GPT2Model
+from engine.sample.sampler import SamplerOutput
+from engine.sampling_params import SamplingParams
+from engine.trace_names import EXECUTE_MODEL, WORKER
+from engine.worker.model_runner import ModelRunner
+
+
+# ---- what the executor sends each worker ------------------------------------------------------
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
+    """A request the workers have not seen (V1's name): everything sampling needs."""
+    request_id: str
+    token_ids: list[int]  # prompt and any tokens generated so far
+    num_prompt_tokens: int
+    sampling_params: dict
+    eos_token_id: int | None
+    seed: int  # the request's generator seed: rank 0 draws the same numbers the engine's own would
+
+
+class ScheduledReq(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]  # tokens appended since the workers last heard of it
+    num_computed_before: int
+    num_tokens: int
+    block_ids: list[int]
+
+
+class WorkerStep(msgspec.Struct, array_like=True, gc=False):
+    """One engine step, the same for every rank (the scheduler output as plain data)."""
+    step: int
+    new_reqs: list[NewRequestData]
+    scheduled: list[ScheduledReq]
+    finished_req_ids: list[str]
+    gated: bool = False  # a step controller may hold the engine in this step (rank 0 forwards kernel gates)
+    trace: bool = False  # ship trace events
+
+
+class WorkerReply(msgspec.Struct, array_like=True, gc=False):
+    rank: int
+    kind: str  # ready | kv | warm | step | gate | rerun | error
+    data: object = None
+    events: list[tuple] = []  # (layer, name, kind, request_id, step, attrs, perf_counter_ns)
+
+
+@dataclass
+class CachedRequestState:
+    """A worker's view of a live request (V1's name): what prepare_inputs and the sampler read."""
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_id: int | None
+    generator: torch.Generator
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+
+def step_digest(step: WorkerStep) -> str:
+    """A short hash of a step's scheduled work: equal on every rank that received the same."""
+    h = hashlib.blake2b(digest_size=6)
+    for s in step.scheduled:
+        h.update(f"{s.request_id}:{s.num_computed_before}:{s.num_tokens}:{s.block_ids}".encode())
+    return h.hexdigest()
+
+
+class Worker:
+    """One rank (see the module docstring).
+
+    load_model() builds this rank's shard and returns what it holds; determine_num_blocks() how
+    many KV blocks its budget allows; initialize_kv_cache(n) allocates them; execute_model(sched)
+    runs one step (a SchedulerOutput of Requests, or of CachedRequestStates on a worker
+    process) and returns the sampled tokens on rank 0, None elsewhere. Hooks: those of the model
+    runner (kernel launches carry this rank)."""
+
+    def __init__(self, config, model_path, model_config: GPT2Config, device: torch.device, dtype: torch.dtype,
+                 attention_backend: str, tp: TPGroup | None = None, hooks: Hooks | None = None):
+        self.config, self.model_path, self.model_config = config, model_path, model_config
+        self.device, self.dtype, self.attention_backend = device, dtype, attention_backend
+        self.tp = tp or TPGroup()
+        self.hooks = hooks or Hooks()
+        self.model: GPT2Model | None = None
+        self.kv_caches: list | None = None
+        self.model_runner: ModelRunner | None = None
+        self.requests: dict[str, CachedRequestState] = {}  # worker processes only
+
+    @property
+    def rank(self) -> int:
+        return self.tp.rank
+
+    def load_model(self, progress=None) -> dict:
+        torch.manual_seed(self.config.model.seed)
+        backend = AttentionBackend(self.attention_backend)
+        self.model = GPT2Model(self.model_config, backend, self.tp)
+        self.model.load_hf_weights(load_state_dict(self.model_path, progress))
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+        params = list(self.model.parameters()) + list(self.model.buffers())
+        cfg, tp = self.model_config, self.tp
+        return dict(bytes=sum(p.numel() * p.element_size() for p in params),
+                    params=sum(p.numel() for p in self.model.parameters()),
+                    heads=list(tp.shard(cfg.n_head)), mlp=list(tp.shard(cfg.n_inner)),
+                    vocab=list(self.model.vocab_range), torch_threads=torch.get_num_threads())
+
+    def determine_num_blocks(self) -> tuple[int, str]:
+        return num_blocks_for(self.config.cache, self.model_config, self.dtype, self.device, self.tp.world_size)
+
+    def initialize_kv_cache(self, num_blocks: int) -> dict:
+        cc, cfg, n = self.config.cache, self.model_config, self.tp.world_size
+        self.kv_caches = allocate_kv_cache(num_blocks, cc.block_size, cfg, self.dtype, self.device, n)
+        self.model_runner = ModelRunner(self.model, self.kv_caches, cc.block_size, self.device, self.hooks,
+                                        rank=self.rank)
+        per_block = bytes_per_block(cfg, cc.block_size, self.dtype, n)
+        return dict(num_blocks=num_blocks, block_size=cc.block_size, bytes=num_blocks * per_block,
+                    bytes_per_block=per_block, heads=list(self.tp.shard(cfg.n_head)))
+
+    def execute_model(self, sched: SchedulerOutput) -> SamplerOutput | None:
+        return self.model_runner.execute(sched)
+
+    def warm_up(self, max_model_len: int) -> dict:
+        return self.model_runner.warm_up(max_model_len)
+
+    # ---- on a worker process: the wire form of a step ------------------------------------------
+    def execute_step(self, msg: WorkerStep) -> SamplerOutput | None:
+        """Update the cached request states from msg, then run the step."""
+        for rid in msg.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in msg.new_reqs:
+            params = SamplingParams(**new.sampling_params)
+            self.requests[new.request_id] = CachedRequestState(
+                new.request_id, list(new.token_ids), new.num_prompt_tokens, params, new.eos_token_id,
+                torch.Generator().manual_seed(new.seed))
+        sched = SchedulerOutput(step=msg.step)
+        for s in msg.scheduled:
+            state = self.requests[s.request_id]
+            state.all_token_ids += s.new_token_ids
+            state.block_ids = s.block_ids
+            remaining = len(state.all_token_ids) - s.num_computed_before
+            is_prefill = remaining > 1 or not state.output_token_ids
+            sched.scheduled.append(ScheduledRequest(state, s.num_tokens, s.num_computed_before, is_prefill))
+        self.tp.active = "stepping" if msg.gated else "fast"
+        if self.hooks.active:
+            self.hooks.emit(WORKER, EXECUTE_MODEL, step=msg.step, rank=self.rank,
+                            num_scheduled_tokens={s.request_id: s.num_tokens for s in msg.scheduled},
+                            total_num_scheduled_tokens=sum(s.num_tokens for s in msg.scheduled),
+                            finished_req_ids=sorted(msg.finished_req_ids), digest=step_digest(msg))
+        return self.execute_model(sched) if sched.scheduled else None
