@@ -37,8 +37,8 @@ import torch
 
 from benchmarks.workload import make_workload, resolve_model
 from engine import LLM, Hooks
+from engine.arg_utils import engine_config
 from engine.engine.async_llm import AsyncLLM
-from engine.entrypoints.llm import engine_config
 from engine.gc_utils import freeze_gc_heap
 from tracer.session import TraceSession
 from tracer.tui.measure import stream_load

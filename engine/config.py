@@ -108,24 +108,3 @@ class EngineConfig:
     def to_dict(self) -> dict:
         from dataclasses import asdict
         return asdict(self)
-
-
-def engine_config(model: str = "tiny-gpt2", *, block_size: int = 16, num_kv_blocks: int | None = None,
-                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                  attention_backend: str | None = None, dtype: str | None = None, device: str | None = None,
-                  seed: int = 0, tensor_parallel_size: int = 1, distributed_init_method: str | None = None,
-                  distributed_timeout_s: float = 30.0) -> EngineConfig:
-    """The EngineConfig for LLM's keyword arguments (validated: a bad value raises ConfigError)."""
-    return EngineConfig(
-        model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed),
-        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-                          gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  enable_chunked_prefill=enable_chunked_prefill),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                distributed_init_method=distributed_init_method,
-                                distributed_timeout_s=distributed_timeout_s),
-        attention_backend=attention_backend,
-    )

@@ -10,8 +10,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 import httpx
 
 from engine import Hooks
+from engine.arg_utils import engine_config
 from engine.engine.async_llm import AsyncLLM
-from engine.entrypoints.llm import engine_config
 from engine.entrypoints.openai import build_app
 from engine.entrypoints.openai.background import start_background
 from lessons.framework import events_of, main, table

@@ -19,16 +19,19 @@ Each message across the boundary is also traced in the ``ipc`` layer (type, requ
 bytes), except messages that carry only trace events.
 
 Design choices (and why):
-* One process (``serve --no-multiprocessing``) keeps ``AsyncLLMEngine``: the same EngineCore
-  loop, with the LLMEngine detokenizing itself, rather than V1's InprocClient + this class.
-  It is there for comparison and for the tests and lessons that read engine objects; the
-  server, the TUI and the trace schema are the same over both (the tests run in both modes).
+* One process (``serve --no-multiprocessing``) uses ``AsyncLLMEngine``: the same EngineCore
+  stepped by the same BusyLoop, with the same Processor and OutputProcessor, in a thread of
+  the API server (V1 always puts AsyncLLM's core in a process). It is there for comparison
+  and for the tests and lessons that read engine objects; the server, the TUI and the trace
+  schema are the same over both (the tests run in both modes).
 * The core is started as ``python -m engine.engine.core_proc`` (a fresh interpreter, like 'spawn')
   rather than multiprocessing's spawn, which re-runs the caller's ``__main__``: a lesson or a
   user's script then needs no ``if __name__ == "__main__"`` guard.
 * Outputs are processed on the client's IO thread, not on the event loop: the loop (HTTP, the
   TUI) never detokenizes. A stop string found here is sent to the core as an ABORT with
-  finish_reason "stop", so the core frees the blocks and traces FINISHED(stop), as vLLM V1.
+  finish_reason "stop", so the core frees the blocks and traces FINISHED(stop). vLLM V1's
+  front end sends only the ids and its core records an abort (``AsyncLLM._process_outputs``
+  then ``EngineCore.abort_requests``); ours says why, so the core's own trace is complete.
 """
 from __future__ import annotations
 
@@ -37,33 +40,21 @@ import logging
 import subprocess
 import threading
 import time
-from dataclasses import asdict
 from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
-from engine.engine.async_engine import RequestOutputCollector, RequestStream, StepListener, _call_soon, _deliver
-from engine.engine.core import EngineClosedError, EngineDeadError
-from engine.engine.core_client import HANDSHAKE_TIMEOUT_S, MPClient
-from engine.engine.core_types import EngineCoreOutputs, EngineCoreRequest
-from engine.engine.output_processor import OutputProcessor
+from engine.engine.async_engine import StepListener
+from engine.engine.core_client import HANDSHAKE_TIMEOUT_S, AsyncMPClient
+from engine.engine.core_types import EngineCoreOutputs
+from engine.engine.exceptions import EngineClosedError, EngineDeadError
+from engine.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestStream, call_soon, deliver
+from engine.engine.processor import Processor
 from engine.hooks import BEGIN, END, Hooks
 from engine.model_executor.model_loader import resolve
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from engine.trace_names import (
-    CLI,
-    CORE_DIED,
-    CORE_HANDSHAKE,
-    CORE_PROCESS_START,
-    IPC,
-    IPC_RECV,
-    IPC_SEND,
-    PAUSED,
-    RESUMED,
-    TOKENIZER,
-    TRACER,
-)
+from engine.trace_names import CLI, CORE_DIED, CORE_HANDSHAKE, CORE_PROCESS_START, IPC
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +94,14 @@ class AsyncLLM:
         self.stats: EngineStats | None = None
         self.max_model_len = self.num_blocks = self.block_size = None
         self.device = self.attention_backend = self.vocab_size = None
-        self.processor = OutputProcessor(self.tokenizer, self.hooks)
-        self.client = MPClient(config, self._on_message, self._on_dead, core_options, core_proc)
+        self.processor = Processor(self.tokenizer, self.hooks)
+        self.output_processor = OutputProcessor(self.tokenizer, self.hooks)
+        self.client = AsyncMPClient(config, self.hooks, self._on_message, self._on_dead, core_options, core_proc)
         self._streams: dict[str, _Stream] = {}  # guarded by _lock, with the processor's requests
         self._lock = threading.Lock()
         self._idle = threading.Event()  # no request in flight
         self._idle.set()
         self._launched = self._started = self._stopping = False
-        self._parked = False
-        self._aborted: list[str] = []
 
     # ---- properties of the front-end interface ------------------------------------------------
     @property
@@ -121,7 +111,7 @@ class AsyncLLM:
     @property
     def is_parked(self) -> bool:
         """True while the core's step controller holds its engine (seen from its trace events)."""
-        return self._parked
+        return self.client.parked
 
     @property
     def dead(self) -> str | None:
@@ -167,7 +157,7 @@ class AsyncLLM:
         self.max_model_len, self.num_blocks = ready["max_model_len"], ready["num_blocks"]
         self.block_size = ready["block_size"]
         self.device, self.attention_backend = ready["device"], ready["attention_backend"]
-        self.vocab_size = ready["vocab_size"]
+        self.vocab_size = self.processor.vocab_size = ready["vocab_size"]
         self.stats = EngineStats(**ready["stats"])
         if self.hooks.active:
             self.hooks.emit(CLI, CORE_HANDSHAKE, END, seconds=time.perf_counter() - t0, num_blocks=self.num_blocks,
@@ -206,8 +196,7 @@ class AsyncLLM:
             raise EngineClosedError(self.client.dead)
         if self._stopping or not self._started:
             raise EngineClosedError("the engine is not running (shutting down?)")
-        text, ids = self._tokenize(prompt, request_id)
-        self._check_ids(ids)
+        request = self.processor.process_inputs(request_id, prompt, params)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
@@ -217,15 +206,10 @@ class AsyncLLM:
             if self.client.dead is not None:
                 raise EngineClosedError(self.client.dead)
             self._streams[request_id] = stream
-            self.processor.add(request_id, text, ids, params)
+            self.output_processor.add(request_id, request.prompt, request.prompt_token_ids, params)
             self._idle.clear()
-        req = EngineCoreRequest(request_id, ids, _wire_params(params), time.monotonic(), text)
-
-        def trace_send(nbytes: int) -> None:
-            self.hooks.emit(IPC, IPC_SEND, request_id=request_id, type="ADD", request_ids=[request_id], bytes=nbytes,
-                            num_prompt_tokens=len(ids))
         try:
-            self.client.add_request(req, trace_send if self.hooks.active else None)
+            self.client.add_request(request)
         except RuntimeError as e:
             self._drop(request_id)
             raise EngineClosedError(str(e)) from None
@@ -249,52 +233,21 @@ class AsyncLLM:
         """Stop a request; the core frees its blocks at its next step boundary. Unknown ids: no-op."""
         if not self._drop(request_id) or self.client.dead is not None:
             return
-        def trace_send(nbytes: int) -> None:
-            self.hooks.emit(IPC, IPC_SEND, request_id=request_id, type="ABORT", request_ids=[request_id], bytes=nbytes)
         try:
-            self.client.abort_requests([request_id], before=trace_send if self.hooks.active else None)
+            self.client.abort_requests([request_id])
         except RuntimeError:
             pass  # shutting down: the core aborts everything anyway
 
     def _drop(self, request_id: str) -> bool:
         with self._lock:
             found = self._streams.pop(request_id, None) is not None
-            self.processor.remove(request_id)
+            self.output_processor.remove(request_id)
             if not self._streams:
                 self._idle.set()
         return found
 
-    def _check_ids(self, ids: list[int]) -> None:
-        """What the detokenizer here needs; the core checks the rest (lengths, the KV cache)."""
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}]")
-
-    def _tokenize(self, prompt, request_id: str) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt must have 'prompt_token_ids'")
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-            if self.hooks.active:
-                self.hooks.emit(TOKENIZER, "encode", request_id=request_id, token_ids=ids,
-                                pieces=[self.tokenizer.decode([t]) for t in ids])
-            return prompt, ids
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or {{'prompt_token_ids': [...]}}, "
-                         f"got {type(prompt).__name__}")
-
     # ---- the client's output thread -------------------------------------------------------------
     def _on_message(self, msg: EngineCoreOutputs, nbytes: int) -> None:
-        hooks = self.hooks
-        if msg.events and hooks.active:
-            self._republish(msg.events)
-        if hooks.active and (msg.outputs or msg.accepted or msg.rejected or msg.failed):
-            self._trace_recv(msg, nbytes)
         if msg.stats is not None:
             self.stats = EngineStats(**msg.stats)
         for rid in msg.accepted:
@@ -308,23 +261,11 @@ class AsyncLLM:
         if msg.step:
             self._notify(results, msg.aborted)
 
-    def _trace_recv(self, msg: EngineCoreOutputs, nbytes: int) -> None:
-        ids = [o.request_id for o in msg.outputs] + msg.accepted + [r for r, _ in msg.rejected] + msg.failed
-        step = msg.stats["step"] - 1 if msg.step and msg.stats else None  # the step these outputs are from
-        self.hooks.emit(IPC, IPC_RECV, step=step, type="OUTPUTS" if msg.outputs else "ADDED", request_ids=ids,
-                        bytes=nbytes, num_events=len(msg.events))
-
-    def _republish(self, events: list) -> None:
-        for ev in events:
-            if ev[0] == TRACER and ev[1] in (PAUSED, RESUMED):
-                self._parked = ev[1] == PAUSED
-        self.hooks.emit_many([ev[:6] for ev in events], [ev[6] for ev in events])
-
     def _deliver(self, msg: EngineCoreOutputs) -> list[RequestOutput]:
         step = msg.stats["step"] - 1 if msg.stats and msg.step else None
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            results, stopped = self.processor.process(msg.outputs, step)
+            results, stopped = self.output_processor.process(msg.outputs, step)
             for out in results:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
@@ -335,13 +276,10 @@ class AsyncLLM:
             if not self._streams:
                 self._idle.set()
         for loop, batch in by_loop.items():
-            _call_soon(loop, _deliver, batch)
+            call_soon(loop, deliver, batch)
         for rid, stop in stopped:  # the core cannot see text: it finishes these as stopped when told
-            def trace_send(nbytes: int, rid=rid, stop=stop) -> None:
-                self.hooks.emit(IPC, IPC_SEND, request_id=rid, type="ABORT", request_ids=[rid], finish_reason="stop",
-                                stop_reason=stop, bytes=nbytes)
             try:
-                self.client.abort_requests([rid], "stop", stop, before=trace_send if self.hooks.active else None)
+                self.client.abort_requests([rid], "stop", stop)
             except RuntimeError:
                 pass
         return results
@@ -358,22 +296,22 @@ class AsyncLLM:
             stream = self._streams.get(request_id)
             if exc is not None and stream is not None:
                 del self._streams[request_id]
-                self.processor.remove(request_id)
+                self.output_processor.remove(request_id)
                 if not self._streams:
                     self._idle.set()
         if stream is not None:
-            _call_soon(stream.loop, _settle, stream.accepted, exc)
+            call_soon(stream.loop, _settle, stream.accepted, exc)
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         with self._lock:
             streams = [(rid, self._streams.pop(rid, None)) for rid in request_ids]
             for rid, _ in streams:
-                self.processor.remove(rid)
+                self.output_processor.remove(rid)
             if not self._streams:
                 self._idle.set()
         for rid, stream in streams:
             if stream is not None:
-                _call_soon(stream.loop, _fail_stream, stream, exc)
+                call_soon(stream.loop, _fail_stream, stream, exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
@@ -395,9 +333,3 @@ def _fail_stream(stream: _Stream, exc: BaseException) -> None:
         stream.accepted.set_exception(exc if not isinstance(exc, EngineDeadError) else EngineClosedError(str(exc)))
     else:
         stream.collector.put(exc)
-
-
-def _wire_params(params: SamplingParams) -> dict:
-    d = asdict(params)
-    d.pop("stop_strs", None)
-    return d

@@ -1,306 +1,337 @@
-"""EngineCore: the LLMEngine driven by a busy loop in its own thread; EngineCoreProc: that loop
-in its own process, behind two ZMQ sockets (vLLM V1's ``v1/engine/core.py``).
+"""EngineCore: the inner loop of vLLM V1 (``v1/engine/core.py``).
 
-Who may touch the LLMEngine
----------------------------
-``LLMEngine`` is single-threaded. Whoever holds ``_lock`` (the *engine lock*) may call it:
+    step() = scheduler.schedule() -> model_executor.execute_model() -> scheduler.update_from_output()
 
-* The engine thread holds the lock while it steps, and releases it only when it is idle
-  (waiting for work on ``_cv``) or *parked*: held by a step controller inside a gate.
-  ``hooks.gate_wait`` is set to ``_gate_wait``, which releases the lock around the wait.
-* Callers never call engine methods and never wait on the engine lock. ``add_request``
-  appends to ``_pending`` (a deque guarded by ``_cv``, which nobody holds for more than a few
-  list operations); the request's ``settle`` callback runs once it is in the scheduler's
-  waiting queue, or with the engine's ValueError, before anything was queued.
-* Pending requests are applied by whoever holds the engine lock: the engine thread before
-  each step, or, while it is parked, the one ``engine-parked`` helper thread. So a request sent
-  while the tracer has paused the engine shows up in ``scheduler.waiting`` (and in snapshots)
-  at once. Appending to ``waiting`` mid-step is safe: the engine's gates sit before
-  scheduling, between scheduling and execution, and inside model execution, never while the
-  scheduler walks its queues; and a new request cannot be part of the step already scheduled.
-* Aborts are applied between steps. While parked, only aborts of requests that are not
-  running are applied: a running request may belong to the step the gate interrupted, and
-  freeing its blocks mid-step would corrupt that step. The rest wait for the step boundary.
+It owns the scheduler (with its block manager) and the executor (the workers, their model
+runners, models and KV caches), takes requests as token ids and returns token ids: no
+tokenizing, no text, no stop strings (the front end's Processor and OutputProcessor do
+those). Who drives it: ``InprocClient`` calls step() directly (the offline ``LLM``, lessons);
+``BusyLoop`` runs it in a thread, in the engine-core process (``EngineCoreProc``) or in the
+API server with ``serve --no-multiprocessing``.
 
-The same EngineCore serves both modes: in one process (``AsyncLLMEngine``) its callbacks
-hand outputs to each request's RequestOutputCollector; in the engine-core process
-(``EngineCoreProc``, below) they hand them to the output IO thread, which serializes and
-sends them while the next step runs.
+The step controller's gates sit around the three calls: "step" before scheduling, "execute"
+after the schedule's snapshot, "postprocess" before update_from_output and "step_end" after it.
 """
 from __future__ import annotations
 
-import logging
-import threading
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+import random
+import time
+from typing import Callable
 
-from engine.engine.core_types import EngineDeadError as EngineDeadError  # re-exported: the serving layer's name
+import torch
+
+from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.sched.output import SchedulerOutput
+from engine.core.sched.scheduler import Scheduler
+from engine.engine.core_types import EngineCoreOutputs, EngineCoreRequest
+from engine.executor.multiproc_executor import Executor, MultiprocExecutor, UniProcExecutor
+from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT, Hooks
+from engine.model_executor import model_loader
+from engine.model_executor.layers.attention import default_backend
+from engine.model_executor.models.gpt2 import GPT2Model, check_tp_size
 from engine.outputs import EngineStats
-from engine.request import RequestStatus
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
+from engine.trace_names import ABORTED, CONFIG, ENGINE, FINISHED, QUEUED, SCHEDULE, SCHEDULED, SCHEDULER, STEP
+from engine.worker.model_runner import ModelRunner
+from engine.worker.worker import Worker
 
-if TYPE_CHECKING:  # the API server imports this module's errors and must not import torch
-    from engine.engine.llm_engine import LLMEngine
-
-log = logging.getLogger(__name__)
-
-# on_step(outputs of one step, stats after it, ids aborted since the last call); engine thread
-StepCallback = Callable[[list, EngineStats, list[str]], None]
-
-
-class EngineClosedError(RuntimeError):
-    """The engine is shutting down (or has stopped) and takes no new requests."""
-
-
-@dataclass
-class PendingAdd:
-    request_id: str
-    prompt: object  # what LLMEngine.add_request takes
-    params: SamplingParams
-    settle: Callable[[BaseException | None], None]  # under the engine lock, once applied (or refused)
-    arrival_time: float | None = None
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class EngineCore:
-    """The busy loop over one LLMEngine, in a thread (see the module docstring).
+    """Requests (token ids) in, one step at a time, EngineCoreOutputs (token ids) out.
 
-    on_step(outputs, stats, aborted) runs on the engine thread after each step with the outputs
-    of requests still live; on_fail(request_ids, exc) when requests are dropped by a failure
-    (a step raised) or by stop(). Both run under the engine lock and must not block."""
+    Single-threaded: whoever drives it calls add_request, abort_requests and step from one
+    thread at a time (BusyLoop's engine lock guarantees that when several threads are about).
+    Builds everything at construction, each startup stage timed and traced."""
 
-    def __init__(self, engine: LLMEngine, on_step: StepCallback, on_fail: Callable[[list[str], BaseException], None]):
-        self.engine = engine
-        self.on_step, self.on_fail = on_step, on_fail
-        self.stats: EngineStats = engine.stats()  # published by whoever holds the engine lock
-        self._lock = threading.Lock()  # the engine lock (see the module docstring)
-        self._cv = threading.Condition()  # guards the fields below; wakes the idle loop
-        self._pending: deque[PendingAdd] = deque()
-        self._aborts: list[tuple[str, RequestStatus, object]] = []
-        self._parked = False
-        self._stopping = False  # refuse new requests
-        self._exit = False  # abort what is left and end the engine thread
-        self._idle = threading.Event()  # no requests in the engine and none pending
-        self._live: set[str] = set()  # requests whose outputs go out; under the engine lock
-        self._aborted: list[str] = []  # aborted since on_step last heard; engine lock
-        self._thread: threading.Thread | None = None
-        self._helper = ThreadPoolExecutor(1, thread_name_prefix="engine-parked")
-        engine.hooks.gate_wait = self._gate_wait
+    def __init__(self, config: EngineConfig, hooks: Hooks | None = None):
+        self.config = config
+        self.hooks = hooks or Hooks()
+        self.startup: list[tuple[str, float, dict]] = []  # (stage, seconds, details)
+        if self.hooks.active:
+            self.hooks.emit(ENGINE, CONFIG, model=config.model.model, config=config.to_dict())
+        mc, cc = config.model, config.cache
+        self.on_dead: Callable[[str], None] | None = None  # a tensor-parallel worker died (set before it can)
+        self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = DTYPES[mc.dtype or ("float16" if self.device.type == "cuda" else "float32")]
+        self.attention_backend = config.attention_backend or default_backend(self.device)
+
+        with self._stage("resolve_model", model=mc.model):
+            self.model_path = model_loader.resolve(mc.model)
+            model_loader.check_checkpoint(self.model_path)
+            self.model_config = model_loader.read_config(self.model_path)
+        self.max_model_len = mc.max_model_len or self.model_config.n_positions
+        if self.max_model_len > self.model_config.n_positions:
+            raise ValueError(f"max_model_len must be <= {self.model_config.n_positions} (the model's "
+                             f"n_positions), got {self.max_model_len}")
+        with self._stage("tokenizer_load", path=str(self.model_path)) as info:
+            self.tokenizer = load_tokenizer(self.model_path)
+            info["vocab_size"] = len(self.tokenizer)
+        self.eos_token_id = self.model_config.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = self.tokenizer.eos_token_id
+
+        self._loaded = 0  # weight bytes last reported (see _load_progress)
+        tp = config.parallel.tensor_parallel_size
+        check_tp_size(self.model_config, tp)
+        with self._stage("model_load", path=str(self.model_path), device=str(self.device),
+                         attention_backend=self.attention_backend) as info:
+            self.model_executor = self._make_executor()
+            info |= self.model_executor.load_model(self._load_progress)
+
+        with self._stage("kv_cache_alloc") as info:
+            num_blocks, why = self.model_executor.determine_num_blocks()
+            info |= self.model_executor.initialize_kv_cache(num_blocks)
+            info["reason"] = why
+
+        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.hooks)
+        self._rng = random.Random(mc.seed)
+
+    def _make_executor(self) -> Executor:
+        args = (self.config, self.model_path, self.model_config, self.device, self.dtype, self.attention_backend)
+        if self.config.parallel.distributed_executor_backend == "mp":
+            return MultiprocExecutor(*args, self.hooks, on_dead=lambda reason: self.on_dead and self.on_dead(reason))
+        return UniProcExecutor(Worker(*args, hooks=self.hooks))
+
+    # With one rank the model, its KV cache and its model runner live here, for lessons to read
+    @property
+    def model(self) -> GPT2Model:
+        return self._driver_worker().model
 
     @property
-    def is_running(self) -> bool:
-        alive = self._thread is not None and self._thread.is_alive() and not self._stopping
-        return alive and self.engine.dead is None
+    def kv_caches(self) -> list:
+        return self._driver_worker().kv_caches
 
     @property
-    def is_parked(self) -> bool:
-        """True while a step controller holds the engine thread in a gate."""
-        return self._parked
+    def model_runner(self) -> ModelRunner:
+        return self._driver_worker().model_runner
 
-    # ---- lifecycle ----------------------------------------------------------------------
-    def start(self) -> EngineCore:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-            self._thread.start()
-        return self
+    def _driver_worker(self) -> Worker:
+        if not isinstance(self.model_executor, UniProcExecutor):
+            tp = self.model_executor.tensor_parallel_size
+            raise AttributeError(f"with tensor_parallel_size={tp} the model, its KV cache and its model runner "
+                                 f"live in the worker processes, not in this one")
+        return self.model_executor.worker
 
-    def stop(self, drain_timeout: float = 0.0) -> None:
-        """Stop taking requests, let in-flight ones finish for up to drain_timeout seconds,
-        abort the rest (on_fail with EngineClosedError) and end the engine thread. A controller
-        that keeps the engine parked is not waited for beyond the timeout (a daemon thread)."""
-        with self._cv:
-            self._stopping = True
-        if self._thread is not None:
-            self._idle.wait(drain_timeout)
-            with self._cv:
-                self._exit = True
-                self._cv.notify()
-            self._thread.join(max(drain_timeout, 1.0))
-        self._helper.shutdown(wait=False)
+    @property
+    def dead(self) -> str | None:
+        """Why the engine can no longer run (a tensor-parallel worker died), or None."""
+        return getattr(self.model_executor, "dead", None)
 
-    # ---- requests (any thread) ------------------------------------------------------------
-    def add_request(self, add: PendingAdd) -> None:
-        """Queue a request; add.settle runs once it is in `waiting` (or with why not)."""
-        dead = self.engine.dead
-        if dead is not None:  # a tensor-parallel worker died: the engine cannot run this
-            raise EngineClosedError(f"the engine died: {dead}")
-        with self._cv:
-            if self._stopping or self._thread is None or not self._thread.is_alive():
-                raise EngineClosedError("the engine is not running (shutting down?)")
-            self._pending.append(add)
-            self._idle.clear()
-            self._cv.notify()
-            parked = self._parked
-        if parked:
-            self._helper.submit(self._drain_while_parked)
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also at exit). Safe to call twice."""
+        self.model_executor.shutdown()
 
-    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED,
-              stop_reason: object = None) -> None:
-        """Stop a request; its blocks are freed before the next step. Unknown ids: no-op.
-        status FINISHED_STOPPED finishes it as stopped (a stop string the front end matched)."""
-        with self._cv:
-            self._aborts.append((request_id, status, stop_reason))
-            self._cv.notify()
-            parked = self._parked
-        if parked:
-            self._helper.submit(self._drain_while_parked)
+    @property
+    def step_count(self) -> int:
+        return self.scheduler.step_count
 
-    def reset_prefix_cache(self, timeout: float = 2.0) -> bool:
-        """Empty the prefix cache (any thread). The engine lock is free only while the engine is
-        idle or parked; a busy engine has requests holding blocks, so that is False either way."""
-        if not self._lock.acquire(timeout=timeout):
-            return False
-        try:
-            return self.engine.reset_prefix_cache()
-        finally:
-            self._lock.release()
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every unfinished request, by id (the scheduler's)."""
+        return self.scheduler.requests
 
-    # ---- engine thread --------------------------------------------------------------------
-    def _run(self) -> None:
-        self._lock.acquire()
-        try:
-            while True:
-                self._apply_pending()
-                with self._cv:
-                    exit_now = self._exit
-                if exit_now:
-                    self._fail_all(EngineClosedError("the server shut down before this request finished"),
-                                   include_pending=True)
-                    return
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                elif self._aborted:
-                    self._notify([])
-                else:
-                    self._wait_for_work()
-        except BaseException as e:  # a bug in the loop itself: fail loudly, not silently hang
-            log.exception("engine loop died")
-            self._fail_all(e, include_pending=True)
-            raise
-        finally:
-            with self._cv:
-                self._stopping = self._exit = True
-            self._idle.set()
-            self._lock.release()
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> Request:
+        """Validate and queue a request (its sampling_params a SamplingParams). Raises ValueError
+        before changing any state."""
+        rid, ids, params = request.request_id, request.prompt_token_ids, request.sampling_params
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        vocab = self.model_config.vocab_size
+        if not ids or any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab - 1}]")
+        max_tokens = self._check_lengths(ids, params)
+        req = Request(rid, request.prompt, ids, params, self.eos_token_id, max_tokens,
+                      arrival_time=request.arrival_time or time.monotonic())
+        req.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req.generator = torch.Generator().manual_seed(req.sampling_seed)
+        self.scheduler.add_request(req)
+        if self.hooks.active:
+            self._trace_queued(req)
+        return req
 
-    def _wait_for_work(self) -> None:
-        """Sleep (engine lock released) until a request, an abort or shutdown arrives."""
-        self.stats = self.engine.stats()
-        self._lock.release()
-        try:
-            with self._cv:
-                while not (self._pending or self._aborts or self._exit):
-                    self._idle.set()
-                    self._cv.wait()
-        finally:
-            self._lock.acquire()
+    def _check_lengths(self, ids: list[int], params: SamplingParams) -> int:
+        n, limit = len(ids), self.max_model_len
+        if n >= limit:
+            raise ValueError(f"prompt is {n} tokens; max_model_len is {limit}, so it must be at most "
+                             f"{limit - 1} tokens to leave room for one generated token")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise ValueError(f"max_tokens={max_tokens} plus the prompt's {n} tokens exceeds max_model_len={limit}; "
+                             f"max_tokens must be <= {limit - n}")
+        bm = self.block_manager
+        if bm.blocks_needed(n + max_tokens) > bm.num_usable_blocks:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {bm.blocks_needed(n + max_tokens)} KV-cache "
+                f"blocks of {bm.block_size} tokens but the cache has only {bm.num_usable_blocks} (besides the null "
+                f"block); it could never finish. "
+                f"Lower max_tokens or enlarge the cache (num_kv_blocks / kv_cache_memory)")
+        if n > self.config.scheduler.max_num_batched_tokens and not self.config.scheduler.enable_chunked_prefill:
+            raise ValueError(f"prompt is {n} tokens, more than max_num_batched_tokens="
+                             f"{self.config.scheduler.max_num_batched_tokens}, and chunked prefill is off")
+        return max_tokens
 
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except EngineDeadError as e:  # a tensor-parallel worker died: no step can run any more
-            log.error("%s; the engine stops", e)
-            self._fail_all(e, include_pending=True)
-            with self._cv:
-                self._stopping = self._exit = True
-            return
-        except Exception as e:  # e.g. a kernel failure: fail this batch, keep serving
-            log.exception("engine step failed; aborting all requests")
-            self._fail_all(e)
-            return
-        self.stats = self.engine.stats()
-        live = self._live
-        outputs = [out for out in outputs if out.request_id in live]  # not aborted after scheduling
-        for out in outputs:
-            if out.finished:
-                live.discard(out.request_id)
-        self._notify(outputs)
-
-    def _notify(self, outputs: list) -> None:
-        aborted, self._aborted = self._aborted, []
-        try:
-            self.on_step(outputs, self.stats, aborted)
-        except Exception:  # observers must not take the engine down
-            log.exception("step callback failed")
-
-    def _apply_pending(self) -> None:
-        """Add pending requests, then apply aborts (in that order, so an abort that overtook
-        its own add still wins). Caller holds the engine lock."""
-        with self._cv:
-            adds, self._pending = self._pending, deque()
-            aborts, self._aborts = self._aborts, []
-            parked = self._parked
-        settled = []
-        for add in adds:
-            try:
-                self.engine.add_request(add.request_id, add.prompt, add.params, add.arrival_time)
-            except Exception as e:  # ValueError for bad input; anything else still goes back
-                settled.append((add, e))
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                       stop_reason: int | str | None = None) -> None:
+        """Stop requests and free their blocks. Unknown or finished ids are ignored. status
+        FINISHED_STOPPED: the front end matched a stop string (stop_reason) in its text."""
+        for rid in request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is None:
                 continue
-            self._live.add(add.request_id)
-            settled.append((add, None))
-        deferred = []
-        for rid, status, stop_reason in aborts:
-            req = self.engine.requests.get(rid)
-            if parked and req is not None and req.status is RequestStatus.RUNNING:
-                deferred.append((rid, status, stop_reason))  # it may be in the interrupted step: wait for its end
-                continue
-            self._live.discard(rid)
-            if req is not None:
-                self.engine.abort_request(rid, status, stop_reason)
-                self._aborted.append(rid)
-        if deferred:
-            with self._cv:
-                self._aborts[:0] = deferred
-        if adds or aborts:
-            self.stats = self.engine.stats()
-        for add, exc in settled:  # after the stats: a caller that sees its request queued sees it counted
-            add.settle(exc)
+            req.stop_reason = stop_reason
+            self.scheduler.finish_requests((rid,), status)
+            if self.hooks.active:
+                self._trace_aborted(req, status)
 
-    def _drain_while_parked(self) -> None:
-        # Runs on the helper thread. If the engine left the gate meanwhile, this waits for
-        # the next time the lock is free; the engine thread will usually have drained first.
-        with self._lock:
-            self._apply_pending()
-            if self._aborted:
-                self._notify([])
+    def warm_up(self) -> dict:
+        """Run the model once on a dummy batch (compiling the Triton kernels on first use),
+        traced as the startup stage ``kernel_warmup``. Not a request, not an engine step.
+        `vllm-trace serve` calls it before taking requests; offline use may skip it."""
+        if self.step_count:  # it writes (then zeroes) cache blocks the prefix cache may now own
+            raise RuntimeError("warm_up() must run before the first engine step")
+        with self._stage("kernel_warmup", backend=self.attention_backend) as info:
+            info |= self.model_executor.warm_up(self.max_model_len)
+        return info
 
-    @contextmanager
-    def _gate_wait(self):
-        if threading.current_thread() is not self._thread:
-            yield  # the engine is being driven directly, not by this loop
-            return
-        with self._cv:
-            self._parked = True
-            drain = bool(self._pending or self._aborts)
-        self.stats = self.engine.stats()
-        self._lock.release()
-        if drain:  # arrived after the last drain: apply them now, not after the pause
-            self._helper.submit(self._drain_while_parked)
-        try:
-            yield
-        finally:
-            self._lock.acquire()
-            with self._cv:
-                self._parked = False
+    def held_attention_on_triton(self) -> dict:
+        """A utility for viewers: see ModelRunner.held_attention_on_triton."""
+        return self.model_executor.held_attention_on_triton()
 
-    def _fail_all(self, exc: BaseException, include_pending: bool = False) -> None:
-        """Abort every request in the engine and hand `exc` to its owner; with include_pending,
-        refuse the not-yet-added ones too. Caller holds the engine lock."""
-        for rid in list(self.engine.requests):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                log.exception("abort of %s failed", rid)
-        live, self._live = list(self._live), set()
-        if live:
-            self.on_fail(live, exc)
-        if include_pending:
-            with self._cv:
-                pending, self._pending = self._pending, deque()
-            for add in pending:
-                add.settle(EngineClosedError(f"the engine stopped: {exc}"))
-        self.stats = self.engine.stats()
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
 
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """One engine step: schedule, execute (unless nothing was scheduled), update.
+
+        Returns an EngineCoreOutput per request that got a token. Changes: the scheduler's
+        queues and block tables, the KV cache, each scheduled request's num_computed_tokens and
+        tokens; finished requests are removed and their blocks freed; step_count + 1. Hooks:
+        engine/step begin and end (with stats), SCHEDULED per admitted request, the schedule
+        snapshot and end, all that schedule(), execute_model() and update_from_output() emit;
+        when gated, the step, execute, postprocess and step_end gates."""
+        if self.hooks.gated:
+            self.hooks.gate("step", step=self.step_count)
+        if self.hooks.active:
+            self.hooks.emit(ENGINE, STEP, BEGIN, step=self.step_count)
+        scheduler_output = self.scheduler.schedule()
+        if self.hooks.active:
+            self._trace_schedule(scheduler_output)
+        model_output = self.model_executor.execute_model(scheduler_output) if not scheduler_output.is_empty else None
+        if self.hooks.gated:
+            self.hooks.gate("postprocess", step=scheduler_output.step)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.hooks.active:
+            self._trace_step_end(scheduler_output, outputs)
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing changed) while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
+
+    # ---- observation --------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            step=self.step_count, num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_usable_blocks,
+            num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, kv_cache_usage=bm.usage(),
+        )
+
+    def snapshot(self, sched: SchedulerOutput | None = None) -> dict:
+        """The engine's visible state, as plain data (taken at schedule time when traced)."""
+        # Dict displays in one comprehension, not dict(...) or a call per request: taken every step
+        # for every request while traced.
+        def rows(reqs) -> list[dict]:
+            return [
+                {
+                    "request_id": r.request_id,
+                    "status": r.status._value_,
+                    "num_computed_tokens": r.num_computed_tokens,
+                    "num_tokens": len(r.all_token_ids),
+                    "num_prompt_tokens": len(r.prompt_token_ids),
+                    "num_output_tokens": len(r.output_token_ids),
+                    "block_table": r.block_ids.copy(),
+                    "num_cached_tokens": r.num_cached_tokens,
+                    "num_preemptions": r.num_preemptions,
+                }
+                for r in reqs
+            ]
+
+        snap = {"waiting": rows(self.scheduler.waiting), "running": rows(self.scheduler.running),
+                "stats": vars(self.stats())}
+        if sched is not None:
+            snap |= {
+                "step": sched.step, "token_budget": sched.token_budget,
+                "num_scheduled_tokens": sched.num_scheduled_tokens,
+                "total_num_scheduled_tokens": sched.total_num_scheduled_tokens,
+                "scheduled": [{"request_id": s.request.request_id, "num_tokens": s.num_tokens,
+                               "num_computed_before": s.num_computed_before,
+                               "kind": "prefill" if s.is_prefill else "decode"} for s in sched.scheduled],
+                "admitted": sched.admitted, "preempted": sched.preempted, "waiting_reasons": sched.waiting_reasons}
+        return snap
+
+    def _trace_schedule(self, sched: SchedulerOutput) -> None:
+        h = self.hooks
+        for rid in sched.admitted:
+            h.emit(SCHEDULER, SCHEDULED, request_id=rid, step=sched.step)
+        snap = self.snapshot(sched)
+        del snap["step"]  # the event's own step field carries it
+        h.emit(SCHEDULER, SCHEDULE, SNAPSHOT, step=sched.step, **snap)
+        h.emit(SCHEDULER, SCHEDULE, END, step=sched.step,
+               total_num_scheduled_tokens=snap["total_num_scheduled_tokens"])
+        if h.gated:
+            h.gate("execute", step=sched.step)
+
+    def _trace_step_end(self, sched: SchedulerOutput, outputs: EngineCoreOutputs) -> None:
+        self.hooks.emit(ENGINE, STEP, END, step=sched.step, num_outputs=len(outputs.outputs), stats=vars(self.stats()))
+        if self.hooks.gated:
+            self.hooks.gate("step_end", step=sched.step)
+
+    def _trace_queued(self, req: Request) -> None:
+        self.hooks.emit(ENGINE, QUEUED, request_id=req.request_id, step=self.step_count,
+                        num_prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens, params=vars(req.params))
+
+    def _trace_aborted(self, req: Request, status: RequestStatus) -> None:
+        if status is RequestStatus.FINISHED_ABORTED:
+            self.hooks.emit(ENGINE, ABORTED, request_id=req.request_id, step=self.step_count)
+        else:
+            self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=self.step_count,
+                            finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens)
+
+    def _load_progress(self, done: int, total: int) -> None:
+        """Weights read so far, for the startup progress bar: about every 5 %."""
+        if self.hooks.active and (done == total or done - self._loaded >= total / 20):
+            self._loaded = done
+            self.hooks.emit(ENGINE, "model_load_progress", COUNTER, bytes=done, total_bytes=total)
+
+    def _stage(self, name: str, **details):
+        return _Stage(self, name, details)
+
+
+class _Stage:
+    """Times one startup stage, records it, and traces it as a span."""
+
+    def __init__(self, engine: EngineCore, name: str, details: dict):
+        self.engine, self.name, self.details = engine, name, details
+
+    def __enter__(self) -> dict:
+        self.t0 = time.perf_counter()
+        if self.engine.hooks.active:
+            self.engine.hooks.emit(ENGINE, self.name, BEGIN, **self.details)
+        return self.details
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        seconds = time.perf_counter() - self.t0
+        if exc_type is None:
+            self.engine.startup.append((self.name, seconds, self.details))
+        if self.engine.hooks.active:
+            self.engine.hooks.emit(ENGINE, self.name, END, seconds=seconds, ok=exc_type is None, **self.details)

@@ -1,12 +1,22 @@
-"""The front end's side of the process boundary (vLLM V1's ``v1/engine/core_client.py``).
+"""How a front end reaches its EngineCore (vLLM V1's ``v1/engine/core_client.py``).
 
-``MPClient`` starts an ``EngineCoreProc`` (a fresh interpreter, ``python -m engine.engine.core_proc``,
-as multiprocessing's 'spawn' would, but without re-running the caller's ``__main__``: a
-lesson or a script needs no ``if __name__ == "__main__"`` guard), binds the two ZMQ
-sockets it connects to (ipc:// files in a private temporary directory), and then runs two
-threads of its own:
+    EngineCoreClient.make_client(multiprocess, asyncio_mode)
+      InprocClient    the EngineCore in this process, stepped by the caller (LLM's default: lessons
+                      read its objects, ``llm.llm_engine.engine_core.engine_core.scheduler``)
+      SyncMPClient    the core in its own process, for LLMEngine (``LLM(..., multiprocess=True)``)
+      AsyncMPClient   the core in its own process, for AsyncLLM (``serve``)
 
-    output IO      recv + decode EngineCoreOutputs, hand each to on_message
+The one-process API server (``serve --no-multiprocessing``) runs the EngineCore in a thread of
+its own behind ``AsyncLLMEngine`` (``engine/engine/async_engine.py``), which V1 does not have.
+
+``MPClient``, the base of both multiprocess clients, starts an ``EngineCoreProc`` (a fresh
+interpreter, ``python -m engine.engine.core_proc``, as multiprocessing's 'spawn' would, but
+without re-running the caller's ``__main__``: a lesson or a script needs no
+``if __name__ == "__main__"`` guard), binds the two ZMQ sockets it connects to (ipc:// files
+in a private temporary directory), and then runs two threads of its own:
+
+    output IO      recv + decode EngineCoreOutputs; republish their trace events, trace the
+                   message (``ipc`` layer), hand it to on_message
     death monitor  waits on the process; on an unplanned exit, on_dead("engine core died: signal 9")
 
 Sends (ADD, ABORT, UTILITY) come from any thread, under one lock (ZMQ sockets are not
@@ -22,6 +32,7 @@ import itertools
 import logging
 import os
 import pickle
+import queue
 import shutil
 import subprocess
 import sys
@@ -31,6 +42,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+import msgspec
 import zmq
 
 from engine.config import EngineConfig
@@ -41,7 +53,10 @@ from engine.engine.core_types import (
     EngineCoreRequestType,
     UtilityCall,
 )
+from engine.engine.processor import wire_params
+from engine.hooks import Hooks
 from engine.serial_utils import encoder, outputs_decoder, send_while_alive
+from engine.trace_names import IPC, IPC_RECV, IPC_SEND, PAUSED, RESUMED, TRACER
 from engine.utils import child_pythonpath
 
 log = logging.getLogger(__name__)
@@ -72,16 +87,76 @@ def death_reason(exitcode: int | None) -> str:
     return f"engine core died: exit code {exitcode}"
 
 
-class MPClient:
+class EngineCoreClient:
+    """What every client offers: add_request, abort_requests, a utility call, shutdown."""
+
+    @staticmethod
+    def make_client(multiprocess: bool, asyncio_mode: bool, config: EngineConfig, hooks: Hooks,
+                    **kwargs) -> EngineCoreClient:
+        if asyncio_mode:
+            if not multiprocess:
+                raise ValueError("the asyncio front end in one process is AsyncLLMEngine, not a client")
+            return AsyncMPClient(config, hooks, **kwargs)
+        return SyncMPClient(config, hooks, **kwargs) if multiprocess else InprocClient(config, hooks)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError
+
+    def abort_requests(self, request_ids: list[str], finish_reason: str = "abort",
+                       stop_reason: str | None = None) -> None:
+        raise NotImplementedError
+
+    def call(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class InprocClient(EngineCoreClient):
+    """The EngineCore in this process, stepped by the caller: get_output() is one step."""
+
+    def __init__(self, config: EngineConfig, hooks: Hooks):
+        from engine.engine.core import EngineCore  # torch: never imported by the API server
+
+        self.engine_core = EngineCore(config, hooks)
+
+    def get_output(self) -> EngineCoreOutputs:
+        outputs = self.engine_core.step()
+        outputs.stats, outputs.step = vars(self.engine_core.stats()), True  # as a core process sends them
+        return outputs
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str], finish_reason: str = "abort",
+                       stop_reason: str | None = None) -> None:
+        from engine.request import RequestStatus
+
+        status = RequestStatus.FINISHED_STOPPED if finish_reason == "stop" else RequestStatus.FINISHED_ABORTED
+        self.engine_core.abort_requests(request_ids, status, stop_reason)
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method == "stats":
+            return vars(self.engine_core.stats())
+        return getattr(self.engine_core, method)(*args)
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+class MPClient(EngineCoreClient):
     """An engine core in another process (see the module docstring).
 
     on_message(msg, nbytes) runs on the output IO thread for every message after the
     handshake, and for the trace events the core ships during startup; on_dead(reason) once
-    if the process exits while the client is not shutting it down."""
+    if the process exits while the client is not shutting it down. Trace events the core
+    ships are republished on `hooks` before on_message sees their message."""
 
-    def __init__(self, config: EngineConfig, on_message: Callable[[EngineCoreOutputs, int], None],
+    def __init__(self, config: EngineConfig, hooks: Hooks, on_message: Callable[[EngineCoreOutputs, int], None],
                  on_dead: Callable[[str], None], options: dict | None = None, proc: subprocess.Popen | None = None):
-        self.config, self.options = config, dict(options or {})
+        self.config, self.hooks, self.options = config, hooks, dict(options or {})
+        self.parked = False  # the core's step controller holds its engine (from its trace events)
         self._spawned = proc  # from spawn_core_process(), started early; None: launch() starts one
         self.on_message, self.on_dead = on_message, on_dead
         self.ready: dict | None = None  # the handshake: num_blocks, block_size, max_model_len, pid, ...
@@ -182,13 +257,26 @@ class MPClient:
             raise RuntimeError(self._why_dead(code))
         return len(payload)
 
-    def add_request(self, req: EngineCoreRequest, before: Callable[[int], None] | None = None) -> int:
-        """Send an ADD. before(size in bytes) runs once it is encoded, before it is sent."""
-        return self._send(EngineCoreRequestType.ADD, req, before)
+    def add_request(self, request: EngineCoreRequest) -> int:
+        """Send an ADD (its sampling_params a SamplingParams, sent as a dict)."""
+        wire = msgspec.structs.replace(request, sampling_params=wire_params(request.sampling_params))
+        return self._send(EngineCoreRequestType.ADD, wire, self._trace_add(request) if self.hooks.active else None)
 
-    def abort_requests(self, request_ids: list[str], finish_reason: str = "abort", stop_reason: str | None = None,
-                       before: Callable[[int], None] | None = None) -> int:
+    def abort_requests(self, request_ids: list[str], finish_reason: str = "abort",
+                       stop_reason: str | None = None) -> int:
+        """Send an ABORT; finish_reason "stop": the output processor matched stop_reason, a stop string."""
+        before = self._trace_abort(request_ids, finish_reason, stop_reason) if self.hooks.active else None
         return self._send(EngineCoreRequestType.ABORT, EngineCoreAbort(request_ids, finish_reason, stop_reason), before)
+
+    def _trace_add(self, request: EngineCoreRequest) -> Callable[[int], None]:
+        rid = request.request_id
+        return lambda nbytes: self.hooks.emit(IPC, IPC_SEND, request_id=rid, type="ADD", request_ids=[rid],
+                                              bytes=nbytes, num_prompt_tokens=len(request.prompt_token_ids))
+
+    def _trace_abort(self, ids: list[str], finish_reason: str, stop_reason) -> Callable[[int], None]:
+        why = {"finish_reason": "stop", "stop_reason": stop_reason} if finish_reason == "stop" else {}
+        return lambda nbytes: self.hooks.emit(IPC, IPC_SEND, request_id=ids[0] if len(ids) == 1 else None,
+                                              type="ABORT", request_ids=ids, bytes=nbytes, **why)
 
     def call(self, method: str, *args: Any, wait: bool = True, timeout: float = CALL_TIMEOUT_S) -> Any:
         """A utility call in the core. With wait, its result (its error raised as RuntimeError)."""
@@ -237,9 +325,25 @@ class MPClient:
         # A failing observer (a trace listener) must not end this thread: nothing would read the
         # core any more, and the handshake or every request would wait for ever.
         try:
+            if msg.events and self.hooks.active:
+                self._republish(msg.events)
+            if self.hooks.active and (msg.outputs or msg.accepted or msg.rejected or msg.failed):
+                self._trace_recv(msg, nbytes)
             self.on_message(msg, nbytes)
         except Exception:
             log.exception("handling a message from the engine core failed")
+
+    def _republish(self, events: list) -> None:
+        for ev in events:
+            if ev[0] == TRACER and ev[1] in (PAUSED, RESUMED):
+                self.parked = ev[1] == PAUSED
+        self.hooks.emit_many([ev[:6] for ev in events], [ev[6] for ev in events])
+
+    def _trace_recv(self, msg: EngineCoreOutputs, nbytes: int) -> None:
+        ids = [o.request_id for o in msg.outputs] + msg.accepted + [r for r, _ in msg.rejected] + msg.failed
+        step = msg.stats["step"] - 1 if msg.step and msg.stats else None  # the step these outputs are from
+        self.hooks.emit(IPC, IPC_RECV, step=step, type="OUTPUTS" if msg.outputs else "ADDED", request_ids=ids,
+                        bytes=nbytes, num_events=len(msg.events))
 
     def _why_dead(self, exitcode: int | None) -> str:
         return f"engine core died: {self._fatal}" if self._fatal else death_reason(exitcode)
@@ -257,3 +361,53 @@ class MPClient:
             if not fut.done():
                 fut.set_exception(RuntimeError(self._dead))
         self.on_dead(self._dead)
+
+
+class AsyncMPClient(MPClient):
+    """The multiprocess client of AsyncLLM: each message goes to on_message on the output IO
+    thread, which hands outputs to the requests' asyncio collectors."""
+
+
+class SyncMPClient(MPClient):
+    """The multiprocess client of LLMEngine: add_request waits until the core has the request
+    (raising its ValueError), get_output() blocks for the next step's outputs."""
+
+    def __init__(self, config: EngineConfig, hooks: Hooks, options: dict | None = None):
+        super().__init__(config, hooks, self._on_message, self._on_core_dead, options)
+        self._outputs: queue.Queue = queue.Queue()
+        self._adds: dict[str, Future] = {}
+        self.launch()
+        self.ready = self.wait_ready()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        fut = self._adds[request.request_id] = Future()
+        try:
+            super().add_request(request)
+            fut.result()
+        finally:
+            self._adds.pop(request.request_id, None)
+
+    def get_output(self) -> EngineCoreOutputs:
+        msg = self._outputs.get()
+        if isinstance(msg, BaseException):
+            raise msg
+        return msg
+
+    def _on_message(self, msg: EngineCoreOutputs, nbytes: int) -> None:
+        for rid, error in [(r, None) for r in msg.accepted] + msg.rejected:
+            fut = self._adds.get(rid)
+            if fut is not None:
+                fut.set_result(None) if error is None else fut.set_exception(ValueError(error))
+        if msg.failed:
+            self._outputs.put(RuntimeError(msg.error))
+        elif msg.step:
+            self._outputs.put(msg)
+
+    def _on_core_dead(self, reason: str) -> None:
+        for fut in list(self._adds.values()):
+            if not fut.done():
+                fut.set_exception(RuntimeError(reason))
+        self._outputs.put(RuntimeError(reason))
+
+    def shutdown(self, drain_timeout: float = 0.0, timeout: float = 10.0) -> None:
+        super().shutdown(drain_timeout, timeout)

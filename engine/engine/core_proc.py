@@ -3,7 +3,7 @@
 Three threads, so that socket work overlaps the step:
 
     input IO (the process's main thread)   recv ADD / ABORT / UTILITY, decode, hand to the core
-    engine loop (EngineCore's thread)      schedule -> execute -> postprocess, forever
+    engine loop (BusyLoop's thread)        EngineCore.step(): schedule -> execute_model -> update_from_output
     output IO                              encode EngineCoreOutputs and send them
 
 The process is a fresh interpreter (``python -m engine.engine.core_proc``, its arguments pickled on
@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.engine.core import EngineClosedError, EngineCore, PendingAdd
+from engine.engine.busy_loop import BusyLoop, PendingAdd
 from engine.engine.core_types import (
     EngineCoreAbort,
     EngineCoreOutputs,
@@ -38,6 +38,7 @@ from engine.engine.core_types import (
     EngineCoreRequestType,
     UtilityCall,
 )
+from engine.engine.exceptions import EngineClosedError
 from engine.gc_utils import freeze_gc_heap
 from engine.hooks import Hooks
 from engine.request import RequestStatus
@@ -109,7 +110,7 @@ class EngineCoreProc:
         self.shipper = EventShipper(self.hooks) if options.get("trace") else None
         self.out_q: queue.Queue = queue.Queue()
         self._order = threading.Lock()  # takes the shipper's events and queues their message as one
-        self.core: EngineCore | None = None
+        self.core: BusyLoop | None = None
         self.utilities = {"stats": self._stats, "snapshot": self._snapshot, "ping": os.getpid, "trace": self._trace,
                           "reset_prefix_cache": lambda: self.core.reset_prefix_cache()}
         self._done = threading.Event()
@@ -118,15 +119,15 @@ class EngineCoreProc:
 
     # ---- startup ----------------------------------------------------------------------------
     def _build(self) -> dict:
-        from engine.engine.llm_engine import LLMEngine
+        from engine.engine.core import EngineCore
 
         if self.options.get("fail_startup"):
             raise RuntimeError(self.options["fail_startup"])
-        engine = LLMEngine(self.config, self.hooks, detokenize=False)
+        engine = EngineCore(self.config, self.hooks)
         engine.on_dead = self._worker_died
         engine.warm_up()
         freeze_gc_heap()
-        self.core = EngineCore(engine, self._on_step, self._on_fail)
+        self.core = BusyLoop(engine, self._on_step, self._on_fail)
         # runs on the input thread: the engine's thread is the one held before the launch
         self.utilities["held_attention_on_triton"] = engine.held_attention_on_triton
         install = self.options.get("install")
@@ -191,9 +192,8 @@ class EngineCoreProc:
                 self._send(EngineCoreOutputs(rejected=[(rid, str(exc))]))
 
         try:
-            params = params_from_wire(req.sampling_params)
-            prompt = {"prompt_token_ids": req.prompt_token_ids, "prompt": req.prompt}
-            self.core.add_request(PendingAdd(rid, prompt, params, settle, req.arrival_time))
+            req.sampling_params = params_from_wire(req.sampling_params)
+            self.core.add_request(PendingAdd(req, settle))
         except (ValueError, EngineClosedError) as e:
             settle(e)
 

@@ -14,11 +14,6 @@ from typing import Any
 import msgspec
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core died (its process: a crash, a signal, out of memory; or one of its
-    tensor-parallel workers): nothing it held survives."""
-
-
 class EngineCoreRequestType(enum.Enum):
     """The first frame of every message to the core."""
     ADD = b"\x00"

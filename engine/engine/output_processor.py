@@ -4,11 +4,17 @@ The core sends token ids; here they become text. Per request: incremental detoke
 stop strings (a match finishes the request and is returned so the caller aborts it in the
 core: the core cannot see text), logprobs as ``Logprob`` objects, and one ``RequestOutput``
 per step (or only the final one, for output_kind "final_only"). It traces what it does as
-the ``detokenizer`` layer's NEW_TOKENS, as the engine does in one process.
+the ``detokenizer`` layer's NEW_TOKENS. One OutputProcessor serves every front end: LLMEngine
+(offline, in-process or not), AsyncLLM (the API server, one process or two).
+
+``RequestOutputCollector`` and ``RequestStream`` hand one request's outputs to its asyncio
+consumer (the API server's front ends).
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Protocol
 
 from engine.engine.core_types import EngineCoreOutput
 from engine.hooks import INSTANT, Hooks
@@ -47,6 +53,9 @@ class OutputProcessor:
     def remove(self, request_id: str) -> RequestState | None:
         return self.requests.pop(request_id, None)
 
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
     def process(self, outputs: list[EngineCoreOutput], step: int | None
                 ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         """(the RequestOutputs to hand out, the (request id, stop string) of requests a stop
@@ -84,7 +93,8 @@ class OutputProcessor:
         st.token_ids += out.new_token_ids
         st.text = st.detokenizer.text
         if out.new_logprobs is not None:
-            st.logprobs += [{t: Logprob(lp, rank, dec) for t, lp, rank, dec in entry} for entry in out.new_logprobs]
+            decode = self.tokenizer.decode
+            st.logprobs += [{t: Logprob(lp, rank, decode([t])) for t, lp, rank in entry} for entry in out.new_logprobs]
         if out.metrics:
             st.metrics |= out.metrics
         st.num_cached_tokens = out.num_cached_tokens
@@ -108,3 +118,81 @@ class OutputProcessor:
                                       finish, stop_reason)
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion], finish is not None,
                              st.num_cached_tokens, dict(st.metrics))
+
+
+class RequestOutputCollector:
+    """One request's output not yet taken by its consumer (vLLM V1's ``RequestOutputCollector``).
+
+    put() (event loop) keeps one pending item: outputs are cumulative, so a newer output replaces
+    an older one nobody read yet, and an exception (the request is over) replaces any output.
+    A consumer that falls behind, say 64 SSE streams on two cores, then takes one output
+    carrying several new tokens and writes one chunk for them, instead of working through a
+    backlog of one-token outputs that each cost a chunk (measured in benchmarks.two_processes).
+    """
+    __slots__ = ("item", "ready")
+
+    def __init__(self):
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self.item, BaseException):
+            self.item = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self.item is None:
+            await self.ready.wait()
+        item, self.item = self.item, None
+        self.ready.clear()
+        return item
+
+
+class _Aborts(Protocol):
+    def abort(self, request_id: str) -> None: ...
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator. Ends after the finished output.
+
+    Iterating stops the request (abort) if the iteration is cancelled or fails first; a
+    consumer that just stops iterating should call ``abort()`` (a no-op once finished).
+    """
+
+    def __init__(self, engine: _Aborts, request_id: str, collector: RequestOutputCollector):
+        self.engine, self.request_id, self._collector = engine, request_id, collector
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._collector.get()
+                if isinstance(item, BaseException):
+                    self.finished = True  # the engine already dropped it
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    """loop.call_soon_threadsafe, from another thread; a closed loop has nobody listening any more."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def deliver(batch: list[tuple[RequestOutputCollector, RequestOutput | BaseException]]) -> None:
+    """On the event loop: one step's outputs (or errors) to their collectors."""
+    for collector, out in batch:
+        collector.put(out)

@@ -1,20 +1,19 @@
 """The offline API, as in vLLM: ``LLM(model=...).generate(prompts, sampling_params)``.
 
-By default the engine runs in this process (vLLM's InprocClient), so a lesson can read its
-objects (``llm.llm_engine.scheduler``, ...). ``LLM(..., multiprocess=True)`` runs the engine
-core in its own process, as ``serve`` does: ``llm_engine`` is then None, and generate() goes
-through an AsyncLLM driven on a private event loop.
+``LLM`` is a thin shell over ``LLMEngine`` (vLLM V1's ``entrypoints/llm.py``). By default the
+engine core runs in this process behind an ``InprocClient``, so a lesson can read its objects
+(``llm.llm_engine.engine_core.engine_core.scheduler``, ...). ``LLM(..., multiprocess=True)``
+runs the engine core in its own process, as ``serve`` does, behind a ``SyncMPClient``.
+Keyword arguments are EngineArgs' fields (``engine/arg_utils.py``), with its defaults.
 """
 from __future__ import annotations
 
-import asyncio
 import atexit
-import threading
 from dataclasses import replace
 from itertools import count
 from typing import Sequence
 
-from engine.config import engine_config
+from engine.arg_utils import engine_config
 from engine.engine.llm_engine import LLMEngine
 from engine.gc_utils import freeze_gc_heap
 from engine.hooks import Hooks
@@ -23,46 +22,28 @@ from engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "tiny-gpt2", *, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 attention_backend: str | None = None, dtype: str | None = None, device: str | None = None,
-                 seed: int = 0, tensor_parallel_size: int = 1, distributed_init_method: str | None = None,
-                 distributed_timeout_s: float = 30.0, hooks: Hooks | None = None, multiprocess: bool = False):
-        config = engine_config(
-            model, block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            attention_backend=attention_backend, dtype=dtype, device=device, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, distributed_init_method=distributed_init_method,
-            distributed_timeout_s=distributed_timeout_s)
-        self._core = None
+    def __init__(self, model: str = "tiny-gpt2", *, hooks: Hooks | None = None, multiprocess: bool = False,
+                 **kwargs):
+        config = engine_config(model, **kwargs)
+        self.llm_engine = LLMEngine(config, hooks, multiprocess=multiprocess)
+        self._ids = count()
         if multiprocess:
-            self.llm_engine = None
-            self._core = _CoreProcess(config, hooks)
-            return
-        self.llm_engine = LLMEngine(config, hooks)
+            atexit.register(self.shutdown)
         freeze_gc_heap()
 
     def get_tokenizer(self):
-        return self._core.llm.tokenizer if self._core is not None else self.llm_engine.tokenizer
+        return self.llm_engine.get_tokenizer()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (vLLM's ``LLM.reset_prefix_cache``): the next prompts share
         no blocks with earlier ones. False while requests hold blocks (never between generate calls)."""
-        if self._core is not None:
-            return self._core.llm.client.call("reset_prefix_cache")
         return self.llm_engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the engine-core process (multiprocess=True) and the tensor-parallel workers (also at
         exit). Safe to call twice."""
-        if self._core is not None:
-            self._core.close()
-        else:
-            self.llm_engine.shutdown()
+        atexit.unregister(self.shutdown)
+        self.llm_engine.shutdown()
 
     def generate(self, prompts: str | dict | Sequence[str | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -78,20 +59,17 @@ class LLM:
             raise ValueError(f"sampling_params must be one or one per prompt ({len(prompts)}), got {len(params)}")
         # As vLLM's LLM: only finished requests need an output (no RequestOutput per step)
         params = [p if p.output_kind == "final_only" else replace(p, output_kind="final_only") for p in params]
-        if self._core is not None:
-            return self._core.generate(list(prompts), params, use_tqdm)
         engine = self.llm_engine
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p).request_id)
-        except ValueError:
-            for rid in ids:  # all or nothing: don't leave half a batch queued
-                engine.abort_request(rid)
+                ids.append(engine.add_request(str(next(self._ids)), prompt, p))
+        except (ValueError, RuntimeError):
+            engine.abort_request(ids)  # all or nothing: don't leave half a batch queued
             raise
-        return self._run(ids, use_tqdm)
+        return self._run_engine(ids, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         bar = None
@@ -109,60 +87,3 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
-
-
-class _CoreProcess:
-    """LLM's engine core in its own process: an AsyncLLM on an event loop in a daemon thread."""
-
-    def __init__(self, config, hooks: Hooks | None):
-        from engine.engine.async_llm import AsyncLLM
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="llm-core-client", daemon=True)
-        self.thread.start()
-        self.llm = AsyncLLM(config, hooks, core_options={"trace": hooks is not None})
-        self.llm.start()  # launched from the caller's thread, which outlives the core
-        self._ids = count()
-        self._closed = False
-        atexit.register(self.close)
-
-    def generate(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        return asyncio.run_coroutine_threadsafe(self._generate(prompts, params, use_tqdm), self.loop).result()
-
-    async def _generate(self, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
-        # all sent at once (the core takes them in one step, as LLMEngine would), all or nothing
-        added = await asyncio.gather(*(self.llm.add_request(str(next(self._ids)), prompt, p)
-                                       for prompt, p in zip(prompts, params)), return_exceptions=True)
-        errors = [x for x in added if isinstance(x, BaseException)]
-        if errors:
-            for x in added:
-                if not isinstance(x, BaseException):
-                    x.abort()
-            raise errors[0]
-        streams = added
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(streams), desc="Processed prompts", unit="req", dynamic_ncols=True)
-
-        async def final(stream):
-            last = None
-            async for out in stream:
-                last = out
-            if bar is not None:
-                bar.update(1)
-            return last
-        try:
-            return list(await asyncio.gather(*(final(s) for s in streams)))
-        finally:
-            if bar is not None:
-                bar.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.close)
-        self.llm.stop(0)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)

@@ -42,8 +42,8 @@ from typing import Callable
 import msgspec
 import zmq
 
-from engine.core.sched.scheduler import SchedulerOutput
-from engine.engine.core_types import EngineDeadError
+from engine.core.sched.output import SchedulerOutput
+from engine.engine.exceptions import EngineDeadError
 from engine.hooks import Hooks
 from engine.sample.sampler import SamplerOutput
 from engine.serial_utils import encoder, send_while_alive

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.core.sched.scheduler import SchedulerOutput
+from engine.core.sched.output import SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
 from engine.model_executor.models.gpt2 import GPT2Model

@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from engine.core.kv_cache_utils import allocate_kv_cache, bytes_per_block, num_blocks_for
-from engine.core.sched.scheduler import ScheduledRequest, SchedulerOutput
+from engine.core.sched.output import ScheduledRequest, SchedulerOutput
 from engine.distributed.parallel_state import TPGroup
 from engine.hooks import Hooks
 from engine.model_executor.layers.attention import AttentionBackend

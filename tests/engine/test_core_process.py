@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.arg_utils import engine_config
 from engine.engine.core_client import EngineStartupError
-from engine.entrypoints.llm import engine_config
 from tests.server.conftest import spawn_serve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +151,7 @@ def test_a_request_added_as_the_core_dies_is_refused_not_left_waiting():
 
     from engine import SamplingParams
     from engine.engine.async_llm import AsyncLLM
-    from engine.engine.core import EngineClosedError
+    from engine.engine.exceptions import EngineClosedError
 
     llm = AsyncLLM(engine_config("tiny-gpt2-random")).start()
     tokenize = llm._tokenize

@@ -13,7 +13,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.builtin_model import NAME, builtin_path
 from engine.config import ConfigError
-from engine.engine.core_types import EngineDeadError
+from engine.engine.exceptions import EngineDeadError
 from engine.hooks import Hooks
 from engine.trace_names import EXECUTE_MODEL, KERNEL, WORKER
 from tests.engine.hf_reference import hf_greedy

@@ -100,8 +100,8 @@ class Live:
 def make_engine(mode: str = "inproc", hooks=None, core_options=None, **kwargs):
     """An AsyncLLMEngine (inproc) or a started AsyncLLM (mp: its core launched from this thread)."""
     if mode == "mp":
+        from engine.arg_utils import engine_config
         from engine.engine.async_llm import AsyncLLM
-        from engine.entrypoints.llm import engine_config
 
         llm = AsyncLLM(engine_config("tiny-gpt2", **kwargs), hooks, core_options=core_options)
         return llm.start()

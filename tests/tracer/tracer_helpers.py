@@ -57,8 +57,8 @@ class CoreProcess:
     def __init__(self, session, **llm_kwargs):
         import asyncio
 
+        from engine.arg_utils import engine_config
         from engine.engine.async_llm import AsyncLLM
-        from engine.entrypoints.llm import engine_config
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)

@@ -78,8 +78,8 @@ def live(model_cache, request):
     mp = request.param == "mp"
     session = TraceSession(hooks, start_paused=True, model="tiny-gpt2-random", remote_control=mp)
     if mp:
+        from engine.arg_utils import engine_config
         from engine.engine.async_llm import AsyncLLM
-        from engine.entrypoints.llm import engine_config
 
         config = engine_config("tiny-gpt2-random", block_size=4, num_kv_blocks=64)
         engine = AsyncLLM(config, hooks, drain_timeout=0, core_options=session.core_options()).start()

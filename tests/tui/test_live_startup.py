@@ -7,9 +7,9 @@ import pytest
 from textual._context import active_app
 
 from engine import Hooks
+from engine.arg_utils import engine_config
 from engine.engine.async_engine import AsyncLLMEngine
 from engine.engine.llm_engine import LLMEngine
-from engine.entrypoints.llm import engine_config
 from tests.tui.helpers import shown
 from tracer.session import TraceSession
 from tracer.tui.serve import LiveTui

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tracer.commands.engine_args import add_engine_args, llm_kwargs
+from engine.arg_utils import EngineArgs
 
 
 def register(sub) -> None:
@@ -24,7 +24,7 @@ def register(sub) -> None:
     s.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(handler=run)
 
 
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
     print(f"loading {args.model} ...", file=sys.stderr)
-    llm = LLM(args.model, **llm_kwargs(args))
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     for out in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
         c = out.outputs[0]
         if len(args.prompts) > 1:

@@ -34,7 +34,7 @@ import socket
 import sys
 import time
 
-from tracer.commands.engine_args import add_engine_args, llm_kwargs
+from engine.arg_utils import EngineArgs
 from tracer.errors import UserError
 
 DRAIN_GRACE = 5.0  # s after the drain deadline: the cut responses send their error event and [DONE]
@@ -104,7 +104,7 @@ def register(sub) -> None:
     t.add_argument("--web-port", type=port_number, default=None, metavar="PORT",
                    help="also serve the TUI in a browser on http://127.0.0.1:PORT (textual-serve; each tab runs "
                         "its own `vllm-trace attach`), with or without the terminal TUI")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(handler=run)
 
 
@@ -264,9 +264,7 @@ def run(args: argparse.Namespace) -> int:
     _stage("args", (t_args - t0) / 1e9, f"{args.host}:{sock.getsockname()[1]}")
     session = None
     try:
-        from engine.config import engine_config
-
-        config = engine_config(args.model, **llm_kwargs(args))  # a bad value: ConfigError, one line
+        config = EngineArgs.from_cli_args(args).create_engine_config()  # a bad value: ConfigError, one line
         t_config = time.perf_counter_ns()
         _stage("config", (t_config - t_args) / 1e9, _config_summary(config))
         hooks = Hooks()

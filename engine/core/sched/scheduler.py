@@ -7,50 +7,26 @@ requests are admitted in arrival order while the token budget, ``max_num_seqs`` 
 blocks allow. A long prompt is split across steps (chunked prefill). When blocks run out,
 the most recently admitted running request is preempted: its blocks are freed and it goes
 back to the front of ``waiting`` to be recomputed later.
+
+After the model ran, ``update_from_output`` applies what it sampled: it advances each
+request, appends its token, checks EOS / stop_token_ids / min_tokens / max_tokens, frees
+what finished and returns one ``EngineCoreOutput`` per request that got a token.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Iterable
 
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
+from engine.core.sched.output import ScheduledRequest, SchedulerOutput
+from engine.core.sched.utils import check_stop
+from engine.engine.core_types import EngineCoreOutput, EngineCoreOutputs
 from engine.hooks import BEGIN, Hooks
 from engine.request import Request, RequestStatus
-from engine.trace_names import PREEMPTED, SCHEDULE, SCHEDULER
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens computed for it this step
-    num_computed_before: int  # where this step's tokens start
-    is_prefill: bool
-
-
-@dataclass
-class SchedulerOutput:
-    step: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    admitted: list[str] = field(default_factory=list)
-    waiting_reasons: dict[str, str] = field(default_factory=dict)  # request id -> why not admitted
-    token_budget: int = 0
-    # finished or aborted since the last step (V1's name): workers drop the state they keep for them
-    finished_req_ids: set[str] = field(default_factory=set)
-
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        """Request id -> tokens computed for it this step (vLLM V1's name and shape)."""
-        return {s.request.request_id: s.num_tokens for s in self.scheduled}
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from engine.sample.sampler import SamplerOutput
+from engine.trace_names import ENGINE, FINISHED, PREEMPTED, SCHEDULE, SCHEDULER
 
 
 class Scheduler:
@@ -59,40 +35,44 @@ class Scheduler:
     Owns the ``waiting`` queue and the ``running`` list. Running requests go first, then waiting
     ones, first come first served; when the BlockManager has no free block for a running request,
     the most recently admitted one is preempted (recompute: its blocks are freed and it goes back
-    to the front of ``waiting``). It moves token counts only: the ModelRunner computes them and
-    the engine applies the results."""
+    to the front of ``waiting``). ``schedule`` moves token counts only; ``update_from_output``
+    applies what the model sampled. Owns ``requests`` (every unfinished request by id) and
+    ``step_count`` (steps scheduled and updated so far)."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, hooks: Hooks | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 hooks: Hooks | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.hooks = hooks or Hooks()
+        self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.step_count = 0
         self.num_preemptions = 0
         self.finished_req_ids: set[str] = set()  # handed to the next SchedulerOutput
 
     def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, step: int) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput:
         """This step's batch, within max_num_batched_tokens and max_num_seqs.
 
-        Takes the step number (for the trace). Returns the scheduled requests, each with how many
+        Returns the scheduled requests, each with how many
         tokens it computes from which position, and who was admitted, preempted or left waiting
         (and why). Changes: allocates KV blocks (prefix-cache hits on admission), moves admitted
         requests from waiting to running and preempted ones back to waiting with
-        num_computed_tokens 0; it does not advance num_computed_tokens (the engine does, after
-        the step ran). Hooks: scheduler/schedule begin, PREEMPTED per preemption, the block
+        num_computed_tokens 0; it does not advance num_computed_tokens (update_from_output does,
+        after the step ran). Hooks: scheduler/schedule begin, PREEMPTED per preemption, the block
         manager's cache_hit/cache_miss, allocate, evict and free. The schedule's snapshot and end
-        event come from LLMEngine after it returns."""
-        self.block_manager.step = step
+        event come from EngineCore after it returns."""
+        step = self.block_manager.step = self.step_count
         if self.hooks.active:
-            self.hooks.emit(
-                SCHEDULER, SCHEDULE, BEGIN, step=step, num_waiting=len(self.waiting), num_running=len(self.running)
-            )
+            self._trace_schedule_begin(step)
         out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens,
                               finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
@@ -161,13 +141,74 @@ class Scheduler:
         if self.hooks.active:
             self.hooks.emit(SCHEDULER, PREEMPTED, request_id=req.request_id, step=out.step, reason=reason)
 
-    def finish_requests(self, req: Request, status: RequestStatus) -> None:
-        """Remove a finished (or aborted) request and free its blocks. (V1's takes request ids: its
-        scheduler keeps an id -> request map, ours leaves that to the engine.)"""
-        req.status = status
-        self.finished_req_ids.add(req.request_id)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self.block_manager.free_request(req)
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: SamplerOutput | None) -> EngineCoreOutputs:
+        """Apply one step's sampled tokens (None: nothing ran).
+
+        Per scheduled request: num_computed_tokens advances by what it computed; a request whose
+        prefill is still unfinished (a chunk) discards its token; the others append it, are
+        checked for EOS / stop_token_ids / max_tokens / max_model_len (after min_tokens), and,
+        if finished, freed. Returns one EngineCoreOutput per request that got a token (no text:
+        the front end detokenizes). Hooks: engine/FINISHED per finished request, after its
+        blocks are freed. step_count + 1."""
+        outputs, now, step = [], time.monotonic(), scheduler_output.step
+        sampled = model_runner_output.token_ids if model_runner_output is not None else ()
+        for i, (s, token_id) in enumerate(zip(scheduler_output.scheduled, sampled)):
+            req = s.request
+            req.first_scheduled_time = req.first_scheduled_time or now
+            req.num_computed_tokens += s.num_tokens
+            if req.num_computed_tokens < len(req.all_token_ids):
+                continue  # one chunk of a longer prefill: its sampled token is discarded
+            req.append_token(token_id)
+            req.first_token_time = req.first_token_time or now
+            status = check_stop(req, self.max_model_len)
+            if status is not None:
+                req.finished_time = now
+                self.finish_requests((req.request_id,), status)
+            lps = model_runner_output.logprobs[i]
+            new_logprobs = None if lps is None else [_ranked(lps, token_id, model_runner_output.ranks[i])]
+            outputs.append(_output(req, token_id, new_logprobs))
+            if status is not None and self.hooks.active:
+                self._trace_finished(req, step)
+        self.step_count += 1
+        return EngineCoreOutputs(outputs=outputs)
+
+    def finish_requests(self, request_ids: Iterable[str], finished_status: RequestStatus) -> None:
+        """Remove finished (or aborted) requests and free their blocks. Unknown or finished ids
+        are ignored."""
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None or req.status.finished:
+                continue
+            req.status = finished_status
+            self.finished_req_ids.add(rid)
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self.block_manager.free_request(req)
+
+    def _trace_schedule_begin(self, step: int) -> None:
+        self.hooks.emit(SCHEDULER, SCHEDULE, BEGIN, step=step, num_waiting=len(self.waiting),
+                        num_running=len(self.running))
+
+    def _trace_finished(self, req: Request, step: int) -> None:
+        self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=step, finish_reason=req.finish_reason,
+                        num_output_tokens=req.num_output_tokens)
+
+
+def _ranked(logprobs: dict[int, float], sampled: int, sampled_rank: int) -> list[list]:
+    """[[token id, logprob, rank], ...] best first; the sampled token keeps its rank in the whole vocabulary."""
+    ranked = sorted(logprobs.items(), key=lambda kv: -kv[1])
+    return [[t, lp, sampled_rank if t == sampled else i + 1] for i, (t, lp) in enumerate(ranked)]
+
+
+def _output(req: Request, token_id: int, new_logprobs: list | None) -> EngineCoreOutput:
+    # Positional arguments: built for every running request every step, so it counts.
+    metrics = None
+    if req.num_output_tokens == 1 or req.finished_time is not None:  # the first token, and the finish
+        metrics = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
+                       first_token_time=req.first_token_time, finished_time=req.finished_time,
+                       num_preemptions=req.num_preemptions)
+    return EngineCoreOutput(req.request_id, [token_id], new_logprobs, req.finish_reason, req.stop_reason,
+                            req.num_cached_tokens, metrics)

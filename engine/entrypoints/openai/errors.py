@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.engine.core import EngineDeadError
+from engine.engine.exceptions import EngineDeadError
 from engine.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)

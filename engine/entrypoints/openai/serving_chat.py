@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.engine.async_engine import EngineClosedError, RequestStream
-from engine.engine.core import EngineDeadError
+from engine.engine.exceptions import EngineDeadError
 from engine.entrypoints.openai.chat_template import render_chat
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import (

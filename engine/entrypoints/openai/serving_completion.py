@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.engine.async_engine import EngineClosedError
-from engine.engine.core import EngineDeadError
+from engine.engine.exceptions import EngineDeadError
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import (
     CompletionChoice,

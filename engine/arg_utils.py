@@ -1,0 +1,118 @@
+"""EngineArgs: every engine setting once, with its default and its help (vLLM's ``engine/arg_utils.py``).
+
+    EngineArgs.add_cli_args(parser)   the flags of `serve`, `generate`, `bench` and `lesson` (vLLM's names)
+    EngineArgs.from_cli_args(args)    back from the parsed flags
+    LLM(model, **kwargs)              the same names as keyword arguments
+    create_engine_config()            the validated configs (a bad value: ConfigError, one line)
+
+A field's flag is its name with dashes (``--max-num-seqs``); ``flag`` in its metadata overrides
+that where vLLM's flag differs from the keyword (``--distributed-timeout``).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+from engine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+ENGINE_GROUP = ("engine", "model, KV cache and scheduler (vLLM's flag names)")
+TP_GROUP = ("tensor parallelism", "split every layer over N worker processes (gloo on the CPU, NCCL on CUDA); "
+            "see lessons/18_tensor_parallelism.py")
+
+
+def _arg(default, help: str, group: tuple[str, str] = ENGINE_GROUP, **cli) -> object:
+    return field(default=default, metadata={"help": help, "group": group, "cli": cli})
+
+
+@dataclass
+class EngineArgs:
+    model: str = _arg("tiny-gpt2", "a built-in model name, a local checkpoint directory or a Hugging Face id",
+                      positional=True)
+    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
+    num_kv_blocks: int | None = _arg(None, "exact number of KV-cache blocks (overrides --kv-cache-memory)")
+    kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (CPU default 256 MiB)")
+    gpu_memory_utilization: float = _arg(0.9, "CUDA: fraction of device memory the process may use")
+    max_num_seqs: int = _arg(64, "most requests running at once")
+    max_num_batched_tokens: int = _arg(2048, "token budget of one step")
+    max_model_len: int | None = _arg(None, "context length limit (default: the model's)")
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    attention_backend: str | None = _arg(None, "paged-attention implementation (default: triton on CUDA, "
+                                         "torch on CPU)", choices=ATTENTION_BACKENDS)
+    dtype: str | None = _arg(None, "weights and KV cache (default: float32 on CPU, float16 on CUDA)", choices=DTYPES)
+    device: str | None = _arg(None, "cpu or cuda (default: cuda if available)")
+    seed: int = _arg(0, "engine seed for unseeded sampling")
+    tensor_parallel_size: int = _arg(1, "ranks, one worker process each; must divide the model's attention heads "
+                                     "(1: no workers, the model runs in the engine core)", TP_GROUP,
+                                     aliases=("-tp",), metavar="N")
+    distributed_init_method: str | None = _arg(None, "where the ranks meet: tcp://HOST:PORT, or env:// with "
+                                               "MASTER_ADDR and MASTER_PORT set (default: a free loopback port)",
+                                               TP_GROUP, metavar="URL")
+    distributed_timeout_s: float = _arg(30.0, "seconds a collective waits for a missing rank before the step "
+                                        "fails (torch's own default is 30 minutes)", TP_GROUP,
+                                        flag="--distributed-timeout", metavar="S")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model: bool = False) -> argparse.ArgumentParser:
+        """Add a flag per field (model too, as a positional argument, if `model`)."""
+        groups: dict[tuple[str, str], argparse._ArgumentGroup] = {}
+        for f in fields(EngineArgs):
+            cli = dict(f.metadata["cli"])
+            if cli.pop("positional", False):
+                if model:
+                    parser.add_argument(f.name, nargs="?", default=f.default, help=f.metadata["help"] +
+                                        f" (default: {f.default})")
+                continue
+            group = groups.get(f.metadata["group"]) or groups.setdefault(
+                f.metadata["group"], parser.add_argument_group(*f.metadata["group"]))
+            flag, aliases = cli.pop("flag", "--" + f.name.replace("_", "-")), cli.pop("aliases", ())
+            help = f.metadata["help"]
+            if f.type == "bool":
+                group.add_argument(flag, *aliases, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=f.default, help=f"{help} (default: {'on' if f.default else 'off'})")
+            else:
+                if "default" not in help and f.default is not None:
+                    help += f" (default: {f.default})"
+                group.add_argument(flag, *aliases, dest=f.name, type=_TYPES[f.type], default=f.default,
+                                   help=help, **cli)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated EngineConfig (a bad value raises ConfigError naming it)."""
+        return EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+                              seed=self.seed),
+            cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                              kv_cache_memory=self.kv_cache_memory, gpu_memory_utilization=self.gpu_memory_utilization,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      enable_chunked_prefill=self.enable_chunked_prefill),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    distributed_init_method=self.distributed_init_method,
+                                    distributed_timeout_s=self.distributed_timeout_s),
+            attention_backend=self.attention_backend,
+        )
+
+
+_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
+
+
+def engine_config(model: str = EngineArgs.model, **kwargs) -> EngineConfig:
+    """The EngineConfig for LLM's keyword arguments (validated: a bad value raises ConfigError)."""
+    unknown = set(kwargs) - {f.name for f in fields(EngineArgs)}
+    if unknown:
+        raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+    return EngineArgs(model=model, **kwargs).create_engine_config()

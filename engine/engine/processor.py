@@ -1,0 +1,60 @@
+"""Processor: a prompt becomes an EngineCoreRequest (vLLM V1's ``v1/engine/processor.py``).
+
+Every front end tokenizes here, before the engine core sees the request: the core takes
+token ids only. The API server tokenizes a text prompt earlier still, off the event loop
+(``entrypoints/openai/input_processor.py``), and hands this class the ids.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from engine.engine.core_types import EngineCoreRequest
+from engine.hooks import Hooks
+from engine.sampling_params import SamplingParams
+from engine.trace_names import ENCODE, TOKENIZER
+
+
+class Processor:
+    """Validates and tokenizes prompts. vocab_size: the model's (None until the core said it)."""
+
+    def __init__(self, tokenizer, hooks: Hooks, vocab_size: int | None = None):
+        self.tokenizer, self.hooks, self.vocab_size = tokenizer, hooks, vocab_size
+
+    def process_inputs(self, request_id: str, prompt, params: SamplingParams,
+                       arrival_time: float | None = None) -> EngineCoreRequest:
+        """prompt: a string, a list of token ids or {"prompt_token_ids": [...], "prompt"?: text}.
+        Raises ValueError, naming what is wrong, before anything is queued."""
+        text, ids = self._tokenize(prompt, request_id)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.vocab_size
+        if vocab is not None and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}]")
+        return EngineCoreRequest(request_id, ids, params, arrival_time or time.monotonic(), text)
+
+    def _tokenize(self, prompt, request_id: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt must have 'prompt_token_ids'")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            if self.hooks.active:
+                self._trace_encode(request_id, ids)
+            return prompt, ids
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or {{'prompt_token_ids': [...]}}, "
+                         f"got {type(prompt).__name__}")
+
+    def _trace_encode(self, request_id: str, ids: list[int]) -> None:
+        self.hooks.emit(TOKENIZER, ENCODE, request_id=request_id, token_ids=ids,
+                        pieces=[self.tokenizer.decode([t]) for t in ids])
+
+
+def wire_params(params: SamplingParams) -> dict:
+    """SamplingParams as sent to an engine core in another process (what params_from_wire reads)."""
+    d = asdict(params)
+    d.pop("stop_strs", None)
+    return d
