@@ -55,7 +55,7 @@ eng = llm.llm_engine
 params = SamplingParams(temperature=0, max_tokens={DECODE_STEPS + 2}, ignore_eos=True)
 for i in range({NUM_REQUESTS}):
     eng.add_request(f"r{{i}}", {{"prompt_token_ids": [(7 * i + j) % 200 + 10 for j in range({PROMPT_TOKENS})]}}, params)
-while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in eng.requests.values()):
+while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in eng.engine_core.engine_core.requests.values()):
     eng.step()  # the prefills
 times = []
 for _ in range({DECODE_STEPS}):

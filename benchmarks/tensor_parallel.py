@@ -34,7 +34,7 @@ def time_steps(engine, num_requests: int, prompt_tokens: int, decode_steps: int,
         ids = [(7 * i + j) % 200 + 10 for j in range(prompt_tokens)]
         engine.add_request(f"{tag}{i}", {"prompt_token_ids": ids}, params)
     t0 = time.perf_counter()
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.engine_core.engine_core.requests.values()):
         engine.step()
     prefill_ms = (time.perf_counter() - t0) * 1e3
     decode = []

@@ -60,12 +60,12 @@ def engine_overhead(model: str, output_kind: str, batch: int = 32, steps: int = 
     llm = LLM(model, max_num_seqs=batch)
     engine = llm.llm_engine
     for i in range(batch):
-        engine.add_request(None, {"prompt_token_ids": [(i * 13 + j) % 250 for j in range(32)]},
+        engine.add_request(str(i), {"prompt_token_ids": [(i * 13 + j) % 250 for j in range(32)]},
                            SamplingParams(temperature=0, max_tokens=steps * 3 + 10, ignore_eos=True,
                                           output_kind=output_kind))
     engine.step()  # the prefill of all of them
     step_times, fwd_times = [], []
-    runner = engine.model_runner
+    runner = engine.engine_core.engine_core.model_runner
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
@@ -73,7 +73,7 @@ def engine_overhead(model: str, output_kind: str, batch: int = 32, steps: int = 
         # The next step's batch (the same 32 decodes), forward only. Nothing needs undoing:
         # scheduling changed no num_computed_tokens, the next real step reuses any slots it
         # allocated, and it rewrites the same K/V.
-        sched = engine.scheduler.schedule(engine.step_count)
+        sched = engine.engine_core.engine_core.scheduler.schedule()
         inp = runner.prepare_inputs(sched)
         with torch.inference_mode():
             t = time.perf_counter()
@@ -93,7 +93,7 @@ def main() -> None:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm_path = str(LLM(args.model, num_kv_blocks=2).llm_engine.model_path)
+    llm_path = str(LLM(args.model, num_kv_blocks=2).llm_engine.engine_core.engine_core.model_path)
     from pathlib import Path
 
     from engine.model_executor.model_loader import read_config

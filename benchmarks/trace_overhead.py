@@ -28,6 +28,7 @@ on every mode's steps alike, which understates on+tui's cost a little).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import threading
@@ -92,6 +93,7 @@ class Mode:
             self.session = TraceSession(hooks, trace_file=trace_dir / f"{mode}.jsonl")
             self.reader = TuiReader(self.session) if mode == "on+tui" else None
         self.engine = LLM(model, hooks=hooks).llm_engine
+        self.ids = itertools.count()
         self.helpers = [t.thread for t in (self.session and self.session.recorder, self.reader) if t is not None]
         self.steps: list[float] = []
         self.tokens = 0
@@ -99,7 +101,8 @@ class Mode:
     def add(self, workload) -> None:
         # as LLM.generate does: only finished requests produce an output
         for prompt, params in workload:
-            self.engine.add_request(None, {"prompt_token_ids": prompt}, replace(params, output_kind="final_only"))
+            self.engine.add_request(str(next(self.ids)), {"prompt_token_ids": prompt},
+                                    replace(params, output_kind="final_only"))
         self.cpu0 = [thread_cpu(th) for th in self.helpers]
 
     def step(self) -> None:

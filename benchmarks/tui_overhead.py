@@ -35,7 +35,8 @@ MODES = ["no-tui", "traced", "tui"]
 async def run_once(mode: str, model: str, workload, pane: str, kv_cache_memory: int | None = None) -> dict:
     hooks = Hooks()
     session = TraceSession(hooks, model=model) if mode != "no-tui" else None
-    ae = AsyncLLMEngine(LLM(model, hooks=hooks, kv_cache_memory=kv_cache_memory).llm_engine, drain_timeout=0).start()
+    llm = LLM(model, hooks=hooks, kv_cache_memory=kv_cache_memory)
+    ae = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
     try:
         r = await stream_load(ae, workload, session, mode == "tui", pane, model=model)
         return {"tokens": r.tokens, "seconds": r.seconds, "cpu": r.cpu, "refresh_hz": r.refresh_hz}

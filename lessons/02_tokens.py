@@ -134,7 +134,7 @@ def run(lesson) -> None:
         "after the model and sampler run, the chosen token is replaced by the next token of "
         f"`{STEER}` ({', '.join(map(repr, tok.convert_ids_to_tokens(steer)))}). Everything after that — "
         "appending the token, detokenizing, streaming — is the engine's own code.")
-    sampler = engine.model_runner.sampler
+    sampler = engine.engine_core.engine_core.model_runner.sampler
 
     def steered(logits, requests):
         out = sampler(logits, requests)
@@ -142,7 +142,7 @@ def run(lesson) -> None:
                          for r, t in zip(requests, out.token_ids)]
         return out
 
-    engine.model_runner.sampler = steered
+    engine.engine_core.engine_core.model_runner.sampler = steered
     lesson.predict(
         "After the steps that sample the byte tokens 0xF0 0x9F 0x91 — three of the four bytes of '👋' — what "
         "has the engine streamed to the client for those steps?",

@@ -135,8 +135,8 @@ def run(lesson) -> None:
         "Prefill, by far. A decode step of 8 costs far less than 8 steps of 1: most of its cost is "
         "paid once per step, however many requests share it.")
     plain = LLM(model=lesson.model, num_kv_blocks=256, enable_prefix_caching=False).llm_engine
-    cfg = plain.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in plain.model.parameters())
+    cfg = plain.engine_core.engine_core.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in plain.engine_core.engine_core.model.parameters())
     pre, dec = measure(plain, ROUNDS)
     rows = []
     for n, t in pre.items():

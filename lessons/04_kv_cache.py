@@ -18,14 +18,14 @@ GEN = 96
 def count_model_tokens(engine) -> list[int]:
     """Record how many tokens each step feeds the model (the length of its input_ids)."""
     sizes: list[int] = []
-    prepare = engine.model_runner.prepare_inputs
+    prepare = engine.engine_core.engine_core.model_runner.prepare_inputs
 
     def counted(sched):
         inp = prepare(sched)
         sizes.append(len(inp.input_ids))
         return inp
 
-    engine.model_runner.prepare_inputs = counted
+    engine.engine_core.engine_core.model_runner.prepare_inputs = counted
     return sizes
 
 
@@ -108,10 +108,10 @@ def run(lesson) -> None:
         "outputs the gap widens: recompute's work per token grows with the sequence, the cache's stays "
         "flat (apart from attention, which reads every past key either way).")
 
-    cfg = engine.model_config
+    cfg = engine.engine_core.engine_core.model_config
     per_token = 2 * cfg.n_layer * cfg.n_embd * 4
-    bm = engine.block_manager
-    kv_per_block = engine.startup[-1][2]["bytes_per_block"]
+    bm = engine.engine_core.engine_core.block_manager
+    kv_per_block = engine.engine_core.engine_core.startup[-1][2]["bytes_per_block"]
     lesson.say(
         "**What is cached, and what it costs.** For every past token and every layer, its key and value "
         "vectors: exactly what later tokens' attention reads. Queries are not cached: a token's query "

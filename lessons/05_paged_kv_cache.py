@@ -21,7 +21,7 @@ def run(lesson) -> None:
         "by step, and count the slots paging wastes against reserving memory up front.")
     llm, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=False)
     engine = llm.llm_engine
-    bm = engine.block_manager
+    bm = engine.engine_core.engine_core.block_manager
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     free0 = bm.num_free_blocks
@@ -74,11 +74,11 @@ def run(lesson) -> None:
     llm2, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=1024)
     e2 = llm2.llm_engine
     for i in range(24):
-        e2.add_request(None, {"prompt_token_ids": [(i * 7 + j) % 250 for j in range(5 + 9 * i % 70)]},
+        e2.add_request(f"w{i}", {"prompt_token_ids": [(i * 7 + j) % 250 for j in range(5 + 9 * i % 70)]},
                        SamplingParams(temperature=0, max_tokens=20 + 3 * i, ignore_eos=True))
     for _ in range(10):
         e2.step()
-    running = e2.scheduler.running
+    running = e2.engine_core.engine_core.scheduler.running
     used = sum(r.num_computed_tokens for r in running)
     paged = sum(len(r.block_ids) * BLOCK for r in running)
     contiguous = len(running) * e2.max_model_len

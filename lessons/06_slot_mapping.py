@@ -20,14 +20,14 @@ BUDGET = 64  # max_num_batched_tokens: small, so prompts are chunked
 def capture_inputs(engine) -> list:
     """Keep each step's ModelInput (the real tensors the model receives)."""
     seen = []
-    prepare = engine.model_runner.prepare_inputs
+    prepare = engine.engine_core.engine_core.model_runner.prepare_inputs
 
     def kept(sched):
         inp = prepare(sched)
         seen.append((sched, inp))
         return inp
 
-    engine.model_runner.prepare_inputs = kept
+    engine.engine_core.engine_core.model_runner.prepare_inputs = kept
     return seen
 
 
@@ -125,7 +125,7 @@ def run(lesson) -> None:
 
     # Where did the keys really go? Layer 0's key cache has data in exactly the slots mapped so far.
     written = {s for _, i in inputs for s in i.meta.slot_mapping.tolist()}
-    k0 = engine.kv_caches[0][0]
+    k0 = engine.engine_core.engine_core.kv_caches[0][0]
     filled = set(k0.reshape(-1, k0.shape[2] * k0.shape[3]).abs().sum(1).nonzero().flatten().tolist())
     lesson.check(filled == written,
                  f"layer 0's key cache holds data in exactly the {len(written)} slots the slot mappings named")

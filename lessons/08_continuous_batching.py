@@ -33,7 +33,7 @@ def run(lesson) -> None:
         "iteration-level scheduling). You will add requests *between* `engine.step()` calls and watch "
         "the running set change, then measure it against static batching on the same workload.")
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=False)
-    engine, bm = llm.llm_engine, llm.llm_engine.block_manager
+    engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.block_manager
     sub = session.bus.subscribe()  # events from now on
 
     arrivals = {0: [("A", 10), ("B", 5)], 2: [("C", 6)], 5: [("D", 4)]}  # step -> (id, max_tokens)
@@ -41,8 +41,8 @@ def run(lesson) -> None:
                "arrives before step 2 and **D** (4) before step 5. Every prompt is 12 tokens.")
     reqs, rows, snaps, events_by_step = {}, [], {}, {}
     held_before = {}
-    while engine.has_unfinished_requests() or engine.step_count <= max(arrivals):
-        k = engine.step_count
+    while engine.has_unfinished_requests() or engine.engine_core.engine_core.step_count <= max(arrivals):
+        k = engine.engine_core.engine_core.step_count
         for rid, n in arrivals.get(k, []):
             reqs[rid] = engine.add_request(rid, prompt(ord(rid)), greedy(n))
         held_before[k] = {rid: list(r.block_ids) for rid, r in reqs.items()}

@@ -42,7 +42,7 @@ def run(lesson) -> None:
 
     rows, steps = [], []
     while not long.output_token_ids:
-        k = engine.step_count
+        k = engine.engine_core.engine_core.step_count
         engine.step()
         events = sub.pull().events
         snap = next(e.attrs for e in events if (e.layer, e.name, e.kind) == ("scheduler", "schedule", "snapshot"))

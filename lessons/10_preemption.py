@@ -42,7 +42,7 @@ def run(lesson) -> None:
         "generated* are prefilled again to rebuild its KV cache, and decoding continues where it stopped. "
         "You will fill a tiny cache of 6 usable blocks until that happens.")
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=7, max_num_seqs=3, enable_prefix_caching=False)
-    engine, bm = llm.llm_engine, llm.llm_engine.block_manager
+    engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.block_manager
     sub = session.bus.subscribe()
     reqs = {rid: engine.add_request(rid, prompt(rid), greedy(rid)) for rid in WORKLOAD}
     lesson.say("Four requests: **A** (30-token prompt), **B** and **C** (16), **D** (8), in that order. "
@@ -73,13 +73,14 @@ def run(lesson) -> None:
     lesson.show(queues(llm))
     lesson.check(snap["preempted"] == ["C"] and [e.request_id for e in pre] == ["C"],
                  "step 3 preempted exactly one request, C, the newest running one")
-    lesson.check(not hasattr(engine.config.scheduler, "policy") and [r.request_id for r in engine.scheduler.running]
-                 == sorted(r.request_id for r in engine.scheduler.running),
+    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+    lesson.check(not hasattr(engine.config.scheduler, "policy") and [r.request_id for r in core.scheduler.running]
+                 == sorted(r.request_id for r in engine.engine_core.engine_core.scheduler.running),
                  "this engine schedules FCFS only (no priority policy): running stays in admission order")
     lesson.check(pre[0].attrs["reason"] == "no free blocks for A", "the reason: A needed a block and none was free")
     lesson.check(c.block_ids == [] and c.num_computed_tokens == 0 and c.status.value == "PREEMPTED",
                  f"C's blocks {c_blocks_before} were freed and its computed-token count reset to 0")
-    lesson.check([r.request_id for r in engine.scheduler.waiting] == ["C", "D"],
+    lesson.check([r.request_id for r in engine.engine_core.engine_core.scheduler.waiting] == ["C", "D"],
                  "C went back to the front of the waiting queue, ahead of D, which has been waiting since the start")
     lesson.check(c.output_token_ids == c_tokens_before and len(c_tokens_before) == 3,
                  "C keeps the 3 tokens it already generated: they are not generated again")
@@ -113,7 +114,7 @@ def run(lesson) -> None:
     lesson.check(
         "not enough free KV-cache blocks" in reasons, "while it waited, the reason was the lack of free blocks"
     )
-    lesson.check(c.num_preemptions == 1 and engine.stats().num_preemptions == 1,
+    lesson.check(c.num_preemptions == 1 and engine.engine_core.engine_core.stats().num_preemptions == 1,
                  "the engine counted one preemption (C's own counter and the engine's stats)")
 
     lesson.check(reqs["A"].status.finished and not reqs["B"].status.finished,
@@ -137,7 +138,7 @@ def run(lesson) -> None:
                       [[rid, " ".join(map(str, outputs[rid][-8:])), " ".join(map(str, ref_outputs[rid][-8:])),
                         "yes" if outputs[rid] == ref_outputs[rid] else "NO"]
                        for rid in WORKLOAD]))
-    lesson.check(ref.stats().num_preemptions == 0, "the roomy engine preempted nothing")
+    lesson.check(ref.engine_core.engine_core.stats().num_preemptions == 0, "the roomy engine preempted nothing")
     lesson.check(outputs["C"] == ref_outputs["C"], "C's output is token for token the same as without preemption")
     lesson.check(outputs == ref_outputs, "so are everybody else's")
     lesson.done("When the KV cache runs out, vLLM V1 (FCFS) frees the newest running request's blocks and puts it "

@@ -36,7 +36,7 @@ def run(lesson) -> None:
         "the same way reuses them instead of computing them again. You will watch the hashes, the hits, "
         "shared blocks with reference counts, and what happens when the cache runs short.")
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=13)  # 12 usable besides the null block
-    engine, bm = llm.llm_engine, llm.llm_engine.block_manager
+    engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.block_manager
     tok = engine.tokenizer
     sub = session.bus.subscribe()
     SYSTEM = tok.encode(SYSTEM_TEXT)
@@ -204,7 +204,7 @@ def run(lesson) -> None:
         engine.step()
 
     # ---- the counters ----
-    st = engine.stats()
+    st = engine.engine_core.engine_core.stats()
     everyone = [a, b, c, x, d, warm, e]
     queries, hits = sum(r.num_prompt_tokens for r in everyone), sum(r.num_cached_tokens for r in everyone)
     lesson.show(table(["request", "prompt tokens", "cached tokens"],

@@ -47,17 +47,17 @@ def run(lesson) -> None:
     engine = llm.llm_engine
     tok = engine.tokenizer
     captured = []
-    real_sampler = engine.model_runner.sampler
+    real_sampler = engine.engine_core.engine_core.model_runner.sampler
 
     def capture(logits, requests):  # see the logits the model runner hands to the sampler
         captured.append(logits[0].detach().float().clone())
         return real_sampler(logits, requests)
 
-    engine.model_runner.sampler = capture
+    engine.engine_core.engine_core.model_runner.sampler = capture
     req = engine.add_request("probe", PROMPT, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
     while engine.has_unfinished_requests():
         engine.step()
-    engine.model_runner.sampler = real_sampler
+    engine.engine_core.engine_core.model_runner.sampler = real_sampler
     logits = captured[0]
     V = logits.numel()
     order = logits.argsort(descending=True).tolist()
@@ -236,7 +236,7 @@ def run(lesson) -> None:
     reseeded = engine.add_request("seed-99", PROMPT, SamplingParams(temperature=1.0, max_tokens=12, seed=99,
                                                                     ignore_eos=True))
     engine.step()
-    first_batch = [r.request_id for r in engine.scheduler.running]
+    first_batch = [r.request_id for r in engine.engine_core.engine_core.scheduler.running]
     while engine.has_unfinished_requests():
         engine.step()
     lesson.show(table(["request", "batch", "seed", "tokens"], [

@@ -48,13 +48,13 @@ def _body(lesson, tmp: pathlib.Path) -> None:
     llm, session = lesson.engine(trace_file=str(path), block_size=BLOCK, num_kv_blocks=10, max_num_batched_tokens=48)
     engine = llm.llm_engine
     live = {}  # step -> the engine's own queues right after that step
-    while engine.has_unfinished_requests() or engine.step_count <= max(ARRIVALS):
-        k = engine.step_count
+    while engine.has_unfinished_requests() or engine.engine_core.engine_core.step_count <= max(ARRIVALS):
+        k = engine.engine_core.engine_core.step_count
         for rid, n, m in ARRIVALS.get(k, []):
             engine.add_request(rid, {"prompt_token_ids": [(ord(rid) * 7 + j) % 250 for j in range(n)]},
                                SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
         engine.step()
-        snap = engine.snapshot()
+        snap = engine.engine_core.engine_core.snapshot()
         live[k] = {q: snap[q] for q in ("waiting", "running")}
     session.close()  # the recorder drains what is left: the file is complete
     lines = path.read_text().splitlines()

@@ -74,14 +74,14 @@ def run(lesson) -> None:
                  f"{N} tokens, finish_reason 'length', no stop_reason")
     ids = tok.encode(PROMPT)
     unlimited = engine.add_request("unlimited", PROMPT, greedy(max_tokens=None))
-    engine.abort_request("unlimited")
+    engine.abort_request(["unlimited"])
     lesson.check(unlimited.max_tokens == engine.max_model_len - len(ids),
                  f"without max_tokens a request may run to the context limit: max_model_len {engine.max_model_len} "
                  f"− {len(ids)} prompt tokens = {unlimited.max_tokens} (then 'length' too)")
     lesson.pause()
 
     # ---- EOS ----
-    eos = engine.eos_token_id
+    eos = engine.engine_core.engine_core.eos_token_id
     lesson.say(f"**EOS.** The model's end-of-sequence token is id {eos} ({escape(repr(tok.decode([eos])))}). "
                "Unless `ignore_eos` is set, sampling it ends the request with 'stop' and no stop_reason. "
                f"Three prompts, greedy, up to 40 tokens, with `logprobs=20` to see how likely EOS was:")
@@ -217,7 +217,7 @@ def abort_on_disconnect(lesson) -> None:
                "server, on a local port: we start a long streamed completion, read three chunks, and hang up.")
     llm, session = lesson.engine(num_kv_blocks=64, enable_prefix_caching=False)
     engine = llm.llm_engine
-    async_engine = AsyncLLMEngine(engine)
+    async_engine = AsyncLLMEngine(engine.engine_core.engine_core)
     server, thread, url = start_background(build_app(async_engine, lesson.model))
     max_tokens = min(200, engine.max_model_len - 16)
     try:
@@ -254,7 +254,8 @@ def abort_on_disconnect(lesson) -> None:
     lesson.check(len(freed) == 1 and bool(events[freed[0]].attrs["block_ids"]) and not between and not later,
                  "the abort freed its blocks between two steps (no batch ran in between), and no later step "
                  "scheduled it")
-    lesson.check(engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks,
+    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+    lesson.check(core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks,
                  "every block is free again")
     line = next((ln for ln in metrics.splitlines()
                  if ln.startswith("vllm:request_success_total") and 'finished_reason="abort"' in ln), "")

@@ -71,7 +71,7 @@ def histograms(text: str) -> dict[str, tuple[float, float]]:
 def served(lesson) -> None:
     n, prompt_len, out_len = 8, 32, 16
     llm, _ = lesson.engine(num_kv_blocks=64, enable_prefix_caching=False)
-    async_engine = AsyncLLMEngine(llm.llm_engine)
+    async_engine = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core)
     server, thread, url = start_background(build_app(async_engine, lesson.model))
     try:
         args = argparse.Namespace(url=url, model=None, num_requests=n, request_rate=float("inf"), concurrency=None,
@@ -121,7 +121,7 @@ def timeline(model: str, arrivals: list, **engine_kw) -> dict:
     run asynchronously) it is wall-clock time. Returns per request its arrival, first-scheduled
     and token times (ms), and every step's duration."""
     engine = LLM(model, enable_prefix_caching=False, **engine_kw).llm_engine
-    now = clock_for(engine.device)
+    now = clock_for(engine.engine_core.engine_core.device)
     pending = sorted(arrivals, key=lambda a: a[0])
     clock, k, steps = 0.0, 0, []
     arrival, first_sched, tokens = {}, {}, collections.defaultdict(list)
@@ -283,7 +283,7 @@ def cuda_graphs(lesson) -> None:
     """Capture the non-attention part of a decode step (vLLM V1's piecewise graphs also split at
     attention) for one padded batch size, replay it, and time it against eager launches."""
     llm, _ = lesson.engine(num_kv_blocks=64, device="cuda")
-    model = llm.llm_engine.model
+    model = llm.llm_engine.engine_core.engine_core.model
     n, size = 5, next(s for s in capture_sizes() if s >= 5)
 
     def dense(x):
@@ -341,8 +341,8 @@ def memory_profile(lesson) -> None:
     budget_tokens = 2048
     llm, _ = lesson.engine(num_kv_blocks=64, device="cuda", max_num_batched_tokens=budget_tokens)
     engine = llm.llm_engine
-    cfg, bs = engine.model_config, engine.config.cache.block_size
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    cfg, bs = engine.engine_core.engine_core.model_config, engine.config.cache.block_size
+    weights = sum(p.numel() * p.element_size() for p in engine.engine_core.engine_core.model.parameters())
     n = min(budget_tokens, engine.max_model_len - 1)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

@@ -13,8 +13,9 @@ import msgspec
 
 from engine import LLM, Hooks, SamplingParams
 from engine.engine.async_engine import AsyncLLMEngine
-from engine.engine.async_llm import _wire_params
+from engine.engine.async_llm import AsyncLLM
 from engine.engine.core_types import EngineCoreRequest
+from engine.engine.processor import wire_params
 from lessons.framework import events_of, greedy, main, table
 from tracer.session import TraceSession
 from tracer.tui.measure import stream_load
@@ -72,7 +73,7 @@ def run(lesson) -> None:
 
 
 def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, params) -> None:
-    core_pid = two._core.llm.core_pid
+    core_pid = two.llm_engine.engine_core.pid
     lesson.check(core_pid is not None and core_pid != os.getpid(),
                  f"the engine core runs in process {core_pid}; this lesson (the API-server side) is {os.getpid()}")
     two.generate(prompts, params, use_tqdm=False)  # warm-up, as for one process
@@ -99,7 +100,7 @@ def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, 
     # ---- a request on the wire ---------------------------------------------------------------
     adds = [e for e in events if (e.layer, e.name) == ("ipc", "send") and e.attrs["type"] == "ADD"]
     ids = two.get_tokenizer().encode(prompts[0])
-    req = EngineCoreRequest(adds[0].request_id, ids, _wire_params(params), time.monotonic(), prompts[0])
+    req = EngineCoreRequest(adds[0].request_id, ids, wire_params(params), time.monotonic(), prompts[0])
     wire = msgspec.msgpack.encode(req)
     lesson.show(table(["field", "value"], [
         ["request_id", req.request_id], ["prompt_token_ids", " ".join(map(str, ids))],
@@ -172,8 +173,10 @@ def _tui_cost(lesson, one, one_session, two, session) -> None:
                f"{TUI_REPS} times, interleaved.")
     tok = two.get_tokenizer()
     workload = [(tok.encode(f"Request {i}: what the TUI costs"), greedy(TUI_TOKENS)) for i in range(TUI_REQUESTS)]
-    one_front = AsyncLLMEngine(one.llm_engine).start()  # the lesson's one-process engine, now on its own thread
-    fronts = {"one process": (one_front, one_session), "two processes": (two._core.llm, session)}
+    # the lesson's one-process engine, now on its own thread; the API server's front end for two processes
+    one_front = AsyncLLMEngine(one.llm_engine.engine_core.engine_core).start()
+    two_front = AsyncLLM(two.llm_engine.config, session.hooks, core_options={"trace": True}).start()
+    fronts = {"one process": (one_front, one_session), "two processes": (two_front, session)}
     runs: dict[tuple[str, bool], list] = {(name, tui): [] for name in fronts for tui in (False, True)}
 
     async def measure() -> None:
@@ -185,6 +188,7 @@ def _tui_cost(lesson, one, one_session, two, session) -> None:
         asyncio.run(measure())
     finally:
         one_front.stop(0)
+        two_front.stop(0)
     ratio = {name: statistics.median(t.tokens_per_s / o.tokens_per_s for o, t in zip(runs[name, False],
                                                                                      runs[name, True]))
              for name in fronts}

@@ -32,7 +32,7 @@ def run(lesson) -> None:
         "and look at what each rank holds, what it receives, what it sends, and what that costs.")
     llm, session = lesson.engine(tensor_parallel_size=TP, num_kv_blocks=64)
     engine = llm.llm_engine
-    cfg = engine.model_config
+    cfg = engine.engine_core.engine_core.model_config
     events = events_of(session)
 
     # ---- who holds what ----
@@ -54,7 +54,7 @@ def run(lesson) -> None:
     lesson.check(len({a["pid"] for a in loads}) == TP and all(a["torch_threads"] >= 1 for a in loads),
                  f"{TP} worker processes, each with its own torch thread count: cores shared out, not oversubscribed")
     layer = 4 * cfg.n_embd * cfg.n_embd + 2 * cfg.n_embd * cfg.n_inner  # c_attn + attn.c_proj, mlp
-    full = sum(p.numel() for p in LLM(lesson.model).llm_engine.model.parameters())
+    full = sum(p.numel() for p in LLM(lesson.model).llm_engine.engine_core.engine_core.model.parameters())
     lesson.check(all(a["params"] < full for a in loads) and sum(a["params"] for a in loads) > full,
                  f"each rank holds fewer parameters than the whole model ({full:,}), but together more: the "
                  "token and position embeddings and the layer norms are replicated on every rank")
@@ -141,7 +141,8 @@ def run(lesson) -> None:
     sub = session.bus.subscribe()
     time_steps(engine, 8, 64, 2, tag="c")
     comm, total = collective_share([(e.layer, e.name, e.kind, e.request_id, e.step, e.attrs)
-                                    for e in sub.pull().events if e.step == engine.step_count - 1])
+                                    for e in sub.pull().events
+                                    if e.step == engine.engine_core.engine_core.step_count - 1])
     lesson.show(table(["", "TP=1", f"TP={TP}"], [["decode step (median)", f"{t1:.1f} ms", f"{t2:.1f} ms"]],
                       title="measured just now"))
     lesson.check(comm > 0 and total > 0, f"in a traced TP={TP} decode step, rank 0 spent {comm:.0f} µs of its "

@@ -157,8 +157,8 @@ def block_table(req: Request, block_size: int, title: str | None = None) -> Tabl
 
 def queues(llm: LLM) -> Table:
     """The scheduler's queues, as the engine holds them now."""
-    s = llm.llm_engine.scheduler
-    t = Table(title=f"step {llm.llm_engine.step_count}: scheduler queues")
+    s = llm.llm_engine.engine_core.engine_core.scheduler
+    t = Table(title=f"step {llm.llm_engine.engine_core.engine_core.step_count}: scheduler queues")
     for col in ("queue", "request", "status", "computed / total tokens", "blocks"):
         t.add_column(col)
     for name, reqs in (("running", s.running), ("waiting", list(s.waiting))):
@@ -171,9 +171,10 @@ def queues(llm: LLM) -> Table:
 def kv_blocks(llm: LLM, width: int = 32) -> Text:
     """Every physical block as a cell: a request's id if it holds the block, · if cached-free,
     ∅ for the null block (block 0, never a request's), blank if free."""
-    bm = llm.llm_engine.block_manager
+    bm = llm.llm_engine.engine_core.engine_core.block_manager
     owner: dict[int, str] = {}
-    for r in list(llm.llm_engine.scheduler.running) + list(llm.llm_engine.scheduler.waiting):
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    for r in list(sched.running) + list(sched.waiting):
         for b in r.block_ids:
             owner[b] = r.request_id if b not in owner else "*"  # * = shared
     out = Text()

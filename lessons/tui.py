@@ -63,7 +63,8 @@ class LessonSource(Source):
         if len(llms) == len(self.lesson.sessions):  # started: the resolved device and backend
             # (the config event only has what was asked for, often "auto"); the header holds this info
             engine = llms[-1].llm_engine
-            self.info.device, self.info.backend = str(engine.device), engine.attention_backend
+            core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+            self.info.device, self.info.backend = str(core.device), core.attention_backend
         return live.refresh()
 
     def take_events(self) -> EventBatch:

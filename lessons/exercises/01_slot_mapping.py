@@ -89,7 +89,8 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     g.say("Now inside a real engine: its model runner uses your slot_mapping for every step.")
     llm = LLM(model, block_size=BLOCK, num_kv_blocks=32, max_num_batched_tokens=BUDGET, enable_prefix_caching=False)
     engine = llm.llm_engine
-    runner, prepare, steps = engine.model_runner, engine.model_runner.prepare_inputs, []
+    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+    runner, prepare, steps = core.model_runner, core.model_runner.prepare_inputs, []
 
     def prepare_with_learner_slots(sched):
         inp = prepare(sched)
@@ -114,7 +115,7 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     g.check(True, "in every step, every token's slot is block_table[pos // 16] × 16 + pos % 16")
     g.check(all(len(set(s[4])) == len(s[4]) for s in steps), "no two tokens of a step share a slot")
     written = {slot for s in steps for slot in s[4]}
-    k0 = engine.kv_caches[0][0]
+    k0 = engine.engine_core.engine_core.kv_caches[0][0]
     filled = set(k0.reshape(-1, k0.shape[2] * k0.shape[3]).abs().sum(1).nonzero().flatten().tolist())
     g.check(filled == written, f"layer 0's key cache holds data in exactly the {len(written)} slots your "
             "slot mappings named", f"{len(filled - written)} other slots hold data, {len(written - filled)} named "

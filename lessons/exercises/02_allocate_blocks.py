@@ -165,17 +165,18 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     g.say("Now inside a real engine: its block manager allocates with your function.")
     kw = dict(block_size=BLOCK, num_kv_blocks=9, max_num_seqs=4)  # 8 usable blocks: too few for all four
     engine = LLM(model, **kw).llm_engine
-    bm, original = engine.block_manager, engine.block_manager.allocate_slots
+    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+    bm, original = core.block_manager, core.block_manager.allocate_slots
     bm.allocate_slots = lambda req, n, computed=(): allocate(fn, bm, req, n, computed)
     problems = []
 
     def after_step(reqs):
         live = [r for r in reqs.values() if r.block_ids]
         if not problems and invariants(bm, live):
-            problems.append(f"step {engine.step_count - 1}: {invariants(bm, live)}")
+            problems.append(f"step {engine.engine_core.engine_core.step_count - 1}: {invariants(bm, live)}")
 
     outputs = run_workload(engine, after_step)
-    st = engine.stats()
+    st = engine.engine_core.engine_core.stats()
     g.check(not problems, "after every step, reference counts and the free queue agree with the block tables",
             problems[0] if problems else "")
     g.check(st.prefix_cache_hits > 0, f"B and C hit A's cached system prompt ({st.prefix_cache_hits} tokens found)")

@@ -16,10 +16,12 @@ def test_sampling_params_out_of_range(kwargs, param):
 
 def _unchanged(llm, fn):
     engine = llm.llm_engine
-    before = (len(engine.requests), len(engine.scheduler.waiting), engine.block_manager.num_free_blocks)
+    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+    before = (len(core.requests), len(core.scheduler.waiting), core.block_manager.num_free_blocks)
     with pytest.raises(ValueError) as e:
         fn()
-    assert (len(engine.requests), len(engine.scheduler.waiting), engine.block_manager.num_free_blocks) == before
+    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+    assert (len(core.requests), len(core.scheduler.waiting), core.block_manager.num_free_blocks) == before
     return str(e.value)
 
 
@@ -68,14 +70,16 @@ def test_directory_that_is_not_gpt2(tmp_path):
 
 
 def test_abort_unknown_request_is_a_noop(llm):
-    llm.llm_engine.abort_request("never-existed")
+    llm.llm_engine.abort_request(["never-existed"])
 
 
 def test_abort_frees_blocks(llm):
     engine = llm.llm_engine
     engine.add_request("to-abort", "some prompt text", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
-    assert engine.block_manager.num_free_blocks < engine.block_manager.num_usable_blocks
-    engine.abort_request("to-abort")
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+    assert core.block_manager.num_free_blocks < core.block_manager.num_usable_blocks
+    engine.abort_request(["to-abort"])
+    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+    assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
     assert not engine.has_unfinished_requests()

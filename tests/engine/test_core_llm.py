@@ -24,7 +24,8 @@ def test_same_greedy_tokens_and_text(both):
     inproc, mp = both
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     a, b = inproc.generate(PROMPTS, params, use_tqdm=False), mp.generate(PROMPTS, params, use_tqdm=False)
-    assert mp.llm_engine is None
+    assert type(mp.llm_engine.engine_core).__name__ == "SyncMPClient"
+    assert type(inproc.llm_engine.engine_core).__name__ == "InprocClient"
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids and x.outputs[0].text == y.outputs[0].text
         assert x.outputs[0].finish_reason == y.outputs[0].finish_reason == "length"
@@ -49,7 +50,7 @@ def test_stop_strings_are_matched_in_the_front_end_and_end_the_request_in_the_co
         assert y.finish_reason == "stop" and y.stop_reason == stop
     # the core frees the stopped request's blocks once the abort reaches its next step boundary
     end = time.monotonic() + 30
-    while (stats := mp._core.llm.client.call("stats"))["num_running"] and time.monotonic() < end:
+    while (stats := mp.llm_engine.engine_core.call("stats"))["num_running"] and time.monotonic() < end:
         time.sleep(0.01)
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
 
@@ -59,7 +60,8 @@ def test_bad_prompt_is_a_value_error_and_nothing_is_queued(both):
     with pytest.raises(ValueError, match="max_model_len"):
         mp.generate(["fine", "x" * 600], SamplingParams(max_tokens=4), use_tqdm=False)
     end = time.monotonic() + 30  # the abort of "fine" reaches the core's next step boundary
-    while (stats := mp._core.llm.client.call("stats"))["num_waiting"] + stats["num_running"] and time.monotonic() < end:
+    client = mp.llm_engine.engine_core
+    while (stats := client.call("stats"))["num_waiting"] + stats["num_running"] and time.monotonic() < end:
         time.sleep(0.01)
     assert stats["num_waiting"] + stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
 

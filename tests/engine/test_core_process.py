@@ -154,17 +154,17 @@ def test_a_request_added_as_the_core_dies_is_refused_not_left_waiting():
     from engine.engine.exceptions import EngineClosedError
 
     llm = AsyncLLM(engine_config("tiny-gpt2-random")).start()
-    tokenize = llm._tokenize
+    process_inputs = llm.processor.process_inputs
 
-    def tokenize_then_die(prompt, request_id):
-        out = tokenize(prompt, request_id)
+    def tokenize_then_die(request_id, prompt, params):
+        out = process_inputs(request_id, prompt, params)
         os.kill(llm.client.pid, signal.SIGKILL)
         deadline = time.monotonic() + DEADLINE
         while llm.client.dead is None and time.monotonic() < deadline:
             time.sleep(0.01)  # the monitor: dead set, the streams it knew failed (none)
         return out
 
-    llm._tokenize = tokenize_then_die
+    llm.processor.process_inputs = tokenize_then_die
     raised = []
 
     def add():  # on a thread of its own: a send that blocks for ever would block the test too

@@ -36,7 +36,7 @@ def _run(prompts, model=NAME, **llm_kwargs):
     llm = LLM(model, **llm_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    stats = llm.llm_engine.stats()
+    stats = llm.llm_engine.engine_core.engine_core.stats()
     assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
     assert stats.num_waiting == stats.num_running == 0
     return [o.outputs[0].token_ids for o in outs], stats
@@ -87,9 +87,9 @@ def test_prefix_caching_across_batches_with_eviction(path):
     llm = LLM(NAME, num_kv_blocks=24)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in first], params, use_tqdm=False)
-    hits_before = llm.llm_engine.stats().prefix_cache_hits
+    hits_before = llm.llm_engine.engine_core.engine_core.stats().prefix_cache_hits
     outs = llm.generate([{"prompt_token_ids": p} for p in second], params, use_tqdm=False)
-    assert llm.llm_engine.stats().prefix_cache_hits > hits_before
+    assert llm.llm_engine.engine_core.engine_core.stats().prefix_cache_hits > hits_before
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, second, MAX_NEW)
 
 

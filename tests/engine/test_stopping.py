@@ -1,6 +1,7 @@
 import pytest
 
 from engine import SamplingParams
+from engine.core.sched.utils import check_stop
 from engine.sampling_params import SamplingParamsError
 from engine.tokenizer import IncrementalDetokenizer
 
@@ -31,11 +32,12 @@ def test_stop_token_ids_and_eos(llm):
     assert out.token_ids == full.token_ids[:full.token_ids.index(target) + 1]
     # EOS stops unless ignored: a prompt whose greedy continuation hits EOS is rare in the
     # tiny model, so check the rule on the engine's own eos id through stop handling
-    eos = llm.llm_engine.eos_token_id
-    req = llm.llm_engine.add_request("eos-check", "Hi", SamplingParams(temperature=0, max_tokens=5))
-    req.append_token(eos)
-    assert llm.llm_engine._check_stop(req, eos).name == "FINISHED_STOPPED"
-    llm.llm_engine.abort_request("eos-check")
+    core = llm.llm_engine.engine_core.engine_core
+    llm.llm_engine.add_request("eos-check", "Hi", SamplingParams(temperature=0, max_tokens=5))
+    req = core.requests["eos-check"]
+    req.append_token(core.eos_token_id)
+    assert check_stop(req, core.max_model_len).name == "FINISHED_STOPPED"
+    llm.llm_engine.abort_request(["eos-check"])
 
 
 def test_incremental_detokenizer_never_splits_a_character(llm):

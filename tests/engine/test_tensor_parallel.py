@@ -34,7 +34,7 @@ def _generate(prompts, **kwargs):
     llm = LLM(NAME, tensor_parallel_size=2, **kwargs)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        stats = llm.llm_engine.stats()
+        stats = llm.llm_engine.engine_core.engine_core.stats()
         assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
         assert stats.num_waiting == stats.num_running == 0
         return [o.outputs[0].token_ids for o in outs], stats
@@ -128,7 +128,7 @@ def test_kernel_gates_reach_worker_rank_0_and_outlast_the_timeout():
         if len(seen) == 1:
             time.sleep(1.5)  # > distributed_timeout_s
         if info["name"].startswith("unified_attention") and not reruns:
-            reruns.append(llm.llm_engine.held_attention_on_triton())
+            reruns.append(llm.llm_engine.engine_core.engine_core.held_attention_on_triton())
 
     llm = LLM(NAME, tensor_parallel_size=2, distributed_timeout_s=1.0, hooks=hooks)
     try:
@@ -158,7 +158,7 @@ def test_a_worker_that_fails_to_start_is_one_clear_error():
 
 def test_a_dead_worker_fails_the_engine_without_orphans():
     llm = LLM(NAME, tensor_parallel_size=2)
-    pids = [p.pid for p in llm.llm_engine.executor.procs]
+    pids = [p.pid for p in llm.llm_engine.engine_core.engine_core.model_executor.procs]
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(EngineDeadError, match=r"worker rank 1 died \(signal 9\)"):
         llm.generate(["Once upon a time"], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -215,7 +215,7 @@ def _worker_pids() -> set[int]:
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if b"engine.executor.worker_proc" in f.read():
+                    if b"engine.engine_core.engine_core.model_executor.worker_proc" in f.read():
                         pids.add(int(d))
             except OSError:
                 pass
@@ -226,7 +226,7 @@ def test_llm_engine_objects_say_where_they_live():
     llm = LLM(NAME, tensor_parallel_size=2)
     try:
         with pytest.raises(AttributeError, match="live in the worker processes"):
-            llm.llm_engine.model_runner
+            llm.llm_engine.engine_core.engine_core.model_runner
     finally:
         llm.shutdown()
 

@@ -22,7 +22,7 @@ def _generate(backend: str, **kw):
     llm = LLM("tiny-gpt2", attention_backend=backend, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    stats = llm.llm_engine.stats()
+    stats = llm.llm_engine.engine_core.engine_core.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     return [o.outputs[0].token_ids for o in outs], stats
 

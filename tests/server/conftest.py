@@ -108,7 +108,7 @@ def make_engine(mode: str = "inproc", hooks=None, core_options=None, **kwargs):
     from engine import LLM
     from engine.engine.async_engine import AsyncLLMEngine
 
-    return AsyncLLMEngine(LLM("tiny-gpt2", hooks=hooks, **kwargs).llm_engine)
+    return AsyncLLMEngine(LLM("tiny-gpt2", hooks=hooks, **kwargs).llm_engine.engine_core.engine_core)
 
 
 @pytest.fixture(scope="session", params=MODES)

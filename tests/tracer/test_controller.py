@@ -61,7 +61,7 @@ def test_start_paused_step_and_requests_arriving_while_paused(mode):
         loop.join(T)
     finally:
         session.close()
-    assert engine.step_count == 6 and not engine.has_unfinished_requests()
+    assert engine.engine_core.engine_core.step_count == 6 and not engine.has_unfinished_requests()
 
 
 def test_step_into_phases(mode):

@@ -21,7 +21,7 @@ def run_engine(**kw):
 
 
 def cached_free_blocks(engine):
-    bm = engine.block_manager
+    bm = engine.engine_core.engine_core.block_manager
     return {b for b in bm.free if bm.blocks[b].hash is not None}
 
 

@@ -86,7 +86,7 @@ def live(model_cache, request):
         session.bind(engine)
     else:
         llm = LLM("tiny-gpt2-random", hooks=hooks, block_size=4, num_kv_blocks=64)
-        engine = AsyncLLMEngine(llm.llm_engine, drain_timeout=0).start()
+        engine = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
     source = LiveSource(session, SourceInfo("live", "tiny-gpt2-random", "cpu", "torch"), engine)
     yield Live(session, engine, source, TraceApp(source, initial_pane="requests"))
     session.close()

@@ -35,7 +35,8 @@ def start_server(port: int = 0, start_paused: bool = True):
     """A real engine behind the real router, in a thread: (url, session, stop)."""
     hooks = Hooks()
     session = TraceSession(hooks, start_paused=start_paused, model="tiny-gpt2")
-    engine = AsyncLLMEngine(LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=64).llm_engine, drain_timeout=0)
+    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=64)
+    engine = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core, drain_timeout=0)
     app = build_app(engine, "tiny-gpt2")
     app.state.trace = session
     app.include_router(trace_api.router)

@@ -9,7 +9,7 @@ from textual._context import active_app
 from engine import Hooks
 from engine.arg_utils import engine_config
 from engine.engine.async_engine import AsyncLLMEngine
-from engine.engine.llm_engine import LLMEngine
+from engine.engine.core import EngineCore
 from tests.tui.helpers import shown
 from tracer.session import TraceSession
 from tracer.tui.serve import LiveTui
@@ -40,7 +40,7 @@ async def test_the_startup_panel_shows_the_weights_loading_while_they_load():
     tui = LiveTui(session, "tiny-gpt2", "http://127.0.0.1:8000", headless=True)
     active_app.set(tui.app)  # this test's task reads the widgets: render them as the app would
     try:
-        build = asyncio.ensure_future(asyncio.to_thread(LLMEngine, engine_config("tiny-gpt2"), hooks))
+        build = asyncio.ensure_future(asyncio.to_thread(EngineCore, engine_config("tiny-gpt2"), hooks))
         await _until(lambda: held)
         # under load the app may still be building its widgets: wait for the panel, not assume it
         await _until(lambda: tui.app.is_running and tui.app.screen_stack and tui.app.query(StartupPanel)

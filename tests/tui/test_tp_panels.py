@@ -180,7 +180,7 @@ async def test_a_live_two_rank_engine_in_the_tui(model_cache):
     hooks = Hooks()
     session = TraceSession(hooks, start_paused=True, model="tiny-gpt2")
     llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=64, tensor_parallel_size=2)
-    engine = AsyncLLMEngine(llm.llm_engine, drain_timeout=0).start()
+    engine = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
     live = Live(session, engine, LiveSource(session, SourceInfo("live", "tiny-gpt2", "cpu", "torch"), engine),
                 None)
     live.app = TraceApp(live.source, initial_pane="kernels")

@@ -159,13 +159,13 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def build_engine(config, hooks):
-    """The engine, warmed up, printing its stages live (a listener attached for startup only)."""
-    from engine.engine.llm_engine import LLMEngine
+    """The EngineCore, warmed up, printing its stages live (a listener attached for startup only)."""
+    from engine.engine.core import EngineCore
     from engine.gc_utils import freeze_gc_heap
 
     unsubscribe = hooks.subscribe(_print_stage)
     try:
-        engine = LLMEngine(config, hooks)
+        engine = EngineCore(config, hooks)
         engine.warm_up()
         freeze_gc_heap()
         return engine
