@@ -454,12 +454,13 @@ def _evict(s: TraceState, ev: Event) -> None:
 
 def _freed(s: TraceState, req: RequestView, freed) -> None:
     """Which freed blocks keep their cached contents. The block manager hashes a block once
-    its KV is fully written: all tokens but the last sampled one after postprocess (a finish),
-    the computed tokens before a step (a preemption or an abort)."""
+    its KV is fully written: after postprocess (a finish), every token the trace knew before
+    this step's (its NEW_TOKENS follow the FREE: the front end detokenizes after the core
+    finished the step); before a step (a preemption or an abort), the computed tokens."""
     cfg = (s.engine_config or {}).get("cache", {})
     if not cfg.get("enable_prefix_caching", True) or not cfg.get("block_size"):
         return
-    written = req.num_tokens - 1 if s.phase == "postprocess" else req.num_computed_tokens
+    written = req.num_tokens if s.phase == "postprocess" else req.num_computed_tokens
     hashed = {b for i, b in enumerate(req.block_table) if (i + 1) * cfg["block_size"] <= written}
     hashed.update(req.cache_hit_blocks)  # hits are cached blocks by definition
     s.cached_free.update(b for b in freed if b in hashed)

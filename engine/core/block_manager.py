@@ -94,15 +94,7 @@ class BlockManager:
         self.prefix_cache_queries += req.num_tokens
         self.prefix_cache_hits += len(hits) * bs
         if self.hooks.active:
-            self.hooks.emit(
-                BLOCK_MANAGER,
-                CACHE_HIT if hits else CACHE_MISS,
-                request_id=req.request_id,
-                step=self.step,
-                block_ids=hits,
-                hit_tokens=len(hits) * bs,
-                query_tokens=req.num_tokens,
-            )
+            self._trace_lookup(req, hits)
         return hits
 
     # ---- allocation ---------------------------------------------------------------------
@@ -129,14 +121,7 @@ class BlockManager:
             new = [self.take_free_block() for _ in range(self.blocks_needed(total) - len(req.block_ids))]
             req.block_ids.extend(new)
             if new and self.hooks.active:
-                self.hooks.emit(
-                    BLOCK_MANAGER,
-                    ALLOCATE,
-                    request_id=req.request_id,
-                    step=self.step,
-                    block_ids=new,
-                    block_table=list(req.block_ids),
-                )
+                self._trace_allocate(req, new)
         if self.enable_prefix_caching and total // bs > req.num_cached_blocks:
             self.cache_full_blocks(req, total // bs)
         return True
@@ -195,6 +180,14 @@ class BlockManager:
         if self.hooks.active:
             self.hooks.emit(BLOCK_MANAGER, "reset_prefix_cache", step=self.step, num_blocks=dropped)
         return True
+
+    def _trace_lookup(self, req: Request, hits: list[int]) -> None:
+        self.hooks.emit(BLOCK_MANAGER, CACHE_HIT if hits else CACHE_MISS, request_id=req.request_id, step=self.step,
+                        block_ids=hits, hit_tokens=len(hits) * self.block_size, query_tokens=req.num_tokens)
+
+    def _trace_allocate(self, req: Request, new: list[int]) -> None:
+        self.hooks.emit(BLOCK_MANAGER, ALLOCATE, request_id=req.request_id, step=self.step, block_ids=new,
+                        block_table=list(req.block_ids))
 
     def usage(self) -> float:
         """Fraction of usable blocks held by running requests (cached-but-free blocks count as

@@ -138,13 +138,12 @@ class AsyncLLM:
     def launch(self) -> AsyncLLM:
         if not self._launched:
             self._launched = True
-            self._t_launch = time.perf_counter()
+            self._t0 = time.perf_counter()
             if self.hooks.active:
                 self.hooks.emit(CLI, CORE_PROCESS_START, BEGIN, model=self.config.model.model)
             self.client.launch()
             if self.hooks.active:
-                self.hooks.emit(CLI, CORE_PROCESS_START, END, seconds=time.perf_counter() - self._t_launch,
-                                pid=self.client.pid)
+                self.hooks.emit(CLI, CORE_PROCESS_START, END, seconds=time.perf_counter() - self._t0, pid=self.pid)
         return self
 
     def wait_ready(self, timeout: float = HANDSHAKE_TIMEOUT_S) -> dict:
@@ -160,10 +159,17 @@ class AsyncLLM:
         self.vocab_size = self.processor.vocab_size = ready["vocab_size"]
         self.stats = EngineStats(**ready["stats"])
         if self.hooks.active:
-            self.hooks.emit(CLI, CORE_HANDSHAKE, END, seconds=time.perf_counter() - t0, num_blocks=self.num_blocks,
-                            block_size=self.block_size, max_model_len=self.max_model_len)
+            self._trace_ready(time.perf_counter() - t0)
         self._started = True
         return ready
+
+    @property
+    def pid(self) -> int | None:
+        return self.client.pid
+
+    def _trace_ready(self, seconds: float) -> None:
+        self.hooks.emit(CLI, CORE_HANDSHAKE, END, seconds=seconds, num_blocks=self.num_blocks,
+                        block_size=self.block_size, max_model_len=self.max_model_len)
 
     def start(self) -> AsyncLLM:
         """launch() and wait_ready() if not done yet (what the app's lifespan calls)."""

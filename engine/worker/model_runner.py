@@ -144,14 +144,13 @@ class ModelRunner:
             return None
         out = self.sampler(logits, [s.request for s in sched.scheduled])
         if self.hooks.active:
-            self.hooks.emit(
-                "sampler",
-                "sampled",
-                step=sched.step,
-                token_ids=out.token_ids,
-                request_ids=[s.request.request_id for s in sched.scheduled],
-            )
+            self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=sched.req_ids)
         return out
+
+    def _trace_warmup_launch(self, rec: instrument.LaunchRecord) -> None:
+        self.hooks.emit(KERNEL, rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta,
+                        args=rec.args, duration_ns=rec.duration_ns, timing=rec.timing, reason=rec.reason,
+                        rank=self.rank, warmup=True)
 
     @torch.inference_mode()
     def warm_up(self, max_model_len: int) -> dict:
@@ -174,19 +173,7 @@ class ModelRunner:
         def on_launch(rec: instrument.LaunchRecord) -> None:
             launches.append(rec.name)
             if self.hooks.active:
-                self.hooks.emit(
-                    KERNEL,
-                    rec.name,
-                    layer_idx=rec.tags.get("layer"),
-                    grid=list(rec.grid),
-                    meta=rec.meta,
-                    args=rec.args,
-                    duration_ns=rec.duration_ns,
-                    timing=rec.timing,
-                    reason=rec.reason,
-                    rank=self.rank,
-                    warmup=True,
-                )
+                self._trace_warmup_launch(rec)
 
         with instrument.observe(on_launch, access_maps=False, warmup=True):  # no before_launch: nothing to gate here
             for inp in batches:

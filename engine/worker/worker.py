@@ -147,6 +147,12 @@ class Worker:
         return self.model_runner.warm_up(max_model_len)
 
     # ---- on a worker process: the wire form of a step ------------------------------------------
+    def _trace_execute(self, msg: WorkerStep) -> None:
+        self.hooks.emit(WORKER, EXECUTE_MODEL, step=msg.step, rank=self.rank,
+                        num_scheduled_tokens={s.request_id: s.num_tokens for s in msg.scheduled},
+                        total_num_scheduled_tokens=sum(s.num_tokens for s in msg.scheduled),
+                        finished_req_ids=sorted(msg.finished_req_ids), digest=step_digest(msg))
+
     def execute_step(self, msg: WorkerStep) -> SamplerOutput | None:
         """Update the cached request states from msg, then run the step."""
         for rid in msg.finished_req_ids:
@@ -166,8 +172,5 @@ class Worker:
             sched.scheduled.append(ScheduledRequest(state, s.num_tokens, s.num_computed_before, is_prefill))
         self.tp.active = "stepping" if msg.gated else "fast"
         if self.hooks.active:
-            self.hooks.emit(WORKER, EXECUTE_MODEL, step=msg.step, rank=self.rank,
-                            num_scheduled_tokens={s.request_id: s.num_tokens for s in msg.scheduled},
-                            total_num_scheduled_tokens=sum(s.num_tokens for s in msg.scheduled),
-                            finished_req_ids=sorted(msg.finished_req_ids), digest=step_digest(msg))
+            self._trace_execute(msg)
         return self.execute_model(sched) if sched.scheduled else None

@@ -215,7 +215,7 @@ def _worker_pids() -> set[int]:
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if b"engine.engine_core.engine_core.model_executor.worker_proc" in f.read():
+                    if b"engine.executor.worker_proc" in f.read():
                         pids.add(int(d))
             except OSError:
                 pass

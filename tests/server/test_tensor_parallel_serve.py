@@ -40,7 +40,7 @@ def test_serve_with_two_ranks(model_cache, tmp_path):
     proc, startup, url = spawn_serve("--no-tui", "--tensor-parallel-size", "2", "--trace-file", str(trace))
     try:
         core_pid = int(re.search(r"engine core pid (\d+)", startup).group(1))
-        workers = _children_of(core_pid, b"engine.engine_core.engine_core.model_executor.worker_proc")
+        workers = _children_of(core_pid, b"engine.executor.worker_proc")
         assert len(workers) == 2, startup
         body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         got = httpx.post(url + "/v1/completions", json=body, timeout=DEADLINE).json()
@@ -83,7 +83,7 @@ def test_serve_with_two_ranks(model_cache, tmp_path):
 def test_a_dead_worker_stops_a_one_process_server_too(model_cache):
     proc, _, url = spawn_serve("--no-tui", "--no-multiprocessing", "--tensor-parallel-size", "2")
     try:
-        workers = _children_of(proc.pid, b"engine.engine_core.engine_core.model_executor.worker_proc")
+        workers = _children_of(proc.pid, b"engine.executor.worker_proc")
         assert len(workers) == 2
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + DEADLINE

@@ -31,6 +31,10 @@ class SchedulerOutput:
         return {s.request.request_id: s.num_tokens for s in self.scheduled}
 
     @property
+    def req_ids(self) -> list[str]:
+        return [s.request.request_id for s in self.scheduled]
+
+    @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 

@@ -77,9 +77,7 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_t
 async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
     rid, hooks = new_request_id("chatcmpl"), state.hooks
     if hooks.active:
-        hooks.emit(
-            HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host
-        )
+        hooks.emit(HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host)
     try:
         state.check_model(body.model)
         num_logprobs = _num_logprobs(body)
@@ -87,15 +85,8 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         params = sampling_params(body, max_tokens, num_logprobs)
         prompt = await chat_prompt(state, body.messages, body.add_generation_prompt)
         if hooks.active:
-            hooks.emit(
-                API,
-                "chat_request",
-                request_id=rid,
-                prompt=prompt,
-                num_messages=len(body.messages),
-                params=vars(params),
-                user=body.user,
-            )
+            hooks.emit(API, "chat_request", request_id=rid, prompt=prompt, num_messages=len(body.messages),
+                       params=vars(params), user=body.user)
         [stream] = await submit(state, [rid], [prompt], params)
     except APIError as e:
         if hooks.active:
@@ -181,9 +172,7 @@ class _Ctx:
             yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         finally:
             if hooks.active:
-                hooks.emit(
-                    HTTP, PATH, END, request_id=self.rid, status=200, chunks=chunks, complete=final is not None
-                )
+                hooks.emit(HTTP, PATH, END, request_id=self.rid, status=200, chunks=chunks, complete=final is not None)
         yield SSE_DONE
 
 

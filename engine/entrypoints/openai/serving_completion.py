@@ -71,9 +71,7 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
 async def create_completion(body: CompletionRequest, state: ServerState, request: Request) -> Response:
     rid, hooks = new_request_id("cmpl"), state.hooks
     if hooks.active:
-        hooks.emit(
-            HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host
-        )
+        hooks.emit(HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host)
     try:
         state.check_model(body.model)
         prompts = _prompts(body.prompt)
@@ -83,15 +81,8 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
         params = sampling_params(body, body.max_tokens, body.logprobs)
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         if hooks.active:
-            hooks.emit(
-                API,
-                "completion_request",
-                request_id=rid,
-                request_ids=ids,
-                num_prompts=len(prompts),
-                params=vars(params),
-                user=body.user,
-            )
+            hooks.emit(API, "completion_request", request_id=rid, request_ids=ids, num_prompts=len(prompts),
+                       params=vars(params), user=body.user)
         streams = await submit(state, ids, prompts, params)
     except APIError as e:
         if hooks.active:
@@ -164,15 +155,8 @@ class _Ctx:
             yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         finally:
             if hooks.active:
-                hooks.emit(
-                    HTTP,
-                    PATH,
-                    END,
-                    request_id=self.rid,
-                    status=200,
-                    chunks=self.chunks,
-                    complete=len(self.finals) == len(streams),
-                )
+                hooks.emit(HTTP, PATH, END, request_id=self.rid, status=200, chunks=self.chunks,
+                           complete=len(self.finals) == len(streams))
         yield SSE_DONE
 
     async def _chunks(self, merged, n: int):
