@@ -326,7 +326,7 @@ class AsyncLLM:
 
     def _on_dead(self, reason: str) -> None:
         if self.hooks.active:  # in the trace, the log panel and the file: why everything stopped
-            self.hooks.emit(IPC, CORE_DIED, reason=reason, pid=self.client.pid)
+            self.hooks.emit(IPC, CORE_DIED, reason=reason, pid=self.pid)
         self._fail_all(EngineDeadError(reason))
         if self.on_dead is not None:
             self.on_dead(reason)  # (serve says so and stops)

@@ -69,42 +69,33 @@ class ModelRunner:
             tables.append(table)
         inp = self._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
         if self.hooks.active and self.rank == 0:  # the same on every rank: traced once
-            self.hooks.emit(
-                MODEL_RUNNER,
-                BATCH,
-                step=sched.step,
-                input_ids=input_ids,
-                positions=positions,
-                slot_mapping=slots,
-                seq_lens=seq_lens,
-                query_start_loc=qsl,
-                block_tables=inp.meta.block_tables.tolist(),
-                request_ids=[s.request.request_id for s in sched.scheduled],
-            )
+            self._trace_batch(sched, inp, input_ids, positions, slots, seq_lens, qsl)
         return inp
 
+    def _trace_batch(self, sched: SchedulerOutput, inp: ModelInput, input_ids, positions, slots, seq_lens, qsl):
+        self.hooks.emit(MODEL_RUNNER, BATCH, step=sched.step, input_ids=input_ids, positions=positions,
+                        slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl,
+                        block_tables=inp.meta.block_tables.tolist(), request_ids=sched.req_ids)
+
     def _model_input(self, input_ids, positions, slots, seq_lens, qsl, tables) -> ModelInput:
-        # The step's ints go through two numpy conversions (int64, int32) and are handed to torch
-        # as slices: right after a forward pass every torch call costs several microseconds
-        # (cold caches), so this path makes as few as it can (measured: split() was slower).
-        n, T, width = len(seq_lens), len(input_ids), max(map(len, tables))
-        padded = []
-        for t in tables:  # block tables padded with the null block (0) to the longest, row after row
-            padded += t
-            padded += [0] * (width - len(t))
-        i64 = np.array(input_ids + positions + slots + [q - 1 for q in qsl[1:]], np.int64)
-        i32 = np.array(qsl + seq_lens + padded, np.int32)
+        """Each input its own tensor, named as in vLLM V1 (numpy first: torch.from_numpy is the
+        cheapest way in from a Python list)."""
+        n, T = len(seq_lens), len(input_ids)
+        block_tables = np.zeros((n, max(map(len, tables))), np.int32)  # padded with the null block (0)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
         tensor = self._tensor
         meta = AttentionMetadata(
-            slot_mapping=tensor(i64[2 * T:3 * T]),
-            query_start_loc=tensor(i32[:n + 1]),
-            seq_lens=tensor(i32[n + 1:2 * n + 1]),
-            block_tables=tensor(i32[2 * n + 1:].reshape(n, width)),
+            slot_mapping=tensor(np.array(slots, np.int64)),
+            query_start_loc=tensor(np.array(qsl, np.int32)),
+            seq_lens=tensor(np.array(seq_lens, np.int32)),
+            block_tables=tensor(block_tables),
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),
         )
-        return ModelInput(input_ids=tensor(i64[:T]), positions=tensor(i64[T:2 * T]), meta=meta,
-                          logits_indices=tensor(i64[3 * T:]), all_last=T == n)
+        return ModelInput(input_ids=tensor(np.array(input_ids, np.int64)),
+                          positions=tensor(np.array(positions, np.int64)), meta=meta,
+                          logits_indices=tensor(np.array(qsl[1:], np.int64) - 1), all_last=T == n)
 
     def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
         """One forward pass and sampling for a non-empty SchedulerOutput (None on a
