@@ -112,7 +112,7 @@ def run(lesson) -> None:
     lesson.check([e.name for e in spans] == STAGES and all(e.get("seconds") > 0 for e in spans),
                  "the tracer saw each stage as a timed span (BEGIN/END events)")
 
-    mc = engine.engine_core.engine_core.model_config
+    mc = core.model_config
     lesson.say(
         f"**resolve_model** turns the name into a checkpoint directory (for Hugging Face names: the "
         f"local cache, else a download) and reads `config.json`: a GPT-2 with {mc.n_layer} layers, "
@@ -151,11 +151,10 @@ def run(lesson) -> None:
     lesson.check(kv["bytes_per_block"] == per_block,
                  "bytes per block = 2 (K and V) × layers × block_size × heads × head_size × 4 bytes (fp32)")
     lesson.check(kv["bytes"] == kv["num_blocks"] * per_block, "KV-cache bytes = blocks × bytes per block")
-    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     allocated = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in core.kv_caches)
     lesson.check(allocated == kv["bytes"], f"the cache tensors really occupy {allocated / 2**20:.0f} MiB")
     if engine.config.cache.num_kv_blocks is None and engine.config.cache.kv_cache_memory is None \
-            and engine.engine_core.engine_core.device.type == "cpu":
+            and core.device.type == "cpu":
         from engine.core.kv_cache_utils import DEFAULT_CPU_KV_CACHE_MEMORY as budget
         lesson.check(kv["num_blocks"] == budget // per_block, f"num_blocks = {budget:,} byte budget // {per_block:,}")
     capacity = kv["num_blocks"] * kv["block_size"]
@@ -166,7 +165,6 @@ def run(lesson) -> None:
                f"tables can point at it harmlessly): {usable // engine.max_model_len} requests at the full "
                f"{engine.max_model_len}-token length, or many more short ones. The cache is {ratio:.1f}× the "
                f"size of the weights ({kv['bytes'] / 2**20:.0f} MiB versus {ml['bytes'] / 2**20:.1f} MiB).")
-    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     lesson.check(core.block_manager.num_usable_blocks == kv["num_blocks"] - 1 and 0 not in core.block_manager.free,
                  f"{kv['num_blocks'] - 1} blocks are usable: block 0, the null block, is not in the free queue")
     # A real model on a GPU, by the same arithmetic (public Llama-3-8B config: 32 layers, 8 KV heads
@@ -206,7 +204,7 @@ def run(lesson) -> None:
         "- *Processes*: V1 runs the engine core in its own process, fed by the API server over ZMQ; "
         "so does `vllm-trace serve` (its `core_process_start` and `core_handshake` stages above; lesson 17), "
         "unless `--no-multiprocessing` keeps the engine in a thread of the server process.")
-    lesson.check(type(engine.engine_core.engine_core.model) is GPT2Model,
+    lesson.check(type(core.model) is GPT2Model,
                  "this engine's model is the plain PyTorch module, run eagerly (not compiled)")
     lesson.done(
         "Startup = find the checkpoint and config → load the tokenizer → build the model and load its "

@@ -50,12 +50,12 @@ def run(lesson) -> None:
     engine.add_request("C", {"prompt_token_ids": list(range(50, 74))}, greedy(8))
     engine.step()  # the step we study: A decodes position 48 (a new block), B decodes, C prefills
     q, meta, scale = captured["q"], captured["meta"], captured["scale"]
-    key_cache, value_cache = engine.engine_core.engine_core.kv_caches[0]
+    key_cache, value_cache = core.kv_caches[0]
     qsl, seq_lens, tables = meta.query_start_loc.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
     num_tokens, num_heads, head_size = q.shape
     lesson.show(table(["request", "query rows", "new tokens", "seq_len", "block table"], [
         [r, f"{qsl[i]}–{qsl[i + 1] - 1}", qsl[i + 1] - qsl[i], seq_lens[i], tables[i]]
-        for i, r in enumerate("ABC")], title=f"step {engine.engine_core.engine_core.step_count - 1}, "
+        for i, r in enumerate("ABC")], title=f"step {core.step_count - 1}, "
         "layer 0: the kernel's inputs"))
     lesson.say(
         f"The query is `[{num_tokens} tokens, {num_heads} heads, {head_size}]`; the layer's key and value "
@@ -209,7 +209,7 @@ def run(lesson) -> None:
     launches = triton_step_launches(lesson)
     lesson.show(table(["layer", "kernels launched, in order"],
                       [[layer, " → ".join(names)] for layer, names in sorted(launches.items())]))
-    lesson.check(len(launches) == engine.engine_core.engine_core.model_config.n_layer
+    lesson.check(len(launches) == core.model_config.n_layer
                  and all(names == ["reshape_and_cache", "unified_attention"] for names in launches.values()),
                  "each layer writes the new K/V with reshape_and_cache, then runs ONE unified_attention "
                  "for the whole mixed batch")

@@ -75,12 +75,12 @@ def run(lesson) -> None:
                  "step 3 preempted exactly one request, C, the newest running one")
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     lesson.check(not hasattr(engine.config.scheduler, "policy") and [r.request_id for r in core.scheduler.running]
-                 == sorted(r.request_id for r in engine.engine_core.engine_core.scheduler.running),
+                 == sorted(r.request_id for r in core.scheduler.running),
                  "this engine schedules FCFS only (no priority policy): running stays in admission order")
     lesson.check(pre[0].attrs["reason"] == "no free blocks for A", "the reason: A needed a block and none was free")
     lesson.check(c.block_ids == [] and c.num_computed_tokens == 0 and c.status.value == "PREEMPTED",
                  f"C's blocks {c_blocks_before} were freed and its computed-token count reset to 0")
-    lesson.check([r.request_id for r in engine.engine_core.engine_core.scheduler.waiting] == ["C", "D"],
+    lesson.check([r.request_id for r in core.scheduler.waiting] == ["C", "D"],
                  "C went back to the front of the waiting queue, ahead of D, which has been waiting since the start")
     lesson.check(c.output_token_ids == c_tokens_before and len(c_tokens_before) == 3,
                  "C keeps the 3 tokens it already generated: they are not generated again")
@@ -114,7 +114,7 @@ def run(lesson) -> None:
     lesson.check(
         "not enough free KV-cache blocks" in reasons, "while it waited, the reason was the lack of free blocks"
     )
-    lesson.check(c.num_preemptions == 1 and engine.engine_core.engine_core.stats().num_preemptions == 1,
+    lesson.check(c.num_preemptions == 1 and core.stats().num_preemptions == 1,
                  "the engine counted one preemption (C's own counter and the engine's stats)")
 
     lesson.check(reqs["A"].status.finished and not reqs["B"].status.finished,

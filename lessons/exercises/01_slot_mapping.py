@@ -115,7 +115,7 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     g.check(True, "in every step, every token's slot is block_table[pos // 16] × 16 + pos % 16")
     g.check(all(len(set(s[4])) == len(s[4]) for s in steps), "no two tokens of a step share a slot")
     written = {slot for s in steps for slot in s[4]}
-    k0 = engine.engine_core.engine_core.kv_caches[0][0]
+    k0 = core.kv_caches[0][0]
     filled = set(k0.reshape(-1, k0.shape[2] * k0.shape[3]).abs().sum(1).nonzero().flatten().tolist())
     g.check(filled == written, f"layer 0's key cache holds data in exactly the {len(written)} slots your "
             "slot mappings named", f"{len(filled - written)} other slots hold data, {len(written - filled)} named "

@@ -173,10 +173,10 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     def after_step(reqs):
         live = [r for r in reqs.values() if r.block_ids]
         if not problems and invariants(bm, live):
-            problems.append(f"step {engine.engine_core.engine_core.step_count - 1}: {invariants(bm, live)}")
+            problems.append(f"step {core.step_count - 1}: {invariants(bm, live)}")
 
     outputs = run_workload(engine, after_step)
-    st = engine.engine_core.engine_core.stats()
+    st = core.stats()
     g.check(not problems, "after every step, reference counts and the free queue agree with the block tables",
             problems[0] if problems else "")
     g.check(st.prefix_cache_hits > 0, f"B and C hit A's cached system prompt ({st.prefix_cache_hits} tokens found)")

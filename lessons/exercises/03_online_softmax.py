@@ -120,7 +120,8 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     g.say("Now inside a real engine: every query row and head of every layer is your function's.")
     kw = dict(block_size=BLOCK, num_kv_blocks=16, enable_prefix_caching=False)
     engine = LLM(model, **kw).llm_engine
-    reference, worst, calls = engine.engine_core.engine_core.model.backend.forward, [0.0, ""], [0]
+    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+    reference, worst, calls = core.model.backend.forward, [0.0, ""], [0]
 
     def forward(q, k, v, key_cache, value_cache, meta, scale):
         reshape_and_cache_ref(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -136,11 +137,10 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
         want = reference(q, k, v, key_cache, value_cache, meta, scale)  # rewrites the same slots: harmless
         d = diff(out, want)
         if d > worst[0]:
-            core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
             worst[:] = [d, f"step {core.step_count}: seq_lens {seq_lens}, max |difference| {d:.3g}"]
         return out
 
-    engine.engine_core.engine_core.model.backend.forward = forward
+    core.model.backend.forward = forward
     outputs = run_workload(engine)
     g.check(worst[0] < 1e-4, f"in every layer of every step, your {calls[0]} row-head results match the engine's "
             "attention (to 1e-4)", worst[1])

@@ -20,7 +20,6 @@ def _unchanged(llm, fn):
     before = (len(core.requests), len(core.scheduler.waiting), core.block_manager.num_free_blocks)
     with pytest.raises(ValueError) as e:
         fn()
-    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     assert (len(core.requests), len(core.scheduler.waiting), core.block_manager.num_free_blocks) == before
     return str(e.value)
 
@@ -80,6 +79,5 @@ def test_abort_frees_blocks(llm):
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     assert core.block_manager.num_free_blocks < core.block_manager.num_usable_blocks
     engine.abort_request(["to-abort"])
-    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
     assert not engine.has_unfinished_requests()

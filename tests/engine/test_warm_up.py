@@ -15,15 +15,14 @@ def test_warm_up_is_no_request_and_no_step(backend):
     assert engine.engine_core.engine_core.step_count == 0 and not engine.engine_core.engine_core.requests
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
-    core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     assert all(not k.any() and not v.any() for k, v in core.kv_caches)  # the cache is left as found
     stage = [(name, kind) for layer, name, kind, *_ in events if layer == "engine" and name == "kernel_warmup"]
     assert stage == [("kernel_warmup", "begin"), ("kernel_warmup", "end")]
     kernels = [e for e in events if e[0] == "kernel"]
-    n_layers = engine.engine_core.engine_core.model_config.n_layer
+    n_layers = core.model_config.n_layer
     assert len(kernels) == info["num_launches"] == 2 * 2 * n_layers  # cache write + attention, prefill + decode
     assert all(step is None and attrs["warmup"] for _, _, _, _, step, attrs in kernels)
-    assert engine.engine_core.engine_core.startup[-1][0] == "kernel_warmup"
+    assert core.startup[-1][0] == "kernel_warmup"
 
 
 def test_warm_up_changes_no_output_and_refuses_a_used_engine():
