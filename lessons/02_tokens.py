@@ -7,7 +7,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `python lessons/NN_x.py` from a checkout
 
 from engine import SamplingParams  # noqa: E402
-from lessons.framework import events_of, main, table  # noqa: E402
+from lessons.framework import events_of, main, queue_request, table  #noqa:E402
 
 TITLE = "Tokens: text → ids → text"
 SUMMARY = "BPE subword tokens (merges, Ġ spaces, bytes for emoji), round trips, and why a streamed character waits."
@@ -52,7 +52,7 @@ def run(lesson) -> None:
 
     # ---- encode ----
     steer = tok.encode(STEER)
-    req = engine.add_request("A", PROMPT, SamplingParams(temperature=0, max_tokens=len(steer), ignore_eos=True))
+    req = queue_request(engine, "A", PROMPT, SamplingParams(temperature=0, max_tokens=len(steer), ignore_eos=True))
     ids = req.prompt_token_ids
     enc = next(e for e in events_of(session) if e.layer == "tokenizer" and e.name == "encode")
     lesson.say(f"`add_request` tokenized the prompt `{PROMPT}` into {len(ids)} ids. Each id, alone:")

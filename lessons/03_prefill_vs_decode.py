@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import LLM
-from lessons.framework import events_of, greedy, main, table
+from lessons.framework import events_of, greedy, main, queue_request, table
 
 TITLE = "Prefill versus decode"
 SUMMARY = "What a prefill step and a decode step compute, and which is compute-bound or memory-bound, measured."
@@ -95,7 +95,7 @@ def run(lesson) -> None:
         "You will see both kinds of step in the engine's batch, then time them on this machine.")
     llm, session = lesson.engine(num_kv_blocks=64, enable_prefix_caching=False)
     engine = llm.llm_engine
-    req = engine.add_request("A", {"prompt_token_ids": [(5 * i) % 250 for i in range(N)]}, greedy(3))
+    req = queue_request(engine, "A", {"prompt_token_ids": [(5 * i) % 250 for i in range(N)]}, greedy(3))
 
     engine.step()
     batches = [e for e in events_of(session) if e.layer == "model_runner" and e.name == "batch"]

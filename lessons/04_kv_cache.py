@@ -7,7 +7,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from lessons.framework import greedy, main, table
+from lessons.framework import greedy, main, queue_request, table
 
 TITLE = "The KV cache: recompute versus cache"
 SUMMARY = "Generate with and without the KV cache: tokens the model runs (quadratic vs linear), time, same output."
@@ -56,7 +56,7 @@ def run(lesson) -> None:
         seq = list(prompt)
         t0 = time.thread_time()
         for i in range(GEN):
-            req = engine.add_request(f"r{i}", {"prompt_token_ids": seq}, greedy(1))
+            req = queue_request(engine, f"r{i}", {"prompt_token_ids": seq}, greedy(1))
             while engine.has_unfinished_requests():
                 engine.step()
             seq.append(req.output_token_ids[0])
@@ -67,7 +67,7 @@ def run(lesson) -> None:
         # ---- with the cache: one request, one prefill, then decode steps ----
         lesson.say("**Cached.** One request: a prefill of the prompt, then one token per step.")
         t0 = time.thread_time()
-        req = engine.add_request("cached", {"prompt_token_ids": prompt}, greedy(GEN))
+        req = queue_request(engine, "cached", {"prompt_token_ids": prompt}, greedy(GEN))
         while engine.has_unfinished_requests():
             engine.step()
         t_cached = time.thread_time() - t0

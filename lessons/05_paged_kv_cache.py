@@ -6,7 +6,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import SamplingParams
-from lessons.framework import block_table, kv_blocks, main, table
+from lessons.framework import block_table, kv_blocks, main, queue_request, table
 
 TITLE = "The paged KV cache"
 SUMMARY = "Blocks, the free-block queue and block tables: logical -> physical, and the slots paging saves."
@@ -29,7 +29,7 @@ def run(lesson) -> None:
                "queue: block 0 is the **null block**. As in vLLM V1's block pool, it is taken out once at "
                "startup and never given to a request, so a block-table entry of 0 can only mean *nothing here*.")
     lesson.check(free0 == bm.num_blocks - 1 and 0 not in bm.free, "block 0 is not in the free queue")
-    a = engine.add_request("A", {"prompt_token_ids": list(range(40))}, greedy)
+    a = queue_request(engine, "A", {"prompt_token_ids": list(range(40))}, greedy)
     lesson.say("Request **A** has a 40-token prompt.")
     lesson.predict("How many blocks does A's prefill take, and how full is the last one?",
                    f"ceil(40 / {BLOCK}) = {math.ceil(40 / BLOCK)} blocks; the last holds 40 - 2×16 = 8 tokens.")
@@ -41,7 +41,7 @@ def run(lesson) -> None:
     lesson.check(a.block_ids == [1, 2, 3], "they came from the front of the queue: physical blocks 1, 2, 3")
     lesson.pause()
 
-    b = engine.add_request("B", {"prompt_token_ids": list(range(100, 120))}, greedy)
+    b = queue_request(engine, "B", {"prompt_token_ids": list(range(100, 120))}, greedy)
     engine.step()  # A decodes one token, B is admitted and prefilled in the same step
     lesson.say("Request **B** (20 tokens) arrives. Blocks come from the front of the free queue, so B "
                "takes the next two physical blocks.")

@@ -9,7 +9,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 
 from engine.core.block_manager import NULL_BLOCK_ID
 from engine.hooks import SNAPSHOT
-from lessons.framework import events_of, greedy, main, queues, table
+from lessons.framework import events_of, greedy, main, queue_request, queues, table
 
 TITLE = "Slot mapping and the flattened batch"
 SUMMARY = "input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables of one mixed step."
@@ -42,11 +42,11 @@ def run(lesson) -> None:
                                  enable_prefix_caching=False)
     engine = llm.llm_engine
     inputs = capture_inputs(engine)
-    a = engine.add_request("A", {"prompt_token_ids": list(range(1, 21))}, greedy(8))
+    a = queue_request(engine, "A", {"prompt_token_ids": list(range(1, 21))}, greedy(8))
     engine.step()  # step 0: A's 20-token prefill
-    b = engine.add_request("B", {"prompt_token_ids": [(3 * i) % 250 for i in range(100)]}, greedy(4))
+    b = queue_request(engine, "B", {"prompt_token_ids": [(3 * i) % 250 for i in range(100)]}, greedy(4))
     engine.step()  # step 1: A decodes; B gets the other 63 tokens of the budget (a chunk)
-    c = engine.add_request("C", {"prompt_token_ids": [(7 * i + 1) % 250 for i in range(40)]}, greedy(4))
+    c = queue_request(engine, "C", {"prompt_token_ids": [(7 * i + 1) % 250 for i in range(40)]}, greedy(4))
     lesson.say(
         f"Token budget {BUDGET} per step, blocks of {BLOCK}. **A** (20-token prompt) is decoding. **B** "
         f"(100 tokens) got {b.num_computed_tokens} tokens last step: its prefill was chunked. **C** "

@@ -8,7 +8,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 
 import kernels
 from kernels import instrument
-from lessons.framework import greedy, main, table
+from lessons.framework import greedy, main, queue_request, table
 
 TITLE = "The paged-attention kernel"
 SUMMARY = "Run the Triton unified-attention kernel on a real batch: grid, one program's work, online softmax."
@@ -43,7 +43,7 @@ def run(lesson) -> None:
 
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     core.model.backend.forward = keep_layer0  # the engine's own attention (the PyTorch reference on CPU)
-    a = engine.add_request("A", {"prompt_token_ids": list(range(47))}, greedy(8))
+    a = queue_request(engine, "A", {"prompt_token_ids": list(range(47))}, greedy(8))
     engine.step()  # A's prefill: positions 0-46 in blocks 1, 2, 3 (block 0 is the null block)
     engine.add_request("B", {"prompt_token_ids": list(range(100, 120))}, greedy(8))
     engine.step()  # A decodes position 47 (its 3rd block is now full); B's prefill takes blocks 4, 5

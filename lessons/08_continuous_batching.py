@@ -5,7 +5,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from lessons.framework import greedy, main, queues, table
+from lessons.framework import greedy, main, queue_request, queues, table
 
 TITLE = "Continuous batching"
 SUMMARY = "Requests join and leave the running batch step by step; measured against static batching."
@@ -44,7 +44,7 @@ def run(lesson) -> None:
     while engine.has_unfinished_requests() or engine.engine_core.engine_core.step_count <= max(arrivals):
         k = engine.engine_core.engine_core.step_count
         for rid, n in arrivals.get(k, []):
-            reqs[rid] = engine.add_request(rid, prompt(ord(rid)), greedy(n))
+            reqs[rid] = queue_request(engine, rid, prompt(ord(rid)), greedy(n))
         held_before[k] = {rid: list(r.block_ids) for rid, r in reqs.items()}
         if k == 2:
             lesson.say("Before step 2: **C** has just arrived. A and B are in the middle of decoding.")

@@ -5,7 +5,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import LLM
-from lessons.framework import greedy, main, queues, table
+from lessons.framework import greedy, main, queue_request, queues, table
 
 TITLE = "Chunked prefill and the token budget"
 SUMMARY = "A long prompt is split over steps under max_num_batched_tokens while other requests keep decoding."
@@ -26,12 +26,12 @@ def run(lesson) -> None:
     engine = llm.llm_engine
     sub = session.bus.subscribe()
 
-    a = engine.add_request("A", {"prompt_token_ids": list(range(10))}, greedy(12))
-    b = engine.add_request("B", {"prompt_token_ids": list(range(50, 60))}, greedy(12))
+    a = queue_request(engine, "A", {"prompt_token_ids": list(range(10))}, greedy(12))
+    b = queue_request(engine, "B", {"prompt_token_ids": list(range(50, 60))}, greedy(12))
     engine.step()  # A and B prefill together (20 tokens)
     engine.step()  # both decode
     sub.pull()
-    long = engine.add_request("L", {"prompt_token_ids": [(7 * j) % 256 for j in range(LONG)]}, greedy(3))
+    long = queue_request(engine, "L", {"prompt_token_ids": [(7 * j) % 256 for j in range(LONG)]}, greedy(3))
     lesson.say(f"A and B have been decoding for a step. Now **L** arrives with a {LONG}-token prompt.")
     lesson.show(queues(llm))
     lesson.predict(f"With a budget of {BUDGET} tokens per step and two requests decoding, how many steps does "

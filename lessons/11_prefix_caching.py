@@ -5,7 +5,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine.core.block_manager import hash_block
-from lessons.framework import greedy, main, table
+from lessons.framework import greedy, main, queue_request, table
 
 TITLE = "Prefix caching"
 SUMMARY = ("A shared system prompt: chained block hashes, cache hits with shared blocks, the last token computed, "
@@ -44,7 +44,7 @@ def run(lesson) -> None:
     lesson.check(len(SYSTEM) == 3 * BLOCK, f"the system prompt is {len(SYSTEM)} tokens: exactly 3 blocks of {BLOCK}")
 
     # ---- the hash chain ----
-    a = engine.add_request("A", SYSTEM_TEXT + QUESTIONS["A"], greedy(6))
+    a = queue_request(engine, "A", SYSTEM_TEXT + QUESTIONS["A"], greedy(6))
     traced_step(engine, sub)
     a_blocks = list(a.block_ids)
     n_own = a.num_prompt_tokens - 48
@@ -78,7 +78,7 @@ def run(lesson) -> None:
     lesson.pause()
 
     # ---- a hit ----
-    b = engine.add_request("B", SYSTEM_TEXT + QUESTIONS["B"], greedy(6))
+    b = queue_request(engine, "B", SYSTEM_TEXT + QUESTIONS["B"], greedy(6))
     n_b = b.num_prompt_tokens - 48
     lesson.predict(f"Request B = the same system prompt + another question, {QUESTIONS['B']!r} ({n_b} tokens, "
                    f"{b.num_prompt_tokens} in all). How many tokens does its prefill compute?",
@@ -100,7 +100,7 @@ def run(lesson) -> None:
     lesson.pause()
 
     # ---- a full hit: the last token is always computed ----
-    c = engine.add_request("C", SYSTEM_TEXT, greedy(6))
+    c = queue_request(engine, "C", SYSTEM_TEXT, greedy(6))
     lesson.predict("Request C is exactly the 48-token system prompt: all 3 of its blocks are cached. "
                    "How many tokens does its prefill compute?",
                    "16. To sample C's first token the engine needs the logits at its last prompt position, so "
@@ -148,7 +148,7 @@ def run(lesson) -> None:
                    f"{cached_order[:n_evict]}. Their old contents are evicted from the cache.")
     victims = cached_order[:n_evict]
     victim_hashes = [bm.blocks[v].hash for v in victims]
-    x = engine.add_request("X", {"prompt_token_ids": [(11 * j) % 256 for j in range(x_len)]}, greedy(2))
+    x = queue_request(engine, "X", {"prompt_token_ids": [(11 * j) % 256 for j in range(x_len)]}, greedy(2))
     _, events = traced_step(engine, sub)
     evicted = [b for e in events if (e.layer, e.name) == ("block_manager", "evict") for b in e.attrs["block_ids"]]
     lesson.show(table(["block", "evicted hash", "still in cache?"],
@@ -164,7 +164,7 @@ def run(lesson) -> None:
 
     while engine.has_unfinished_requests():
         engine.step()
-    d = engine.add_request("D", SYSTEM_TEXT + QUESTIONS["D"], greedy(2))
+    d = queue_request(engine, "D", SYSTEM_TEXT + QUESTIONS["D"], greedy(2))
     traced_step(engine, sub)
     lesson.check(d.num_cached_tokens == 32,
                  "a new request with the system prompt now hits only 32 tokens: the chain breaks at the evicted block")
@@ -173,7 +173,7 @@ def run(lesson) -> None:
 
     # ---- a BPE boundary breaks a hit ----
     spaced = SYSTEM_TEXT.rstrip("\n") + " "
-    warm = engine.add_request("warm", spaced, greedy(1))
+    warm = queue_request(engine, "warm", spaced, greedy(1))
     while engine.has_unfinished_requests():
         engine.step()
     e_text = spaced + QUESTIONS["E"]
@@ -190,7 +190,7 @@ def run(lesson) -> None:
                    "32, not 48. Alone, the trailing space is a token of its own ('Ġ'); followed by a word, BPE "
                    "merges the space into that word's token, so token 47 differs and with it the 3rd block's hash. "
                    "The prefix cache matches token ids, not text.")
-    e = engine.add_request("E", e_text, greedy(2))
+    e = queue_request(engine, "E", e_text, greedy(2))
     traced_step(engine, sub)
     lesson.check(e_text.startswith(warm.prompt) and e.prompt_token_ids[:47] == warm.prompt_token_ids[:47]
                  and e.prompt_token_ids[47] != warm.prompt_token_ids[47],

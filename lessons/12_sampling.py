@@ -10,7 +10,7 @@ import torch
 from engine import SamplingParams
 from engine.request import Request
 from engine.sample.sampler import Sampler
-from lessons.framework import main, table
+from lessons.framework import main, queue_request, table
 
 TITLE = "Sampling"
 SUMMARY = ("Temperature, top-k, top-p, min-p, repetition and its penalties, and seeds, on the model's real "
@@ -54,7 +54,7 @@ def run(lesson) -> None:
         return real_sampler(logits, requests)
 
     engine.engine_core.engine_core.model_runner.sampler = capture
-    req = engine.add_request("probe", PROMPT, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
+    req = queue_request(engine, "probe", PROMPT, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
     while engine.has_unfinished_requests():
         engine.step()
     engine.engine_core.engine_core.model_runner.sampler = real_sampler
@@ -81,7 +81,7 @@ def run(lesson) -> None:
                  "these are the engine's logits: its reported top-20 logprobs equal log_softmax of them")
     lesson.check(req.output_token_ids == [order[0]],
                  f"temperature 0 is greedy: the engine picked the argmax, token {order[0]} ({piece(order[0])})")
-    probe = engine.add_request("france", OFF_DOMAIN, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
+    probe = queue_request(engine, "france", OFF_DOMAIN, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
     while engine.has_unfinished_requests():
         engine.step()
     off_top = [tok.decode([t]) for t in probe.logprobs[0]]
@@ -180,7 +180,7 @@ def run(lesson) -> None:
 
     # ---- repetition under greedy decoding, and penalties ----
     def loop(params: SamplingParams, rid: str):
-        r = engine.add_request(rid, LOOP_PROMPT, params)
+        r = queue_request(engine, rid, LOOP_PROMPT, params)
         while engine.has_unfinished_requests():
             engine.step()
         return r
@@ -225,15 +225,15 @@ def run(lesson) -> None:
     lesson.say("**Seeds.** Each request draws from its own random generator. With `seed` set, that generator "
                "starts from the seed, so the request gets the same tokens whatever else is in the batch.")
     seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
-    alone = engine.add_request("alone", PROMPT, seeded)
+    alone = queue_request(engine, "alone", PROMPT, seeded)
     while engine.has_unfinished_requests():
         engine.step()
     others = ["Return a new list", "The module provides", "1 2 3"]
     for i, text in enumerate(others[:2]):
         engine.add_request(f"other-{i}", text, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
-    crowded = engine.add_request("crowded", PROMPT, seeded)
+    crowded = queue_request(engine, "crowded", PROMPT, seeded)
     engine.add_request("other-2", others[2], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
-    reseeded = engine.add_request("seed-99", PROMPT, SamplingParams(temperature=1.0, max_tokens=12, seed=99,
+    reseeded = queue_request(engine, "seed-99", PROMPT, SamplingParams(temperature=1.0, max_tokens=12, seed=99,
                                                                     ignore_eos=True))
     engine.step()
     first_batch = [r.request_id for r in engine.engine_core.engine_core.scheduler.running]

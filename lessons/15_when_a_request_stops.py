@@ -15,7 +15,7 @@ from engine.engine.async_engine import AsyncLLMEngine
 from engine.entrypoints.openai import build_app
 from engine.entrypoints.openai.background import start_background
 from engine.entrypoints.openai.serving import StopHoldback
-from lessons.framework import events_of, main, table
+from lessons.framework import events_of, main, queue_request, table
 
 TITLE = "When a request stops"
 SUMMARY = "EOS, stop strings (held back while streaming), stop_token_ids, min/max_tokens, abort, penalties, logprobs."
@@ -73,7 +73,7 @@ def run(lesson) -> None:
     lesson.check(len(base.token_ids) == N and base.finish_reason == "length" and base.stop_reason is None,
                  f"{N} tokens, finish_reason 'length', no stop_reason")
     ids = tok.encode(PROMPT)
-    unlimited = engine.add_request("unlimited", PROMPT, greedy(max_tokens=None))
+    unlimited = queue_request(engine, "unlimited", PROMPT, greedy(max_tokens=None))
     engine.abort_request(["unlimited"])
     lesson.check(unlimited.max_tokens == engine.max_model_len - len(ids),
                  f"without max_tokens a request may run to the context limit: max_model_len {engine.max_model_len} "

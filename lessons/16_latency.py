@@ -20,7 +20,7 @@ from engine.core.kv_cache_utils import bytes_per_block
 from engine.engine.async_engine import AsyncLLMEngine
 from engine.entrypoints.openai import build_app
 from engine.entrypoints.openai.background import start_background
-from lessons.framework import greedy, main, table
+from lessons.framework import greedy, main, queue_request, table
 from tracer.commands import bench
 
 TITLE = "Latency and its trade-offs"
@@ -129,7 +129,7 @@ def timeline(model: str, arrivals: list, **engine_kw) -> dict:
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= k:
             _, rid, ids, n = pending.pop(0)
-            reqs[rid] = engine.add_request(rid, {"prompt_token_ids": ids}, greedy(n))
+            reqs[rid] = queue_request(engine, rid, {"prompt_token_ids": ids}, greedy(n))
             arrival[rid] = clock
         t = now()
         outs = engine.step()

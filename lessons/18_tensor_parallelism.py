@@ -8,7 +8,7 @@ import statistics
 
 from benchmarks.tensor_parallel import collective_share, time_steps
 from engine import LLM, SamplingParams
-from lessons.framework import events_of, main, table
+from lessons.framework import events_of, main, queue_request, table
 from tracer.tui.fmt import fmt_bytes
 
 TITLE = "Tensor parallelism"
@@ -75,7 +75,7 @@ def run(lesson) -> None:
 
     # ---- a step: the same scheduler output, two all-reduces per layer ----
     sub = session.bus.subscribe()
-    req = engine.add_request("A", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5))
+    req = queue_request(engine, "A", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5))
     engine.step()
     engine.step()
     step_events = sub.pull().events

@@ -135,6 +135,13 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+def queue_request(engine, request_id: str, prompt, params: SamplingParams) -> Request:
+    """Queue a request through the front end (an LLMEngine) and return the EngineCore's own Request
+    object, to watch its block table, tokens and status as the engine steps."""
+    engine.add_request(request_id, prompt, params)
+    return engine.engine_core.engine_core.requests[request_id]
+
+
 def events_of(session: TraceSession) -> list[Event]:
     """Every event the session's bus still holds, oldest first."""
     return session.bus.subscribe(from_start=True).pull().events

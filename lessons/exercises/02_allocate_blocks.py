@@ -10,6 +10,7 @@ from engine import LLM, SamplingParams
 from engine.core.block_manager import NULL_BLOCK_ID, BlockManager
 from engine.request import Request
 from lessons.exercises import Grader, greedy, learner_call
+from lessons.framework import queue_request
 
 TITLE = "Blocks and a block table"
 SUMMARY = "new blocks, prefix-cache hits shared, all or nothing"
@@ -149,7 +150,7 @@ WORKLOAD = {"A": (SYSTEM + [1, 2], 12), "B": (SYSTEM + [7], 14), "C": (SYSTEM + 
 def run_workload(engine, check_step=None) -> dict[str, list[int]]:
     reqs = {}
     for rid, (prompt, n) in WORKLOAD.items():
-        reqs[rid] = engine.add_request(rid, {"prompt_token_ids": prompt}, greedy(n))
+        reqs[rid] = queue_request(engine, rid, {"prompt_token_ids": prompt}, greedy(n))
         engine.step()
         if check_step:
             check_step(reqs)
