@@ -48,10 +48,6 @@ class Request:
         self.block_hashes: list[int] = []  # hash of each full block, a chain over the tokens
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_preemptions = 0
-        self.logprobs: list[dict[int, float]] = []
-        self.num_sent = 0  # output tokens already sent to the front end (EngineCoreOutput)
-        self.output_text = ""
-        self.detokenizer = None  # set by the engine
         self.sampling_seed: int | None = None  # set by the engine: seeds generator (and rank 0's copy of it)
         self.generator = None
         self.stop_reason: int | str | None = None

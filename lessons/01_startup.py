@@ -135,7 +135,7 @@ def run(lesson) -> None:
     ml = info["model_load"][1]
     lesson.say("**model_load** builds the model and copies the checkpoint's weights in by name.")
     lesson.check(ml["params"] == params, f"model_load loaded {params:,} parameters, as the formula says")
-    lesson.check(engine.dtype.itemsize == 4 and ml["bytes"] == ml["params"] * 4,
+    lesson.check(core.dtype.itemsize == 4 and ml["bytes"] == ml["params"] * 4,
                  "weights are float32 on the CPU: bytes = parameters × 4")
     lesson.pause()
 

@@ -148,14 +148,15 @@ def run(lesson) -> None:
         "has the engine streamed to the client for those steps?",
         "Nothing: each of those steps streams the empty string. The step that samples the 4th byte, "
         "0x8B, streams '👋' whole.")
-    rows, pieces, naive = [], [], ""
+    rows, pieces, naive, text = [], [], "", ""
     while engine.has_unfinished_requests():
-        engine.step()
+        for out in engine.step():  # the front end's RequestOutput: its text so far
+            text = out.outputs[0].text
         new = [e for e in events_of(session) if e.layer == "detokenizer" and e.name == "NEW_TOKENS"][-1]
         t = new.get("token_ids")[0]
         pieces.append(new.get("text"))
         naive += tok.decode([t])
-        rows.append([new.step, f"{t} {tok.convert_ids_to_tokens(t)!r}", repr(new.get("text")), repr(req.output_text),
+        rows.append([new.step, f"{t} {tok.convert_ids_to_tokens(t)!r}", repr(new.get("text")), repr(text),
                      repr(naive)])
     lesson.show(table(["step", "sampled token", "streamed this step", "output text", "decoding each token alone"],
                       rows, title="the detokenizer's NEW_TOKENS events, step by step"))
@@ -166,7 +167,7 @@ def run(lesson) -> None:
                                                               for i in range(len(steer))],
                  f"exactly the {waiting} steps whose token ended mid-character streamed nothing")
     lesson.check(all(BAD not in p for p in pieces), "no streamed piece ever holds a broken character")
-    lesson.check("".join(pieces) == req.output_text == STEER == tok.decode(req.output_token_ids),
+    lesson.check("".join(pieces) == text == STEER == tok.decode(req.output_token_ids),
                  "the streamed pieces add up to exactly decode(all output ids)")
     lesson.check(BAD in naive, "decoding each token alone would have streamed U+FFFD garbage instead")
     lesson.say(

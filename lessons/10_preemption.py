@@ -5,7 +5,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import SamplingParams
-from lessons.framework import kv_blocks, main, queues, table
+from lessons.framework import kv_blocks, main, queue_request, queues, table
 
 TITLE = "Preemption by recompute"
 SUMMARY = "Out of KV-cache blocks: the newest running request is preempted, freed, and recomputed later — same output."
@@ -44,7 +44,7 @@ def run(lesson) -> None:
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=7, max_num_seqs=3, enable_prefix_caching=False)
     engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.block_manager
     sub = session.bus.subscribe()
-    reqs = {rid: engine.add_request(rid, prompt(rid), greedy(rid)) for rid in WORKLOAD}
+    reqs = {rid: queue_request(engine, rid, prompt(rid), greedy(rid)) for rid in WORKLOAD}
     lesson.say("Four requests: **A** (30-token prompt), **B** and **C** (16), **D** (8), in that order. "
                "`max_num_seqs=3`, so D waits for a free seat. The cache has 7 blocks of 16 slots; block 0 is "
                "the null block, so 6 can hold tokens.")

@@ -54,9 +54,9 @@ def run(lesson) -> None:
         return real_sampler(logits, requests)
 
     engine.engine_core.engine_core.model_runner.sampler = capture
-    req = queue_request(engine, "probe", PROMPT, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
+    engine.add_request("probe", PROMPT, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
     while engine.has_unfinished_requests():
-        engine.step()
+        outs = engine.step()
     engine.engine_core.engine_core.model_runner.sampler = real_sampler
     logits = captured[0]
     V = logits.numel()
@@ -75,16 +75,16 @@ def run(lesson) -> None:
         rows.append([rank, t, piece(t), f"{float(logits[t]):.3f}", f"{float(p1[t]):.4f}", f"{cum:.4f}"])
     lesson.show(table(["rank", "token id", "piece", "logit", "p (T=1)", "cumulative"], rows,
                       title=f"next token after {PROMPT!r}: the top 8 of {V}"))
-    reported = req.logprobs[0]
+    reported = outs[0].outputs[0].logprobs[0]  # the front end's Logprob objects, decoded
     lsm = torch.log_softmax(logits, -1)
     lesson.check(all(abs(lp.logprob - float(lsm[t])) < 1e-4 for t, lp in reported.items()),
                  "these are the engine's logits: its reported top-20 logprobs equal log_softmax of them")
-    lesson.check(req.output_token_ids == [order[0]],
+    lesson.check(outs[0].outputs[0].token_ids == [order[0]],
                  f"temperature 0 is greedy: the engine picked the argmax, token {order[0]} ({piece(order[0])})")
-    probe = queue_request(engine, "france", OFF_DOMAIN, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
+    engine.add_request("france", OFF_DOMAIN, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
     while engine.has_unfinished_requests():
-        engine.step()
-    off_top = [tok.decode([t]) for t in probe.logprobs[0]]
+        outs = engine.step()
+    off_top = [lp.decoded_token for lp in outs[0].outputs[0].logprobs[0].values()]
     lesson.say(f"The built-in model learned only Python's documentation, so prompts here come from that world. "
                f"Asked {OFF_DOMAIN!r}, its top guesses are {', '.join(map(repr, off_top[:5]))}: a model knows "
                "what its training text says, nothing more.")
@@ -180,10 +180,11 @@ def run(lesson) -> None:
 
     # ---- repetition under greedy decoding, and penalties ----
     def loop(params: SamplingParams, rid: str):
-        r = queue_request(engine, rid, LOOP_PROMPT, params)
+        """The finished CompletionOutput (text and token ids) of one request run alone."""
+        engine.add_request(rid, LOOP_PROMPT, params)
         while engine.has_unfinished_requests():
-            engine.step()
-        return r
+            done = [out.outputs[0] for out in engine.step() if out.finished] or None
+        return done[0]
 
     def repeats(ids: list[int], n: int = 4) -> int:
         """Positions where the n tokens starting there already appeared earlier in the output."""
@@ -196,8 +197,8 @@ def run(lesson) -> None:
 
     greedy = loop(SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True), "greedy")
     lesson.say(f"**Repetition.** Greedy decoding always takes the most likely token. Given {LOOP_PROMPT!r} and "
-               f"{LOOP_TOKENS} tokens, it writes:\n\n> {LOOP_PROMPT}{greedy.output_text}")
-    g_rep = repeats(greedy.output_token_ids)
+               f"{LOOP_TOKENS} tokens, it writes:\n\n> {LOOP_PROMPT}{greedy.text}")
+    g_rep = repeats(greedy.token_ids)
     lesson.check(g_rep > 0, f"greedy decoding repeats itself: {g_rep} of its {LOOP_TOKENS - 3} 4-token windows "
                             "already appeared earlier in its own output")
     lesson.say("Once a phrase has been written, it becomes the context that makes the same phrase likely again. "
@@ -210,13 +211,13 @@ def run(lesson) -> None:
                    "of tokens it has already seen are pushed down.")
     rp = loop(SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True, repetition_penalty=1.3), "rep")
     fp = loop(SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True, frequency_penalty=1.0), "freq")
-    rows = [[name, repeats(r.output_token_ids), len(set(r.output_token_ids)), repr(r.output_text)]
+    rows = [[name, repeats(r.token_ids), len(set(r.token_ids)), repr(r.text)]
             for name, r in [("none", greedy), ("repetition_penalty 1.3", rp), ("frequency_penalty 1.0", fp)]]
     lesson.show(table(["penalty (greedy)", "repeated 4-token windows", "distinct tokens", "text"], rows,
                       title=f"{LOOP_TOKENS} tokens after {LOOP_PROMPT!r}"))
-    lesson.check(repeats(rp.output_token_ids) < g_rep and repeats(fp.output_token_ids) < g_rep,
+    lesson.check(repeats(rp.token_ids) < g_rep and repeats(fp.token_ids) < g_rep,
                  "both penalties cut the repeated 4-token windows below greedy's")
-    lesson.check(fp.output_token_ids[0] == greedy.output_token_ids[0],
+    lesson.check(fp.token_ids[0] == greedy.token_ids[0],
                  "with frequency_penalty the first token is greedy's: it counts only generated tokens, and none "
                  "exist yet (repetition_penalty also counts the prompt's, as in vLLM and transformers)")
     lesson.pause()

@@ -356,7 +356,7 @@ def memory_profile(lesson) -> None:
     non_torch = (total - free) - torch.cuda.memory_reserved()
     util = engine.config.cache.gpu_memory_utilization
     kv_bytes = int(total * util) - weights - activations - max(0, non_torch)
-    per_block = bytes_per_block(cfg, bs, engine.dtype)
+    per_block = bytes_per_block(cfg, bs, engine.engine_core.engine_core.dtype)
     blocks = kv_bytes // per_block
     tokens = blocks * bs
     lesson.show(

@@ -5,8 +5,10 @@ going back can never disagree with going forward. To make going back cheap, the 
 copied every ``checkpoint_every`` steps; ``goto`` restores the nearest checkpoint at or
 before the target and folds forward from there.
 
-"At step k" means after the last event of step k (its ``engine step END``): the step's
-schedule snapshot, batch, kernel launches, sampled tokens and the text so far are all in view.
+"At step k" means after the last event of step k: its ``engine step END`` and the events
+stamped with step k that follow it at once (the front end's NEW_TOKENS: it detokenizes after
+the core finished the step). The step's schedule snapshot, batch, kernel launches, sampled
+tokens and the text so far are all in view.
 ``seek(index)`` gives the finer positions (between phases, between kernels).
 """
 from __future__ import annotations
@@ -29,7 +31,10 @@ class Replay:
         self._step_end: dict[int, int] = {}
         for i, ev in enumerate(events):
             if ev.layer == ENGINE and ev.name == STEP and ev.step is not None:
-                self._step_end[ev.step] = i + 1 if ev.kind == END else len(events)
+                end = i + 1
+                while ev.kind == END and end < len(events) and events[end].step == ev.step:
+                    end += 1  # the step's NEW_TOKENS, from the front end
+                self._step_end[ev.step] = end if ev.kind == END else len(events)
         self.steps: list[int] = sorted(self._step_end)
         self._ends = [self._step_end[k] for k in self.steps]  # ascending: steps run in order
         self._checkpoints: dict[int, TraceState] = {0: TraceState()}  # event index -> state there

@@ -63,17 +63,17 @@ def test_stopping_lesson_holds_when_the_model_does_produce_eos(monkeypatch, caps
     """The built-in model may not produce EOS today; a trained one will. Make a token that greedy
     decoding does produce the EOS token, and the lesson's EOS branch must hold."""
     from engine import LLM, SamplingParams
-    from engine.engine.llm_engine import LLMEngine
+    from engine.engine.core import EngineCore
     out = LLM("tiny-gpt2", num_kv_blocks=16).generate("Once upon a time", SamplingParams(temperature=0, max_tokens=6),
                                                       use_tqdm=False)[0].outputs[0]
     eos = out.token_ids[3]
-    original = LLMEngine.__init__
+    original = EngineCore.__init__
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
         self.eos_token_id = eos
 
-    monkeypatch.setattr(LLMEngine, "__init__", init)
+    monkeypatch.setattr(EngineCore, "__init__", init)
     assert run_lesson("when_a_request_stops") == 0
     text = said(capsys)
     assert "ended on EOS" in text and "runs on to max_tokens" in text

@@ -50,12 +50,13 @@ async def test_going_back_rewinds_the_log(recorded_trace):
     async with app.run_test(size=(120, 30)) as pilot:
         await pilot.press("right", "right")
         app.tick()
-        last = app.query_one("#log-lines").plain_lines[-1]
-        assert "step (end) step=2" in last
+        lines = app.query_one("#log-lines").plain_lines  # the step's end, then its detokenized tokens
+        assert "step=2" in lines[-1] and any("step (end) step=2" in line for line in lines[-6:])
         await pilot.press("left")
         app.tick()
-        last = app.query_one("#log-lines").plain_lines[-1]
-        assert "step (end) step=1" in last
+        lines = app.query_one("#log-lines").plain_lines
+        assert "step=1" in lines[-1] and any("step (end) step=1" in line for line in lines[-6:])
+        assert not any("step=2" in line for line in lines)
 
 
 async def test_a_replayed_attention_launch_shows_which_blocks_each_program_reads(recorded_trace):
