@@ -100,6 +100,11 @@ def run(lesson) -> None:
     lesson.pause()
 
     # ---- the same engine, in-process ----
+    lesson.say("Now the same startup in this process, with the offline `LLM`, as vLLM V1 cuts it: `LLM` wraps "
+               "an `LLMEngine` (the front end: tokenizing, detokenizing), which talks to an `EngineCore` "
+               "through an `InprocClient`. The `EngineCore` builds everything below: the executor with its "
+               "worker, model runner, model and KV cache, then the scheduler with its block manager. So the "
+               "stages are the `EngineCore`'s: `llm.llm_engine.engine_core.engine_core.startup`.")
     llm, session = lesson.engine()
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient

@@ -30,10 +30,13 @@ def run(lesson) -> None:
         "Here the real OpenAI-compatible app runs on a local port, as `vllm-trace serve` runs it, in **two "
         "processes**. In the API-server process (this one) **FastAPI** parses the request (`http`), the "
         "**serving layer** turns it into sampling parameters and submits it (`api`), and the prompt is "
-        "**tokenized** (`tokenizer`); the token ids cross to the **engine-core process** (`ipc`), whose "
-        "busy loop steps the engine (scheduler, block manager, model runner, kernels, sampler). Each step's "
-        "new token ids come back (`ipc`), are **detokenized** here (`detokenizer`), and the HTTP handler "
-        "sends the text as a **server-sent event**. You will stream one completion, then read its path "
+        "**tokenized** (`tokenizer`, V1's `Processor`); `AsyncLLM` hands the token ids to its `AsyncMPClient`, "
+        "and they cross to the **engine-core process** (`ipc`), where `EngineCoreProc`'s busy loop calls "
+        "`EngineCore.step()`: `scheduler.schedule()`, `model_executor.execute_model()` (block manager, model "
+        "runner, kernels, sampler), `scheduler.update_from_output()`. Each step's new token ids come back "
+        "(`ipc`), are **detokenized** here by the `OutputProcessor` (`detokenizer`), and the HTTP handler "
+        "sends the text as a **server-sent event**. The class names are vLLM V1's (`vllm/v1/engine/`), "
+        "in the same files under `engine/engine/`. You will stream one completion, then read its path "
         "through the layers, and the two processes, from the trace.")
     hooks = Hooks()
     session = TraceSession(hooks, control=False, model=lesson.model)
