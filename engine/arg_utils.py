@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from engine.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -45,6 +46,9 @@ class EngineArgs:
     max_model_len: int | None = _arg(None, "context length limit (default: the model's)")
     enable_prefix_caching: bool = _arg(True, "reuse KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: each request's priority "
+                                  "(lower first, ties by arrival), and preemption takes the lowest priority "
+                                  "(default: fcfs)", choices=SCHEDULING_POLICIES)
     attention_backend: str | None = _arg(None, "paged-attention implementation (default: triton on CUDA, "
                                          "torch on CPU)", choices=ATTENTION_BACKENDS)
     dtype: str | None = _arg(None, "weights and KV cache (default: float32 on CPU, float16 on CUDA)", choices=DTYPES)
@@ -99,7 +103,8 @@ class EngineArgs:
                               enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
-                                      enable_chunked_prefill=self.enable_chunked_prefill),
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      policy=self.scheduling_policy),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_init_method=self.distributed_init_method,
                                     distributed_timeout_s=self.distributed_timeout_s),

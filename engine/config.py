@@ -53,13 +53,19 @@ class CacheConfig:
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "priority": lowest priority value first, ties by arrival (vLLM V1)
 
     def __post_init__(self) -> None:
+        _check(self.policy in SCHEDULING_POLICIES,
+               f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -37,6 +37,7 @@ class Request:
     eos_token_id: int | None
     max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # with scheduling_policy "priority": lower values are scheduled first
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING

@@ -74,10 +74,12 @@ def run(lesson) -> None:
     lesson.check(snap["preempted"] == ["C"] and [e.request_id for e in pre] == ["C"],
                  "step 3 preempted exactly one request, C, the newest running one")
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
-    lesson.check(not hasattr(engine.config.scheduler, "policy") and [r.request_id for r in core.scheduler.running]
+    lesson.check(engine.config.scheduler.policy == "fcfs" and [r.request_id for r in core.scheduler.running]
                  == sorted(r.request_id for r in core.scheduler.running),
-                 "this engine schedules FCFS only (no priority policy): running stays in admission order")
-    lesson.check(pre[0].attrs["reason"] == "no free blocks for A", "the reason: A needed a block and none was free")
+                 "under the default FCFS policy running stays in admission order (vLLM V1's `--scheduling-policy "
+                 "priority` would instead preempt the lowest priority: vllm/v1/core/sched/scheduler.py, schedule())")
+    lesson.check(pre[0].attrs["reason"] == "most recently admitted: no free blocks for A",
+                 "the reason: A needed a block and none was free, and C was the most recently admitted")
     lesson.check(c.block_ids == [] and c.num_computed_tokens == 0 and c.status.value == "PREEMPTED",
                  f"C's blocks {c_blocks_before} were freed and its computed-token count reset to 0")
     lesson.check([r.request_id for r in core.scheduler.waiting] == ["C", "D"],

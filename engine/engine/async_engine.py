@@ -116,11 +116,11 @@ class AsyncLLMEngine:
         self.core.stop(self.drain_timeout if drain_timeout is None else drain_timeout)
 
     # ---- requests (asyncio thread) --------------------------------------------------------
-    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0) -> RequestStream:
         """Queue a request; returns once the engine has it (in `waiting`). Raises ValueError
         (bad prompt, too long, bad params) with nothing queued."""
         loop = asyncio.get_running_loop()
-        request = self.processor.process_inputs(request_id, prompt, params)
+        request = self.processor.process_inputs(request_id, prompt, params, priority=priority)
         collector, accepted = RequestOutputCollector(), loop.create_future()
 
         def settle(exc: BaseException | None) -> None:  # under the engine lock
@@ -137,10 +137,11 @@ class AsyncLLMEngine:
             raise
         return RequestStream(self, request_id, collector)
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs (cumulative) of one request until it finishes. Aborts it if the consumer
         goes away (cancellation, e.g. a client disconnect)."""
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, priority)
         async for out in stream:
             yield out
 

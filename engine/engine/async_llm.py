@@ -194,7 +194,7 @@ class AsyncLLM:
         self._idle.set()  # nothing is left: an earlier stop() still waiting out its drain returns now
 
     # ---- requests (asyncio thread) ------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0) -> RequestStream:
         """Queue a request; returns once the core has it in `waiting`. Raises ValueError (bad
         prompt, too long, the core's own checks) with nothing queued, EngineClosedError when
         the engine is not running (503)."""
@@ -202,7 +202,7 @@ class AsyncLLM:
             raise EngineClosedError(self.client.dead)
         if self._stopping or not self._started:
             raise EngineClosedError("the engine is not running (shutting down?)")
-        request = self.processor.process_inputs(request_id, prompt, params)
+        request = self.processor.process_inputs(request_id, prompt, params, priority=priority)
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
@@ -229,9 +229,10 @@ class AsyncLLM:
             raise
         return RequestStream(self, request_id, stream.collector)
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs (cumulative) of one request until it finishes; aborts it if the consumer goes away."""
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, priority)
         async for out in stream:
             yield out
 

@@ -148,7 +148,7 @@ class EngineCore:
             raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab - 1}]")
         max_tokens = self._check_lengths(ids, params)
         req = Request(rid, request.prompt, ids, params, self.eos_token_id, max_tokens,
-                      arrival_time=request.arrival_time or time.monotonic())
+                      arrival_time=request.arrival_time or time.monotonic(), priority=request.priority)
         req.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req.generator = torch.Generator().manual_seed(req.sampling_seed)
         self.scheduler.add_request(req)
@@ -262,6 +262,7 @@ class EngineCore:
                     "block_table": r.block_ids.copy(),
                     "num_cached_tokens": r.num_cached_tokens,
                     "num_preemptions": r.num_preemptions,
+                    "priority": r.priority,
                 }
                 for r in reqs
             ]

@@ -27,6 +27,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: dict[str, Any]  # SamplingParams' init fields
     arrival_time: float  # time.monotonic(): one clock for both processes on Linux
     prompt: str | None = None  # only to show in the trace and the TUI; the core never tokenizes
+    priority: int = 0  # with scheduling_policy "priority": lower first
 
 
 class EngineCoreAbort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

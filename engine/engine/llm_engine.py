@@ -44,11 +44,11 @@ class LLMEngine:
         return self.tokenizer
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0) -> str:
         """Validate, tokenize and queue a request; returns its id. Raises ValueError (the
         Processor's or the core's) with nothing queued."""
         params = params or SamplingParams()
-        request = self.processor.process_inputs(request_id, prompt, params, arrival_time)
+        request = self.processor.process_inputs(request_id, prompt, params, arrival_time, priority)
         self.engine_core.add_request(request)
         self.output_processor.add(request_id, request.prompt, request.prompt_token_ids, params)
         return request_id

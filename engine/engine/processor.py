@@ -21,8 +21,8 @@ class Processor:
     def __init__(self, tokenizer, hooks: Hooks, vocab_size: int | None = None):
         self.tokenizer, self.hooks, self.vocab_size = tokenizer, hooks, vocab_size
 
-    def process_inputs(self, request_id: str, prompt, params: SamplingParams,
-                       arrival_time: float | None = None) -> EngineCoreRequest:
+    def process_inputs(self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None,
+                       priority: int = 0) -> EngineCoreRequest:
         """prompt: a string, a list of token ids or {"prompt_token_ids": [...], "prompt"?: text}.
         Raises ValueError, naming what is wrong, before anything is queued."""
         text, ids = self._tokenize(prompt, request_id)
@@ -31,7 +31,9 @@ class Processor:
         vocab = self.vocab_size
         if vocab is not None and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}]")
-        return EngineCoreRequest(request_id, ids, params, arrival_time or time.monotonic(), text)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        return EngineCoreRequest(request_id, ids, params, arrival_time or time.monotonic(), text, priority)
 
     def _tokenize(self, prompt, request_id: str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

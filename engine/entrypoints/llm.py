@@ -47,7 +47,9 @@ class LLM:
 
     def generate(self, prompts: str | dict | Sequence[str | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to its end; outputs in the prompts' order. priority: one per prompt (lower
+        first), used when the engine's scheduling_policy is "priority" (as vLLM's LLM.generate)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -57,13 +59,16 @@ class LLM:
         )
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params must be one or one per prompt ({len(prompts)}), got {len(params)}")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority must be one per prompt ({len(prompts)}), got {len(priority)}")
         # As vLLM's LLM: only finished requests need an output (no RequestOutput per step)
         params = [p if p.output_kind == "final_only" else replace(p, output_kind="final_only") for p in params]
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(str(next(self._ids)), prompt, p))
+            for prompt, p, prio in zip(prompts, params, priority):
+                ids.append(engine.add_request(str(next(self._ids)), prompt, p, priority=prio))
         except (ValueError, RuntimeError):
             engine.abort_request(ids)  # all or nothing: don't leave half a batch queued
             raise

@@ -8,6 +8,10 @@ blocks allow. A long prompt is split across steps (chunked prefill). When blocks
 the most recently admitted running request is preempted: its blocks are freed and it goes
 back to the front of ``waiting`` to be recomputed later.
 
+With ``policy="priority"`` (vLLM V1's other policy) ``waiting`` is kept ordered by
+(priority, arrival time), lower first, and the preemption victim is the running request with
+the largest (priority, arrival time): the least important, and of those the newest.
+
 After the model ran, ``update_from_output`` applies what it sampled: it advances each
 request, appends its token, checks EOS / stop_token_ids / min_tokens / max_tokens, frees
 what finished and returns one ``EngineCoreOutput`` per request that got a token.
@@ -15,6 +19,7 @@ what finished and returns one ``EngineCoreOutput`` per request that got a token.
 from __future__ import annotations
 
 import time
+from bisect import insort
 from collections import deque
 from typing import Iterable
 
@@ -54,7 +59,10 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if self.config.policy == "priority":
+            insort(self.waiting, req, key=_priority)
+        else:
+            self.waiting.append(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -85,8 +93,8 @@ class Scheduler:
             remaining = len(req.all_token_ids) - req.num_computed_tokens
             n = min(remaining, budget)
             while not self.block_manager.allocate_slots(req, n):
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim, out, reason=f"no free blocks for {req.request_id}")
+                victim, why = self._victim()
+                self._preempt(victim, out, reason=f"{why}: no free blocks for {req.request_id}")
                 if victim is req:
                     break
             else:  # (Request.is_prefill, inlined: this runs for every running request every step)
@@ -130,13 +138,24 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(req, n, num_cached, req.is_prefill))
         return None
 
+    def _victim(self) -> tuple[Request, str]:
+        """Who is preempted when blocks run out, taken out of `running`, and why them."""
+        if self.config.policy == "priority":
+            victim = max(self.running, key=_priority)
+            self.running.remove(victim)
+            return victim, f"lowest priority ({victim.priority})"
+        return self.running.pop(), "most recently admitted"
+
     def _preempt(self, req: Request, out: SchedulerOutput, reason: str) -> None:
         self.block_manager.free_request(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0  # recompute: prompt and generated tokens are prefilled again
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.config.policy == "priority":
+            insort(self.waiting, req, key=_priority)
+        else:
+            self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
         if self.hooks.active:
             self.hooks.emit(SCHEDULER, PREEMPTED, request_id=req.request_id, step=out.step, reason=reason)
@@ -195,6 +214,10 @@ class Scheduler:
     def _trace_finished(self, req: Request, step: int) -> None:
         self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=step, finish_reason=req.finish_reason,
                         num_output_tokens=req.num_output_tokens)
+
+
+def _priority(req: Request) -> tuple[int, float]:
+    return req.priority, req.arrival_time
 
 
 def _ranked(logprobs: dict[int, float], sampled: int, sampled_rank: int) -> list[list]:

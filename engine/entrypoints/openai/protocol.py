@@ -56,6 +56,7 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float | None = None
     min_tokens: Int = 0
     ignore_eos: bool = False
+    priority: Int = Field(0, description="with --scheduling-policy priority: lower is scheduled first (vLLM)")
     user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -44,9 +44,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise bad_request(e) from None
 
 
-async def submit(
-    state: ServerState, request_ids: list[str], prompts: list, params: SamplingParams
-) -> list[RequestStream]:
+async def submit(state: ServerState, request_ids: list[str], prompts: list, params: SamplingParams,
+                 priority: int = 0) -> list[RequestStream]:
     """Tokenize every prompt (engine.entrypoints.openai.input_processor), then queue all or none: a bad
     one aborts those already queued, then raises 400."""
     try:
@@ -56,7 +55,7 @@ async def submit(
     streams: list[RequestStream] = []
     try:
         for rid, prompt in zip(request_ids, engine_prompts):
-            streams.append(await state.engine.add_request(rid, prompt, params))
+            streams.append(await state.engine.add_request(rid, prompt, params, priority))
     except BaseException as e:
         for s in streams:
             s.abort()

@@ -87,7 +87,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         if hooks.active:
             hooks.emit(API, "chat_request", request_id=rid, prompt=prompt, num_messages=len(body.messages),
                        params=vars(params), user=body.user)
-        [stream] = await submit(state, [rid], [prompt], params)
+        [stream] = await submit(state, [rid], [prompt], params, body.priority)
     except APIError as e:
         if hooks.active:
             hooks.emit(HTTP, PATH, END, request_id=rid, status=e.status, error=e.message)

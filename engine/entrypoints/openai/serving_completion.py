@@ -83,7 +83,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
         if hooks.active:
             hooks.emit(API, "completion_request", request_id=rid, request_ids=ids, num_prompts=len(prompts),
                        params=vars(params), user=body.user)
-        streams = await submit(state, ids, prompts, params)
+        streams = await submit(state, ids, prompts, params, body.priority)
     except APIError as e:
         if hooks.active:
             hooks.emit(HTTP, PATH, END, request_id=rid, status=e.status, error=e.message)
