@@ -33,6 +33,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)  # arrival / first token / finish times (monotonic s)
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then per token id -> Logprob
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

@@ -49,6 +49,7 @@ class Request:
         self.block_hashes: list[int] = []  # hash of each full block, a chain over the tokens
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_preemptions = 0
+        self.prompt_logprobs: list[list] = []  # with params.prompt_logprobs: for prompt positions 1.. so far
         self.sampling_seed: int | None = None  # set by the engine: seeds generator (and rank 0's copy of it)
         self.generator = None
         self.stop_reason: int | str | None = None

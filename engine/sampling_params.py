@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (sampled one included)
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (the prompt's own included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's RequestOutputKind: "cumulative" (an output for every step, the server streams
@@ -67,6 +68,8 @@ class SamplingParams:
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop_strs):
             bad("stop", "strings must be non-empty")
         if self.output_kind not in OUTPUT_KINDS:

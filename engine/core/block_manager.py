@@ -80,9 +80,10 @@ class BlockManager:
         """The longest chain of cached blocks that prefixes this request's tokens.
 
         At most num_tokens - 1 tokens can hit: the last token is always computed, because
-        its logits are needed to sample the next one.
+        its logits are needed to sample the next one. A request that asks for prompt logprobs
+        needs the logits of every prompt position, so it hits nothing (as vLLM V1).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
         bs = self.block_size
         hits = []

@@ -52,6 +52,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, Any] | None = None  # on the first token and at the finish
+    # with the first token, if asked: per prompt position 1..: [[token id, logprob, rank], ...], its own first
+    new_prompt_logprobs: list[list[list[Any]]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -36,6 +36,7 @@ class RequestState:
     text: str = ""
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # V1's shape: None for the first token
 
 
 class OutputProcessor:
@@ -95,6 +96,10 @@ class OutputProcessor:
         if out.new_logprobs is not None:
             decode = self.tokenizer.decode
             st.logprobs += [{t: Logprob(lp, rank, decode([t])) for t, lp, rank in entry} for entry in out.new_logprobs]
+        if out.new_prompt_logprobs is not None:
+            decode = self.tokenizer.decode
+            st.prompt_logprobs = [None] + [{t: Logprob(lp, rank, decode([t])) for t, lp, rank in entry}
+                                           for entry in out.new_prompt_logprobs]
         if out.metrics:
             st.metrics |= out.metrics
         st.num_cached_tokens = out.num_cached_tokens
@@ -117,7 +122,7 @@ class OutputProcessor:
                                       list(st.logprobs) if st.params.logprobs is not None else None,
                                       finish, stop_reason)
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion], finish is not None,
-                             st.num_cached_tokens, dict(st.metrics))
+                             st.num_cached_tokens, dict(st.metrics), st.prompt_logprobs)
 
 
 class RequestOutputCollector:

@@ -129,7 +129,8 @@ class WorkerProc:
                 remove()
         data = None
         if out is not None:
-            data = dict(token_ids=out.token_ids, logprobs=out.logprobs, ranks=out.ranks)
+            data = dict(token_ids=out.token_ids, logprobs=out.logprobs, ranks=out.ranks,
+                        prompt_logprobs=out.prompt_logprobs)
         self._reply("step", data)
 
     def _forward_gate(self, point: str, info: dict) -> None:

@@ -20,6 +20,9 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]  # per request: token id -> logprob (top-N + sampled)
     ranks: list[int | None]  # rank of the sampled token in the raw distribution (1 = top)
+    # per request that asked for prompt logprobs and computed prompt tokens this step, else None:
+    # (first position, [[[prompt token at position + 1, logprob, rank], [top token, logprob, rank], ...], ...])
+    prompt_logprobs: list | None = None
 
 
 def argmax(x: torch.Tensor) -> int | list[int]:

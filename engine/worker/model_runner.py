@@ -126,14 +126,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput | None:
+        rows, spans = _prompt_logprob_rows(sched)
         try:
-            logits = self.forward(inp)
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
+            logits = self.model.compute_logits(hidden if inp.all_last else hidden[inp.logits_indices])
+            prompt_logits = self.model.compute_logits(hidden[rows]) if rows else None  # every rank: a collective
         finally:
             if self._launches:
                 self._publish_launches()
         if logits is None:
             return None
         out = self.sampler(logits, [s.request for s in sched.scheduled])
+        if rows:
+            out.prompt_logprobs = _prompt_logprobs(prompt_logits, spans, sched)
         if self.hooks.active:
             self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=sched.req_ids)
         return out
@@ -208,3 +213,41 @@ class ModelRunner:
         self.hooks.emit_many([(KERNEL, r.name, INSTANT, None, r.tags.get("step"), a) for r, a in zip(recs, attrs)],
                              [r.end_ns for r in recs])
         recs.clear()
+
+
+def _prompt_logprob_rows(sched: SchedulerOutput) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """The rows whose logits score the next prompt token, for requests that asked for prompt
+    logprobs (the row at position j scores prompt token j + 1), and per such request its
+    (index in the batch, first position, number of rows)."""
+    rows, spans, row = [], [], 0
+    for i, s in enumerate(sched.scheduled):
+        req = s.request
+        if req.params.prompt_logprobs is not None:
+            first = s.num_computed_before
+            count = min(first + s.num_tokens, req.num_prompt_tokens - 1) - first
+            if count > 0:
+                rows += range(row, row + count)
+                spans.append((i, first, count))
+        row += s.num_tokens
+    return rows, spans
+
+
+def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[int, int, int]], sched: SchedulerOutput) -> list:
+    """Per scheduled request: None, or (first position, one entry per row: the next prompt token's
+    [token id, logprob, rank], then the top-k [token id, logprob, rank])."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out: list = [None] * len(sched.scheduled)
+    r = 0
+    for i, first, count in spans:
+        req, block = sched.scheduled[i].request, lp[r:r + count]
+        r += count
+        targets = req.all_token_ids[first + 1:first + 1 + count]
+        own = block.gather(1, torch.tensor(targets, device=block.device)[:, None])[:, 0]
+        ranks = ((block > own[:, None]).sum(1) + 1).tolist()
+        k = req.params.prompt_logprobs
+        top = block.topk(k, dim=-1) if k else None
+        top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if k else ([[]] * count, [[]] * count)
+        own = own.tolist()
+        out[i] = (first, [[[t, own[j], ranks[j]], *([u, v, n + 1] for n, (u, v) in enumerate(zip(ids, lps)))]
+                          for j, (t, ids, lps) in enumerate(zip(targets, top_ids, top_lps))])
+    return out

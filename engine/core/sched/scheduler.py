@@ -176,6 +176,8 @@ class Scheduler:
             req = s.request
             req.first_scheduled_time = req.first_scheduled_time or now
             req.num_computed_tokens += s.num_tokens
+            if model_runner_output.prompt_logprobs and model_runner_output.prompt_logprobs[i] is not None:
+                _add_prompt_logprobs(req, *model_runner_output.prompt_logprobs[i])
             if req.num_computed_tokens < len(req.all_token_ids):
                 continue  # one chunk of a longer prefill: its sampled token is discarded
             req.append_token(token_id)
@@ -226,6 +228,13 @@ def _ranked(logprobs: dict[int, float], sampled: int, sampled_rank: int) -> list
     return [[t, lp, sampled_rank if t == sampled else i + 1] for i, (t, lp) in enumerate(ranked)]
 
 
+def _add_prompt_logprobs(req: Request, first: int, entries: list) -> None:
+    """Keep the entries for prompt positions not collected yet (a preempted request recomputes its prompt)."""
+    skip = len(req.prompt_logprobs) - first
+    if 0 <= skip < len(entries):
+        req.prompt_logprobs += entries[skip:]
+
+
 def _output(req: Request, token_id: int, new_logprobs: list | None) -> EngineCoreOutput:
     # Positional arguments: built for every running request every step, so it counts.
     metrics = None
@@ -233,5 +242,8 @@ def _output(req: Request, token_id: int, new_logprobs: list | None) -> EngineCor
         metrics = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
                        first_token_time=req.first_token_time, finished_time=req.finished_time,
                        num_preemptions=req.num_preemptions)
+    prompt_logprobs = None
+    if req.num_output_tokens == 1 and req.params.prompt_logprobs is not None:
+        prompt_logprobs = req.prompt_logprobs
     return EngineCoreOutput(req.request_id, [token_id], new_logprobs, req.finish_reason, req.stop_reason,
-                            req.num_cached_tokens, metrics)
+                            req.num_cached_tokens, metrics, prompt_logprobs)

@@ -27,7 +27,8 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
 
-def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
     try:
@@ -39,7 +40,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, logprobs=logprobs)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except SamplingParamsError as e:
         raise bad_request(e) from None
 

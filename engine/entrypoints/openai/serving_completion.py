@@ -53,19 +53,29 @@ def _prompts(prompt) -> list:
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int,
-                        offset: int = 0) -> CompletionLogprobs:
-    out = CompletionLogprobs()
+                        offset: int = 0, out: CompletionLogprobs | None = None) -> CompletionLogprobs:
+    out = out or CompletionLogprobs()
     for tok, entry in zip(token_ids, entries):
         sampled = entry[tok]
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-        top = {lp.decoded_token: lp.logprob for t, lp in ranked[:num_top]}
-        top[sampled.decoded_token] = sampled.logprob  # OpenAI always lists the chosen token
+        # OpenAI always lists the chosen token; where two tokens decode to the same text (byte
+        # pieces: "\ufffd"), the better-ranked one keeps the key, as in vLLM
+        top = {sampled.decoded_token: sampled.logprob} | {lp.decoded_token: lp.logprob for t, lp in reversed(ranked[:num_top])}
         out.tokens.append(sampled.decoded_token)
         out.token_logprobs.append(sampled.logprob)
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(sampled.decoded_token)
     return out
+
+
+def prompt_logprobs(out: RequestOutput, num_top: int, decode) -> CompletionLogprobs:
+    """The echoed prompt's part of the legacy logprobs (as OpenAI and vLLM): its first token has
+    none (null), each later one its logprob given the tokens before it."""
+    lp = CompletionLogprobs(tokens=[decode([out.prompt_token_ids[0]])], token_logprobs=[None], top_logprobs=[None],
+                            text_offset=[0])
+    return completion_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs[1:], num_top,
+                               len(lp.tokens[0]), lp)
 
 
 async def create_completion(body: CompletionRequest, state: ServerState, request: Request) -> Response:
@@ -75,10 +85,9 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
     try:
         state.check_model(body.model)
         prompts = _prompts(body.prompt)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which this engine does not compute",
-                           param="echo")
-        params = sampling_params(body, body.max_tokens, body.logprobs)
+        # echo with logprobs scores the prompt too (how evaluation harnesses ask for a loglikelihood)
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         if hooks.active:
             hooks.emit(API, "completion_request", request_id=rid, request_ids=ids, num_prompts=len(prompts),
@@ -127,7 +136,11 @@ class _Ctx:
         b, choices = self.body, []
         for i, out in enumerate(finals):
             c = out.outputs[0]
-            lp = completion_logprobs(c.token_ids, c.logprobs, b.logprobs) if b.logprobs is not None else None
+            lp = None
+            if b.logprobs is not None:
+                echoed = prompt_logprobs(out, b.logprobs, self.state.engine.tokenizer.decode) if b.echo else None
+                offset = len(self._prompt_text(out)) if b.echo else 0
+                lp = completion_logprobs(c.token_ids, c.logprobs, b.logprobs, offset, echoed)
             text = (self._prompt_text(out) if b.echo else "") + c.text
             choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason))
@@ -168,14 +181,18 @@ class _Ctx:
         async for i, out in merged:
             c = out.outputs[0]
             text = hold[i].delta(c.text, out.finished)
+            echoed = None
             if b.echo and not started[i]:
                 text = self._prompt_text(out) + text
+                if b.logprobs is not None:
+                    echoed = prompt_logprobs(out, b.logprobs, self.state.engine.tokenizer.decode)
+                    offsets[i] = len(self._prompt_text(out))
             started[i] = True
             lp = None
             if b.logprobs is not None:
                 lp = completion_logprobs(c.token_ids[sent_tokens[i]:], c.logprobs[sent_tokens[i]:], b.logprobs,
-                                         offsets[i])
-                offsets[i] += sum(len(t) for t in lp.tokens)
+                                         offsets[i], echoed)
+                offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else offsets[i]
             sent_tokens[i] = len(c.token_ids)
             if out.finished:
                 self.finals.append(out)
