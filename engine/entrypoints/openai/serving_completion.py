@@ -60,7 +60,8 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
         ranked = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
         # OpenAI always lists the chosen token; where two tokens decode to the same text (byte
         # pieces: "\ufffd"), the better-ranked one keeps the key, as in vLLM
-        top = {sampled.decoded_token: sampled.logprob} | {lp.decoded_token: lp.logprob for t, lp in reversed(ranked[:num_top])}
+        top = {sampled.decoded_token: sampled.logprob}
+        top |= {lp.decoded_token: lp.logprob for t, lp in reversed(ranked[:num_top])}
         out.tokens.append(sampled.decoded_token)
         out.token_logprobs.append(sampled.logprob)
         out.top_logprobs.append(top)
