@@ -46,8 +46,8 @@ class SamplingParams:
             err.param = param
             raise err
 
-        if self.n != 1:
-            bad("n", f"must be 1 in this engine, got {self.n}")
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from engine.engine.busy_loop import BusyLoop, PendingAdd
-from engine.engine.core_types import EngineCoreOutput
+from engine.engine.core_types import EngineCoreOutput, EngineCoreRequest
 from engine.engine.exceptions import EngineClosedError as EngineClosedError  # re-exported: the serving layer's
 from engine.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestStream, call_soon, deliver
+from engine.engine.parallel_sampling import fan_out
 from engine.engine.processor import Processor
 from engine.hooks import Hooks
 from engine.outputs import EngineStats, RequestOutput
@@ -49,6 +51,8 @@ class AsyncLLMEngine:
         self.processor = Processor(engine.tokenizer, engine.hooks, engine.model_config.vocab_size)
         self.output_processor = OutputProcessor(engine.tokenizer, engine.hooks)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestOutputCollector]] = {}  # engine lock
+        self._core_ids: dict[str, list[str]] = {}  # request id -> the ids the core knows (n > 1: the children's)
+        self._parents: dict[str, str] = {}  # and back
         self.core = BusyLoop(engine, self._on_step, self._on_fail)
 
     @property
@@ -121,19 +125,26 @@ class AsyncLLMEngine:
         (bad prompt, too long, bad params) with nothing queued."""
         loop = asyncio.get_running_loop()
         request = self.processor.process_inputs(request_id, prompt, params, priority=priority)
-        collector, accepted = RequestOutputCollector(), loop.create_future()
+        parent, requests = fan_out(request)  # n > 1: n children, gathered by the output processor
+        collector, accepted, pending = RequestOutputCollector(), loop.create_future(), [len(requests)]
 
-        def settle(exc: BaseException | None) -> None:  # under the engine lock
+        def settle(r: EngineCoreRequest, exc: BaseException | None) -> None:  # under the engine lock
             if exc is None:
                 self._streams[request_id] = (loop, collector)
-                self.output_processor.add(request_id, request.prompt, request.prompt_token_ids, params)
-            call_soon(loop, _settle, accepted, exc)
+                self.output_processor.add(r.request_id, r.prompt, r.prompt_token_ids, r.sampling_params, parent)
+            pending[0] -= 1
+            if exc is not None or not pending[0]:
+                call_soon(loop, _settle, accepted, exc)
 
-        self.core.add_request(PendingAdd(request, settle))
+        self._core_ids[request_id] = [r.request_id for r in requests]
+        for r in requests:
+            self._parents[r.request_id] = request_id
+        for r in requests:
+            self.core.add_request(PendingAdd(r, partial(settle, r)))
         try:
             await accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)  # it may have been added meanwhile
+        except BaseException:
+            self.abort(request_id)  # cancelled, or refused: children the core took are stopped too
             raise
         return RequestStream(self, request_id, collector)
 
@@ -147,17 +158,26 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step. Unknown ids: no-op."""
-        self.core.abort(request_id)
+        for core_id in self._core_ids.get(request_id, ()):
+            self.core.abort(core_id)
 
     async def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False while requests hold blocks (nothing changed)."""
         return await asyncio.to_thread(self.core.reset_prefix_cache)
 
+    def _parent_of(self, core_id: str) -> str:
+        return self._parents.get(core_id, core_id)
+
+    def _forget(self, request_id: str) -> None:
+        for core_id in self._core_ids.pop(request_id, ()):
+            self._parents.pop(core_id, None)
+        self.output_processor.remove(request_id)
+
     # ---- engine thread (under the engine lock) ----------------------------------------------
     def _on_step(self, outputs: list[EngineCoreOutput], stats: EngineStats, aborted: list[str]) -> None:
-        for rid in aborted:
+        for rid in {self._parent_of(r) for r in aborted}:  # the ids the core knows: n > 1, a child's
+            self._forget(rid)
             self._streams.pop(rid, None)
-            self.output_processor.remove(rid)
         results, stopped = self.output_processor.process(outputs, stats.step - 1)
         for rid, stop in stopped:  # the core cannot see text: it finishes these as stopped at the step boundary
             self.core.abort(rid, RequestStatus.FINISHED_STOPPED, stop)
@@ -168,6 +188,7 @@ class AsyncLLMEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+                self._forget(out.request_id)
             by_loop.setdefault(stream[0], []).append((stream[1], out))
         for loop, batch in by_loop.items():
             call_soon(loop, deliver, batch)
@@ -178,8 +199,8 @@ class AsyncLLMEngine:
                 log.exception("step listener failed")
 
     def _on_fail(self, request_ids: list[str], exc: BaseException) -> None:
-        for rid in request_ids:
-            self.output_processor.remove(rid)
+        for rid in {self._parent_of(r) for r in request_ids}:
+            self._forget(rid)
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 call_soon(stream[0], stream[1].put, exc)

@@ -48,6 +48,7 @@ from engine.engine.core_client import HANDSHAKE_TIMEOUT_S, AsyncMPClient
 from engine.engine.core_types import EngineCoreOutputs
 from engine.engine.exceptions import EngineClosedError, EngineDeadError
 from engine.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestStream, call_soon, deliver
+from engine.engine.parallel_sampling import fan_out
 from engine.engine.processor import Processor
 from engine.hooks import BEGIN, END, Hooks
 from engine.model_executor.model_loader import resolve
@@ -60,10 +61,12 @@ log = logging.getLogger(__name__)
 
 
 class _Stream:
-    __slots__ = ("loop", "collector", "accepted")
+    """One request's consumer; core_ids: the requests the core knows it by (n > 1: the children)."""
+    __slots__ = ("loop", "collector", "accepted", "request_id", "core_ids", "pending")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, core_ids: list[str]):
         self.loop, self.collector, self.accepted = loop, RequestOutputCollector(), loop.create_future()
+        self.request_id, self.core_ids, self.pending = request_id, core_ids, len(core_ids)
 
 
 def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
@@ -97,7 +100,8 @@ class AsyncLLM:
         self.processor = Processor(self.tokenizer, self.hooks)
         self.output_processor = OutputProcessor(self.tokenizer, self.hooks)
         self.client = AsyncMPClient(config, self.hooks, self._on_message, self._on_dead, core_options, core_proc)
-        self._streams: dict[str, _Stream] = {}  # guarded by _lock, with the processor's requests
+        self._streams: dict[str, _Stream] = {}  # by request id; guarded by _lock, with the processor's requests
+        self._by_core_id: dict[str, _Stream] = {}  # by the ids the core knows (n > 1: the children's)
         self._lock = threading.Lock()
         self._idle = threading.Event()  # no request in flight
         self._idle.set()
@@ -203,29 +207,30 @@ class AsyncLLM:
         if self._stopping or not self._started:
             raise EngineClosedError("the engine is not running (shutting down?)")
         request = self.processor.process_inputs(request_id, prompt, params, priority=priority)
-        stream = _Stream(asyncio.get_running_loop())
+        parent, requests = fan_out(request)  # n > 1: n children, gathered by the output processor
+        stream = _Stream(asyncio.get_running_loop(), request_id, [r.request_id for r in requests])
         with self._lock:
-            if request_id in self._streams:
+            if request_id in self._streams or any(cid in self._by_core_id for cid in stream.core_ids):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             # Again, under the lock: the core may have died since the check above, and its monitor
             # fails only the streams registered before it took the lock (this one would wait for ever).
             if self.client.dead is not None:
                 raise EngineClosedError(self.client.dead)
             self._streams[request_id] = stream
-            self.output_processor.add(request_id, request.prompt, request.prompt_token_ids, params)
+            for r in requests:
+                self._by_core_id[r.request_id] = stream
+                self.output_processor.add(r.request_id, r.prompt, r.prompt_token_ids, r.sampling_params, parent)
             self._idle.clear()
         try:
-            self.client.add_request(request)
+            for r in requests:
+                self.client.add_request(r)
         except RuntimeError as e:
-            self._drop(request_id)
+            self.abort(request_id)
             raise EngineClosedError(str(e)) from None
         try:
             await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
         except BaseException:
-            self._drop(request_id)
+            self.abort(request_id)  # cancelled, or refused: children the core took are stopped too
             raise
         return RequestStream(self, request_id, stream.collector)
 
@@ -238,20 +243,25 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; the core frees its blocks at its next step boundary. Unknown ids: no-op."""
-        if not self._drop(request_id) or self.client.dead is not None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                self._forget(stream)
+        if stream is None or self.client.dead is not None:
             return
         try:
-            self.client.abort_requests([request_id])
+            self.client.abort_requests(stream.core_ids)
         except RuntimeError:
             pass  # shutting down: the core aborts everything anyway
 
-    def _drop(self, request_id: str) -> bool:
-        with self._lock:
-            found = self._streams.pop(request_id, None) is not None
-            self.output_processor.remove(request_id)
-            if not self._streams:
-                self._idle.set()
-        return found
+    def _forget(self, stream: _Stream) -> None:
+        """Drop a request's bookkeeping here (caller holds _lock)."""
+        self._streams.pop(stream.request_id, None)
+        for cid in stream.core_ids:
+            self._by_core_id.pop(cid, None)
+        self.output_processor.remove(stream.request_id)
+        if not self._streams:
+            self._idle.set()
 
     # ---- the client's output thread -------------------------------------------------------------
     def _on_message(self, msg: EngineCoreOutputs, nbytes: int) -> None:
@@ -278,10 +288,8 @@ class AsyncLLM:
                 if stream is None:
                     continue
                 if out.finished:
-                    del self._streams[out.request_id]
+                    self._forget(stream)
                 by_loop.setdefault(stream.loop, []).append((stream.collector, out))
-            if not self._streams:
-                self._idle.set()
         for loop, batch in by_loop.items():
             call_soon(loop, deliver, batch)
         for rid, stop in stopped:  # the core cannot see text: it finishes these as stopped when told
@@ -298,31 +306,28 @@ class AsyncLLM:
             except Exception:  # observers must not take the front end down
                 log.exception("step listener failed")
 
-    def _resolve(self, request_id: str, exc: BaseException | None) -> None:
+    def _resolve(self, core_id: str, exc: BaseException | None) -> None:
+        """The core took (or refused) one of a request's core requests: the request is in once all are."""
         with self._lock:
-            stream = self._streams.get(request_id)
-            if exc is not None and stream is not None:
-                del self._streams[request_id]
-                self.output_processor.remove(request_id)
-                if not self._streams:
-                    self._idle.set()
-        if stream is not None:
-            call_soon(stream.loop, _settle, stream.accepted, exc)
+            stream = self._by_core_id.get(core_id)
+            if stream is None:
+                return
+            stream.pending -= 1
+            if exc is None and stream.pending:
+                return
+        call_soon(stream.loop, _settle, stream.accepted, exc)  # a refusal: add_request aborts the rest
 
-    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+    def _fail(self, core_ids: list[str], exc: BaseException) -> None:
         with self._lock:
-            streams = [(rid, self._streams.pop(rid, None)) for rid in request_ids]
-            for rid, _ in streams:
-                self.output_processor.remove(rid)
-            if not self._streams:
-                self._idle.set()
-        for rid, stream in streams:
-            if stream is not None:
-                call_soon(stream.loop, _fail_stream, stream, exc)
+            streams = {id(s): s for s in map(self._by_core_id.get, core_ids) if s is not None}.values()
+            for stream in streams:
+                self._forget(stream)
+        for stream in streams:
+            call_soon(stream.loop, _fail_stream, stream, exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            ids = list(self._streams)
+            ids = list(self._by_core_id)
         self._fail(ids, exc)
 
     def _on_dead(self, reason: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from engine.config import EngineConfig
 from engine.engine.core_client import EngineCoreClient
 from engine.engine.output_processor import OutputProcessor
+from engine.engine.parallel_sampling import fan_out
 from engine.engine.processor import Processor
 from engine.hooks import Hooks
 from engine.model_executor.model_loader import resolve
@@ -49,8 +50,14 @@ class LLMEngine:
         Processor's or the core's) with nothing queued."""
         params = params or SamplingParams()
         request = self.processor.process_inputs(request_id, prompt, params, arrival_time, priority)
-        self.engine_core.add_request(request)
-        self.output_processor.add(request_id, request.prompt, request.prompt_token_ids, params)
+        parent, requests = fan_out(request)  # n > 1: n children, gathered by the output processor
+        try:
+            for r in requests:
+                self.engine_core.add_request(r)
+                self.output_processor.add(r.request_id, r.prompt, r.prompt_token_ids, r.sampling_params, parent)
+        except BaseException:
+            self.abort_request([request_id])
+            raise
         return request_id
 
     def step(self) -> list[RequestOutput]:
@@ -64,9 +71,12 @@ class LLMEngine:
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Stop requests and free their blocks. Unknown or finished ids are ignored."""
+        core_ids = []
         for rid in request_ids:
+            parent = self.output_processor.parents.get(rid)
+            core_ids += parent.child_ids if parent is not None else [rid]
             self.output_processor.remove(rid)
-        self.engine_core.abort_requests(request_ids)
+        self.engine_core.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
 from engine.engine.core_types import EngineCoreOutput
+from engine.engine.parallel_sampling import ParentRequest
 from engine.hooks import INSTANT, Hooks
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class RequestState:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # V1's shape: None for the first token
+    parent: ParentRequest | None = None  # n > 1: this is one of its children
 
 
 class OutputProcessor:
@@ -45,14 +47,21 @@ class OutputProcessor:
 
     def __init__(self, tokenizer, hooks: Hooks):
         self.tokenizer, self.hooks = tokenizer, hooks
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}  # by the id the core knows (a child's, for n > 1)
+        self.parents: dict[str, ParentRequest] = {}
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            parent: ParentRequest | None = None) -> None:
         det = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, det)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, det, parent=parent)
+        if parent is not None:
+            self.parents[parent.request_id] = parent
 
-    def remove(self, request_id: str) -> RequestState | None:
-        return self.requests.pop(request_id, None)
+    def remove(self, request_id: str) -> None:
+        """Forget a request (a parent: all its children)."""
+        parent = self.parents.pop(request_id, None)
+        for rid in parent.child_ids if parent is not None else (request_id,):
+            self.requests.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -83,7 +92,13 @@ class OutputProcessor:
                 traced.append((DETOKENIZER, NEW_TOKENS, INSTANT, st.request_id, step, attrs))
             if finish is not None:
                 del self.requests[st.request_id]
-            if finish is not None or st.params.output_kind != "final_only":
+            if st.parent is not None:  # n > 1: the parent's output, with every child's completion so far
+                parent_out = st.parent.add_output(self._output(st, finish, stop_reason))
+                if parent_out is not None:
+                    results.append(parent_out)
+                if parent_out is not None and parent_out.finished:
+                    self.parents.pop(st.parent.request_id, None)
+            elif finish is not None or st.params.output_kind != "final_only":
                 results.append(self._output(st, finish, stop_reason))
         if traced:
             self.hooks.emit_many(traced)

@@ -71,7 +71,7 @@ class ServerMetrics:
         """Engine thread, after each step."""
         now, step_tokens = time.monotonic(), 0
         for out in outputs:
-            m, n = out.metrics, len(out.outputs[0].token_ids)
+            m, n = out.metrics, sum(len(c.token_ids) for c in out.outputs)
             before, last_time = self._seen.get(out.request_id, (0, None))
             new = n - before
             if new > 0:

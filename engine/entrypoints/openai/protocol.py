@@ -47,7 +47,7 @@ class SamplingRequest(RequestModel):
     top_p: float | None = None
     top_k: Int | None = Field(None, description="0 or -1 = off (vLLM extension)")
     min_p: float | None = None
-    n: Int = Field(1, description="choices per prompt; this engine serves 1")
+    n: Int = Field(1, description="choices per prompt: n child requests that share the prompt's KV blocks")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Text | list[Text] | None = None
     stop_token_ids: list[Int] | None = None
@@ -66,6 +66,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | list[Int] | list[list[Int]]
     max_tokens: Int | None = 16
     logprobs: Int | None = Field(None, description=f"top logprobs per token, 0..{MAX_LOGPROBS}")
+    best_of: Int | None = Field(None, description="refused, as in vLLM V1: use n")
     echo: bool = False
 
 

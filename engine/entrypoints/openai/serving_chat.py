@@ -127,37 +127,43 @@ class _Ctx:
         return out
 
     def response(self, out: RequestOutput) -> ChatCompletionResponse:
-        c = out.outputs[0]
-        choice = ChatChoice(index=0, message=ChatResponseMessage(content=c.text),
-                            logprobs=self._logprobs(c.token_ids, c.logprobs), finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason)
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self._logprobs(c.token_ids, c.logprobs), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason) for c in out.outputs]
         return ChatCompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
-                                      choices=[choice], usage=_usage(out))
+                                      choices=choices, usage=_usage(out))
 
-    def _chunk(self, delta: dict, logprobs: ChatLogprobs | None = None, finish_reason: str | None = None) -> bytes:
+    def _chunk(self, index: int, delta: dict, logprobs: ChatLogprobs | None = None,
+               finish_reason: str | None = None) -> bytes:
         """One chunk's frame; delta holds only what changed (DeltaMessage without its None fields)."""
-        return self._frames.frame({"index": 0, "delta": delta,
+        return self._frames.frame({"index": index, "delta": delta,
                                    "logprobs": logprobs.model_dump() if logprobs is not None else None,
                                    "finish_reason": finish_reason})
 
     async def stream(self, stream: RequestStream):
-        hooks, hold, sent_tokens, chunks, final = self.state.hooks, StopHoldback(self.stops), 0, 0, None
+        n = self.body.n
+        hooks, chunks, final = self.state.hooks, 0, None
+        hold, sent_tokens, done = [StopHoldback(self.stops) for _ in range(n)], [0] * n, [False] * n
         try:
-            yield self._chunk({"role": "assistant", "content": ""})  # OpenAI opens with the role
+            for i in range(n):  # OpenAI opens each choice with the role
+                yield self._chunk(i, {"role": "assistant", "content": ""})
             async for out in stream:
-                c = out.outputs[0]
-                text = hold.delta(c.text, out.finished)
-                lp = self._logprobs(c.token_ids[sent_tokens:], c.logprobs[sent_tokens:]) if self.body.logprobs else None
-                sent_tokens = len(c.token_ids)
-                if out.finished:
-                    final = out
-                elif not text and not (lp and lp.content):
-                    continue  # nothing new to say (a held-back or partial character)
-                reason = c.finish_reason if out.finished else None
-                if hooks.active:
-                    hooks.emit(API, "sse_chunk", request_id=self.rid, text=text, finish_reason=reason)
-                chunks += 1
-                yield self._chunk({"content": text}, lp, reason)
+                final = out if out.finished else None
+                for c in out.outputs:
+                    i = c.index
+                    if done[i]:
+                        continue  # n > 1: another choice moved
+                    done[i] = c.finish_reason is not None
+                    text = hold[i].delta(c.text, done[i])
+                    sent, sent_tokens[i] = sent_tokens[i], len(c.token_ids)
+                    lp = self._logprobs(c.token_ids[sent:], c.logprobs[sent:]) if self.body.logprobs else None
+                    if not done[i] and not text and not (lp and lp.content):
+                        continue  # nothing new to say (a held-back or partial character)
+                    reason = c.finish_reason if done[i] else None
+                    if hooks.active:
+                        hooks.emit(API, "sse_chunk", request_id=self.rid, text=text, finish_reason=reason)
+                    chunks += 1
+                    yield self._chunk(i, {"content": text}, lp, reason)
             opts = self.body.stream_options
             if opts and opts.include_usage and final is not None:
                 yield sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.state.model_name,
@@ -177,5 +183,5 @@ class _Ctx:
 
 
 def _usage(out: RequestOutput) -> UsageInfo:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    p, c = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
     return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)

@@ -86,6 +86,8 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
     try:
         state.check_model(body.model)
         prompts = _prompts(body.prompt)
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "vLLM V1 does not support best_of; use n for several samples", param="best_of")
         # echo with logprobs scores the prompt too (how evaluation harnesses ask for a loglikelihood)
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
@@ -135,16 +137,15 @@ class _Ctx:
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         b, choices = self.body, []
-        for i, out in enumerate(finals):
-            c = out.outputs[0]
+        for i, out, c in ((i, out, c) for i, out in enumerate(finals) for c in out.outputs):
             lp = None
             if b.logprobs is not None:
                 echoed = prompt_logprobs(out, b.logprobs, self.state.engine.tokenizer.decode) if b.echo else None
                 offset = len(self._prompt_text(out)) if b.echo else 0
                 lp = completion_logprobs(c.token_ids, c.logprobs, b.logprobs, offset, echoed)
             text = (self._prompt_text(out) if b.echo else "") + c.text
-            choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason))
+            choices.append(CompletionChoice(index=i * b.n + c.index, text=text, logprobs=lp,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name, choices=choices,
                                   usage=_usage(finals))
 
@@ -173,41 +174,53 @@ class _Ctx:
                            complete=len(self.finals) == len(streams))
         yield SSE_DONE
 
-    async def _chunks(self, merged, n: int):
-        b, hooks = self.body, self.state.hooks
+    async def _chunks(self, merged, num_prompts: int):
+        b = self.body
+        n = num_prompts * b.n  # choices: prompt i's j-th sample is choice i * n + j
         hold = [StopHoldback(self.stops) for _ in range(n)]
-        sent_tokens, offsets, started = [0] * n, [0] * n, [False] * n
+        self._sent_tokens, self._offsets, self._started, self._done = [0] * n, [0] * n, [False] * n, [False] * n
         frames = ChunkFrames(CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
                                                 choices=[]))
-        async for i, out in merged:
-            c = out.outputs[0]
-            text = hold[i].delta(c.text, out.finished)
-            echoed = None
-            if b.echo and not started[i]:
-                text = self._prompt_text(out) + text
-                if b.logprobs is not None:
-                    echoed = prompt_logprobs(out, b.logprobs, self.state.engine.tokenizer.decode)
-                    offsets[i] = len(self._prompt_text(out))
-            started[i] = True
-            lp = None
-            if b.logprobs is not None:
-                lp = completion_logprobs(c.token_ids[sent_tokens[i]:], c.logprobs[sent_tokens[i]:], b.logprobs,
-                                         offsets[i], echoed)
-                offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else offsets[i]
-            sent_tokens[i] = len(c.token_ids)
+        async for p, out in merged:
             if out.finished:
                 self.finals.append(out)
-            elif not text and not (lp and lp.tokens):
-                continue  # nothing new to say (a held-back stop prefix or a partial character)
-            finish_reason = c.finish_reason if out.finished else None
-            if hooks.active:
-                hooks.emit(API, "sse_chunk", request_id=self.ids[i], text=text, finish_reason=finish_reason)
-            self.chunks += 1
-            yield frames.frame({"index": i, "text": text, "logprobs": lp.model_dump() if lp is not None else None,
-                                "finish_reason": finish_reason, "stop_reason": c.stop_reason if out.finished else None})
+            for c in out.outputs:
+                frame = self._choice_chunk(frames, p * b.n + c.index, out, c, hold[p * b.n + c.index])
+                if frame is not None:
+                    self.chunks += 1
+                    yield frame
+
+    def _choice_chunk(self, frames: ChunkFrames, i: int, out: RequestOutput, c, hold: StopHoldback):
+        """Choice i's chunk for what is new in it (its text, logprobs, finish), or None."""
+        b, hooks = self.body, self.state.hooks
+        done = c.finish_reason is not None
+        if self._done[i]:
+            return None  # said all it had (n > 1: another choice of the same prompt moved)
+        text = hold.delta(c.text, done)
+        echoed = None
+        if b.echo and not self._started[i]:
+            text = self._prompt_text(out) + text
+            if b.logprobs is not None:
+                echoed = prompt_logprobs(out, b.logprobs, self.state.engine.tokenizer.decode)
+                self._offsets[i] = len(self._prompt_text(out))
+        self._started[i] = True
+        lp = None
+        if b.logprobs is not None:
+            sent = self._sent_tokens[i]
+            lp = completion_logprobs(c.token_ids[sent:], c.logprobs[sent:], b.logprobs, self._offsets[i], echoed)
+            self._offsets[i] = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else self._offsets[i]
+        self._sent_tokens[i] = len(c.token_ids)
+        self._done[i] = done
+        if not done and not text and not (lp and lp.tokens):
+            return None  # nothing new to say (a held-back stop prefix or a partial character)
+        finish_reason = c.finish_reason if done else None
+        if hooks.active:
+            hooks.emit(API, "sse_chunk", request_id=self.ids[i // b.n], text=text, finish_reason=finish_reason)
+        return frames.frame({"index": i, "text": text, "logprobs": lp.model_dump() if lp is not None else None,
+                             "finish_reason": finish_reason, "stop_reason": c.stop_reason if done else None})
 
 
 def _usage(finals: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(o.outputs[0].token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
