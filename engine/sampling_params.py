@@ -28,6 +28,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (sampled one included)
     prompt_logprobs: int | None = None  # number of top logprobs per prompt token (the prompt's own included)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, in [-100, 100])
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (their last token is banned after the rest of them)
+    bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized (the front end's Processor)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's RequestOutputKind: "cumulative" (an output for every step, the server streams
@@ -70,6 +74,14 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+                bad("logit_bias", "values must be in [-100, 100]")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "must not be empty (nothing could be sampled)")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            bad("bad_words", "must be non-empty words")
         if any(not s for s in self.stop_strs):
             bad("stop", "strings must be non-empty")
         if self.output_kind not in OUTPUT_KINDS:

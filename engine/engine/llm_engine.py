@@ -37,7 +37,8 @@ class LLMEngine:
             self.max_model_len, vocab_size = ready["max_model_len"], ready["vocab_size"]
         else:  # the core's own: loaded once
             core = self.engine_core.engine_core
-            self.tokenizer, self.max_model_len, vocab_size = core.tokenizer, core.max_model_len, None
+            self.tokenizer, self.max_model_len = core.tokenizer, core.max_model_len
+            vocab_size = core.model_config.vocab_size
         self.processor = Processor(self.tokenizer, self.hooks, vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.hooks)
 

@@ -7,7 +7,7 @@ token ids only. The API server tokenizes a text prompt earlier still, off the ev
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from engine.engine.core_types import EngineCoreRequest
 from engine.hooks import Hooks
@@ -31,9 +31,29 @@ class Processor:
         vocab = self.vocab_size
         if vocab is not None and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}]")
+        params = self._logits_processor_params(params)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         return EngineCoreRequest(request_id, ids, params, arrival_time or time.monotonic(), text, priority)
+
+    def _logits_processor_params(self, params: SamplingParams) -> SamplingParams:
+        """Check the token ids that logit_bias and allowed_token_ids name; tokenize bad_words as vLLM V1
+        does (the word as given and with a leading space, so it is banned mid-sentence too)."""
+        vocab = self.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            if vocab is not None and any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"{name}: token ids must be in [0, {vocab - 1}]")
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        seqs: list[list[int]] = []
+        for word in params.bad_words:
+            plain = self.tokenizer.encode(word.lstrip())
+            spaced = self.tokenizer.encode(" " + word.lstrip())
+            seqs.append(plain)
+            if spaced != plain:
+                seqs.append(spaced)
+        return replace(params, bad_words_token_ids=seqs)
 
     def _tokenize(self, prompt, request_id: str) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -1,10 +1,11 @@
 """The sampler: logits of each request's last position -> its next token.
 
-Order, as in vLLM V1: logprobs of the raw model output (if asked) → min_tokens (EOS and
-stop_token_ids get -inf until a request has min_tokens outputs) → penalties (repetition,
-presence, frequency) → greedy argmax when temperature is 0, otherwise temperature → min-p →
-top-k → top-p → draw. Each request draws from its own seeded generator, so its tokens do
-not depend on what else is in the batch.
+Order, as in vLLM V1 (``v1/sample/sampler.py``): logprobs of the raw model output (if asked) →
+allowed_token_ids (every other token -inf) → bad_words (a word's last token -inf once its other
+tokens were just generated) → min_tokens (EOS and stop_token_ids get -inf until a request has
+min_tokens outputs) → logit_bias → penalties (repetition, presence, frequency) → greedy argmax
+when temperature is 0, otherwise temperature → min-p → top-k → top-p → draw. Each request draws
+from its own seeded generator, so its tokens do not depend on what else is in the batch.
 """
 from __future__ import annotations
 
@@ -38,10 +39,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         logits = logits.float()
         want, penalised, sampled, too_short = [], [], [], []  # one pass sorts the batch: it runs every step
+        masked = []  # allowed_token_ids, bad_words, logit_bias
         for i, r in enumerate(requests):
             p = r.params
             if p.logprobs is not None:
                 want.append(i)
+            if p.allowed_token_ids is not None or p.bad_words_token_ids or p.logit_bias:
+                masked.append(i)
             if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
                 too_short.append(i)
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
@@ -49,8 +53,13 @@ class Sampler:
             if p.temperature != 0.0:
                 sampled.append(i)
         raw_logprobs = torch.log_softmax(logits[want], dim=-1) if want else None
+        self.last_processed: dict[int, dict] = {}  # row -> what the logits processors did (for the trace)
+        if masked:
+            logits = self._allow_and_ban(logits, requests, masked)
         if too_short:
             logits = self._block_stop_tokens(logits, requests, too_short)
+        if masked:
+            logits = self._apply_logit_bias(logits, requests, masked)
 
         if penalised:
             logits = self._apply_penalties(logits, requests, penalised)
@@ -69,6 +78,33 @@ class Sampler:
             logprobs[i] = entry
             ranks[i] = int((lp > lp[tok]).sum()) + 1
         return SamplerOutput(token_ids, logprobs, ranks)
+
+    def _allow_and_ban(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+        """allowed_token_ids, then bad_words (vLLM V1's order: both before min_tokens and logit_bias)."""
+        logits = logits.clone()
+        for i in rows:
+            p, done = requests[i].params, {}
+            if p.allowed_token_ids is not None:
+                keep = torch.full_like(logits[i], float("-inf"))
+                keep[p.allowed_token_ids] = 0.0
+                logits[i] += keep
+                done["allowed"] = len(p.allowed_token_ids)
+            past = requests[i].output_token_ids
+            banned = [seq[-1] for seq in p.bad_words_token_ids or ()
+                      if len(seq) <= len(past) + 1 and (len(seq) == 1 or past[len(past) - len(seq) + 1:] == seq[:-1])]
+            if banned:
+                logits[i, banned] = float("-inf")
+                done["banned"] = banned
+            self.last_processed[i] = done
+        return logits
+
+    def _apply_logit_bias(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+        for i in rows:
+            bias = requests[i].params.logit_bias
+            if bias:
+                logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+                self.last_processed[i]["biased"] = bias
+        return logits
 
     @staticmethod
     def _block_stop_tokens(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:

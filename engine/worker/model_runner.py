@@ -140,8 +140,15 @@ class ModelRunner:
         if rows:
             out.prompt_logprobs = _prompt_logprobs(prompt_logits, spans, sched)
         if self.hooks.active:
-            self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=sched.req_ids)
+            self._trace_sampled(sched, out)
         return out
+
+    def _trace_sampled(self, sched: SchedulerOutput, out: SamplerOutput) -> None:
+        # what allowed_token_ids, bad_words and logit_bias did, per request that asked
+        done_by_row = getattr(self.sampler, "last_processed", {})  # (a lesson may wrap the sampler)
+        processed = {sched.req_ids[i]: done for i, done in done_by_row.items()} or None
+        self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=sched.req_ids,
+                        logits_processors=processed)
 
     def _trace_warmup_launch(self, rec: instrument.LaunchRecord) -> None:
         self.hooks.emit(KERNEL, rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta,

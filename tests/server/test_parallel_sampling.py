@@ -55,3 +55,15 @@ def test_chat_n2(http):
 def test_best_of_is_refused(http):
     r = http.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "x", "n": 1, "best_of": 3})
     assert r.status_code == 400 and "best_of" in r.text
+
+
+def test_logit_bias_allowed_and_bad_words_over_http(http):
+    base = {"model": "tiny-gpt2", "prompt": "The list of", "max_tokens": 5, "temperature": 0}
+    r = http.post("/v1/completions", json=base | {"logit_bias": {"1234": 100}, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == [r.json()["choices"][0]["logprobs"]["tokens"][0]] * 5
+    r = http.post("/v1/completions", json=base | {"allowed_token_ids": [5, 6]})
+    assert r.status_code == 200
+    assert http.post("/v1/completions", json=base | {"logit_bias": {"x": 1}}).status_code == 400
+    assert http.post("/v1/completions", json=base | {"allowed_token_ids": [99999]}).status_code == 400
+    assert http.post("/v1/completions", json=base | {"logit_bias": {"3": 1000}}).status_code == 400

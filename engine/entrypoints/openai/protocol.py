@@ -57,6 +57,9 @@ class SamplingRequest(RequestModel):
     min_tokens: Int = 0
     ignore_eos: bool = False
     priority: Int = Field(0, description="with --scheduling-policy priority: lower is scheduled first (vLLM)")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100] (OpenAI)")
+    allowed_token_ids: list[Int] | None = Field(None, description="only these tokens may be generated (vLLM)")
+    bad_words: list[Text] | None = Field(None, description="words never generated (vLLM)")
     user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

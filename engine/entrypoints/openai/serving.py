@@ -40,9 +40,20 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=_token_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
     except SamplingParamsError as e:
         raise bad_request(e) from None
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias has token ids as JSON keys (strings)."""
+    if bias is None:
+        return None
+    try:
+        return {int(t): b for t, b in bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
 
 
 async def submit(state: ServerState, request_ids: list[str], prompts: list, params: SamplingParams,
