@@ -7,6 +7,7 @@ from kernel_batches import DEVICE, make_batch
 from kernels import (
     INTERPRETED,
     AttentionConfig,
+    CacheConfig,
     choose_config,
     instrument,
     reshape_and_cache,
@@ -15,6 +16,9 @@ from kernels import (
 )
 
 GPU_SHAPED = AttentionConfig(block_q=4, q_blocks_per_program=1, tile_n=16, heads_per_program=1)
+# The cache write of three tokens as one program, as the interpreter launches it; forced so the
+# GPU (one token per program) records the same grid and access map.
+CACHE_ONE_PROGRAM = CacheConfig(tokens_per_program=4, block_hd=64, num_warps=1)
 
 
 def _known_batch():
@@ -99,18 +103,19 @@ def test_split_kv_access_map_has_segments():
 
 
 def test_cache_write_record_and_access_map():
-    key = torch.randn(3, 2, 32)
-    cache = torch.zeros(4, 8, 2, 32)
-    slots = torch.tensor([17, -1, 3])
-    (rec,) = _record_launches(lambda: reshape_and_cache(key, key, cache, cache.clone(), slots), step=1)
+    key = torch.randn(3, 2, 32, device=DEVICE)
+    cache = torch.zeros(4, 8, 2, 32, device=DEVICE)
+    slots = torch.tensor([17, -1, 3], device=DEVICE)
+    (rec,) = _record_launches(
+        lambda: reshape_and_cache(key, key, cache, cache.clone(), slots, config=CACHE_ONE_PROGRAM), step=1)
     assert rec.name == "reshape_and_cache" and rec.grid == (1, 1) and rec.tags == {"step": 1}
     (acc,) = rec.access_map[(0, 0, 0)]
     assert acc.blocks == (2, 0) and acc.rows == (0, 3) and acc.kv_heads == (0, 1)
 
 
 def test_before_launch_runs_before_each_launch():
-    key = torch.ones(1, 1, 16)
-    cache = torch.zeros(2, 8, 1, 16)
+    key = torch.ones(1, 1, 16, device=DEVICE)
+    cache = torch.zeros(2, 8, 1, 16, device=DEVICE)
     events = []
 
     def before(name, grid, meta):
@@ -118,18 +123,18 @@ def test_before_launch_runs_before_each_launch():
         events.append(("before", name, grid, float(cache.sum()), meta["TOKENS"]))
 
     with instrument.observe(lambda r: events.append(("after", r.name, r.grid, float(cache.sum()), None)), before):
-        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0]))
-        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([9]))
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0], device=DEVICE))
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([9], device=DEVICE))
     assert [(e[0], e[3]) for e in events] == [("before", 0.0), ("after", 16.0), ("before", 16.0), ("after", 32.0)]
     assert events[0][1:3] == ("reshape_and_cache", (1, 1)) and events[0][4] == 1
 
 
 def test_observe_nests_and_restores_tags():
-    key = torch.ones(1, 1, 16)
-    cache = torch.zeros(2, 8, 1, 16)
+    key = torch.ones(1, 1, 16, device=DEVICE)
+    cache = torch.zeros(2, 8, 1, 16, device=DEVICE)
 
     def write():
-        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0]))
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0], device=DEVICE))
 
     outer, inner = [], []
     instrument.set_tags(ignored=True)  # nobody observes: a no-op
@@ -152,25 +157,26 @@ def test_observe_nests_and_restores_tags():
 
 
 def test_observation_is_thread_local():
-    key = torch.ones(1, 1, 16)
-    cache = torch.zeros(2, 8, 1, 16)
+    key = torch.ones(1, 1, 16, device=DEVICE)
+    cache = torch.zeros(2, 8, 1, 16, device=DEVICE)
     seen = []
     with instrument.observe(seen.append, who="main"):
-        t = threading.Thread(target=lambda: reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([1])))
+        slot = torch.tensor([1], device=DEVICE)
+        t = threading.Thread(target=lambda: reshape_and_cache(key, key, cache, cache.clone(), slot))
         t.start()
         t.join()
         assert seen == []  # the other thread's launch was not observed here
-        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([2]))
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([2], device=DEVICE))
     assert [r.tags for r in seen] == [{"who": "main"}]
 
 
 def test_access_map_snapshot_is_taken_only_for_an_observer_that_reads_maps():
-    key = torch.randn(3, 2, 32)
-    cache = torch.zeros(4, 8, 2, 32)
-    slots = torch.tensor([17, -1, 3])
+    key = torch.randn(3, 2, 32, device=DEVICE)
+    cache = torch.zeros(4, 8, 2, 32, device=DEVICE)
+    slots = torch.tensor([17, -1, 3], device=DEVICE)
 
     def write():
-        reshape_and_cache(key, key, cache, cache.clone(), slots)
+        reshape_and_cache(key, key, cache, cache.clone(), slots, config=CACHE_ONE_PROGRAM)
 
     (plain,) = _record_launches(write, access_maps=False)
     assert plain.access_map == {} and plain.grid == (1, 1)  # no metadata snapshot was taken for it

@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_batches import make_batch
+from kernel_batches import DEVICE, make_batch
 
 from kernels import (
     INTERPRETED,
@@ -88,9 +88,9 @@ def test_chunked_prefill_after_cache_write_end_to_end():
     # Slots of the new tokens: positions seq_len - q_len .. seq_len - 1 of each request.
     slots = [int(b.block_tables[r, p // bs]) * bs + p % bs
              for r, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)]
-    slots = torch.tensor(slots + [-1])  # plus one padding token
-    key, value = torch.randn(2, len(slots), heads, d, generator=g)
-    query = torch.cat([b.query, torch.zeros(1, heads, d)])
+    slots = torch.tensor(slots + [-1], device=DEVICE)  # plus one padding token
+    key, value = torch.randn(2, len(slots), heads, d, generator=g).to(DEVICE)
+    query = torch.cat([b.query, torch.zeros(1, heads, d, device=DEVICE)])
     qsl = b.query_start_loc
 
     k_ref, v_ref = b.key_cache.clone(), b.value_cache.clone()
