@@ -14,8 +14,10 @@ from kernels import (
     unified_attention,
     unified_attention_ref,
 )
+from kernels.config import MIN_COMPILED_SCORE_COLUMNS
 
-GPU_SHAPED = AttentionConfig(block_q=4, q_blocks_per_program=1, tile_n=16, heads_per_program=1)
+TILE = 16 if INTERPRETED else MIN_COMPILED_SCORE_COLUMNS  # compiled kernels need 32 (see kernels.config)
+GPU_SHAPED = AttentionConfig(block_q=4, q_blocks_per_program=1, tile_n=TILE, heads_per_program=1)
 # The cache write of three tokens as one program, as the interpreter launches it; forced so the
 # GPU (one token per program) records the same grid and access map.
 CACHE_ONE_PROGRAM = CacheConfig(tokens_per_program=4, block_hd=64, num_warps=1)
@@ -40,7 +42,7 @@ def test_recorded_grid_equals_hand_computed_grid():
     # grid bound is num_tokens // 4 + num_seqs = 10 // 4 + 3 = 5 (block 4 is idle); 2 KV heads.
     assert rec.name == "unified_attention"
     assert rec.grid == (5, 2, 1)
-    assert rec.meta["BLOCK_Q"] == 4 and rec.meta["HEADS_PER_PROG"] == 1 and rec.meta["TILE_N"] == 16
+    assert rec.meta["BLOCK_Q"] == 4 and rec.meta["HEADS_PER_PROG"] == 1 and rec.meta["TILE_N"] == TILE
     assert rec.args["query"] == ((10, 4, 32), "float32")
     assert rec.args["block_tables"][1] == "int32"
     assert rec.reason == "caller-supplied config"
@@ -80,7 +82,7 @@ def test_access_map_lists_the_physical_blocks_of_a_program():
 def test_access_map_covers_every_block_the_kernel_reads():
     # Poison every cache block that no program claims to read: the output must not change.
     b = make_batch([1, 5, 1], [40, 21, 7], q_heads=2, kv_heads=2, head_size=32, block_size=8, seed=6)
-    split = AttentionConfig(block_q=2, q_blocks_per_program=1, tile_n=16, heads_per_program=1, num_segments=2)
+    split = AttentionConfig(block_q=2, q_blocks_per_program=1, tile_n=TILE, heads_per_program=1, num_segments=2)
     for config in (None, GPU_SHAPED, split):
         k, v = b.key_cache.clone(), b.value_cache.clone()
         rec = _record_launches(lambda: unified_attention(*b.args(), config=config))[0]
@@ -94,12 +96,14 @@ def test_access_map_covers_every_block_the_kernel_reads():
 
 def test_split_kv_access_map_has_segments():
     b = make_batch([1], [40], q_heads=2, kv_heads=2, head_size=32, block_size=16, seed=7)
-    cfg = AttentionConfig(block_q=1, q_blocks_per_program=1, tile_n=16, heads_per_program=2, num_segments=3)
+    cfg = AttentionConfig(block_q=1, q_blocks_per_program=1, tile_n=TILE, heads_per_program=2, num_segments=3)
     attn, reduce = _record_launches(lambda: unified_attention(*b.args(), config=cfg))
     assert (attn.name, attn.grid, reduce.name) == ("unified_attention_split_kv", (1, 1, 3), "reduce_segments")
-    # 3 tiles of 16 keys, one per segment; segment 1 reads keys [16, 32) = logical block 1.
+    # One tile per segment; segment 1 reads keys [TILE, 2 TILE) of the 40: with 16-key tiles
+    # [16, 32) = logical block 1, with 32-key tiles [32, 40) = logical block 2.
     (seg1,) = attn.access_map[(0, 0, 1)]
-    assert (seg1.segment, seg1.kv_positions, seg1.blocks) == (1, (16, 32), (int(b.block_tables[0, 1]),))
+    expected_blocks = (int(b.block_tables[0, TILE // 16]),)
+    assert (seg1.segment, seg1.kv_positions, seg1.blocks) == (1, (TILE, min(2 * TILE, 40)), expected_blocks)
 
 
 def test_cache_write_record_and_access_map():
