@@ -155,5 +155,7 @@ class Sampler:
             probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
         # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) is a draw from p, and
         # it uses exactly one draw of the request's own generator per token.
-        e = torch.empty_like(probs).exponential_(generator=req.generator)
+        # The generator lives on the CPU whatever the device, so a seed draws the same numbers
+        # on a GPU as on the CPU; the draws then move to the probabilities' device.
+        e = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=req.generator).to(probs.device)
         return argmax(probs / e)
