@@ -19,6 +19,7 @@ FRONTEND_LAYERS = frozenset({CLI, HTTP, API, TOKENIZER, DETOKENIZER})
 # event names the tracer folds, filters or draws, by layer
 CONFIG, STEP = "config", "step"  # engine: its configuration at startup; one engine step (a span)
 ENCODE = "encode"  # tokenizer
+FAN_OUT = "fan_out"  # api: a request with n > 1 became n child requests (parallel sampling)
 SCHEDULE = "schedule"  # scheduler: a span, with a snapshot (the queues and the batch) before its end
 ALLOCATE, FREE, EVICT, CACHE_HIT, CACHE_MISS = "allocate", "free", "evict", "cache_hit", "cache_miss"  # block_manager
 BATCH = "batch"  # model_runner: the step's flattened batch

@@ -299,7 +299,8 @@ class EngineCore:
 
     def _trace_queued(self, req: Request) -> None:
         self.hooks.emit(ENGINE, QUEUED, request_id=req.request_id, step=self.step_count,
-                        num_prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens, params=vars(req.params))
+                        num_prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens, params=vars(req.params),
+                        priority=req.priority)
 
     def _trace_aborted(self, req: Request, status: RequestStatus) -> None:
         if status is RequestStatus.FINISHED_ABORTED:
