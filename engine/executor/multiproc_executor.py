@@ -230,7 +230,8 @@ class MultiprocExecutor(Executor):
             else:
                 delta = req.all_token_ids[have:]
             sent[rid] = have + len(delta)
-            scheduled.append(ScheduledReq(rid, delta, s.num_computed_before, s.num_tokens, list(req.block_ids)))
+            scheduled.append(ScheduledReq(rid, delta, s.num_computed_before, s.num_tokens, list(req.block_ids),
+                                          s.spec_token_ids))
         msg = WorkerStep(sched.step, new, scheduled, sorted(sched.finished_req_ids), gated=self.hooks.gated,
                          trace=self.hooks.active)
         return encoder().encode(msg)

@@ -130,7 +130,7 @@ class WorkerProc:
         data = None
         if out is not None:
             data = dict(token_ids=out.token_ids, logprobs=out.logprobs, ranks=out.ranks,
-                        prompt_logprobs=out.prompt_logprobs)
+                        prompt_logprobs=out.prompt_logprobs, spec_token_ids=out.spec_token_ids)
         self._reply("step", data)
 
     def _forward_gate(self, point: str, info: dict) -> None:

@@ -48,6 +48,7 @@ class ScheduledReq(msgspec.Struct, array_like=True, gc=False):
     num_computed_before: int
     num_tokens: int
     block_ids: list[int]
+    spec_token_ids: list[int] = []  # speculative decoding: drafts to verify after its last token
 
 
 class WorkerStep(msgspec.Struct, array_like=True, gc=False):
@@ -169,7 +170,8 @@ class Worker:
             state.block_ids = s.block_ids
             remaining = len(state.all_token_ids) - s.num_computed_before
             is_prefill = remaining > 1 or not state.output_token_ids
-            sched.scheduled.append(ScheduledRequest(state, s.num_tokens, s.num_computed_before, is_prefill))
+            sched.scheduled.append(ScheduledRequest(state, s.num_tokens, s.num_computed_before, is_prefill,
+                                                    s.spec_token_ids))
         self.tp.active = "stepping" if msg.gated else "fast"
         if self.hooks.active:
             self._trace_execute(msg)
