@@ -61,6 +61,13 @@ class ServerMetrics:
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative drafts verified.").labels(model_name)
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                         "Speculative draft tokens verified.").labels(model_name)
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Speculative draft tokens accepted.").labels(model_name)
+        self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted draft tokens, by position in the draft.", [*m, "position"])
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_BUCKETS)
         self.model_name = model_name
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens so far, last token time)
@@ -99,6 +106,17 @@ class ServerMetrics:
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        if stats.spec_num_drafts != last.spec_num_drafts:
+            self._spec(stats, last)
+
+    def _spec(self, stats: EngineStats, last: EngineStats) -> None:
+        self.spec_drafts.inc(stats.spec_num_drafts - last.spec_num_drafts)
+        self.spec_draft_tokens.inc(stats.spec_num_draft_tokens - last.spec_num_draft_tokens)
+        self.spec_accepted.inc(stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens)
+        before = last.spec_num_accepted_tokens_per_pos
+        for pos, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
+            gained = n - (before[pos] if pos < len(before) else 0)
+            self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(gained)
 
     def render(self) -> bytes:
         stats = self.engine.stats
