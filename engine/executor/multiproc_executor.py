@@ -47,7 +47,7 @@ from engine.engine.core_types import EngineDeadError
 from engine.hooks import Hooks
 from engine.sample.sampler import SamplerOutput
 from engine.serial_utils import encoder, send_while_alive
-from engine.utils import child_pythonpath
+from engine.utils import child_pythonpath, runtime_dir
 from engine.worker.worker import NewRequestData, ScheduledReq, Worker, WorkerReply, WorkerStep
 
 STARTUP_TIMEOUT_S = 600.0  # loading a big model's shard on the CPU
@@ -126,7 +126,7 @@ class MultiprocExecutor(Executor):
         self._rerun_ids = itertools.count(1)
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self._sent: dict[str, int] = {}  # request id -> token ids the workers have
-        self._dir = tempfile.mkdtemp(prefix="vllm-trace-workers-")
+        self._dir = tempfile.mkdtemp(prefix="vllm-trace-workers-", dir=runtime_dir())
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
         out_addr = f"ipc://{self._dir}/results"
@@ -342,6 +342,9 @@ class MultiprocExecutor(Executor):
             if self.dead is not None:
                 return
             self.dead = reason
+        # Its sockets' files now, not at the end of the shutdown below: the process may exit first
+        # (the engine core does, at once). Connected sockets do not need their files.
+        shutil.rmtree(self._dir, ignore_errors=True)
         for fut in list(self._reruns.values()):
             if not fut.done():
                 fut.set_result((False, reason))

@@ -3,6 +3,7 @@ a worker killed mid-serve takes the engine core's death path (503 with the reaso
 no process left behind)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -35,6 +36,57 @@ def _children_of(pid: int, marker: bytes) -> list[int]:
     return found
 
 
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def _hex_address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """/proc/net/tcp's address: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(words)
+
+
+def listening_addresses(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP socket the processes hold."""
+    owner = {inode: pid for pid in pids for inode in _socket_inodes(pid)}
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in owner:  # state LISTEN
+                    addr, port = cols[1].split(":")
+                    found.append((owner[cols[9]], str(_hex_address(addr)), int(port, 16)))
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def _workers_dir(core_pid: int) -> str:
+    """The directory of the ipc sockets the engine core bound for its workers."""
+    inodes = _socket_inodes(core_pid)
+    with open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            cols = line.split()
+            if len(cols) == 8 and cols[6] in inodes and "vllm-trace-workers-" in cols[7]:
+                return os.path.dirname(cols[7])
+    raise AssertionError("the engine core has no worker sockets")
+
+
 def test_serve_with_two_ranks(model_cache, tmp_path):
     trace = tmp_path / "tp.jsonl"
     proc, startup, url = spawn_serve("--no-tui", "--tensor-parallel-size", "2", "--trace-file", str(trace))
@@ -42,6 +94,11 @@ def test_serve_with_two_ranks(model_cache, tmp_path):
         core_pid = int(re.search(r"engine core pid (\d+)", startup).group(1))
         workers = _children_of(core_pid, b"engine.executor.worker_proc")
         assert len(workers) == 2, startup
+        # the rendezvous store and the backends' sockets: nothing of the tree listens beyond loopback
+        listening = listening_addresses([proc.pid, core_pid, *workers])
+        assert {pid for pid, _, _ in listening} >= {proc.pid, workers[0]}, listening  # uvicorn, the store
+        assert all(_is_loopback(addr) for _, addr, _ in listening), listening
+        workers_dir = _workers_dir(core_pid)
         body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         got = httpx.post(url + "/v1/completions", json=body, timeout=DEADLINE).json()
         one_rank = LLM("tiny-gpt2").generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=12,
@@ -66,6 +123,7 @@ def test_serve_with_two_ranks(model_cache, tmp_path):
         while any(map(_alive, [core_pid, *workers])) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(map(_alive, [core_pid, *workers])), "orphaned engine processes"
+        assert not os.path.exists(workers_dir), "the workers' socket directory was left behind"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -96,6 +154,21 @@ def test_a_dead_worker_stops_a_one_process_server_too(model_cache):
         assert re.search(r"stopped because the engine died: worker rank \d died \(signal 9\)", err), err
         assert "Traceback" not in err, err
         assert not any(map(_alive, workers))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_kill_9_of_a_tensor_parallel_core_leaves_no_directory_behind(model_cache):
+    proc, startup, url = spawn_serve("--no-tui", "--tensor-parallel-size", "2")
+    try:
+        core_pid = int(re.search(r"engine core pid (\d+)", startup).group(1))
+        workers_dir = _workers_dir(core_pid)
+        os.kill(core_pid, signal.SIGKILL)  # no code of the core runs: the front end must clean up
+        assert proc.wait(DEADLINE) == 1
+        assert "engine core died: signal 9" in proc.stderr.read()
+        assert not os.path.exists(workers_dir), "the workers' socket directory was left behind"
     finally:
         if proc.poll() is None:
             proc.kill()
