@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.engine.core import EngineClosedError as EngineClosedError  # re-exported: engine.server imports it from here
-from engine.engine.core import EngineCore, PendingAdd
+from engine.engine.core import EngineCore, EngineDeadError, PendingAdd
 from engine.hooks import Hooks
 from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -177,6 +177,11 @@ class AsyncLLMEngine:
     def is_parked(self) -> bool:
         """True while a step controller holds the engine thread in a gate."""
         return self.core.is_parked
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError unless the engine thread runs (a held one runs: it is parked)."""
+        if not self.core.is_running:
+            raise EngineDeadError(self.engine.dead or "the engine loop is not running")
 
     @property
     def _idle(self) -> threading.Event:  # no requests in the engine and none pending

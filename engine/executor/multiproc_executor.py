@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import os
 import pickle
 import queue
@@ -317,11 +318,18 @@ class MultiprocExecutor(Executor):
             try:
                 if not poller.poll(100):
                     continue
-                reply = decode(self.results.recv())
+                frame = self.results.recv()
             except zmq.ZMQError:
                 return
+            try:  # a frame that is not a rank's (any process of this user can connect) must not end this thread
+                reply = decode(frame)
+                if reply.kind == "rerun":
+                    call_id, ok, result = reply.data
+            except (msgspec.DecodeError, TypeError, ValueError) as e:
+                logging.getLogger(__name__).warning("ignored a %d-byte frame on the workers' result socket that is "
+                                                    "not a worker's reply (%s)", len(frame), e)
+                continue
             if reply.kind == "rerun":
-                call_id, ok, result = reply.data
                 fut = self._reruns.get(call_id)
                 if fut is not None and not fut.done():
                     fut.set_result((ok, result))

@@ -3,7 +3,6 @@ a worker killed mid-serve takes the engine core's death path (503 with the reaso
 no process left behind)."""
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import signal
@@ -14,6 +13,7 @@ import httpx
 from engine import LLM, SamplingParams
 from tests.engine.test_tensor_parallel import _alive
 from tests.server.conftest import spawn_serve
+from tests.server.procfs import is_loopback, listening_addresses, unix_socket_paths
 from tracer.events import read_trace
 
 DEADLINE = 60
@@ -36,55 +36,11 @@ def _children_of(pid: int, marker: bytes) -> list[int]:
     return found
 
 
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    return inodes
-
-
-def _hex_address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """/proc/net/tcp's address: 32-bit words in host (little-endian) order."""
-    raw = bytes.fromhex(hex_addr)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    return ipaddress.ip_address(words)
-
-
-def listening_addresses(pids: list[int]) -> list[tuple[int, str, int]]:
-    """(pid, address, port) of every listening TCP socket the processes hold."""
-    owner = {inode: pid for pid in pids for inode in _socket_inodes(pid)}
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            next(f)
-            for line in f:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in owner:  # state LISTEN
-                    addr, port = cols[1].split(":")
-                    found.append((owner[cols[9]], str(_hex_address(addr)), int(port, 16)))
-    return found
-
-
-def _is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
-
-
 def _workers_dir(core_pid: int) -> str:
     """The directory of the ipc sockets the engine core bound for its workers."""
-    inodes = _socket_inodes(core_pid)
-    with open("/proc/net/unix") as f:
-        next(f)
-        for line in f:
-            cols = line.split()
-            if len(cols) == 8 and cols[6] in inodes and "vllm-trace-workers-" in cols[7]:
-                return os.path.dirname(cols[7])
-    raise AssertionError("the engine core has no worker sockets")
+    paths = [p for p in unix_socket_paths(core_pid) if "vllm-trace-workers-" in p]
+    assert paths, "the engine core has no worker sockets"
+    return os.path.dirname(paths[0])
 
 
 def test_serve_with_two_ranks(model_cache, tmp_path):
@@ -97,7 +53,7 @@ def test_serve_with_two_ranks(model_cache, tmp_path):
         # the rendezvous store and the backends' sockets: nothing of the tree listens beyond loopback
         listening = listening_addresses([proc.pid, core_pid, *workers])
         assert {pid for pid, _, _ in listening} >= {proc.pid, workers[0]}, listening  # uvicorn, the store
-        assert all(_is_loopback(addr) for _, addr, _ in listening), listening
+        assert all(is_loopback(addr) for _, addr, _ in listening), listening
         workers_dir = _workers_dir(core_pid)
         body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         got = httpx.post(url + "/v1/completions", json=body, timeout=DEADLINE).json()
