@@ -7,6 +7,13 @@ meeting at ``init_method`` (default a loopback port; for several machines pass
 ``tcp://HOST:PORT`` or ``env://`` with MASTER_ADDR / MASTER_PORT set: that path exists but is not
 tested here).
 
+Nothing listens beyond the rendezvous host. torch's own ``tcp://`` rendezvous starts rank 0's
+TCPStore (an unauthenticated key-value server every rank reads and writes) on *every*
+interface, whatever host the URL names; so for ``tcp://`` rank 0 binds the listening socket
+itself, to that host, and hands it to the store (``master_listen_fd``). On a loopback host the
+backends' own connections stay on loopback too: gloo would otherwise listen on the address the
+machine's hostname resolves to, and NCCL's bootstrap on its first non-loopback interface.
+
 Two process groups over the same ranks, because a step controller may stop time. Between
 steps the workers wait on a socket, not in a collective, but a kernel-level stop holds rank 0
 *inside* the forward pass while the other ranks sit in their next all-reduce. Ungated steps use
@@ -21,7 +28,11 @@ Both collectives are traced as kernel launches (layer ``kernel``, names ``all_re
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
+import socket
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import torch
 
@@ -87,11 +98,58 @@ def init_distributed(rank: int, world_size: int, init_method: str, device: torch
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    store = rendezvous_store(init_method, rank, world_size, timeout)
+    if store is None:  # env:// and the like: torch's rendezvous, as configured by its environment
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     ranks = list(range(world_size))
     # new_group is collective: every rank creates the same groups in the same order
     stepping = dist.new_group(ranks, timeout=STEPPING_TIMEOUT, backend=backend)
     return TPGroup(rank, world_size, {"fast": dist.group.WORLD, "stepping": stepping})
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: datetime.timedelta):
+    """For ``tcp://HOST:PORT``, the ranks' TCPStore with rank 0's server listening on HOST only
+    (see the module docstring); None for any other init method."""
+    import torch.distributed as dist
+
+    url = urlsplit(init_method)
+    if url.scheme != "tcp":
+        return None
+    host, port = url.hostname, url.port
+    if not host or port is None:
+        raise ValueError(f"distributed init method {init_method!r}: expected tcp://HOST:PORT")
+    if _is_loopback(host):
+        # the backends' own sockets: on loopback, unless the user chose an interface
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(world_size, 16))
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the socket from here on: Python must not close it under the store
+    try:
+        return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def destroy_distributed() -> None:

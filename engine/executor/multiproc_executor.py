@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import os
 import pickle
 import queue
@@ -47,7 +48,7 @@ from engine.engine.exceptions import EngineDeadError
 from engine.hooks import Hooks
 from engine.sample.sampler import SamplerOutput
 from engine.serial_utils import encoder, send_while_alive
-from engine.utils import child_pythonpath
+from engine.utils import child_pythonpath, runtime_dir
 from engine.worker.worker import NewRequestData, ScheduledReq, Worker, WorkerReply, WorkerStep
 
 STARTUP_TIMEOUT_S = 600.0  # loading a big model's shard on the CPU
@@ -126,7 +127,7 @@ class MultiprocExecutor(Executor):
         self._rerun_ids = itertools.count(1)
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self._sent: dict[str, int] = {}  # request id -> token ids the workers have
-        self._dir = tempfile.mkdtemp(prefix="vllm-trace-workers-")
+        self._dir = tempfile.mkdtemp(prefix="vllm-trace-workers-", dir=runtime_dir())
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
         out_addr = f"ipc://{self._dir}/results"
@@ -318,11 +319,18 @@ class MultiprocExecutor(Executor):
             try:
                 if not poller.poll(100):
                     continue
-                reply = decode(self.results.recv())
+                frame = self.results.recv()
             except zmq.ZMQError:
                 return
+            try:  # a frame that is not a rank's (any process of this user can connect) must not end this thread
+                reply = decode(frame)
+                if reply.kind == "rerun":
+                    call_id, ok, result = reply.data
+            except (msgspec.DecodeError, TypeError, ValueError) as e:
+                logging.getLogger(__name__).warning("ignored a %d-byte frame on the workers' result socket that is "
+                                                    "not a worker's reply (%s)", len(frame), e)
+                continue
             if reply.kind == "rerun":
-                call_id, ok, result = reply.data
                 fut = self._reruns.get(call_id)
                 if fut is not None and not fut.done():
                     fut.set_result((ok, result))
@@ -343,6 +351,9 @@ class MultiprocExecutor(Executor):
             if self.dead is not None:
                 return
             self.dead = reason
+        # Its sockets' files now, not at the end of the shutdown below: the process may exit first
+        # (the engine core does, at once). Connected sockets do not need their files.
+        shutil.rmtree(self._dir, ignore_errors=True)
         for fut in list(self._reruns.values()):
             if not fut.done():
                 fut.set_result((False, reason))
