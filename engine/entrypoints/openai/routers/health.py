@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Response
 
-from engine.engine.core_types import EngineDeadError
+from engine.engine.exceptions import EngineDeadError
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ErrorResponse
 from engine.entrypoints.openai.state import StateDep
