@@ -67,6 +67,8 @@ class ServerMetrics:
                                      "Aborted requests (ours: vLLM does not count them).").labels(model_name)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Per request: first to last token, divided by the tokens after the first.", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative drafts verified.").labels(model_name)
@@ -103,6 +105,9 @@ class ServerMetrics:
                 self._seen.pop(out.request_id, None)
                 self.request_success.labels(self.model_name, out.outputs[0].finish_reason).inc()
                 self.e2e.observe(now - m["arrival_time"])
+                # as vLLM's IterationStats.update_from_finished_request: 0 for a one-token answer
+                first = m["first_token_time"]
+                self.tpot.observe((now - first) / (n - 1) if n > 1 and first is not None else 0.0)
             else:
                 self._seen[out.request_id] = (n, now)
         for rid in aborted:
