@@ -5,7 +5,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine.core.block_manager import hash_block
-from lessons.framework import greedy, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import greedy, queue_request, table
 
 TITLE = "Prefix caching"
 SUMMARY = ("A shared system prompt: chained block hashes, cache hits with shared blocks, the last token computed, "

@@ -10,7 +10,8 @@ import torch
 from engine import SamplingParams
 from engine.request import Request
 from engine.sample.sampler import Sampler
-from lessons.framework import main, queue_request, table
+from lessons.cli import main
+from lessons.framework import queue_request, table
 
 TITLE = "Sampling"
 SUMMARY = ("Temperature, top-k, top-p, min-p, repetition and its penalties, and seeds, on the model's real "

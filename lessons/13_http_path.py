@@ -14,7 +14,8 @@ from engine.arg_utils import engine_config
 from engine.engine.async_llm import AsyncLLM
 from engine.entrypoints.openai import build_app
 from engine.entrypoints.openai.background import start_background
-from lessons.framework import events_of, main, table
+from lessons.cli import main
+from lessons.framework import events_of, table
 from tracer.journey import TWO_PROCESS_CHAIN, layer_path, missing_links, request_events
 from tracer.session import TraceSession
 

@@ -15,7 +15,8 @@ from engine.engine.async_engine import AsyncLLMEngine
 from engine.entrypoints.openai import build_app
 from engine.entrypoints.openai.background import start_background
 from engine.entrypoints.openai.serving import StopHoldback
-from lessons.framework import events_of, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import events_of, queue_request, table
 
 TITLE = "When a request stops"
 SUMMARY = "EOS, stop strings (held back while streaming), stop_token_ids, min/max_tokens, abort, penalties, logprobs."

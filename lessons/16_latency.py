@@ -20,7 +20,8 @@ from engine.core.kv_cache_utils import bytes_per_block
 from engine.engine.async_engine import AsyncLLMEngine
 from engine.entrypoints.openai import build_app
 from engine.entrypoints.openai.background import start_background
-from lessons.framework import greedy, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import greedy, queue_request, table
 from tracer.commands import bench
 
 TITLE = "Latency and its trade-offs"

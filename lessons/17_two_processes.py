@@ -16,7 +16,8 @@ from engine.engine.async_engine import AsyncLLMEngine
 from engine.engine.async_llm import AsyncLLM
 from engine.engine.core_types import EngineCoreRequest
 from engine.engine.processor import wire_params
-from lessons.framework import events_of, greedy, main, table
+from lessons.cli import main
+from lessons.framework import events_of, greedy, table
 from tracer.session import TraceSession
 from tracer.tui.measure import stream_load
 

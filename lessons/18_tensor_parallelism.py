@@ -9,7 +9,8 @@ import statistics
 from benchmarks.tensor_parallel import collective_share, time_steps
 from engine import LLM, SamplingParams
 from engine.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
-from lessons.framework import events_of, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import events_of, queue_request, table
 from tracer.tui.fmt import fmt_bytes
 
 TITLE = "Tensor parallelism"
