@@ -541,7 +541,10 @@ def _worker(s: TraceState, ev: Event) -> None:
 
 
 def _sampled(s: TraceState, ev: Event) -> None:
-    s.sampled, s.phase = _attrs(ev), "postprocess"
+    a = _attrs(ev)
+    if a.get("rank"):  # every tensor-parallel rank samples the same tokens: the view follows rank 0
+        return
+    s.sampled, s.phase = a, "postprocess"
 
 
 def _new_tokens(s: TraceState, ev: Event) -> None:

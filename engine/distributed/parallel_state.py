@@ -23,7 +23,7 @@ controller may hold the engine runs on the ``stepping`` group, whose timeout is 
 dead rank is then noticed by the executor's process monitor instead.
 
 Both collectives are traced as kernel launches (layer ``kernel``, names ``all_reduce`` and
-``gather``) through ``kernels.instrument.call``, with the bytes each rank sends.
+``all_gather``) through ``kernels.instrument.call``, with the bytes each rank sends.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from engine.trace_names import ALL_REDUCE, GATHER
+from engine.trace_names import ALL_GATHER, ALL_REDUCE
 from kernels import instrument
 
 STEPPING_TIMEOUT = datetime.timedelta(days=1)
@@ -52,7 +52,7 @@ class TPGroup:
 
     @property
     def is_driver(self) -> bool:
-        """Rank 0: it gathers the logits and samples."""
+        """Rank 0: it adds the row-parallel biases, and its step output is the one the executor keeps."""
         return self.rank == 0
 
     def shard(self, n: int) -> tuple[int, int]:
@@ -70,25 +70,25 @@ class TPGroup:
                         reason=f"row-parallel {site}: each rank holds a partial sum; the sum, everywhere")
         return x
 
-    def gather(self, x: torch.Tensor, site: str) -> torch.Tensor | None:
-        """Concatenate every rank's x along the last dimension on rank 0; None on the others."""
+    def all_gather(self, x: torch.Tensor, site: str) -> torch.Tensor:
+        """Concatenate every rank's x along the last dimension, in rank order; every rank gets it."""
         if self.world_size == 1:
             return x
-        meta = dict(op="gather", world_size=self.world_size, bytes=x.numel() * x.element_size(), site=site,
+        meta = dict(op="all_gather", world_size=self.world_size, bytes=x.numel() * x.element_size(), site=site,
                     group=self.active)
-        return instrument.call(GATHER, self._gather, dict(tensor=x), meta=meta,
-                               reason=f"{site}: each rank's slice of the vocabulary, to rank 0 (it samples)")
+        return instrument.call(ALL_GATHER, self._all_gather, dict(tensor=x), meta=meta,
+                               reason=f"{site}: each rank's slice of the vocabulary, to every rank (each samples)")
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         import torch.distributed as dist
         dist.all_reduce(tensor, group=self.groups[self.active])
 
-    def _gather(self, tensor: torch.Tensor) -> torch.Tensor | None:
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
         tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.is_driver else None
-        dist.gather(tensor, parts, dst=0, group=self.groups[self.active])
-        return torch.cat(parts, dim=-1) if self.is_driver else None
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.groups[self.active])
+        return torch.cat(parts, dim=-1)
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device,

@@ -4,7 +4,11 @@
 
 ``MultiprocExecutor``: N ranks, one worker process each (``engine.executor.worker_proc``). Every step
 the scheduler output is turned into one ``WorkerStep`` (plain data), encoded once and sent to
-every rank; every rank replies when its forward pass is done, rank 0 with the sampled tokens.
+every rank. Every rank samples (the logits are all-gathered), and only ``output_rank`` (0)
+sends its sampled tokens back, as V1's ``MultiprocExecutor.execute_model`` asks for them with
+``collective_rpc(..., unique_reply_rank=self.output_rank)``. In V1 the other ranks send nothing;
+here every rank still replies when its step is done, with no tokens: the reply carries that
+rank's trace events, and the step ends (and the trace shows it) when every rank has finished.
 
 Transport: ZMQ over ipc:// sockets, as between the front end and the engine core, not a
 shared-memory ring like vLLM's ``shm_broadcast``. A step message here is a few hundred bytes to a
@@ -63,7 +67,7 @@ class WorkerDiedError(EngineDeadError):
 class Executor:
     """What the engine asks of its ranks. load_model(progress) -> dict (bytes, params, ...);
     determine_num_blocks() -> (n, why), the least over the ranks; initialize_kv_cache(n) ->
-    dict; warm_up(max_model_len) -> dict; execute_model(sched) -> SamplerOutput (rank 0's);
+    dict; warm_up(max_model_len) -> dict; execute_model(sched) -> SamplerOutput (output_rank's);
     held_attention_on_triton() -> dict; shutdown()."""
 
     tensor_parallel_size = 1
@@ -119,6 +123,7 @@ class MultiprocExecutor(Executor):
                  on_dead: Callable[[str], None] | None = None):
         pc = config.parallel
         self.tensor_parallel_size = n = pc.tensor_parallel_size
+        self.output_rank = 0  # whose sampled tokens come back (V1's _get_output_rank: TP rank 0)
         self.hooks, self.on_dead = hooks, on_dead
         self.dead: str | None = None
         self._closing = False
@@ -193,7 +198,7 @@ class MultiprocExecutor(Executor):
     # ---- steps ---------------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
         """Broadcast the step, consult forwarded kernel gates (on this, the engine thread), wait
-        for every rank; rank 0's sampled tokens. Raises WorkerDiedError if a rank fails."""
+        for every rank; output_rank's sampled tokens. Raises WorkerDiedError if a rank fails."""
         self._check()
         self._broadcast(b"step", self._step_message(sched))
         pending, result, events = set(range(self.tensor_parallel_size)), None, []
@@ -209,7 +214,7 @@ class MultiprocExecutor(Executor):
                 self._fail(f"worker rank {reply.rank} sent {reply.kind!r} during a step")
             events += reply.events
             pending.discard(reply.rank)
-            if reply.rank == 0:
+            if reply.rank == self.output_rank:
                 result = SamplerOutput(**reply.data) if reply.data is not None else None
         events.sort(key=lambda e: e[6])  # the ranks' launches, interleaved in time (one clock on Linux)
         self._emit(events)
@@ -233,8 +238,8 @@ class MultiprocExecutor(Executor):
             sent[rid] = have + len(delta)
             scheduled.append(ScheduledReq(rid, delta, s.num_computed_before, s.num_tokens, list(req.block_ids),
                                           s.spec_token_ids))
-        msg = WorkerStep(sched.step, new, scheduled, sorted(sched.finished_req_ids), gated=self.hooks.gated,
-                         trace=self.hooks.active)
+        msg = WorkerStep(sched.step, new, scheduled, sorted(sched.finished_req_ids), output_rank=self.output_rank,
+                         gated=self.hooks.gated, trace=self.hooks.active)
         return encoder().encode(msg)
 
     def held_attention_on_triton(self) -> dict:

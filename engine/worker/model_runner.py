@@ -40,7 +40,7 @@ class ModelRunner:
     def __init__(self, model: GPT2Model, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None,
                  rank: int = 0):
         self.model = model
-        self.rank = rank  # tensor-parallel rank: in every kernel event; only rank 0 samples
+        self.rank = rank  # tensor-parallel rank: in every kernel event and sampler/sampled
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -104,9 +104,9 @@ class ModelRunner:
                           positions=tensor(np.array(positions, np.int64)), meta=meta,
                           logits_indices=tensor(last), all_last=T == n)
 
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
-        """One forward pass and sampling for a non-empty SchedulerOutput (None on a
-        tensor-parallel rank other than 0: its logits went to rank 0).
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """One forward pass and sampling for a non-empty SchedulerOutput (on every
+        tensor-parallel rank: each has the whole logits after the all-gather).
 
         Returns one sampled token (with logprobs and ranks when asked for) per scheduled request,
         in ``sched.scheduled`` order; a prefill chunk that does not end its prompt gets one too,
@@ -125,14 +125,14 @@ class ModelRunner:
         with instrument.observe(self._launches.append, before, access_maps=False, step=sched.step):
             return self._run(sched, inp)
 
-    def forward(self, inp: ModelInput) -> torch.Tensor | None:
-        """The model on one batch: logits of each request's last scheduled position (None on a
-        tensor-parallel rank other than 0). (Callers run it under torch.inference_mode().)"""
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """The model on one batch: logits of each request's last scheduled position. (Callers
+        run it under torch.inference_mode().)"""
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         return self.model.compute_logits(hidden if inp.all_last else hidden[inp.logits_indices])
 
     @torch.inference_mode()
-    def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput | None:
+    def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput:
         rows, spans = _prompt_logprob_rows(sched)
         try:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
@@ -141,8 +141,6 @@ class ModelRunner:
         finally:
             if self._launches:
                 self._publish_launches()
-        if logits is None:
-            return None
         drafts = [s.spec_token_ids for s in sched.scheduled]
         last_rows = _last_rows(drafts) if any(drafts) else None
         out = self.sampler(logits if last_rows is None else logits[last_rows], [s.request for s in sched.scheduled])
@@ -171,8 +169,9 @@ class ModelRunner:
         # what allowed_token_ids, bad_words and logit_bias did, per request that asked
         done_by_row = getattr(self.sampler, "last_processed", {})  # (a lesson may wrap the sampler)
         processed = {sched.req_ids[i]: done for i, done in done_by_row.items()} or None
+        # on every rank, with the rank: the trace shows that the ranks drew the same tokens
         self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=sched.req_ids,
-                        logits_processors=processed)
+                        logits_processors=processed, rank=self.rank)
 
     def _trace_warmup_launch(self, rec: instrument.LaunchRecord) -> None:
         self.hooks.emit(KERNEL, rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta,

@@ -5,6 +5,12 @@ the AsyncLLMEngine), with vLLM V1's accounting: a request's prompt tokens count 
 that produced its first token. Gauges are read from the engine's latest published stats at
 scrape time, so a request queued while the engine is paused shows in
 ``vllm:num_requests_waiting`` at once. Each app has its own registry (tests build several).
+
+One counter is ours, not vLLM's, and named so: ``vllm_trace:request_abort_total``, the requests
+aborted (a client that went away, an explicit abort). vLLM counts no such thing: its
+``OutputProcessor.abort_requests`` (``vllm/v1/engine/output_processor.py``) drops an aborted
+request's state without recording its stats, so ``vllm:request_success_total`` does not move
+for it; neither does ours.
 """
 from __future__ import annotations
 
@@ -57,8 +63,12 @@ class ServerMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(model_name)
         self.request_success = counter("vllm:request_success", "Finished requests, by finish reason.",
                                        m + ["finished_reason"])
+        self.request_abort = counter("vllm_trace:request_abort",
+                                     "Aborted requests (ours: vLLM does not count them).").labels(model_name)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Per request: first to last token, divided by the tokens after the first.", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative drafts verified.").labels(model_name)
@@ -95,11 +105,14 @@ class ServerMetrics:
                 self._seen.pop(out.request_id, None)
                 self.request_success.labels(self.model_name, out.outputs[0].finish_reason).inc()
                 self.e2e.observe(now - m["arrival_time"])
+                # as vLLM's IterationStats.update_from_finished_request: 0 for a one-token answer
+                first = m["first_token_time"]
+                self.tpot.observe((now - first) / (n - 1) if n > 1 and first is not None else 0.0)
             else:
                 self._seen[out.request_id] = (n, now)
         for rid in aborted:
             self._seen.pop(rid, None)
-            self.request_success.labels(self.model_name, "abort").inc()
+            self.request_abort.inc()
         if outputs:
             self.iteration_tokens.observe(step_tokens)
         last, self._last = self._last, stats
