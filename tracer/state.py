@@ -607,7 +607,8 @@ def snapshot_view(state: TraceState) -> dict:
         return dict(request_id=rid, status=r.status, num_computed_tokens=r.num_computed_tokens,
                     num_tokens=r.num_tokens, num_prompt_tokens=r.num_prompt_tokens,
                     num_output_tokens=len(r.output_token_ids), block_table=list(r.block_table),
-                    num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions)
+                    num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
+                    priority=r.priority)
     return dict(waiting=[req_state(r) for r in state.waiting], running=[req_state(r) for r in state.running])
 
 
