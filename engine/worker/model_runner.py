@@ -168,10 +168,12 @@ class ModelRunner:
     def _trace_sampled(self, sched: SchedulerOutput, out: SamplerOutput) -> None:
         # what allowed_token_ids, bad_words and logit_bias did, per request that asked
         done_by_row = getattr(self.sampler, "last_processed", {})  # (a lesson may wrap the sampler)
-        processed = {sched.req_ids[i]: done for i, done in done_by_row.items()} or None
+        extra = {}
+        if done_by_row:
+            extra["logits_processors"] = {sched.req_ids[i]: done for i, done in done_by_row.items()}
         # on every rank, with the rank: the trace shows that the ranks drew the same tokens
         self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=sched.req_ids,
-                        logits_processors=processed, rank=self.rank)
+                        rank=self.rank, **extra)
 
     def _trace_warmup_launch(self, rec: instrument.LaunchRecord) -> None:
         self.hooks.emit(KERNEL, rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta,

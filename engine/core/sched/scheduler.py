@@ -95,7 +95,7 @@ class Scheduler:
             n = min(remaining + len(req.spec_token_ids), budget)  # draft tokens: lookahead slots to verify
             while not self.block_manager.allocate_slots(req, n):
                 victim, why = self._victim()
-                self._preempt(victim, out, reason=f"{why}: no free blocks for {req.request_id}")
+                self._preempt(victim, out, reason=f"{why}no free blocks for {req.request_id}")
                 if victim is req:
                     break
             else:  # (Request.is_prefill, inlined: this runs for every running request every step)
@@ -141,12 +141,13 @@ class Scheduler:
         return None
 
     def _victim(self) -> tuple[Request, str]:
-        """Who is preempted when blocks run out, taken out of `running`, and why them."""
+        """Who is preempted when blocks run out, taken out of `running`, and why them (under FCFS: the most
+        recently admitted, which needs no saying)."""
         if self.config.policy == "priority":
             victim = max(self.running, key=_priority)
             self.running.remove(victim)
-            return victim, f"lowest priority ({victim.priority})"
-        return self.running.pop(), "most recently admitted"
+            return victim, f"lowest priority ({victim.priority}): "
+        return self.running.pop(), ""
 
     def _preempt(self, req: Request, out: SchedulerOutput, reason: str) -> None:
         self.block_manager.free_request(req)
