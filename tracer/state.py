@@ -59,9 +59,11 @@ from engine.trace_names import (
     SCHEDULE,
     SCHEDULED,
     SCHEDULER,
+    SPEC_DECODE,
     STEP,
     TOKENIZER,
     TRACER,
+    VERIFIED,
     WORKER,
     WORKER_READY,
 )
@@ -102,13 +104,14 @@ class RequestView:
     timeline: list[dict] = field(default_factory=list)
     cache_hit_blocks: list[int] = field(default_factory=list)  # prefix-cache hits, physical ids
     priority: int = 0  # with scheduling_policy "priority": lower first
+    spec_history: list[tuple[int, int, int]] = field(default_factory=list)  # (step, drafts, accepted), recent
     parent_id: str | None = None  # n > 1: the request this one is a child of
     sibling_ids: list[str] = field(default_factory=list)  # n > 1: all the children, in index order
 
     def copy(self) -> "RequestView":
         c = copy.copy(self)
         for name in ("prompt_token_ids", "prompt_pieces", "output_token_ids", "block_table", "layers",
-                     "cache_hit_blocks"):
+                     "cache_hit_blocks", "spec_history"):
             setattr(c, name, list(getattr(self, name)))
         c.timeline = [dict(t) for t in self.timeline]  # fold extends the last decode entry in place
         return c
@@ -129,6 +132,7 @@ class TraceState:
     batch: dict | None = None  # this step's flattened model input
     kernels: list[dict] = field(default_factory=list)  # this step's kernel launches (name, grid, rank, ...)
     sampled: dict | None = None  # this step's sampled token ids
+    verified: dict = field(default_factory=dict)  # speculative decoding: request id -> this step's verification
     stats: dict = field(default_factory=dict)  # latest EngineStats
     num_blocks: int | None = None
     startup: list[dict] = field(default_factory=list)  # finished startup stages
@@ -189,6 +193,7 @@ class TraceState:
         c.waiting, c.running, c.finished = list(self.waiting), list(self.running), list(self.finished)
         c.kernels, c.startup, c.stats = list(self.kernels), list(self.startup), dict(self.stats)
         c.cached_free, c.kv_usage_history = set(self.cached_free), list(self.kv_usage_history)
+        c.verified = dict(self.verified)
         c.kernel_history = {k: list(v) for k, v in self.kernel_history.items()}
         c.workers = [dict(w) for w in self.workers]  # fold replaces a worker's values, never changes them
         return c
@@ -270,6 +275,12 @@ def _queued(s: TraceState, ev: Event) -> None:
         s.waiting.append(ev.request_id)
 
 
+def _verified(s: TraceState, ev: Event) -> None:
+    a, req = _attrs(ev), s.request(ev.request_id)
+    s.verified[ev.request_id] = a
+    _append_bounded(req.spec_history, (ev.step, len(a.get("draft", ())), len(a.get("accepted", ()))))
+
+
 def _fan_out(s: TraceState, ev: Event) -> None:
     a = _attrs(ev)
     children = list(a.get("child_ids", ()))
@@ -328,7 +339,7 @@ def _http(s: TraceState, ev: Event) -> None:
 def _step(s: TraceState, ev: Event) -> None:
     if ev.kind == BEGIN:
         s.step, s.phase = ev.step, "schedule"
-        s.batch, s.kernels, s.sampled = None, [], None
+        s.batch, s.kernels, s.sampled, s.verified = None, [], None, {}
     elif ev.kind == END:
         s.phase = "done"
         s.stats = _attrs(ev).get("stats", s.stats)
@@ -577,6 +588,7 @@ _HANDLERS = {
     (TOKENIZER, ENCODE): _encoded,
     (ENGINE, QUEUED): _queued,
     (API, FAN_OUT): _fan_out,
+    (SPEC_DECODE, VERIFIED): _verified,
     (ENGINE, FINISHED): _finished,
     (ENGINE, ABORTED): _finished,
     (ENGINE, STEP): _step,

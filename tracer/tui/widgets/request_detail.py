@@ -124,6 +124,12 @@ class RequestDetail(LinesView):
                               + (f"/{r.max_tokens}" if r.max_tokens else "")
                               + (f" · preempted {r.num_preemptions}×" if r.num_preemptions else "")
                               + (f" · priority {r.priority}" if r.priority else ""))
+        if r.spec_history:  # speculative decoding: accepted of proposed, its latest verifications
+            recent = " ".join(f"{a}/{d}" for _, d, a in r.spec_history[-12:])
+            accepted = sum(a for _, _, a in r.spec_history)
+            drafted = sum(d for _, d, _ in r.spec_history)
+            title.append(f"\ndrafts: {accepted} of {drafted} accepted; recent steps (accepted/proposed): {recent}",
+                         "magenta")
         if r.parent_id is not None:  # n > 1: one of a parent request's children
             siblings = ", ".join(s if s != rid else f"[{s}]" for s in r.sibling_ids)
             title.append(f"\nchild {r.sibling_ids.index(rid)} of {len(r.sibling_ids)} of request {r.parent_id} "

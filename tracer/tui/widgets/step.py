@@ -32,6 +32,19 @@ def _ints(values: list, limit: int = MAX_ITEMS) -> str:
     return s + (f" … +{len(values) - limit}" if len(values) > limit else "")
 
 
+def drafts_line(v: dict, indent: int) -> Text:
+    """A request's verified drafts: accepted ones green, rejected ones struck, then the target's token."""
+    line = Text(" " * (indent + 2) + " drafts ", "dim")
+    for t in v.get("accepted", ()):
+        line.append(f"{t} ", "green")
+    for t in v.get("rejected", ()):
+        line.append(f"{t}", "red strike")
+        line.append(" ")
+    line.append(f"→ {v.get('token')}" + (" (bonus)" if v.get("bonus") else " (the target's)"), "bold")
+    line.append("\n")
+    return line
+
+
 def batch_table(frame: Frame) -> Group | Text:
     s = frame.state
     snap = s.snapshot if s.snapshot_step == s.step else None
@@ -52,11 +65,18 @@ def batch_table(frame: Frame) -> Group | Text:
         table.append(f" {sch['kind']:<8}", "magenta" if sch["kind"] == "prefill" else "cyan")
         table.append(f"{sch['num_tokens']:>6} {sch['num_computed_before']:>6}  "
                      f"{sch['num_computed_before'] + sch['num_tokens']}/{total}\n")
+        if rid in s.verified:
+            table.append_text(drafts_line(s.verified[rid], w))
     table.rstrip()
     used, budget = snap.get("total_num_scheduled_tokens", 0), snap.get("token_budget", 0)
     n = len(snap.get("scheduled", []))
     head = Text.assemble((f"step {s.step}", "bold"), f"  batch of {n} request{'' if n == 1 else 's'}, ",
                          (f"{used}", "bold"), f"/{budget} tokens of the budget")
+    drafted = s.stats.get("spec_num_draft_tokens", 0)
+    if drafted:  # speculative decoding: how it pays so far
+        accepted, drafts = s.stats.get("spec_num_accepted_tokens", 0), s.stats.get("spec_num_drafts", 1)
+        head.append(f"\nspeculation: {accepted / drafted:.0%} of {drafted} draft tokens accepted, "
+                    f"{accepted / max(1, drafts):.2f} a draft", "dim")
     return Group(head, table)
 
 
