@@ -18,6 +18,9 @@ WRONG = {
                         "hits on cached-but-free blocks take them out of the free queue"),
     "online_softmax": ("alpha = torch.exp(m - m_new)", "alpha = torch.tensor(1.0)",
                        "it equals softmax(q·K × scale)·V"),
+    "acceptance": ("        return kept + [target_argmax[j] if greedy else recovered[j]]",
+                   "        return kept + [target_argmax[j]]",
+                   "rejects the second, replaced by the recovered token"),
 }
 
 
