@@ -130,8 +130,8 @@ class Scheduler:
                 reason = "token budget used up"
             elif len(self.running) >= self.config.max_num_seqs:
                 reason = "max_num_seqs reached"
-            elif self.waiting[0].status is RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(out):
-                skipped.append(self.waiting.popleft())
+            elif self.waiting[0].status is RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(out, skipped):
+                continue  # passed over (its grammar is compiling) or finished (its grammar failed)
             else:
                 reason = self._try_admit(self.waiting[0], budget, out)
                 if reason is None:
@@ -146,11 +146,13 @@ class Scheduler:
         return out
 
     # ---- structured outputs (engine/structured_output) ----------------------------------------
-    def _grammar_ready(self, out: SchedulerOutput) -> bool:
+    def _grammar_ready(self, out: SchedulerOutput, skipped: list[Request]) -> bool:
         """For the head of `waiting`, WAITING_FOR_FSM: whether its grammar has compiled (it is
-        then WAITING, admitted as any other). A grammar that failed finishes the request."""
+        then WAITING, admitted as any other). If not, it leaves `waiting`: into `skipped` while
+        its grammar compiles, finished if its grammar failed."""
         req = self.waiting[0]
         if not self.structured_output_manager.check_ready(req):
+            skipped.append(self.waiting.popleft())
             return False
         so = req.structured_output_request
         if so.error is not None:
