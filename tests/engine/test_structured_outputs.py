@@ -118,9 +118,10 @@ def test_compile_failure_in_the_core_finishes_the_request(monkeypatch):
     assert not core.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("so", [StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "intger"}}}),
-                                StructuredOutputsParams(regex="(a"), StructuredOutputsParams(grammar="root ::= nope"),
-                                StructuredOutputsParams(json="{not json")])
+@pytest.mark.parametrize("so", [
+    StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "intger"}}}),
+    StructuredOutputsParams(regex="(a"), StructuredOutputsParams(grammar="root ::= nope"),
+    StructuredOutputsParams(json="{not json")])
 def test_bad_grammars_are_refused_before_queueing(so):
     llm = LLM("tiny-gpt2")
     with pytest.raises(SamplingParamsError, match="structured_outputs"):

@@ -45,7 +45,8 @@ def test_json_schema_chat_sampled(client):
 
 
 def test_json_schema_completion_and_stream(client):
-    kw = dict(model="tiny-gpt2", prompt="A person:", max_tokens=120, temperature=0, extra_body={"response_format": FORMAT})
+    kw = dict(model="tiny-gpt2", prompt="A person:", max_tokens=120, temperature=0,
+              extra_body={"response_format": FORMAT})
     full = client.completions.create(**kw).choices[0]
     assert full.finish_reason == "stop"
     check_person(full.text)
