@@ -175,7 +175,7 @@ class Worker:
         if msg.grammar_bitmask is not None:
             ids = msg.structured_output_request_ids
             sched.structured_output_request_ids = {rid: i for i, rid in enumerate(ids)}
-            sched.grammar_bitmask = np.frombuffer(msg.grammar_bitmask, np.int32).reshape(len(ids), -1)
+            sched.grammar_bitmask = np.frombuffer(bytearray(msg.grammar_bitmask), np.int32).reshape(len(ids), -1)
         for s in msg.scheduled:
             state = self.requests[s.request_id]
             state.all_token_ids += s.new_token_ids

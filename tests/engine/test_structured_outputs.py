@@ -153,3 +153,14 @@ def test_matchers_survive_preemption_and_chunked_prefill():
         assert text.startswith('{"color": "')
         if finish == "stop":
             json.loads(text)
+
+
+def test_tensor_parallel_ranks_get_the_mask():
+    """With two ranks the bitmask crosses to the workers with the step: rank 0 applies it."""
+    p = _params(StructuredOutputsParams(json=SCHEMA), max_tokens=30)
+    one = [o.outputs[0].token_ids for o in LLM("tiny-gpt2").generate(["JSON:", "x"], p, use_tqdm=False)]
+    two = LLM("tiny-gpt2", tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(["JSON:", "x"], p, use_tqdm=False)] == one
+    finally:
+        two.shutdown()

@@ -129,3 +129,16 @@ def test_unconstrained_neighbours_unchanged(client):
         together = [c.text for c in client.completions.create(**kw).choices]
         other.result()
     assert together == alone
+
+
+def test_send_flags(live, capsys, tmp_path):
+    from tracer.cli import main
+
+    assert main(["send", "Colour:", "--url", live.url, "--choice", "red,green", "--temperature", "0.8"]) == 0
+    assert capsys.readouterr().out.strip() in ("red", "green")
+    assert main(["send", "Code:", "--url", live.url, "--regex", "[A-Z]{3}-[0-9]{2}", "--stream"]) == 0
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", capsys.readouterr().out.strip())
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))
+    assert main(["send", "JSON:", "--chat", "--url", live.url, "--json-schema", str(schema)]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out)["ok"], bool)
