@@ -8,7 +8,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 
 from engine import SamplingParams, StructuredOutputsParams
 from engine.trace_names import BITMASK, KERNEL, STEP, STRUCTURED_OUTPUT
-from lessons.framework import events_of, main, table
+from lessons.cli import main
+from lessons.framework import events_of, table
 
 TITLE = "Structured outputs"
 SUMMARY = ("The same prompt with and without a JSON schema; how many of the 4,096 tokens the grammar's mask "
