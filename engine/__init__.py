@@ -14,7 +14,7 @@ _EXPORTS = {
     "engine.hooks": ("Hooks",), "engine.entrypoints.llm": ("LLM",), "engine.engine.llm_engine": ("LLMEngine",),
     "engine.model_executor.model_loader": ("ModelNotFoundError", "NotAGPT2CheckpointError"),
     "engine.outputs": ("CompletionOutput", "EngineStats", "Logprob", "RequestOutput"),
-    "engine.sampling_params": ("SamplingParams", "SamplingParamsError"),
+    "engine.sampling_params": ("SamplingParams", "SamplingParamsError", "StructuredOutputsParams"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -29,7 +29,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "LLM", "LLMEngine", "SamplingParams", "SamplingParamsError", "RequestOutput", "CompletionOutput", "Logprob",
+    "LLM", "LLMEngine", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams", "RequestOutput",
+    "CompletionOutput", "Logprob",
     "EngineStats", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig", "ConfigError", "Hooks",
     "ModelNotFoundError", "NotAGPT2CheckpointError",
 ]

@@ -10,6 +10,7 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "WAITING"
+    WAITING_FOR_FSM = "WAITING_FOR_FSM"  # in waiting, its grammar still compiling: the scheduler passes over it
     RUNNING = "RUNNING"
     PREEMPTED = "PREEMPTED"  # back in waiting; its blocks were freed, it will be recomputed
     FINISHED_STOPPED = "FINISHED_STOPPED"
@@ -53,6 +54,7 @@ class Request:
         self.spec_token_ids: list[int] = []  # speculative decoding: drafts to verify in the next step
         self.sampling_seed: int | None = None  # set by the engine: seeds generator (and every rank's copy of it)
         self.generator = None
+        self.structured_output_request = None  # a StructuredOutputRequest when params.structured_outputs
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -79,6 +81,10 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     @property
     def finish_reason(self) -> str | None:

@@ -1,13 +1,78 @@
 """SamplingParams, as in vLLM: how to pick each next token and when to stop."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 OUTPUT_KINDS = ("cumulative", "final_only")
+KINDS = ("json", "json_object", "regex", "choice", "grammar")  # StructuredOutputsParams' constraints
 
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's name and fields): exactly one of ``json`` (a JSON
+    schema, as a dict or its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one
+    of these strings) or ``grammar`` (EBNF in xgrammar's dialect, GBNF-like). Compiled by the
+    engine core's StructuredOutputManager (engine/structured_output/); the front end's Processor
+    checks it first, so a bad schema is refused before it is queued.
+
+    JSON is compact by default here (", " and ": ", nothing else between tokens: a small model
+    given any whitespace writes newlines for ever, see backend_xgrammar.build_grammar);
+    whitespace_pattern: a regex for the whitespace allowed between JSON tokens instead (``[ \n\t]*``
+    for any); disable_any_whitespace (vLLM's): compact even if whitespace_pattern is set."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            got = ", ".join(kinds) or "none"
+            raise _error("structured_outputs", "must set exactly one of json, json_object, regex, choice or "
+                         f"grammar (got {got})")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise _error("structured_outputs.choice", "must be a non-empty list of non-empty strings")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or (not value and name != "whitespace_pattern")):
+                raise _error(f"structured_outputs.{name}", "must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise _error("structured_outputs.json", "must be a JSON schema: an object, or its text")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, json_object, regex, choice or grammar."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, str | None]:
+        """(kind, spec as text, whitespace): what a compiled grammar is cached by (vLLM V1's
+        structured_output_key, with the whitespace option that changes a JSON grammar)."""
+        kind = self.kind
+        spec: Any = getattr(self, kind)
+        if kind == "json_object":
+            spec = ""
+        elif not isinstance(spec, str):
+            spec = json.dumps(spec, sort_keys=True)
+        return kind, spec, "" if self.disable_any_whitespace else self.whitespace_pattern
+
+
+def _error(param: str, msg: str) -> SamplingParamsError:
+    err = SamplingParamsError(f"{param} {msg}")
+    err.param = param
+    return err
 
 
 @dataclass
@@ -37,11 +102,16 @@ class SamplingParams:
     # vLLM's RequestOutputKind: "cumulative" (an output for every step, the server streams
     # these) or "final_only" (only the finished one; LLM.generate asks for this).
     output_kind: str = "cumulative"
+    # JSON schema, regex, choice or grammar the output must follow (a dict here becomes the dataclass:
+    # what crosses the wire to the engine core and to the workers)
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strs: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.stop_strs = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

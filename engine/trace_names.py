@@ -12,8 +12,9 @@ SCHEDULER, BLOCK_MANAGER, MODEL_RUNNER, KERNEL = "scheduler", "block_manager", "
 SAMPLER, DETOKENIZER, TRACER = "sampler", "detokenizer", "tracer"
 SPEC_DECODE = "spec_decode"  # speculative decoding: drafts verified, accepted, rejected
 WORKER = "worker"  # a tensor-parallel rank's own process (its startup, the step it received)
-LAYERS = (CLI, HTTP, API, TOKENIZER, IPC, ENGINE, SCHEDULER, BLOCK_MANAGER, WORKER, MODEL_RUNNER, KERNEL, SAMPLER,
-          SPEC_DECODE, DETOKENIZER, TRACER)
+STRUCTURED_OUTPUT = "structured_output"  # the engine core's StructuredOutputManager: grammars and their masks
+LAYERS = (CLI, HTTP, API, TOKENIZER, IPC, ENGINE, SCHEDULER, STRUCTURED_OUTPUT, BLOCK_MANAGER, WORKER, MODEL_RUNNER,
+          KERNEL, SAMPLER, SPEC_DECODE, DETOKENIZER, TRACER)
 # where each runs with the engine core in its own process (in one process: all here)
 FRONTEND_LAYERS = frozenset({CLI, HTTP, API, TOKENIZER, DETOKENIZER})
 
@@ -28,6 +29,9 @@ EXECUTE_MODEL, WORKER_READY = "execute_model", "ready"  # worker: the step it re
 ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"  # kernel: tensor-parallel collectives, traced as launches
 SAMPLED = "sampled"  # sampler
 VERIFIED, REJECTED = "verified", "rejected"  # spec_decode: a request's drafts checked; some were rejected
+# structured_output: a request's grammar compiled (or failed); a step's bitmask (allowed tokens per request);
+# a sampled token the grammar refused
+GRAMMAR_COMPILED, BITMASK, GRAMMAR_REJECTED = "compiled", "bitmask", "refused"
 EVENTS_LOST = "events_lost"  # tracer: a reader fell behind the ring and missed this many events
 # request lifecycle (engine, scheduler)
 QUEUED, SCHEDULED, PREEMPTED, FINISHED, ABORTED = "QUEUED", "SCHEDULED", "PREEMPTED", "FINISHED", "ABORTED"

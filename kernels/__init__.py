@@ -8,14 +8,22 @@ from kernels._env import INTERPRETED  # first: it turns the Triton interpreter o
 # isort: on
 from kernels import instrument
 from kernels.access import access_map
+from kernels.apply_token_bitmask import apply_token_bitmask
 from kernels.config import AttentionConfig, CacheConfig, choose_cache_config, choose_config
-from kernels.reference import rejection_sample_ref, reshape_and_cache_ref, unified_attention_ref
+from kernels.reference import (
+    apply_token_bitmask_ref,
+    rejection_sample_ref,
+    reshape_and_cache_ref,
+    unified_attention_ref,
+)
 from kernels.rejection_sample import rejection_sample
 from kernels.reshape_and_cache import reshape_and_cache
 from kernels.unified_attention import unified_attention
 
 __all__ = [
     "access_map",
+    "apply_token_bitmask",
+    "apply_token_bitmask_ref",
     "INTERPRETED",
     "AttentionConfig",
     "CacheConfig",

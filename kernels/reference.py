@@ -205,3 +205,16 @@ def rejection_sample_ref(draft_token_ids: torch.Tensor, cu_num_drafts: torch.Ten
         else:
             out[r, cu[r + 1] - cu[r]] = int(bonus_token_ids[r])
     return out
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor) -> None:
+    """Structured outputs' grammar mask (in place): row ``indices[i]`` of logits keeps token t only
+    if bit t % 32 of word t // 32 of ``bitmask[i]`` is set; every other token becomes -inf.
+
+    logits [num_seqs, vocab] float; bitmask [n, ceil(vocab / 32)] int32 (xgrammar's packing);
+    indices [n] int, the logits row of each bitmask row."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    rows = indices.long()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

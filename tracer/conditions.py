@@ -4,6 +4,7 @@ A ``Condition`` matches an event by layer, name and request id, and a kernel lau
 kernel name. The same condition is written as text in the TUI and over HTTP:
 
     arrive[:ID]   finish[:ID]   preempt[:ID]   request:ID   layer:LAYER   kernel:NAME   event:LAYER.NAME
+    event:LAYER.*   (any event of that layer: event:structured_output.* stops at grammars and masks)
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def on_kernel(name: str | None = None) -> Condition:
 
 
 def on_event(layer: str, name: str) -> Condition:
-    return Condition(layer, name, label=f"event:{layer}.{name}")
+    """event:LAYER.NAME; event:LAYER.* is any event of the layer (event:structured_output.*)."""
+    return Condition(layer, None if name == "*" else name, label=f"event:{layer}.{name}")
 
 
 def _label(kind: str, arg: str | None) -> str:

@@ -31,6 +31,7 @@ from engine.trace_names import (
     ALLOCATE,
     API,
     BATCH,
+    BITMASK,
     BLOCK_MANAGER,
     CACHE_HIT,
     CLI,
@@ -45,6 +46,7 @@ from engine.trace_names import (
     FAN_OUT,
     FINISHED,
     FREE,
+    GRAMMAR_COMPILED,
     HTTP,
     IPC,
     KERNEL,
@@ -61,6 +63,7 @@ from engine.trace_names import (
     SCHEDULER,
     SPEC_DECODE,
     STEP,
+    STRUCTURED_OUTPUT,
     TOKENIZER,
     TRACER,
     VERIFIED,
@@ -107,11 +110,17 @@ class RequestView:
     spec_history: list[tuple[int, int, int]] = field(default_factory=list)  # (step, drafts, accepted), recent
     parent_id: str | None = None  # n > 1: the request this one is a child of
     sibling_ids: list[str] = field(default_factory=list)  # n > 1: all the children, in index order
+    # structured outputs: the grammar's kind (json, regex, choice, ...), its compile time, and per
+    # generated token how many tokens the grammar's mask allowed when it was sampled
+    grammar: str | None = None
+    grammar_compile_s: float | None = None
+    num_allowed: list[int] = field(default_factory=list)
+    grammar_pieces: list[str] = field(default_factory=list)  # the text each output step added (structured only)
 
     def copy(self) -> "RequestView":
         c = copy.copy(self)
         for name in ("prompt_token_ids", "prompt_pieces", "output_token_ids", "block_table", "layers",
-                     "cache_hit_blocks", "spec_history"):
+                     "cache_hit_blocks", "spec_history", "num_allowed", "grammar_pieces"):
             setattr(c, name, list(getattr(self, name)))
         c.timeline = [dict(t) for t in self.timeline]  # fold extends the last decode entry in place
         return c
@@ -133,6 +142,7 @@ class TraceState:
     kernels: list[dict] = field(default_factory=list)  # this step's kernel launches (name, grid, rank, ...)
     sampled: dict | None = None  # this step's sampled token ids
     verified: dict = field(default_factory=dict)  # speculative decoding: request id -> this step's verification
+    grammar_mask: dict | None = None  # this step's grammar bitmask: allowed tokens per request, vocab_size, fill_ns
     stats: dict = field(default_factory=dict)  # latest EngineStats
     num_blocks: int | None = None
     startup: list[dict] = field(default_factory=list)  # finished startup stages
@@ -339,7 +349,7 @@ def _http(s: TraceState, ev: Event) -> None:
 def _step(s: TraceState, ev: Event) -> None:
     if ev.kind == BEGIN:
         s.step, s.phase = ev.step, "schedule"
-        s.batch, s.kernels, s.sampled, s.verified = None, [], None, {}
+        s.batch, s.kernels, s.sampled, s.verified, s.grammar_mask = None, [], None, {}, None
     elif ev.kind == END:
         s.phase = "done"
         s.stats = _attrs(ev).get("stats", s.stats)
@@ -564,6 +574,8 @@ def _new_tokens(s: TraceState, ev: Event) -> None:
     req.output_token_ids.extend(toks)
     req.num_tokens += len(toks)
     req.text += a.get("text", "")
+    if req.grammar is not None:
+        req.grammar_pieces.append(a.get("text", ""))
     if a.get("text_after_stop") is not None:  # the API server cut the text at a stop string
         req.text = a["text_after_stop"]
 
@@ -576,6 +588,20 @@ def _tracer(s: TraceState, ev: Event) -> None:
         s.paused_at = None
     elif ev.name == EVENTS_LOST:
         s.events_missed += _attrs(ev).get("count", 0)
+
+
+# ---- structured outputs --------------------------------------------------------------------
+def _grammar_compiled(s: TraceState, ev: Event) -> None:
+    a, req = _attrs(ev), s.request(ev.request_id)
+    req.grammar, req.grammar_compile_s = a.get("kind"), a.get("compile_s")
+
+
+def _grammar_bitmask(s: TraceState, ev: Event) -> None:
+    s.grammar_mask = _attrs(ev)
+    for rid, n in (s.grammar_mask.get("num_allowed") or {}).items():
+        req = s.requests.get(rid)
+        if req is not None:
+            req.num_allowed.append(n)
 
 
 def _core_died(s: TraceState, ev: Event) -> None:
@@ -599,6 +625,8 @@ _HANDLERS = {
     (MODEL_RUNNER, BATCH): _batch,
     (SAMPLER, SAMPLED): _sampled,
     (DETOKENIZER, NEW_TOKENS): _new_tokens,
+    (STRUCTURED_OUTPUT, GRAMMAR_COMPILED): _grammar_compiled,
+    (STRUCTURED_OUTPUT, BITMASK): _grammar_bitmask,
 }
 _LAYER_HANDLERS = {
     HTTP: _http,

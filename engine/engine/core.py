@@ -34,11 +34,14 @@ from engine.outputs import EngineStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.ngram_proposer import NgramProposer
+from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import load_tokenizer
 from engine.trace_names import ABORTED, CONFIG, ENGINE, FINISHED, QUEUED, SCHEDULE, SCHEDULED, SCHEDULER, STEP
 from engine.worker.model_runner import ModelRunner
 from engine.worker.worker import Worker
 
+# how long a step waits for a grammar when nothing else can run (short: an abort or a new request may come)
+GRAMMAR_WAIT_S = 0.05
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -90,7 +93,11 @@ class EngineCore:
             info["reason"] = why
 
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.hooks)
+        # grammars for structured outputs: xgrammar is imported by the first one, on the compile thread
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_id, config.scheduler.max_num_seqs)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.hooks,
+                                   self.structured_output_manager)
         self.drafter = NgramProposer(config.speculative) if config.speculative is not None else None
         self._rng = random.Random(mc.seed)
 
@@ -127,6 +134,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also at exit). Safe to call twice."""
+        self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
 
     @property
@@ -153,6 +161,9 @@ class EngineCore:
                       arrival_time=request.arrival_time or time.monotonic(), priority=request.priority)
         req.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req.generator = torch.Generator().manual_seed(req.sampling_seed)
+        if params.structured_outputs is not None:  # waits in the queue until its grammar compiles
+            req.status = RequestStatus.WAITING_FOR_FSM
+            self.structured_output_manager.grammar_init(req)
         self.scheduler.add_request(req)
         if self.hooks.active:
             self._trace_queued(req)
@@ -219,6 +230,8 @@ class EngineCore:
         engine/step begin and end (with stats), SCHEDULED per admitted request, the schedule
         snapshot and end, all that schedule(), execute_model() and update_from_output() emit;
         when gated, the step, execute, postprocess and step_end gates."""
+        if self.scheduler.waiting_for_grammars():  # nothing could run: let the compile thread have the CPU
+            self.structured_output_manager.wait_for_compile(self.scheduler.waiting, GRAMMAR_WAIT_S)
         if self.hooks.gated:
             self.hooks.gate("step", step=self.step_count)
         if self.hooks.active:
@@ -284,7 +297,8 @@ class EngineCore:
                 "scheduled": [{"request_id": s.request.request_id, "num_tokens": s.num_tokens,
                                "num_computed_before": s.num_computed_before,
                                "kind": "prefill" if s.is_prefill else "decode"} for s in sched.scheduled],
-                "admitted": sched.admitted, "preempted": sched.preempted, "waiting_reasons": sched.waiting_reasons}
+                "admitted": sched.admitted, "preempted": sched.preempted, "waiting_reasons": sched.waiting_reasons,
+                "grammar_allowed": sched.grammar_allowed}
         return snap
 
     def _trace_schedule(self, sched: SchedulerOutput) -> None:

@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 from engine.engine.core_types import EngineCoreRequest
 from engine.hooks import Hooks
 from engine.sampling_params import SamplingParams
+from engine.structured_output.backend_xgrammar import validate_structured_output
 from engine.trace_names import ENCODE, TOKENIZER
 
 
@@ -32,6 +33,8 @@ class Processor:
         if vocab is not None and any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab - 1}]")
         params = self._logits_processor_params(params)
+        if params.structured_outputs is not None:  # a grammar xgrammar cannot build is refused here, not queued
+            validate_structured_output(params.structured_outputs)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         return EngineCoreRequest(request_id, ids, params, arrival_time or time.monotonic(), text, priority)

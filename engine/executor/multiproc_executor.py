@@ -240,6 +240,9 @@ class MultiprocExecutor(Executor):
                                           s.spec_token_ids))
         msg = WorkerStep(sched.step, new, scheduled, sorted(sched.finished_req_ids), output_rank=self.output_rank,
                          gated=self.hooks.gated, trace=self.hooks.active)
+        if sched.grammar_bitmask is not None:
+            msg.structured_output_request_ids = list(sched.structured_output_request_ids)
+            msg.grammar_bitmask = sched.grammar_bitmask.tobytes()
         return encoder().encode(msg)
 
     def held_attention_on_triton(self) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import kernels
 from engine.core.sched.output import SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
@@ -143,7 +144,10 @@ class ModelRunner:
                 self._publish_launches()
         drafts = [s.spec_token_ids for s in sched.scheduled]
         last_rows = _last_rows(drafts) if any(drafts) else None
-        out = self.sampler(logits if last_rows is None else logits[last_rows], [s.request for s in sched.scheduled])
+        sample_logits = logits if last_rows is None else logits[last_rows]  # one row per request
+        if sched.grammar_bitmask is not None:  # (requests with a grammar get no drafts: see update_draft_token_ids)
+            self.apply_grammar_bitmask(sched, sample_logits)
+        out = self.sampler(sample_logits, [s.request for s in sched.scheduled])
         if rows:
             out.prompt_logprobs = _prompt_logprobs(prompt_logits, spans, sched)
         if last_rows is not None:
@@ -164,6 +168,20 @@ class ModelRunner:
         for i, tokens in zip(spec, kept):
             out[i] = tokens
         return out
+
+    def apply_grammar_bitmask(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Structured outputs (V1's name): the tokens each constrained request's grammar forbids get
+        -inf, in place, before any logits processor or sampling. Our Triton kernel with the triton
+        backend, its PyTorch reference with torch; both are launches the Kernels panel lists."""
+        row_of = {rid: i for i, rid in enumerate(sched.req_ids)}
+        indices = self._tensor(np.array([row_of[rid] for rid in sched.structured_output_request_ids], np.int32))
+        bitmask = self._tensor(np.ascontiguousarray(sched.grammar_bitmask, np.int32))
+        if self.model.backend.name == "triton":
+            kernels.apply_token_bitmask(logits, bitmask, indices)
+        else:
+            instrument.call("apply_token_bitmask_ref", kernels.apply_token_bitmask_ref,
+                            dict(logits=logits, bitmask=bitmask, indices=indices),
+                            reason="attention_backend=torch: PyTorch reference")
 
     def _trace_sampled(self, sched: SchedulerOutput, out: SamplerOutput) -> None:
         # what allowed_token_ids, bad_words and logit_bias did, per request that asked

@@ -17,6 +17,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import torch
 
 from engine.core.kv_cache_utils import allocate_kv_cache, bytes_per_block, num_blocks_for
@@ -61,6 +62,10 @@ class WorkerStep(msgspec.Struct, array_like=True, gc=False):
     output_rank: int = 0  # the rank whose sampled tokens go back (V1's unique_reply_rank)
     gated: bool = False  # a step controller may hold the engine in this step (rank 0 forwards kernel gates)
     trace: bool = False  # ship trace events
+    # structured outputs: the constrained requests (in the mask's row order) and their grammar bitmask
+    # (int32 words, raw bytes); rank 0 applies it before sampling
+    structured_output_request_ids: list[str] = []
+    grammar_bitmask: bytes | None = None
 
 
 class WorkerReply(msgspec.Struct, array_like=True, gc=False):
@@ -167,6 +172,10 @@ class Worker:
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, params, new.eos_token_id,
                 torch.Generator().manual_seed(new.seed))
         sched = SchedulerOutput(step=msg.step)
+        if msg.grammar_bitmask is not None:
+            ids = msg.structured_output_request_ids
+            sched.structured_output_request_ids = {rid: i for i, rid in enumerate(ids)}
+            sched.grammar_bitmask = np.frombuffer(bytearray(msg.grammar_bitmask), np.int32).reshape(len(ids), -1)
         for s in msg.scheduled:
             state = self.requests[s.request_id]
             state.all_token_ids += s.new_token_ids

@@ -28,6 +28,12 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("VLLM_TRACE_API_KEY"),
                    help="the server's --api-key (default: $VLLM_TRACE_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+    so = p.add_mutually_exclusive_group()  # structured outputs: at most one constraint
+    so.add_argument("--json-schema", metavar="FILE", default=None,
+                    help="answer as JSON following the schema in FILE (response_format json_schema)")
+    so.add_argument("--regex", default=None, help="answer matching this regular expression (structured_outputs)")
+    so.add_argument("--choice", default=None, metavar="A,B,C",
+                    help="answer exactly one of these comma-separated strings (structured_outputs)")
     p.set_defaults(handler=run)
 
 
@@ -71,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 def _send(client, url: str, args: argparse.Namespace) -> int:
     model = args.model or default_model(client, url)
     body = dict(model=model, max_tokens=args.max_tokens, temperature=args.temperature, stream=args.stream)
+    body.update(structured_output_fields(args))
     if args.chat:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": args.prompt}]
     else:
@@ -95,6 +102,22 @@ def _send(client, url: str, args: argparse.Namespace) -> int:
         print(f"[{rid}: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion = "
               f"{usage['total_tokens']} tokens, finish_reason={finish}]", file=sys.stderr)
     return 0
+
+
+def structured_output_fields(args: argparse.Namespace) -> dict:
+    """--json-schema, --regex or --choice as request fields (OpenAI's response_format, vLLM's structured_outputs)."""
+    if getattr(args, "json_schema", None):
+        try:
+            with open(args.json_schema) as f:
+                schema = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--json-schema {args.json_schema}: {e}") from None
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}}
+    if getattr(args, "regex", None):
+        return {"structured_outputs": {"regex": args.regex}}
+    if getattr(args, "choice", None):
+        return {"structured_outputs": {"choice": [c for c in args.choice.split(",") if c]}}
+    return {}
 
 
 def _print_stream(resp, chat: bool):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.request import Request
 
 
@@ -25,6 +27,12 @@ class SchedulerOutput:
     token_budget: int = 0
     # finished or aborted since the last step (V1's name): workers drop the state they keep for them
     finished_req_ids: set[str] = field(default_factory=set)
+    # structured outputs (V1's names): request id -> its row of grammar_bitmask, the rows ([n, ceil(vocab / 32)]
+    # int32, bit j of word w allows token 32 w + j), how many tokens each row allows; grammars that failed
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None
+    grammar_allowed: dict[str, int] = field(default_factory=dict)
+    grammar_failed: dict[str, str] = field(default_factory=dict)  # request id -> why (finished, never ran)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

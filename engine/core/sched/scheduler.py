@@ -31,7 +31,21 @@ from engine.engine.core_types import EngineCoreOutput, EngineCoreOutputs
 from engine.hooks import BEGIN, Hooks
 from engine.request import Request, RequestStatus
 from engine.sample.sampler import SamplerOutput
-from engine.trace_names import ENGINE, FINISHED, PREEMPTED, REJECTED, SCHEDULE, SCHEDULER, SPEC_DECODE, VERIFIED
+from engine.structured_output import StructuredOutputManager
+from engine.trace_names import (
+    BITMASK,
+    ENGINE,
+    FINISHED,
+    GRAMMAR_COMPILED,
+    GRAMMAR_REJECTED,
+    PREEMPTED,
+    REJECTED,
+    SCHEDULE,
+    SCHEDULER,
+    SPEC_DECODE,
+    STRUCTURED_OUTPUT,
+    VERIFIED,
+)
 
 
 class Scheduler:
@@ -45,7 +59,7 @@ class Scheduler:
     ``step_count`` (steps scheduled and updated so far)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 hooks: Hooks | None = None):
+                 hooks: Hooks | None = None, structured_output_manager: StructuredOutputManager | None = None):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -57,6 +71,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
         self.finished_req_ids: set[str] = set()  # handed to the next SchedulerOutput
+        self.structured_output_manager = structured_output_manager  # grammars: compiles, bitmasks, matchers
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -109,18 +124,89 @@ class Scheduler:
 
         # 2. Then admit waiting requests, first come first served.
         reason = "preemption this step" if out.preempted else None
+        skipped: list[Request] = []  # waiting for their grammar: passed over, put back in front after
         while reason is None and self.waiting:
             if budget <= 0:
                 reason = "token budget used up"
             elif len(self.running) >= self.config.max_num_seqs:
                 reason = "max_num_seqs reached"
+            elif self.waiting[0].status is RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(out, skipped):
+                continue  # passed over (its grammar is compiling) or finished (its grammar failed)
             else:
                 reason = self._try_admit(self.waiting[0], budget, out)
                 if reason is None:
                     budget -= out.scheduled[-1].num_tokens
         if reason is not None:
             out.waiting_reasons = {r.request_id: reason for r in self.waiting}
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
+            out.waiting_reasons |= {r.request_id: "its grammar is compiling (WAITING_FOR_FSM)" for r in skipped}
+        if self.structured_output_manager is not None:
+            self._grammar_bitmask(out)
         return out
+
+    # ---- structured outputs (engine/structured_output) ----------------------------------------
+    def _grammar_ready(self, out: SchedulerOutput, skipped: list[Request]) -> bool:
+        """For the head of `waiting`, WAITING_FOR_FSM: whether its grammar has compiled (it is
+        then WAITING, admitted as any other). If not, it leaves `waiting`: into `skipped` while
+        its grammar compiles, finished if its grammar failed."""
+        req = self.waiting[0]
+        if not self.structured_output_manager.check_ready(req):
+            skipped.append(self.waiting.popleft())
+            return False
+        so = req.structured_output_request
+        if so.error is not None:
+            self.waiting.popleft()
+            req.stop_reason = so.error
+            out.grammar_failed[req.request_id] = so.error
+            self.finish_requests((req.request_id,), RequestStatus.FINISHED_ABORTED)
+        else:
+            req.status = RequestStatus.WAITING
+        if self.hooks.active:
+            self._trace_grammar_compiled(req, out.step)
+        return so.error is None
+
+    def waiting_for_grammars(self) -> bool:
+        """Nothing can run until a grammar compiles: nothing is running, and every waiting request
+        waits for its grammar."""
+        return not self.running and bool(self.waiting) and all(
+            r.status is RequestStatus.WAITING_FOR_FSM and not r.structured_output_request.compiled.done()
+            for r in self.waiting)
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """The batch's grammar bitmask (V1's grammar_bitmask): one row per scheduled request with a
+        grammar whose step samples a token (a chunk that does not end the prefill samples none)."""
+        reqs = [s.request for s in out.scheduled if s.request.structured_output_request is not None
+                and s.num_computed_before + s.num_tokens >= s.request.num_tokens]
+        if not reqs:
+            return
+        t0 = time.perf_counter_ns()
+        out.grammar_bitmask, allowed = self.structured_output_manager.grammar_bitmask(reqs)
+        out.structured_output_request_ids = {r.request_id: i for i, r in enumerate(reqs)}
+        out.grammar_allowed = {r.request_id: n for r, n in zip(reqs, allowed)}
+        if self.hooks.active:
+            self._trace_grammar_bitmask(out, reqs, time.perf_counter_ns() - t0)
+
+    def _advance_grammar(self, req: Request, token_id: int, out: SchedulerOutput) -> None:
+        """After sampling: the request's matcher accepts its token (V1's accept_tokens)."""
+        so = req.structured_output_request
+        so.num_allowed.append(out.grammar_allowed.get(req.request_id))
+        if not self.structured_output_manager.accept_token(req, token_id) and self.hooks.active:
+            self.hooks.emit(STRUCTURED_OUTPUT, GRAMMAR_REJECTED, request_id=req.request_id, step=out.step,
+                            token_id=token_id)
+
+    def _trace_grammar_compiled(self, req: Request, step: int) -> None:
+        so = req.structured_output_request
+        self.hooks.emit(STRUCTURED_OUTPUT, GRAMMAR_COMPILED, request_id=req.request_id, step=step, kind=so.kind,
+                        compile_s=so.compile_s, cache_hit=so.cache_hit, error=so.error,
+                        waited_s=time.monotonic() - so.queued_at)
+
+    def _trace_grammar_bitmask(self, out: SchedulerOutput, reqs: list[Request], fill_ns: int) -> None:
+        mgr = self.structured_output_manager
+        allowed = mgr.preview(out.grammar_bitmask, reqs, out.grammar_allowed)
+        self.hooks.emit(STRUCTURED_OUTPUT, BITMASK, step=out.step, vocab_size=mgr.vocab_size, fill_ns=fill_ns,
+                        num_allowed=out.grammar_allowed, allowed=allowed,
+                        terminated=[r.request_id for r in reqs if r.structured_output_request.grammar.is_terminated()])
 
     def _try_admit(self, req: Request, budget: int, out: SchedulerOutput) -> str | None:
         """Admit the head of `waiting`, or return why not."""
@@ -175,6 +261,8 @@ class Scheduler:
         the front end detokenizes). Hooks: engine/FINISHED per finished request, after its
         blocks are freed. step_count + 1."""
         outputs, now, step = [], time.monotonic(), scheduler_output.step
+        for rid, error in scheduler_output.grammar_failed.items():  # finished in schedule(), never ran
+            outputs.append(EngineCoreOutput(rid, [], finish_reason="abort", stop_reason=error))
         sampled = model_runner_output.token_ids if model_runner_output is not None else ()
         for i, (s, token_id) in enumerate(zip(scheduler_output.scheduled, sampled)):
             req = s.request
@@ -195,6 +283,8 @@ class Scheduler:
             for token_id in tokens:
                 req.append_token(token_id)
                 new_token_ids.append(token_id)
+                if req.structured_output_request is not None:
+                    self._advance_grammar(req, token_id, scheduler_output)
                 status = check_stop(req, self.max_model_len)
                 if status is not None:
                     break  # the rest (accepted drafts past a stop) is dropped
@@ -233,7 +323,9 @@ class Scheduler:
         """The proposer's drafts for the next step (vLLM V1's name): scheduled as lookahead slots."""
         for rid, drafts in draft_token_ids.items():
             req = self.requests.get(rid)
-            if req is not None and req.status is RequestStatus.RUNNING:
+            # A request with a grammar takes no drafts: its mask covers the one token it samples a step
+            # (checking drafts against the grammar, as V1 does, needs a mask per draft position).
+            if req is not None and req.status is RequestStatus.RUNNING and req.structured_output_request is None:
                 req.spec_token_ids = drafts
 
     def _trace_verified(self, req: Request, step: int, drafts: list[int], kept: list[int]) -> None:

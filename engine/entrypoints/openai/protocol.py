@@ -40,6 +40,30 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(RequestModel):
+    name: Text = "response"
+    description: Text | None = None
+    schema_: dict | None = Field(None, alias="schema", description="the JSON schema the answer must follow")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or json_schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's structured_outputs: exactly one of json (a schema), json_object, regex, choice or grammar (EBNF)."""
+    json_: dict | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    whitespace_pattern: Text | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions."""
     model: Text | None = Field(None, description="served model name; omitted means the served model")
@@ -60,6 +84,8 @@ class SamplingRequest(RequestModel):
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100] (OpenAI)")
     allowed_token_ids: list[Int] | None = Field(None, description="only these tokens may be generated (vLLM)")
     bad_words: list[Text] | None = Field(None, description="words never generated (vLLM)")
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema (OpenAI)")
+    structured_outputs: StructuredOutputs | None = Field(None, description="json, regex, choice or grammar (vLLM)")
     user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

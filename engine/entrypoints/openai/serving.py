@@ -19,7 +19,8 @@ from engine.entrypoints.openai.errors import APIError, bad_request
 from engine.entrypoints.openai.protocol import SamplingRequest
 from engine.entrypoints.openai.state import ServerState
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from engine.structured_output.backend_xgrammar import validate_structured_output
 
 
 def new_request_id(prefix: str) -> str:
@@ -32,6 +33,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
     try:
+        structured_outputs = _structured_outputs(req)
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -41,9 +43,29 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            logit_bias=_token_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
+            logit_bias=_token_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            structured_outputs=structured_outputs)
     except SamplingParamsError as e:
         raise bad_request(e) from None
+
+
+def _structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """OpenAI's response_format or vLLM's structured_outputs (not both) as StructuredOutputsParams."""
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text" and so is not None:
+        raise APIError(400, "set response_format or structured_outputs, not both", param="response_format")
+    if so is not None:
+        return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                       json_object=so.json_object, whitespace_pattern=so.whitespace_pattern,
+                                       disable_any_whitespace=so.disable_any_whitespace)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format json_schema needs json_schema.schema (the JSON schema)",
+                       param="response_format")
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
 def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -61,6 +83,8 @@ async def submit(state: ServerState, request_ids: list[str], prompts: list, para
     """Tokenize every prompt (engine.entrypoints.openai.input_processor), then queue all or none: a bad
     one aborts those already queued, then raises 400."""
     try:
+        if params.structured_outputs is not None:  # on a thread: the first one imports xgrammar (~2 s)
+            await state.processor.run(validate_structured_output, params.structured_outputs)
         engine_prompts = [await state.processor.process(rid, p) for rid, p in zip(request_ids, prompts)]
     except ValueError as e:
         raise bad_request(e) from None

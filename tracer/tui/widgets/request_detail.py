@@ -24,6 +24,8 @@ def waiting_why(frame: Frame, r) -> str:
     s = frame.state
     if r.status == "PREEMPTED" or (r.status == "WAITING" and r.num_preemptions):
         return f"preempted: {r.preempt_reason or '?'}"
+    if r.status == "WAITING_FOR_FSM":
+        return r.waiting_reason or "its grammar is compiling"
     if r.status == "WAITING":
         if r.waiting_reason:
             return r.waiting_reason
@@ -49,6 +51,17 @@ def token_pieces(ids: list[int], pieces: list[str]) -> Text:
         t.append(f"… +{len(ids) - MAX_TOKENS_SHOWN} tokens", "dim")
     elif len(pieces) < len(ids):  # a prompt given as token ids: no pieces were traced
         t = Text(" ".join(map(str, ids)), "dim")
+    return t
+
+
+def grammar_tokens(r: RequestView) -> Text:
+    """A structured output's tokens, each with how many tokens the grammar allowed when it was
+    sampled ("{ 1 · "color" 1 · : 3 ...): 1 means the grammar wrote it, not the model."""
+    t = Text(f"{r.grammar} grammar" + (f", compiled in {r.grammar_compile_s * 1e3:.1f} ms" if r.grammar_compile_s
+                                       else "") + "; each token with the tokens its mask allowed\n", "dim")
+    for piece, n in zip(r.grammar_pieces[:MAX_TOKENS_SHOWN], r.num_allowed):
+        t.append(piece.replace("\n", "↵").replace(" ", "␣") or "∅", "on #303848")
+        t.append(f"·{n:,} " if n is not None else "·? ", "bold yellow" if n == 1 else "dim")
     return t
 
 
@@ -148,6 +161,8 @@ class RequestDetail(LinesView):
                                                           token_pieces(r.prompt_token_ids, r.prompt_pieces))),
             (None, Group(
                 Text("\ngenerated text", "bold"), Text(r.text or "…", "green"),
+                *((Text("\nstructured output", "bold"), grammar_tokens(r))
+                  if r.grammar else ()),
                 Text("\ntimeline", "bold"), timeline_table(r),
                 Text("\nblock table (logical → physical)", "bold"), block_table(r, block_size(frame)),
                 Text("\nprefix cache", "bold"), Text(hits, "cyan" if r.num_cached_tokens else "dim"))),

@@ -55,6 +55,7 @@ def batch_table(frame: Frame) -> Group | Text:
     # render, taken from the engine thread (same interpreter lock) several times a second.
     rows = snap.get("scheduled", [])
     w = max([7] + [len(sch["request_id"]) for sch in rows]) + 2
+    allowed, vocab = snap.get("grammar_allowed") or {}, (s.grammar_mask or {}).get("vocab_size") or 0
     table = Text(f"{'request':<{w + 2}} {'kind':<8}{'tokens':>6} {'from':>6}  computed/total\n", "bold dim")
     for sch in rows:
         rid = sch["request_id"]
@@ -64,7 +65,10 @@ def batch_table(frame: Frame) -> Group | Text:
         table.append(f"{rid:<{w}}", "bold" if rid == frame.selected else "")
         table.append(f" {sch['kind']:<8}", "magenta" if sch["kind"] == "prefill" else "cyan")
         table.append(f"{sch['num_tokens']:>6} {sch['num_computed_before']:>6}  "
-                     f"{sch['num_computed_before'] + sch['num_tokens']}/{total}\n")
+                     f"{sch['num_computed_before'] + sch['num_tokens']}/{total}")
+        if rid in allowed:  # a structured output: the grammar's mask decides this step's token
+            table.append(f"  ◆ grammar: {allowed[rid]:,} of {vocab:,} tokens allowed", "yellow")
+        table.append("\n")
         if rid in s.verified:
             table.append_text(drafts_line(s.verified[rid], w))
     table.rstrip()
