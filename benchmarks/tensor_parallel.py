@@ -7,7 +7,7 @@ For each repetition, both engines (TP=1: the model in this process; TP=2: two wo
 take the same batch in turn: NUM requests of PROMPT tokens are prefilled (one step, timed) and
 then decoded (DECODE steps, each timed). Printed: the median prefill and decode step in ms for
 each, their ratio TP=2 / TP=1, and, from a traced TP=2 decode step, how much of rank 0's kernel
-time the collectives (all_reduce, gather) took.
+time the collectives (all_reduce, all_gather) took.
 
 There is no target on a CPU: two ranks on 2 cores are slower than one (see lesson 18 for why).
 On CUDA the comparison needs two GPUs; with fewer it says so and measures TP=1 only.
@@ -21,9 +21,9 @@ import time
 
 from engine import LLM, SamplingParams
 from engine.hooks import Hooks
-from engine.trace_names import ALL_REDUCE, GATHER, KERNEL
+from engine.trace_names import ALL_GATHER, ALL_REDUCE, KERNEL
 
-COLLECTIVES = (ALL_REDUCE, GATHER)
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER)
 
 
 def time_steps(engine, num_requests: int, prompt_tokens: int, decode_steps: int, tag: str = "r") -> dict:

@@ -11,6 +11,7 @@ that where vLLM's flag differs from the keyword (``--distributed-timeout``).
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field, fields
 
 from engine.config import (
@@ -18,15 +19,39 @@ from engine.config import (
     DTYPES,
     SCHEDULING_POLICIES,
     CacheConfig,
+    ConfigError,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 ENGINE_GROUP = ("engine", "model, KV cache and scheduler (vLLM's flag names)")
+SPEC_GROUP = ("speculative decoding", "propose tokens cheaply, verify them in one pass of the model "
+              "(see lessons/ on speculative decoding)")
 TP_GROUP = ("tensor parallelism", "split every layer over N worker processes (gloo on the CPU, NCCL on CUDA); "
             "see lessons/18_tensor_parallelism.py")
+
+
+def _json_object(value) -> dict:
+    """A dict, or JSON text of one (the CLI's --speculative-config)."""
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"speculative_config must be a JSON object: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"speculative_config must be a JSON object, got {value!r}")
+    return parsed
+
+
+def _json_arg(text: str) -> dict:
+    try:
+        return _json_object(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _arg(default, help: str, group: tuple[str, str] = ENGINE_GROUP, **cli) -> object:
@@ -61,6 +86,10 @@ class EngineArgs:
     distributed_init_method: str | None = _arg(None, "where the ranks meet: tcp://HOST:PORT, or env:// with "
                                                "MASTER_ADDR and MASTER_PORT set (default: a free loopback port)",
                                                TP_GROUP, metavar="URL")
+    speculative_config: dict | None = _arg(None, "speculative decoding, as JSON: e.g. '{\"method\": \"ngram\", "
+                                           "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
+                                           "\"prompt_lookup_min\": 1}' (default: off)", SPEC_GROUP,
+                                           type=_json_arg, metavar="JSON")
     distributed_timeout_s: float = _arg(30.0, "seconds a collective waits for a missing rank before the step "
                                         "fails (torch's own default is 30 minutes)", TP_GROUP,
                                         flag="--distributed-timeout", metavar="S")
@@ -86,8 +115,8 @@ class EngineArgs:
             else:
                 if "default" not in help and f.default is not None:
                     help += f" (default: {f.default})"
-                group.add_argument(flag, *aliases, dest=f.name, type=_TYPES[f.type], default=f.default,
-                                   help=help, **cli)
+                kind = cli.pop("type", None) or _TYPES[f.type]
+                group.add_argument(flag, *aliases, dest=f.name, type=kind, default=f.default, help=help, **cli)
         return parser
 
     @classmethod
@@ -110,6 +139,8 @@ class EngineArgs:
                                     distributed_init_method=self.distributed_init_method,
                                     distributed_timeout_s=self.distributed_timeout_s),
             attention_backend=self.attention_backend,
+            speculative=SpeculativeConfig.from_dict(_json_object(self.speculative_config))
+            if self.speculative_config else None,
         )
 
 

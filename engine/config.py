@@ -99,6 +99,37 @@ class ParallelConfig:
             self.distributed_executor_backend = "uni" if tp == 1 else "mp"
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): each step a proposer drafts up to
+    num_speculative_tokens tokens per request, and the target model verifies them in the next step.
+    ngram: prompt lookup over the request's own tokens, the longest matching suffix of
+    prompt_lookup_max down to prompt_lookup_min tokens."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPEC_METHODS, f"speculative_config method must be one of {SPEC_METHODS}, "
+                                            f"got {self.method!r}")
+        _check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
+               f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
+               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeculativeConfig:
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = set(d) - known
+        _check(not unknown, f"speculative_config: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -106,6 +137,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU (measured faster)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,

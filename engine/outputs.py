@@ -48,3 +48,8 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
     kv_cache_usage: float  # fraction of blocks held by requests
+    # speculative decoding (vLLM V1's vllm:spec_decode_* counters), since the engine started
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

@@ -50,7 +50,8 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_preemptions = 0
         self.prompt_logprobs: list[list] = []  # with params.prompt_logprobs: for prompt positions 1.. so far
-        self.sampling_seed: int | None = None  # set by the engine: seeds generator (and rank 0's copy of it)
+        self.spec_token_ids: list[int] = []  # speculative decoding: drafts to verify in the next step
+        self.sampling_seed: int | None = None  # set by the engine: seeds generator (and every rank's copy of it)
         self.generator = None
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None

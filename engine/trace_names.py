@@ -10,21 +10,24 @@ from __future__ import annotations
 CLI, HTTP, API, TOKENIZER, IPC, ENGINE = "cli", "http", "api", "tokenizer", "ipc", "engine"
 SCHEDULER, BLOCK_MANAGER, MODEL_RUNNER, KERNEL = "scheduler", "block_manager", "model_runner", "kernel"
 SAMPLER, DETOKENIZER, TRACER = "sampler", "detokenizer", "tracer"
+SPEC_DECODE = "spec_decode"  # speculative decoding: drafts verified, accepted, rejected
 WORKER = "worker"  # a tensor-parallel rank's own process (its startup, the step it received)
 LAYERS = (CLI, HTTP, API, TOKENIZER, IPC, ENGINE, SCHEDULER, BLOCK_MANAGER, WORKER, MODEL_RUNNER, KERNEL, SAMPLER,
-          DETOKENIZER, TRACER)
+          SPEC_DECODE, DETOKENIZER, TRACER)
 # where each runs with the engine core in its own process (in one process: all here)
 FRONTEND_LAYERS = frozenset({CLI, HTTP, API, TOKENIZER, DETOKENIZER})
 
 # event names the tracer folds, filters or draws, by layer
 CONFIG, STEP = "config", "step"  # engine: its configuration at startup; one engine step (a span)
 ENCODE = "encode"  # tokenizer
+FAN_OUT = "fan_out"  # api: a request with n > 1 became n child requests (parallel sampling)
 SCHEDULE = "schedule"  # scheduler: a span, with a snapshot (the queues and the batch) before its end
 ALLOCATE, FREE, EVICT, CACHE_HIT, CACHE_MISS = "allocate", "free", "evict", "cache_hit", "cache_miss"  # block_manager
 BATCH = "batch"  # model_runner: the step's flattened batch
 EXECUTE_MODEL, WORKER_READY = "execute_model", "ready"  # worker: the step it received; up and serving
-ALL_REDUCE, GATHER = "all_reduce", "gather"  # kernel: tensor-parallel collectives, traced as launches
+ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"  # kernel: tensor-parallel collectives, traced as launches
 SAMPLED = "sampled"  # sampler
+VERIFIED, REJECTED = "verified", "rejected"  # spec_decode: a request's drafts checked; some were rejected
 EVENTS_LOST = "events_lost"  # tracer: a reader fell behind the ring and missed this many events
 # request lifecycle (engine, scheduler)
 QUEUED, SCHEDULED, PREEMPTED, FINISHED, ABORTED = "QUEUED", "SCHEDULED", "PREEMPTED", "FINISHED", "ABORTED"

@@ -9,7 +9,8 @@ from kernels._env import INTERPRETED  # first: it turns the Triton interpreter o
 from kernels import instrument
 from kernels.access import access_map
 from kernels.config import AttentionConfig, CacheConfig, choose_cache_config, choose_config
-from kernels.reference import reshape_and_cache_ref, unified_attention_ref
+from kernels.reference import rejection_sample_ref, reshape_and_cache_ref, unified_attention_ref
+from kernels.rejection_sample import rejection_sample
 from kernels.reshape_and_cache import reshape_and_cache
 from kernels.unified_attention import unified_attention
 
@@ -21,6 +22,8 @@ __all__ = [
     "choose_cache_config",
     "choose_config",
     "instrument",
+    "rejection_sample",
+    "rejection_sample_ref",
     "reshape_and_cache",
     "reshape_and_cache_ref",
     "unified_attention",

@@ -32,6 +32,14 @@ def head_tile(head_size: int) -> int:
     return max(16, next_pow2(head_size))
 
 
+#: Compiled (GPU) kernels need at least this many score columns per program
+#: (q_blocks_per_program * tile_n): with 16, Triton 3.6 fails to compile the attention kernel
+#: on an H100 ("'tt.load' op failed to verify that mask type matches ptr type", in the layout
+#: pass), whatever the rows, heads or dtype; 32 and up compile and match the reference. The
+#: configs choose_config gives a GPU never go below it; caller-supplied ones are checked.
+MIN_COMPILED_SCORE_COLUMNS = 32
+
+
 def _pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two that divides n and is <= cap."""
     d = 1

@@ -180,3 +180,28 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, workspace: Workspace | No
     if workspace is None:
         return cache.index_select(0, blocks)
     return torch.index_select(cache, 0, blocks, out=workspace.get(name, (len(blocks), *cache.shape[1:]), cache))
+
+
+def rejection_sample_ref(draft_token_ids: torch.Tensor, cu_num_drafts: torch.Tensor, target_argmax: torch.Tensor,
+                         target_probs: torch.Tensor, draft_probs: torch.Tensor, uniform: torch.Tensor,
+                         recovered_token_ids: torch.Tensor, bonus_token_ids: torch.Tensor,
+                         is_greedy: torch.Tensor, max_drafts: int) -> torch.Tensor:
+    """Speculative decoding's acceptance walk (see kernels/rejection_sample.py), in plain Python:
+    per request, accept drafts while the target agrees (greedy: its argmax; else u * q < p), put
+    the recovered token at the first rejection, or the bonus token after an all-accepted run."""
+    num_reqs = bonus_token_ids.shape[0]
+    out = torch.full((num_reqs, max_drafts + 1), -1, dtype=torch.int64, device=draft_token_ids.device)
+    cu = cu_num_drafts.tolist()
+    for r in range(num_reqs):
+        for j, i in enumerate(range(cu[r], cu[r + 1])):
+            draft = int(draft_token_ids[i])
+            if bool(is_greedy[r]):
+                accept = draft == int(target_argmax[i])
+            else:
+                accept = float(uniform[i]) * float(draft_probs[i]) < float(target_probs[i])
+            out[r, j] = draft if accept else int(recovered_token_ids[i])
+            if not accept:
+                break
+        else:
+            out[r, cu[r + 1] - cu[r]] = int(bonus_token_ids[r])
+    return out

@@ -27,7 +27,16 @@ import triton
 import triton.language as tl
 
 from kernels import instrument
-from kernels.config import AttentionConfig, check_dtypes, choose_config, head_tile, next_pow2, num_query_blocks
+from kernels._env import INTERPRETED
+from kernels.config import (
+    MIN_COMPILED_SCORE_COLUMNS,
+    AttentionConfig,
+    check_dtypes,
+    choose_config,
+    head_tile,
+    next_pow2,
+    num_query_blocks,
+)
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp(_NEG - _NEG) is 1, not nan
 
@@ -216,6 +225,9 @@ def unified_attention(
             head_size=head_size, block_size=block_size, max_query_len=max_query_len, max_seq_len=max_seq_len,
             device=query.device,
         )
+    if not INTERPRETED and config.q_blocks_per_program * config.tile_n < MIN_COMPILED_SCORE_COLUMNS:
+        raise ValueError(f"compiled kernels need q_blocks_per_program * tile_n >= {MIN_COMPILED_SCORE_COLUMNS} "
+                         f"(see kernels.config.MIN_COMPILED_SCORE_COLUMNS), got {config}")
     group = num_q_heads // num_kv_heads
     hp, segments = config.heads_per_program, config.num_segments
     assert num_kv_heads % hp == 0, "heads_per_program must divide the number of KV heads"

@@ -14,7 +14,8 @@ sys.path.insert(0, str(ROOT))  # `python lessons/NN_x.py` from a checkout
 
 from engine.hooks import END  # noqa: E402
 from engine.model_executor.models.gpt2 import GPT2Model  # noqa: E402
-from lessons.framework import events_of, main, table  # noqa: E402
+from lessons.cli import main  # noqa: E402
+from lessons.framework import events_of, table  # noqa: E402
 
 TITLE = "From `vllm-trace serve` to ready"
 SUMMARY = "The startup stages (model, tokenizer, weights, KV cache, HTTP), what each does and costs."

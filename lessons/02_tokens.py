@@ -7,7 +7,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `python lessons/NN_x.py` from a checkout
 
 from engine import SamplingParams  # noqa: E402
-from lessons.framework import events_of, main, queue_request, table  #noqa:E402
+from lessons.cli import main  # noqa: E402
+from lessons.framework import events_of, queue_request, table  #noqa:E402
 
 TITLE = "Tokens: text → ids → text"
 SUMMARY = "BPE subword tokens (merges, Ġ spaces, bytes for emoji), round trips, and why a streamed character waits."

@@ -9,7 +9,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import LLM
-from lessons.framework import events_of, greedy, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import events_of, greedy, queue_request, table
 
 TITLE = "Prefill versus decode"
 SUMMARY = "What a prefill step and a decode step compute, and which is compute-bound or memory-bound, measured."

@@ -7,7 +7,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from lessons.framework import greedy, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import greedy, queue_request, table
 
 TITLE = "The KV cache: recompute versus cache"
 SUMMARY = "Generate with and without the KV cache: tokens the model runs (quadratic vs linear), time, same output."

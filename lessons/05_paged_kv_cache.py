@@ -6,7 +6,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import SamplingParams
-from lessons.framework import block_table, kv_blocks, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import block_table, kv_blocks, queue_request, table
 
 TITLE = "The paged KV cache"
 SUMMARY = "Blocks, the free-block queue and block tables: logical -> physical, and the slots paging saves."

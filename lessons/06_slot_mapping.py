@@ -9,7 +9,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 
 from engine.core.block_manager import NULL_BLOCK_ID
 from engine.hooks import SNAPSHOT
-from lessons.framework import events_of, greedy, main, queue_request, queues, table
+from lessons.cli import main
+from lessons.framework import events_of, greedy, queue_request, queues, table
 
 TITLE = "Slot mapping and the flattened batch"
 SUMMARY = "input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables of one mixed step."

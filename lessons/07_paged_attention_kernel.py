@@ -8,7 +8,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 
 import kernels
 from kernels import instrument
-from lessons.framework import greedy, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import greedy, queue_request, table
 
 TITLE = "The paged-attention kernel"
 SUMMARY = "Run the Triton unified-attention kernel on a real batch: grid, one program's work, online softmax."

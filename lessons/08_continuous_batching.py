@@ -5,7 +5,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from lessons.framework import greedy, main, queue_request, queues, table
+from lessons.cli import main
+from lessons.framework import greedy, queue_request, queues, table
 
 TITLE = "Continuous batching"
 SUMMARY = "Requests join and leave the running batch step by step; measured against static batching."

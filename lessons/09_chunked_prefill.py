@@ -5,7 +5,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import LLM
-from lessons.framework import greedy, main, queue_request, queues, table
+from lessons.cli import main
+from lessons.framework import greedy, queue_request, queues, table
 
 TITLE = "Chunked prefill and the token budget"
 SUMMARY = "A long prompt is split over steps under max_num_batched_tokens while other requests keep decoding."

@@ -5,7 +5,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import SamplingParams
-from lessons.framework import kv_blocks, main, queue_request, queues, table
+from lessons.cli import main
+from lessons.framework import kv_blocks, queue_request, queues, table
 
 TITLE = "Preemption by recompute"
 SUMMARY = "Out of KV-cache blocks: the newest running request is preempted, freed, and recomputed later — same output."

@@ -5,7 +5,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine.core.block_manager import hash_block
-from lessons.framework import greedy, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import greedy, queue_request, table
 
 TITLE = "Prefix caching"
 SUMMARY = ("A shared system prompt: chained block hashes, cache hits with shared blocks, the last token computed, "
@@ -73,8 +74,18 @@ def run(lesson) -> None:
     lesson.check(hash_block(hash_block(None, tuple(other_first)), tuple(SYSTEM[16:32])) != hs[1],
                  "the same 16 tokens after a different first block hash differently: a hash names the whole prefix")
     lesson.say("That is why a hit on block *i* also means blocks 0…*i*−1 match: the lookup walks the chain "
-               "from the first block and stops at the first miss. (The engine also compares the stored "
-               "token ids, so a hash collision cannot give a wrong hit.)")
+               "from the first block and stops at the first miss.")
+    lesson.check(all(bm.blocks[bid].token_ids == tuple(SYSTEM[i * 16:(i + 1) * 16])
+                     for i, bid in enumerate(a.block_ids[:3])),
+                 "our cache also keeps each cached block's 16 token ids beside its hash, and a lookup compares "
+                 "them (BlockManager.get_computed_blocks): a hash collision cannot give a wrong hit here")
+    lesson.say("That comparison is **ours, not vLLM's**. vLLM keys the cache on the block hash alone and trusts "
+               "it: `hash_block_tokens` in `vllm/v1/core/kv_cache_utils.py` hashes (parent hash, token ids, extra "
+               "keys) with SHA-256 by default (`CacheConfig.prefix_caching_hash_algo` in `vllm/config/cache.py`), "
+               "and `BlockPool.get_cached_block` in `vllm/v1/core/block_pool.py` finds a hit by that hash with no "
+               "look at the tokens (its config's docs name SHA-256 the default to make collisions practically "
+               "impossible). Our hash is Python's 64-bit `hash()`, fast but not collision-resistant, so we check "
+               "the tokens too.")
     lesson.pause()
 
     # ---- a hit ----

@@ -10,7 +10,8 @@ import torch
 from engine import SamplingParams
 from engine.request import Request
 from engine.sample.sampler import Sampler
-from lessons.framework import main, queue_request, table
+from lessons.cli import main
+from lessons.framework import queue_request, table
 
 TITLE = "Sampling"
 SUMMARY = ("Temperature, top-k, top-p, min-p, repetition and its penalties, and seeds, on the model's real "
@@ -223,17 +224,30 @@ def run(lesson) -> None:
     lesson.pause()
 
     # ---- seeds ----
-    lesson.say("**Seeds.** Each request draws from its own random generator. With `seed` set, that generator "
-               "starts from the seed, so the request gets the same tokens whatever else is in the batch.")
+    lesson.say("**Seeds.** In our engine each request draws from its own random generator: started from its "
+               "`seed` when it has one, else from a seed the engine picks. With `seed` set, the request gets the "
+               "same tokens whatever else is in the batch. vLLM V1 differs for requests without a seed: only a "
+               "seeded request gets its own `torch.Generator` (`GPUModelRunner._update_states` in "
+               "`vllm/v1/worker/gpu_model_runner.py`), and `random_sample` in "
+               "`vllm/v1/sample/ops/topk_topp_sampler.py` fills the whole batch's noise from torch's global "
+               "generator, then redraws the seeded rows from their own. (Ours gives every request a generator so "
+               "that a tensor-parallel rank can hold a copy of each and draw exactly what the others draw.)")
     seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
     alone = queue_request(engine, "alone", PROMPT, seeded)
     while engine.has_unfinished_requests():
         engine.step()
     others = ["Return a new list", "The module provides", "1 2 3"]
-    for i, text in enumerate(others[:2]):
-        engine.add_request(f"other-{i}", text, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    unseeded = [queue_request(engine, f"other-{i}", text, SamplingParams(temperature=1.0, max_tokens=12,
+                                                                         ignore_eos=True))
+                for i, text in enumerate(others[:2])]
     crowded = queue_request(engine, "crowded", PROMPT, seeded)
-    engine.add_request("other-2", others[2], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+    unseeded.append(queue_request(engine, "other-2", others[2], SamplingParams(temperature=1.0, max_tokens=12,
+                                                                               ignore_eos=True)))
+    lesson.check(all(r.generator is not None for r in unseeded) and crowded.sampling_seed == 1234 and
+                 len({id(r.generator) for r in [*unseeded, crowded]}) == 4 and
+                 len({r.sampling_seed for r in unseeded}) == 3,
+                 "here every request has a generator of its own, the unseeded ones too (each from a seed the "
+                 "engine drew); in vLLM V1 only the seeded one would")
     reseeded = queue_request(engine, "seed-99", PROMPT, SamplingParams(temperature=1.0, max_tokens=12, seed=99,
                                                                     ignore_eos=True))
     engine.step()

@@ -14,7 +14,8 @@ from engine.arg_utils import engine_config
 from engine.engine.async_llm import AsyncLLM
 from engine.entrypoints.openai import build_app
 from engine.entrypoints.openai.background import start_background
-from lessons.framework import events_of, main, table
+from lessons.cli import main
+from lessons.framework import events_of, table
 from tracer.journey import TWO_PROCESS_CHAIN, layer_path, missing_links, request_events
 from tracer.session import TraceSession
 
@@ -93,7 +94,7 @@ def _lesson_body(lesson, session, url: str, core_pid: int) -> None:
         lesson.check(chunks[-1] == "[DONE]" and len(events) > 1,
                      f"the text came in {len(events)} events, not all at once, and the stream ended with [DONE]")
         lesson.check(all(c["id"] == rid for c in events) and rid.startswith("cmpl-"),
-                     f"every chunk carries the request id {rid}, which the engine and the trace use too")
+                     f"every chunk carries the request id {rid}")
 
         lesson.say("The same request without `stream`: one JSON answer when it is complete.")
         whole = client.post("/v1/completions", json=dict(body, stream=False)).json()
@@ -109,6 +110,16 @@ def _lesson_body(lesson, session, url: str, core_pid: int) -> None:
                    "after the last SSE event, after the engine has long finished with it.")
     all_events = events_of(session)
     mine = request_events(all_events, rid)
+    named = {e.layer for e in all_events if e.request_id == rid}
+    lesson.check({"engine", "scheduler", "detokenizer"} <= named and not any(
+        e.request_id.startswith(rid + "-") for e in all_events if e.request_id),
+                 f"our engine and trace know the request by that same id, {rid} (one prompt: no suffix)")
+    lesson.say("vLLM's engine does not: `OpenAIServingCompletion.create_completion` "
+               "(`vllm/entrypoints/openai/serving_completion.py`) names prompt *i* of a request `<id>-<i>`, even "
+               "when there is only one, and recent versions' `InputProcessor.assign_request_id` "
+               "(`vllm/v1/engine/input_processor.py`) appends 8 random characters to that, keeping the id the "
+               "client knows as `external_req_id` for the outputs. Ours adds `-<i>` only when a request has "
+               "several prompts, so that one id can be followed from the SSE chunk down to the kernels.")
     by_layer = Counter(e.layer for e in mine)
     firsts: dict[str, object] = {}
     for e in mine:

@@ -8,7 +8,8 @@ import tempfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import SamplingParams
-from lessons.framework import main, table
+from lessons.cli import main
+from lessons.framework import table
 from tracer import cli
 from tracer.events import read_trace
 from tracer.replay import Replay

@@ -20,7 +20,8 @@ from engine.core.kv_cache_utils import bytes_per_block
 from engine.engine.async_engine import AsyncLLMEngine
 from engine.entrypoints.openai import build_app
 from engine.entrypoints.openai.background import start_background
-from lessons.framework import greedy, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import greedy, queue_request, table
 from tracer.commands import bench
 
 TITLE = "Latency and its trade-offs"
@@ -87,12 +88,21 @@ def served(lesson) -> None:
     server_ms = {k: 1000 * s / c if c else float("nan") for k, (c, s) in h.items()}
     lesson.say(f"`vllm-trace bench`: {n} streamed requests of {prompt_len} prompt and {out_len} output tokens, "
                "all sent at once to a server on a local port. The client times each stream; the server's "
-               "`/metrics` histograms time the same requests from inside (from the moment the engine queued them).")
+               "`/metrics` histograms time the same requests from inside. As in vLLM, TTFT and E2E run from the "
+               "request's `arrival_time`, stamped when it reaches the engine's front end (vLLM: "
+               "`InputProcessor.process_inputs`, `vllm/v1/engine/input_processor.py`), and TPOT is exported per "
+               "request as `vllm:request_time_per_output_token_seconds` (first to last token over the tokens "
+               "after the first; the older `vllm:time_per_output_token_seconds` was per token, what ITL is now). "
+               "One difference: vLLM's queue time runs from the core's QUEUED event to its first SCHEDULED "
+               "(`IterationStats.update_from_finished_request`, `vllm/v1/metrics/stats.py`); ours runs from "
+               "`arrival_time` to the first SCHEDULED, so it also counts the way from the front end into the "
+               "scheduler's queue.")
     rows = [["TTFT", "vllm:time_to_first_token_seconds", summary["ttft"]["mean_ms"],
              server_ms["vllm:time_to_first_token_seconds"]],
             ["ITL", "vllm:inter_token_latency_seconds", summary["itl"]["mean_ms"],
              server_ms["vllm:inter_token_latency_seconds"]],
-            ["TPOT", "(from bench: (E2E − TTFT) / (tokens − 1))", summary["tpot"]["mean_ms"], None],
+            ["TPOT", "vllm:request_time_per_output_token_seconds", summary["tpot"]["mean_ms"],
+             server_ms["vllm:request_time_per_output_token_seconds"]],
             ["E2E", "vllm:e2e_request_latency_seconds", summary["e2e"]["mean_ms"],
              server_ms["vllm:e2e_request_latency_seconds"]],
             ["queue time", "vllm:request_queue_time_seconds", None, server_ms["vllm:request_queue_time_seconds"]]]
@@ -101,8 +111,10 @@ def served(lesson) -> None:
                        for a, b, c, d in rows], title="measured on this machine (shared: times vary run to run)"))
     counts = {k: c for k, (c, _) in h.items()}
     lesson.check(summary["completed"] == n and counts["vllm:time_to_first_token_seconds"] == n
-                 and counts["vllm:e2e_request_latency_seconds"] == n and counts["vllm:request_queue_time_seconds"] == n,
-                 f"bench completed {n} requests; the server observed {n} TTFTs, E2Es and queue times")
+                 and counts["vllm:e2e_request_latency_seconds"] == n and counts["vllm:request_queue_time_seconds"] == n
+                 and counts["vllm:request_time_per_output_token_seconds"] == n,
+                 f"bench completed {n} requests; the server observed {n} TTFTs, E2Es, queue times and TPOTs "
+                 "(one per request)")
     lesson.check(counts["vllm:inter_token_latency_seconds"] == n * (out_len - 1),
                  f"and {n} × ({out_len} − 1) = {n * (out_len - 1)} inter-token gaps: one per token after the first")
     lesson.check(summary["ttft"]["mean_ms"] >= server_ms["vllm:time_to_first_token_seconds"]
@@ -258,14 +270,25 @@ def seqs_sweep(lesson) -> None:
 # ---- what only a GPU shows ------------------------------------------------------------------------
 def gpu_only(lesson) -> None:
     lesson.say(
-        "**What only a GPU shows.** (1) *CUDA graphs*: vLLM captures a decode step's kernels once per "
-        "batch size in `cudagraph_capture_sizes` (1, 2, 4, then multiples of 8) and replays them, replacing "
-        "hundreds of launches from Python with one; a batch of 5 is padded to the next captured size, 8, "
-        "and the padding rows' outputs are dropped. (2) *Memory profiling*: at startup vLLM runs a dummy "
+        "**What only a GPU shows.** (1) *CUDA graphs*: vLLM captures graphs per **number of tokens** in a "
+        "step, by default `[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)` with max = "
+        "min(2 × max_num_seqs, 512) (`VllmConfig._set_cudagraph_sizes` in `vllm/config/vllm.py`), and "
+        "replays them, replacing hundreds of launches from Python with a few. The default `cudagraph_mode`, "
+        "FULL_AND_PIECEWISE (`CompilationConfig` in `vllm/config/compilation.py`), replays one *full* graph, "
+        "attention included, for a decode-only step, and *piecewise* graphs (everything between the "
+        "attention calls, which run eagerly) for mixed and prefill steps of at most max tokens "
+        "(`CudagraphDispatcher.dispatch` in `vllm/v1/cudagraph_dispatcher.py`); larger steps run eagerly. "
+        "A decode step of 5 tokens is padded to the next captured size, 8, and the padding rows' outputs "
+        "are dropped. (2) *Memory profiling*: at startup vLLM runs a dummy "
         "forward pass of `max_num_batched_tokens` tokens, measures the peak activation memory, and gives "
         "the KV cache what is left of `gpu_memory_utilization` × GPU memory after weights, activations "
         "and other allocations; it logs the result as *GPU KV cache size: N tokens* and *Maximum "
         "concurrency for L tokens per request: X×*.")
+    sizes = capture_sizes(max_num_seqs=256)
+    lesson.check(sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512 and 248 in sizes and 272 in sizes
+                 and 264 not in sizes and len(sizes) == 3 + 31 + 17,
+                 "with max_num_seqs 256 that is 51 token counts: 1, 2, 4, 8, 16, …, 248 (steps of 8), then 256, "
+                 "272, …, 512 (steps of 16)")
     if not torch.cuda.is_available():
         lesson.say("This machine has no CUDA device, so both parts are **skipped here**: they need a GPU. "
                    "Run this lesson on a machine with one to see them measured.")
@@ -275,13 +298,16 @@ def gpu_only(lesson) -> None:
     memory_profile(lesson)
 
 
-def capture_sizes(max_size: int = 32) -> list[int]:
-    return [1, 2, 4] + list(range(8, max_size + 1, 8))
+def capture_sizes(max_num_seqs: int = 16) -> list[int]:
+    """vLLM V1's default CUDA-graph capture sizes, in tokens (see gpu_only)."""
+    top = min(2 * max_num_seqs, 512)
+    return [s for s in (1, 2, 4) if s <= top] + list(range(8, min(top + 1, 256), 8)) + list(range(256, top + 1, 16))
 
 
 def cuda_graphs(lesson) -> None:
-    """Capture the non-attention part of a decode step (vLLM V1's piecewise graphs also split at
-    attention) for one padded batch size, replay it, and time it against eager launches."""
+    """Capture the non-attention part of a decode step, as one of vLLM V1's piecewise graphs does (its
+    full decode graphs hold attention too), for one padded token count, replay it, and time it against
+    eager launches."""
     llm, _ = lesson.engine(num_kv_blocks=64, device="cuda")
     model = llm.llm_engine.engine_core.engine_core.model
     n, size = 5, next(s for s in capture_sizes() if s >= 5)
@@ -324,7 +350,7 @@ def cuda_graphs(lesson) -> None:
         table(
             ["", ""],
             [
-                ["capture sizes", capture_sizes()],
+                ["capture sizes (max_num_seqs 16)", capture_sizes()],
                 ["batch", f"{n} → padded to {size}"],
                 ["eager (µs per step part)", f"{t_eager:.1f}"],
                 ["graph replay (µs)", f"{t_graph:.1f}"],

@@ -16,7 +16,8 @@ from engine.engine.async_engine import AsyncLLMEngine
 from engine.engine.async_llm import AsyncLLM
 from engine.engine.core_types import EngineCoreRequest
 from engine.engine.processor import wire_params
-from lessons.framework import events_of, greedy, main, table
+from lessons.cli import main
+from lessons.framework import events_of, greedy, table
 from tracer.session import TraceSession
 from tracer.tui.measure import stream_load
 
@@ -146,9 +147,22 @@ def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, 
                                  ["finish_reason", out.finish_reason]], title="a stop string, found in the API server"))
     lesson.check(out.finish_reason == "stop" and out.text == full[:at],
                  "the output processor found the stop string in the text and cut the output before it")
-    lesson.check(abort is not None and finished is not None and abort.seq < finished.seq
-                 and finished.attrs["finish_reason"] == "stop",
-                 "it then sent the core an ABORT (finish_reason stop), and the core finished the request after it")
+    lesson.check(abort is not None and abort.attrs.get("finish_reason") == "stop" and finished is not None
+                 and abort.seq < finished.seq,
+                 "it then sent the core an ABORT message carrying the request id and finish_reason stop, and the "
+                 "core finished the request after it")
+    lesson.check(finished.attrs["finish_reason"] == "stop" and not any(
+        (e.layer, e.name) == ("engine", "ABORTED") for e in mine),
+                 "our core records FINISHED with finish_reason 'stop' (never ABORTED): its trace knows why the "
+                 "request ended")
+    lesson.say("Here we differ from vLLM V1 on purpose. Its front end sends the core only the request ids "
+               "(`OutputProcessor.process_outputs` returns them as `reqs_to_abort`, in "
+               "`vllm/v1/engine/output_processor.py`), and the core marks them `FINISHED_ABORTED` "
+               "(`EngineCore.abort_requests` in `vllm/v1/engine/core.py`, whose TODO says the scheduler does not "
+               "need to know why); the reason 'stop' lives only in the API server. In both, the core may run "
+               "another step or two before the message arrives, and those tokens are dropped. We send the reason "
+               "along so that the core's own trace, and the TUI built on it, shows FINISHED(stop) rather than an "
+               "abort the client never asked for.")
     lesson.pause()
 
     # ---- the boundary's cost per step -------------------------------------------------------------

@@ -8,12 +8,14 @@ import statistics
 
 from benchmarks.tensor_parallel import collective_share, time_steps
 from engine import LLM, SamplingParams
-from lessons.framework import events_of, main, queue_request, table
+from engine.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
+from lessons.cli import main
+from lessons.framework import events_of, queue_request, table
 from tracer.tui.fmt import fmt_bytes
 
 TITLE = "Tensor parallelism"
-SUMMARY = ("Two ranks, one worker process each: which heads and MLP columns each holds, the two all-reduces per "
-           "layer, logits equal to one rank, and what the communication costs on this machine.")
+SUMMARY = ("Two ranks, one worker process each: which heads, MLP columns and vocabulary rows each holds, the "
+           "all-reduces and the logits all-gather, logits equal to one rank, and what the communication costs here.")
 TP = 2
 PROMPT = "The paged KV cache stores the keys and values of every token in fixed-size blocks."
 
@@ -38,10 +40,11 @@ def run(lesson) -> None:
     # ---- who holds what ----
     loads = sorted((e.attrs for e in events if (e.layer, e.name, e.kind) == ("worker", "model_load", "end")),
                    key=lambda a: a["rank"])
+    padded = loads[0]["vocab_padded"]
     rows = [[a["rank"], a["pid"], span(a["heads"]), span(a["mlp"]), span(a["vocab"]), f"{a['params']:,}",
              a["torch_threads"]] for a in loads]
     lesson.show(table(["rank", "pid", f"heads (of {cfg.n_head})", f"mlp.c_fc columns (of {cfg.n_inner})",
-                       f"LM-head rows (of {cfg.vocab_size})", "parameters", "torch threads"], rows,
+                       f"wte / LM-head rows (of {padded})", "parameters", "torch threads"], rows,
                       title="what each worker process loaded (trace: worker/model_load)"))
     heads = [tuple(a["heads"]) for a in loads]
     lesson.check(heads == [(r * cfg.n_head // TP, (r + 1) * cfg.n_head // TP) for r in range(TP)],
@@ -53,17 +56,29 @@ def run(lesson) -> None:
                  "rank applies it to its own columns), and mlp.c_proj by the matching input rows")
     lesson.check(len({a["pid"] for a in loads}) == TP and all(a["torch_threads"] >= 1 for a in loads),
                  f"{TP} worker processes, each with its own torch thread count: cores shared out, not oversubscribed")
+    lesson.check(padded % 64 == 0 and padded >= cfg.vocab_size > padded - 64 and pad_vocab_size(50257, TP) == 50304 and
+                 [tuple(a["vocab"]) for a in loads] == [(r * padded // TP, (r + 1) * padded // TP) for r in range(TP)],
+                 f"the token embedding wte is split by vocabulary: its {cfg.vocab_size} rows, padded to {padded} (a "
+                 f"multiple of 64), in {TP} equal shards; GPT-2's 50,257 would pad to 50,304")
     layer = 4 * cfg.n_embd * cfg.n_embd + 2 * cfg.n_embd * cfg.n_inner  # c_attn + attn.c_proj, mlp
     full = sum(p.numel() for p in LLM(lesson.model).llm_engine.engine_core.engine_core.model.parameters())
-    lesson.check(all(a["params"] < full for a in loads) and sum(a["params"] for a in loads) > full,
-                 f"each rank holds fewer parameters than the whole model ({full:,}), but together more: the "
-                 "token and position embeddings and the layer norms are replicated on every rank")
-    lesson.say(f"Per layer, the {layer:,} weights of the four big matrices are split in {TP}; the embedding "
-               f"table ({cfg.vocab_size} × {cfg.n_embd}) is **replicated** (a lookup is cheap, and splitting "
-               "it would add a third all-reduce per step), while the tied **LM head** multiplies by each "
-               "rank's half of the vocabulary and the logits are **gathered** to rank 0, which samples. "
-               "GPT-2's 50,257-token vocabulary does not split evenly: it is padded to a multiple of N and "
-               "the padding's logits are cut off after the gather.")
+    # what every rank holds whole: all but wte and the split weights and biases (c_attn's, c_fc's)
+    replicated = full - cfg.vocab_size * cfg.n_embd - cfg.n_layer * (layer + 3 * cfg.n_embd + cfg.n_inner)
+    lesson.check(all(a["params"] < full for a in loads) and sum(a["params"] for a in loads) ==
+                 full + (TP - 1) * replicated + (padded - cfg.vocab_size) * cfg.n_embd,
+                 f"each rank holds fewer parameters than the whole model ({full:,}), and together more by exactly "
+                 "what is replicated (wpe, the layer norms, the row-parallel biases) and the zero padding rows")
+    lesson.say(f"Per layer, the {layer:,} weights of the four big matrices are split in {TP}. So is the token "
+               f"embedding ({cfg.vocab_size} × {cfg.n_embd}), by vocabulary, as vLLM's GPT-2 does "
+               "(`VocabParallelEmbedding` in `vllm/model_executor/layers/vocab_parallel_embedding.py`): a rank "
+               "looks up only the ids in its shard, zeroes the others' vectors, and an **all-reduce** adds the "
+               "ranks' results. The tied **LM head** is that same shard: each rank computes the logits of its "
+               "slice of the vocabulary, and they are **all-gathered** (V1's `LogitsProcessor._gather_logits` in "
+               "`layers/logits_processor.py`), so every rank holds the whole logits and runs the sampler. The "
+               "vocabulary is padded to a multiple of 64 (`pad_vocab_size`, whatever the TP size) and the "
+               "padding's columns are cut off after the gather. Only `wpe`, the layer norms and the row-parallel "
+               "biases are replicated. "
+               "(Our one difference: with one rank we do not pad, since nothing is split; vLLM pads even then.)")
     kv = next(e.attrs for e in events if (e.layer, e.name, e.kind) == ("engine", "kv_cache_alloc", "end"))
     lesson.show(table(["rank", "heads", "bytes per block", "KV-cache bytes"],
                       [[r["rank"], span(r["heads"]), fmt_bytes(r["bytes_per_block"]), fmt_bytes(r["bytes"])]
@@ -86,24 +101,39 @@ def run(lesson) -> None:
     lesson.check(all(len({e.attrs["digest"] for e in received if e.step == s}) == 1 and
                      sorted(e.attrs["rank"] for e in received if e.step == s) == list(range(TP))
                      for s in (0, 1)),
-                 "every step, both workers receive the same scheduler output (one message, encoded once, sent to "
-                 "each rank's socket), and only rank 0 returns sampled tokens")
+                 "every step, both workers receive the same scheduler output (one message, encoded once)")
+    lesson.say("vLLM writes that message once into a shared-memory ring that every local worker reads "
+               "(`MessageQueue` in `vllm/distributed/device_communicators/shm_broadcast.py`, enqueued by "
+               "`MultiprocExecutor.collective_rpc` in `vllm/v1/executor/multiproc_executor.py`). We send it over "
+               "one ZMQ socket per rank, on purpose: the message is a few KB and a ZMQ round trip tens of "
+               "microseconds against a step of milliseconds (the docstring of "
+               "`engine/executor/multiproc_executor.py` says so).")
+    sampled = [e for e in step_events if (e.layer, e.name) == ("sampler", "sampled")]
+    lesson.check(all(sorted(e.attrs["rank"] for e in sampled if e.step == s) == list(range(TP)) and
+                     len({tuple(e.attrs["token_ids"]) for e in sampled if e.step == s}) == 1 for s in (0, 1)),
+                 "every rank ran the sampler on the same all-gathered logits and drew the same tokens "
+                 "(trace: sampler/sampled, one per rank)")
+    lesson.say("As in V1, the executor takes the sampled tokens from rank 0 only: `MultiprocExecutor.execute_model` "
+               "calls `collective_rpc(..., unique_reply_rank=self.output_rank)`. V1's other ranks send nothing "
+               "back; ours reply with no tokens but with their trace events, which is how you see rank 1 here.")
     kernels = [e for e in step_events if e.layer == "kernel" and e.step is not None]
     rows = []
     for s, num_tokens in ((0, req.num_prompt_tokens), (1, 1)):
         for rank in range(TP):
             mine = [e for e in kernels if e.step == s and e.attrs["rank"] == rank]
             reduces = [e for e in mine if e.name == "all_reduce"]
-            gather = [e for e in mine if e.name == "gather"]
+            gather = [e for e in mine if e.name == "all_gather"]
             rows.append([s, rank, num_tokens, len(reduces), fmt_bytes(reduces[0].attrs["meta"]["bytes"]),
                          fmt_bytes(gather[0].attrs["meta"]["bytes"]),
                          f"{sum(e.attrs['duration_ns'] for e in reduces + gather) / 1e3:.0f} µs"])
-            lesson.check(len(reduces) == 2 * cfg.n_layer and len(gather) == 1 and all(
-                x.attrs["meta"]["bytes"] == num_tokens * cfg.n_embd * 4 for x in reduces),
-                f"step {s}, rank {rank}: {2 * cfg.n_layer} all-reduces ({cfg.n_layer} layers × attn.c_proj and "
-                f"mlp.c_proj), each of {num_tokens} token(s) × {cfg.n_embd} floats × 4 bytes")
-    lesson.show(table(["step", "rank", "tokens", "all-reduces", "bytes each", "gather bytes", "time in collectives"],
-                      rows, title="the collectives, traced as kernel launches"))
+            lesson.check([x.attrs["meta"]["site"] for x in reduces] == ["wte"] + ["attn.c_proj", "mlp.c_proj"]
+                         * cfg.n_layer and all(x.attrs["meta"]["bytes"] == num_tokens * cfg.n_embd * 4 for x in reduces)
+                         and len(gather) == 1 and gather[0].attrs["meta"]["bytes"] == padded // TP * 4,
+                         f"step {s}, rank {rank}: {2 * cfg.n_layer + 1} all-reduces (the embedding's, then "
+                         f"{cfg.n_layer} layers × attn.c_proj and mlp.c_proj), each of {num_tokens} token(s) × "
+                         f"{cfg.n_embd} floats × 4 bytes; one all-gather of this rank's {padded // TP} logits")
+    lesson.show(table(["step", "rank", "tokens", "all-reduces", "bytes each", "all-gather bytes",
+                       "time in collectives"], rows, title="the collectives, traced as kernel launches"))
     lesson.say("The all-reduce carries the **hidden state** (tokens × n_embd), not weights: so prefill's all-reduces "
                "grow with the prompt, and a decode step's are tiny. Row-parallel layers add their bias once, on "
                "rank 0 before the sum, not once per rank.")
@@ -147,12 +177,13 @@ def run(lesson) -> None:
     lesson.show(table(["", "TP=1", f"TP={TP}"], [["decode step (median)", f"{t1:.1f} ms", f"{t2:.1f} ms"]],
                       title="measured just now"))
     lesson.check(comm > 0 and total > 0, f"in a traced TP={TP} decode step, rank 0 spent {comm:.0f} µs of its "
-                                         f"{total:.0f} µs of kernel time in all-reduce and gather ({comm / total:.0%})")
+                                         f"{total:.0f} µs of kernel time in all-reduce and all-gather "
+                                         f"({comm / total:.0%})")
     if t2 > t1:
         lesson.say(f"**TP={TP} was {t2 / t1:.1f}× slower here**, and that is expected. Each rank does half "
                    "the arithmetic, but this model's matrices are tiny, so a layer's compute takes microseconds "
                    "while an all-reduce is a *barrier*: it waits for the slower rank, then crosses loopback TCP "
-                   f"through gloo; {2 * cfg.n_layer + 1} of them per step. And both ranks share this machine's "
+                   f"through gloo; {2 * cfg.n_layer + 2} collectives per step. And both ranks share this machine's "
                    "cores with the process that schedules. On GPUs the balance flips for big models: NCCL over "
                    "NVLink moves hundreds of GB/s, a layer of a 70B model is milliseconds of matmul per GPU, "
                    "and halving the weights per GPU is what lets the model (and a bigger KV cache) fit at all.")
@@ -163,9 +194,12 @@ def run(lesson) -> None:
                    "repetitions.")
     lesson.done(
         f"- `--tensor-parallel-size {TP}` starts {TP} worker processes; each holds whole attention heads, a slice of "
-        "the MLP, its heads' share of the KV cache (same block ids everywhere) and a slice of the LM head.\n"
-        "- Every step, all ranks receive the same scheduler output; rank 0 gathers the logits and samples.\n"
-        "- Two all-reduces per layer per step (after attn.c_proj and mlp.c_proj), carrying tokens × n_embd floats.\n"
+        "the MLP, its heads' share of the KV cache (same block ids everywhere) and a slice of the vocabulary "
+        "(wte, which is also the tied LM head; padded to a multiple of 64).\n"
+        "- Every step, all ranks receive the same scheduler output; the logits are all-gathered, every rank "
+        "samples the same tokens, and the executor keeps rank 0's.\n"
+        "- One all-reduce for the embedding and two per layer (after attn.c_proj and mlp.c_proj), carrying "
+        "tokens × n_embd floats.\n"
         "- Results equal one rank's up to float summation order.\n"
         "- Communication is a barrier per all-reduce: on a small CPU it dominates; on GPUs with NVLink and big "
         "layers it is a small share, and the split memory is the point.")

@@ -5,7 +5,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
 from engine import SamplingParams
-from lessons.framework import main, table
+from lessons.cli import main
+from lessons.framework import table
 
 TITLE = "One prompt, many samples"
 SUMMARY = ("n = 4 samples of one prompt: four child requests whose block tables share the prompt's blocks "

@@ -7,7 +7,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 import torch
 
 from engine import SamplingParams
-from lessons.framework import events_of, greedy, main, queue_request, table
+from lessons.cli import main
+from lessons.framework import events_of, greedy, queue_request, table
 
 TITLE = "What GQA does to the KV cache"
 SUMMARY = ("tiny-gpt2 (multi-head attention) beside tiny-llama (8 query heads sharing 2 KV heads): bytes of KV "

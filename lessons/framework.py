@@ -11,11 +11,13 @@ the engine or from its trace events; every claim the text makes is checked with
     lesson.show(block_table(req, block_size=16))
     lesson.check(len(req.block_ids) == 3, "its block table holds 3 blocks")
     lesson.predict("How many slots of the last block are used?", "40 - 2*16 = 8")
+
+``run_lesson`` runs one to its end with any ``Presenter``; ``lessons.cli.main`` starts it from its
+script (in the terminal, or in the TUI through ``lessons.tui``, which builds on this module and
+is never imported by it).
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -206,15 +208,6 @@ def table(columns: list[str], rows: list[list], title: str | None = None) -> Tab
 
 
 # ---- running a lesson ----------------------------------------------------------------------------
-def parse_args(argv: list[str] | None, title: str) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=title)
-    ap.add_argument("--no-pause", action="store_true", help="run straight through without waiting for Enter")
-    ap.add_argument("--model", default="tiny-gpt2", help="model to run the lesson on (default tiny-gpt2)")
-    ap.add_argument("--tui", action="store_true",
-                    help="open the TUI on the lesson's engine, held at each checkpoint, narration beside it")
-    return ap.parse_args(argv)
-
-
 def run_lesson(lesson: Lesson, run: "Run") -> int:
     """Run a lesson to its end; the exit code: 0 every check held, 1 one failed, 130 interrupted.
 
@@ -236,19 +229,6 @@ def run_lesson(lesson: Lesson, run: "Run") -> int:
     return 0
 
 
-def main(module_globals: dict, argv: list[str] | None = None) -> int:
-    """Run the lesson defined in a lesson module (pass ``globals()``)."""
-    title, run = module_globals["TITLE"], module_globals["run"]
-    number = int(module_globals["__file__"].rsplit("/", 1)[-1][:2])
-    args = parse_args(argv, title)
-    if args.tui:
-        from lessons.tui import run_in_tui  # Textual only when asked for
-        lesson = Lesson(number, title, pause_enabled=not args.no_pause, model=args.model)
-        return run_in_tui(lesson, run)
-    lesson = Lesson(number, title, pause_enabled=not args.no_pause and sys.stdin.isatty(), model=args.model)
-    return run_lesson(lesson, run)
-
-
 Run = Callable[[Lesson], None]
-__all__ = ["Lesson", "LessonCheckFailed", "LessonCancelled", "Presenter", "ConsolePresenter", "run_lesson", "main",
+__all__ = ["Lesson", "LessonCheckFailed", "LessonCancelled", "Presenter", "ConsolePresenter", "run_lesson",
            "block_table", "queues", "kv_blocks", "table", "events_of", "Group"]

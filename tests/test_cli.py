@@ -21,3 +21,77 @@ def test_bad_input_is_one_line_without_traceback():
 def test_help_lists_commands(capsys):
     assert main([]) == 2
     assert "generate" in capsys.readouterr().out
+
+
+# ---- subcommands from other packages: the vllm_trace.commands entry points ----------------------
+def _entry_points(monkeypatch, *values: str):
+    import importlib.metadata
+
+    from tracer import cli
+
+    eps = [importlib.metadata.EntryPoint(name=f"ep{i}", value=v, group=cli.ENTRY_POINT_GROUP)
+           for i, v in enumerate(values)]
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: [ep for ep in eps if ep.group == group])
+
+
+def _subcommands() -> dict:
+    from tracer.cli import build_parser
+
+    return build_parser()._subparsers._group_actions[0].choices
+
+
+def test_lesson_and_exercise_come_from_the_lessons_entry_point(monkeypatch):
+    _entry_points(monkeypatch, "lessons.cli:register")
+    cmds = _subcommands()
+    assert list(cmds)[-2:] == ["lesson", "exercise"]  # after the tracer's own, as `--help` lists them
+    assert "lesson number (5) or name (paged_kv_cache)" in cmds["lesson"].format_help()
+    assert "--tui" in cmds["lesson"].format_help() and "--solution" in cmds["exercise"].format_help()
+
+
+def test_without_the_entry_point_the_tracer_has_only_its_own_commands(monkeypatch):
+    _entry_points(monkeypatch)
+    assert list(_subcommands()) == ["generate", "serve", "attach", "replay", "send", "bench", "export"]
+
+
+def test_a_broken_entry_point_is_one_line_and_the_rest_still_work(monkeypatch, capsys):
+    _entry_points(monkeypatch, "no_such_package.cli:register", "lessons.cli:register")
+    assert "serve" in _subcommands() and "lesson" in _subcommands()
+    assert "no_such_package.cli:register (vllm_trace.commands) did not load" in capsys.readouterr().err
+
+
+def test_pyproject_declares_the_lessons_entry_point():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    section = text.split('[project.entry-points."vllm_trace.commands"]', 1)[1].split("\n[", 1)[0]
+    assert re.search(r'^lessons = "lessons\.cli:register"$', section, re.M)
+
+
+def test_imports_point_one_way():
+    """Nothing in kernels/, engine/ or tracer/ imports the lessons (not even by a module string),
+    and no TUI widget imports a command module."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    bad = []
+    for pkg in ("kernels", "engine", "tracer"):
+        for path in (root / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""]
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    names = [node.value] if node.value.split(".")[0] == "lessons" and " " not in node.value else []
+                bad += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "lessons"]
+                if "tui/widgets" in path.as_posix():
+                    bad += [f"{path.relative_to(root)}: {n}" for n in names if n.startswith("tracer.commands")]
+    # and no circle between the lesson framework and the lesson TUI (which builds on it)
+    for node in ast.walk(ast.parse((root / "lessons" / "framework.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("lessons.tui", "lessons.cli")):
+            bad.append(f"lessons/framework.py: {node.module}")
+    assert bad == []

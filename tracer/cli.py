@@ -1,15 +1,31 @@
 """`vllm-trace`: the command line. Each subcommand lives in its own module under
-tracer/commands/ and exposes ``register(subparsers)``; its handler returns an exit code."""
+tracer/commands/ and exposes ``register(subparsers)``; its handler returns an exit code.
+
+Packages above the tracer add subcommands of their own through the ``vllm_trace.commands``
+entry-point group: each entry point names a ``register(subparsers)``, called after the
+tracer's own. The lessons add ``lesson`` and ``exercise`` this way (pyproject.toml), so the
+tracer never imports them. Entry points live in the installed package metadata: after
+changing them, reinstall (``pip install -e .``)."""
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 from tracer.errors import UserError
 
 # One module per subcommand, in the order `--help` lists them.
-COMMANDS = ["generate", "serve", "attach", "replay", "send", "bench", "export", "lesson", "exercise"]
+COMMANDS = ["generate", "serve", "attach", "replay", "send", "bench", "export"]
+ENTRY_POINT_GROUP = "vllm_trace.commands"
+
+
+def command_plugins() -> list[importlib.metadata.EntryPoint]:
+    """The entry points of ENTRY_POINT_GROUP, one per name, in name order."""
+    found = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep)  # the same package seen twice on sys.path: the first wins
+    return [found[name] for name in sorted(found)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"tracer.commands.{name}").register(sub)
+    for ep in command_plugins():
+        try:
+            register = ep.load()
+        except Exception as e:  # one broken add-on must not take `serve` and the rest down with it
+            print(f"vllm-trace: the commands of {ep.value} ({ENTRY_POINT_GROUP}) did not load: {e}", file=sys.stderr)
+            continue
+        register(sub)
     return parser
 
 

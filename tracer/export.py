@@ -5,7 +5,7 @@
                                   postprocess nested inside
     thread "kernels"              one X slice per kernel launch (grid, meta in args); with tensor
                                   parallelism one thread per rank ("kernels rank R"), all_reduce
-                                  and gather among its launches
+                                  and all_gather among its launches
     thread per other layer        its begin/end spans (startup stages, HTTP handlers, ...); a
                                   worker's per rank ("worker rank R")
     counters                      vllm:num_requests_waiting / _running, vllm:kv_cache_usage_perc
@@ -135,8 +135,8 @@ def to_chrome_trace(header: dict, events: list[Event]) -> dict:
             if ev.kind == SNAPSHOT:
                 step_marks[ev.step]["snapshot"] = a
                 _counters(b, ev.ts_ns, a.get("stats", {}))
-        elif ev.layer in (MODEL_RUNNER, SAMPLER) and ev.step in step_marks:
-            step_marks[ev.step][ev.name] = (ev.ts_ns, a)
+        elif ev.layer in (MODEL_RUNNER, SAMPLER) and ev.step in step_marks and not a.get("rank"):
+            step_marks[ev.step][ev.name] = (ev.ts_ns, a)  # rank 0's: every rank samples the same
         # ---- kernels: an instant (with duration_ns, emitted when the launch ended) or a span
         elif ev.layer == KERNEL:
             if ev.kind == BEGIN:

@@ -42,6 +42,7 @@ from engine.trace_names import (
     EVENTS_LOST,
     EVICT,
     EXECUTE_MODEL,
+    FAN_OUT,
     FINISHED,
     FREE,
     HTTP,
@@ -100,6 +101,9 @@ class RequestView:
     # generation stays a short list (the TUI clones the state ten times a second).
     timeline: list[dict] = field(default_factory=list)
     cache_hit_blocks: list[int] = field(default_factory=list)  # prefix-cache hits, physical ids
+    priority: int = 0  # with scheduling_policy "priority": lower first
+    parent_id: str | None = None  # n > 1: the request this one is a child of
+    sibling_ids: list[str] = field(default_factory=list)  # n > 1: all the children, in index order
 
     def copy(self) -> "RequestView":
         c = copy.copy(self)
@@ -259,10 +263,19 @@ def _queued(s: TraceState, ev: Event) -> None:
     req.status = "WAITING"
     req.num_prompt_tokens = req.num_tokens = a.get("num_prompt_tokens", 0)
     req.max_tokens = a.get("max_tokens")
+    req.priority = a.get("priority", 0)
     req.arrival_step, req.arrival_ns = ev.step, ev.ts_ns
     req.timeline.append({"event": QUEUED, "step": ev.step, "ts_ns": ev.ts_ns})
     if ev.request_id not in s.waiting:
         s.waiting.append(ev.request_id)
+
+
+def _fan_out(s: TraceState, ev: Event) -> None:
+    a = _attrs(ev)
+    children = list(a.get("child_ids", ()))
+    for cid in children:
+        child = s.request(cid)
+        child.parent_id, child.sibling_ids = a.get("parent_id"), children
 
 
 def _encoded(s: TraceState, ev: Event) -> None:
@@ -529,7 +542,10 @@ def _worker(s: TraceState, ev: Event) -> None:
 
 
 def _sampled(s: TraceState, ev: Event) -> None:
-    s.sampled, s.phase = _attrs(ev), "postprocess"
+    a = _attrs(ev)
+    if a.get("rank"):  # every tensor-parallel rank samples the same tokens: the view follows rank 0
+        return
+    s.sampled, s.phase = a, "postprocess"
 
 
 def _new_tokens(s: TraceState, ev: Event) -> None:
@@ -561,6 +577,7 @@ _HANDLERS = {
     (ENGINE, CONFIG): _config,
     (TOKENIZER, ENCODE): _encoded,
     (ENGINE, QUEUED): _queued,
+    (API, FAN_OUT): _fan_out,
     (ENGINE, FINISHED): _finished,
     (ENGINE, ABORTED): _finished,
     (ENGINE, STEP): _step,
@@ -591,7 +608,8 @@ def snapshot_view(state: TraceState) -> dict:
         return dict(request_id=rid, status=r.status, num_computed_tokens=r.num_computed_tokens,
                     num_tokens=r.num_tokens, num_prompt_tokens=r.num_prompt_tokens,
                     num_output_tokens=len(r.output_token_ids), block_table=list(r.block_table),
-                    num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions)
+                    num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
+                    priority=r.priority)
     return dict(waiting=[req_state(r) for r in state.waiting], running=[req_state(r) for r in state.running])
 
 

@@ -27,7 +27,7 @@ import json
 import time
 from typing import Annotated, AsyncIterator, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -45,6 +45,11 @@ POLL_INTERVAL = 0.05  # s: the event stream polls the bus, so the engine never p
 KEEP_ALIVE = 15.0  # s: a comment line keeps proxies from closing an idle stream
 MAX_BATCH = 1024  # events per pull; a slow client is told what it missed rather than slowing anyone
 STEP_WAIT_TIMEOUT = 10.0  # s: default for POST /trace/step with wait
+# Every integer this API takes is bounded, so none reaches the controller, msgpack (the core's
+# controller is across a socket: it refuses integers past 64 bits with a 500) or a JSON encoder
+# unchecked. A billion control points is more than any session steps through; resume runs freely.
+MAX_STEP_N = 10 ** 9
+MAX_ID = 2 ** 63 - 1  # event sequence numbers and breakpoint ids
 
 router = APIRouter(prefix="/trace", tags=["trace"], dependencies=[Depends(require_trace_read)],
                    responses=ERROR_RESPONSES | {403: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
@@ -164,7 +169,7 @@ async def _event_stream(request: Request, session: TraceSession, sub: Subscripti
 async def trace_events(session: SessionDep, request: Request,
                        layer: Annotated[str | None, Query(description="comma-separated layers")] = None,
                        request_id: Annotated[str | None, Query(description="one request's journey")] = None,
-                       since: Annotated[int | None, Query(ge=0, description="first seq to send "
+                       since: Annotated[int | None, Query(ge=0, le=MAX_ID, description="first seq to send "
                                                           "(default: live from now)")] = None):
     """The tracer's event stream as server-sent events. Ends when the client disconnects or
     the server shuts down."""
@@ -182,7 +187,7 @@ class EmptyBody(BaseModel):
 
 
 class StepBody(BaseModel):
-    n: int = Field(1, ge=1, description="how many control points of this granularity to run")
+    n: int = Field(1, ge=1, le=MAX_STEP_N, description="how many control points of this granularity to run")
     granularity: Literal["step", "phase", "kernel"] = Field(
         "step", description="step: one engine step (step over); phase: schedule/execute/postprocess "
                             "(step into); kernel: the next kernel launch")
@@ -304,7 +309,8 @@ async def add_breakpoint(body: ConditionBody, controller: ControllerDep, ids: Id
 
 
 @router.delete("/breakpoints/{bp_id}", status_code=204, response_class=Response, dependencies=control)
-async def delete_breakpoint(bp_id: int, controller: ControllerDep, ids: IdsDep) -> Response:
+async def delete_breakpoint(bp_id: Annotated[int, Path(ge=0, le=MAX_ID)], controller: ControllerDep,
+                            ids: IdsDep) -> Response:
     cond = ids.find(controller, bp_id)
     if cond is None:
         raise APIError(404, f"no breakpoint with id {bp_id}", param="id", code="breakpoint_not_found")

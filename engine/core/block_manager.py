@@ -123,8 +123,9 @@ class BlockManager:
             req.block_ids.extend(new)
             if new and self.hooks.active:
                 self._trace_allocate(req, new)
-        if self.enable_prefix_caching and total // bs > req.num_cached_blocks:
-            self.cache_full_blocks(req, total // bs)
+        full = min(total, req.num_tokens) // bs  # draft tokens' slots (lookahead) hold nothing to share yet
+        if self.enable_prefix_caching and full > req.num_cached_blocks:
+            self.cache_full_blocks(req, full)
         return True
 
     def take_free_block(self) -> int:

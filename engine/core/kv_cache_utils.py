@@ -31,7 +31,9 @@ def num_blocks_for(cache: CacheConfig, model: ModelArchConfig, dtype: torch.dtyp
         budget, why = cache.kv_cache_memory, f"kv_cache_memory={cache.kv_cache_memory} bytes"
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
+        # Memory torch's caching allocator holds but no tensor uses (an engine freed earlier in
+        # this process) is ours to reuse: the driver counts it as in use, we do not.
+        used = total - free - (torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
         budget = int(total * cache.gpu_memory_utilization) - used
         why = (f"gpu_memory_utilization={cache.gpu_memory_utilization} of {total} bytes, "
                f"{used} already in use")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from engine.engine.busy_loop import BusyLoop, PendingAdd
 from engine.engine.core_types import EngineCoreOutput, EngineCoreRequest
 from engine.engine.exceptions import EngineClosedError as EngineClosedError  # re-exported: the serving layer's
+from engine.engine.exceptions import EngineDeadError
 from engine.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestStream, call_soon, deliver
 from engine.engine.parallel_sampling import fan_out
 from engine.engine.processor import Processor
@@ -99,6 +100,11 @@ class AsyncLLMEngine:
     def is_parked(self) -> bool:
         """True while a step controller holds the engine thread in a gate."""
         return self.core.is_parked
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError unless the engine thread runs (a held one runs: it is parked)."""
+        if not self.core.is_running:
+            raise EngineDeadError(self.engine.dead or "the engine loop is not running")
 
     @property
     def _idle(self):  # no requests in the engine and none pending

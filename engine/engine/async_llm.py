@@ -40,6 +40,7 @@ import logging
 import subprocess
 import threading
 import time
+from concurrent.futures import Future
 from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
@@ -74,6 +75,7 @@ def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_exception(exc) if exc is not None else fut.set_result(None)
 
 
+HEALTH_TIMEOUT_S = 5.0  # a core whose input thread has not answered a ping for this long is unhealthy
 RERUN_TIMEOUT_S = 300.0  # a held launch re-run on Triton in the core (see held_attention_on_triton)
 
 
@@ -106,6 +108,7 @@ class AsyncLLM:
         self._idle = threading.Event()  # no request in flight
         self._idle.set()
         self._launched = self._started = self._stopping = False
+        self._ping: tuple[float, Future | None] = (0.0, None)  # check_health's ping in flight: (sent, answer)
 
     # ---- properties of the front-end interface ------------------------------------------------
     @property
@@ -128,6 +131,29 @@ class AsyncLLM:
     @property
     def step_count(self) -> int:
         return self.stats.step if self.stats is not None else 0
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError unless the core is alive *and answering* (vLLM's check_health): a
+        ping the core's input IO thread answers, within HEALTH_TIMEOUT_S. That thread answers while
+        a step controller holds the engine thread, so a paused core is healthy; a frozen process
+        (SIGSTOP) or a front end that no longer reads the core is not. Concurrent checks share
+        the one ping in flight: once it is older than the timeout, they fail at once."""
+        if not self.is_running:
+            raise EngineDeadError(self.client.dead or "the engine is not running (shutting down?)")
+        sent, fut = self._ping
+        if fut is None or fut.done():
+            try:
+                sent, fut = self._ping = time.monotonic(), self.client.start_call("ping")
+            except RuntimeError as e:  # the core died meanwhile
+                raise EngineDeadError(str(e)) from None
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)),
+                                   max(0.0, sent + HEALTH_TIMEOUT_S - time.monotonic()))
+        except TimeoutError:
+            raise EngineDeadError(f"the engine core has not answered for {time.monotonic() - sent:.1f} s "
+                                  f"(pid {self.client.pid})") from None
+        except RuntimeError as e:
+            raise EngineDeadError(str(e)) from None
 
     def held_attention_on_triton(self) -> dict:
         """A utility call: the core runs the launch it is held before through the Triton kernel

@@ -33,6 +33,7 @@ from engine.model_executor.models.registry import check_tp_size
 from engine.outputs import EngineStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.tokenizer import load_tokenizer
 from engine.trace_names import ABORTED, CONFIG, ENGINE, FINISHED, QUEUED, SCHEDULE, SCHEDULED, SCHEDULER, STEP
 from engine.worker.model_runner import ModelRunner
@@ -92,6 +93,7 @@ class EngineCore:
 
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.hooks)
+        self.drafter = NgramProposer(config.speculative) if config.speculative is not None else None
         self._rng = random.Random(mc.seed)
 
     def _make_executor(self) -> Executor:
@@ -230,6 +232,8 @@ class EngineCore:
         if self.hooks.gated:
             self.hooks.gate("postprocess", step=scheduler_output.step)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.drafter is not None:  # speculative decoding: drafts for the next step
+            self.scheduler.update_draft_token_ids(self.drafter.propose_all(self.scheduler.running, self.max_model_len))
         if self.hooks.active:
             self._trace_step_end(scheduler_output, outputs)
         return outputs
@@ -240,12 +244,15 @@ class EngineCore:
 
     # ---- observation --------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, spec = self.block_manager, self.scheduler.spec_stats
         return EngineStats(
             step=self.step_count, num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_usable_blocks,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, kv_cache_usage=bm.usage(),
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
         )
 
     def snapshot(self, sched: SchedulerOutput | None = None) -> dict:
@@ -301,7 +308,8 @@ class EngineCore:
 
     def _trace_queued(self, req: Request) -> None:
         self.hooks.emit(ENGINE, QUEUED, request_id=req.request_id, step=self.step_count,
-                        num_prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens, params=vars(req.params))
+                        num_prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens, params=vars(req.params),
+                        priority=req.priority)
 
     def _trace_aborted(self, req: Request, status: RequestStatus) -> None:
         if status is RequestStatus.FINISHED_ABORTED:

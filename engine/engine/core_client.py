@@ -179,6 +179,8 @@ class MPClient(EngineCoreClient):
         self._dead: str | None = None
         self._fatal: str | None = None  # why the core said it exits (a worker died), before it did
         self._threads: list[threading.Thread] = []
+        self.bad_frames = 0  # frames on the output socket that did not decode (skipped)
+        self._bad_frame_logged = -1.0
 
     @property
     def pid(self) -> int | None:
@@ -291,6 +293,19 @@ class MPClient(EngineCoreClient):
         finally:
             self._calls.pop(call_id, None)
 
+    def start_call(self, method: str, *args: Any) -> Future:
+        """A utility call whose answer (its error as RuntimeError) arrives on the returned Future;
+        nothing here waits for it (a health probe that must not tie up a thread)."""
+        call_id, fut = next(self._call_ids), Future()
+        self._calls[call_id] = fut
+        fut.add_done_callback(lambda _: self._calls.pop(call_id, None))
+        try:
+            self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+        except BaseException:
+            self._calls.pop(call_id, None)
+            raise
+        return fut
+
     # ---- threads ----------------------------------------------------------------------------
     def _output_loop(self) -> None:
         decode, sock = outputs_decoder().decode, self._output
@@ -303,23 +318,44 @@ class MPClient(EngineCoreClient):
                 frame = sock.recv(copy=False)
             except zmq.ZMQError:
                 return  # closed under us at shutdown
-            msg = decode(frame.buffer)
-            if msg.fatal is not None:
-                self._fatal = msg.fatal
-            if msg.ready is not None or msg.startup_error is not None:
-                self.ready, self._startup_error = msg.ready, msg.startup_error
-                self._deliver(msg, len(frame))  # its events: the core's last startup stages
-                self._ready.set()
-                continue
-            if msg.utility is not None:
-                fut = self._calls.get(msg.utility[0])
-                msg_util, msg.utility = msg.utility, None
-                self._deliver(msg, len(frame))  # events first: the caller then sees a consistent state
-                if fut is not None and not fut.done():
-                    call_id, ok, result = msg_util
-                    fut.set_result(result) if ok else fut.set_exception(RuntimeError(result))
-                continue
-            self._deliver(msg, len(frame))
+            # One bad frame must not end this thread: nothing would read the core any more, and
+            # every request would wait for ever while the server looked healthy.
+            try:
+                self._handle(decode(frame.buffer), len(frame))
+            except msgspec.DecodeError as e:  # not the core's (any process of this user can connect)
+                self._bad_frame(len(frame), e)
+            except Exception as e:  # well-formed msgpack that makes no sense (not the core's either)
+                self._bad_frame(len(frame), f"{type(e).__name__}: {e}")
+
+    def _handle(self, msg: EngineCoreOutputs, nbytes: int) -> None:
+        if msg.fatal is not None:
+            self._fatal = msg.fatal
+        if msg.ready is not None or msg.startup_error is not None:
+            if self._ready.is_set():
+                raise ValueError("a second handshake")
+            self.ready, self._startup_error = msg.ready, msg.startup_error
+            self._deliver(msg, nbytes)  # its events: the core's last startup stages
+            self._ready.set()
+            return
+        if msg.utility is not None:
+            call_id, ok, result = msg.utility
+            fut = self._calls.get(call_id)
+            msg.utility = None
+            self._deliver(msg, nbytes)  # events first: the caller then sees a consistent state
+            if fut is not None and not fut.done():
+                fut.set_result(result) if ok else fut.set_exception(RuntimeError(result))
+            return
+        self._deliver(msg, nbytes)
+
+    def _bad_frame(self, nbytes: int, error: object) -> None:
+        """A frame that is no EngineCoreOutputs reached the output socket (any process of this
+        user can connect to it): say so, at most once a second, and go on reading."""
+        self.bad_frames += 1
+        now = time.monotonic()
+        if now - self._bad_frame_logged >= 1.0:
+            self._bad_frame_logged = now
+            log.warning("ignored a %d-byte frame on the engine core's output socket that is not an engine "
+                        "message (%s); %d so far", nbytes, error, self.bad_frames)
 
     def _deliver(self, msg: EngineCoreOutputs, nbytes: int) -> None:
         # A failing observer (a trace listener) must not end this thread: nothing would read the

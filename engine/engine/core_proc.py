@@ -44,6 +44,7 @@ from engine.hooks import Hooks
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.serial_utils import EventShipper, encoder
+from engine.utils import RUNTIME_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     """The process's entry point."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which stops us in order
+    if input_addr.startswith("ipc://"):  # the workers' sockets in the front end's private directory
+        os.environ[RUNTIME_DIR_ENV] = os.path.dirname(input_addr[len("ipc://"):])
     logging.basicConfig(level=logging.WARNING, format="engine-core %(levelname)s %(name)s: %(message)s")
     proc = EngineCoreProc(config, input_addr, output_addr, options)
     code = proc.run()

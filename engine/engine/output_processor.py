@@ -22,7 +22,7 @@ from engine.hooks import INSTANT, Hooks
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
-from engine.trace_names import DETOKENIZER, NEW_TOKENS
+from engine.trace_names import API, DETOKENIZER, FAN_OUT, NEW_TOKENS
 
 
 @dataclass
@@ -54,8 +54,10 @@ class OutputProcessor:
             parent: ParentRequest | None = None) -> None:
         det = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, det, parent=parent)
-        if parent is not None:
+        if parent is not None and parent.request_id not in self.parents:
             self.parents[parent.request_id] = parent
+            if self.hooks.active:
+                self._trace_fan_out(parent)
 
     def remove(self, request_id: str) -> None:
         """Forget a request (a parent: all its children)."""
@@ -65,6 +67,10 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def _trace_fan_out(self, parent: ParentRequest) -> None:
+        # no request_id: the parent is no request of the engine's; its children are
+        self.hooks.emit(API, FAN_OUT, parent_id=parent.request_id, child_ids=parent.child_ids, n=len(parent.child_ids))
 
     def process(self, outputs: list[EngineCoreOutput], step: int | None
                 ) -> tuple[list[RequestOutput], list[tuple[str, str]]]:

@@ -9,6 +9,8 @@ Keyword arguments are EngineArgs' fields (``engine/arg_utils.py``), with its def
 from __future__ import annotations
 
 import atexit
+import gc
+import sys
 from dataclasses import replace
 from itertools import count
 from typing import Sequence
@@ -41,9 +43,19 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine-core process (multiprocess=True) and the tensor-parallel workers (also at
-        exit). Safe to call twice."""
+        exit), and give back the memory of an in-process engine: its model and KV cache are freed
+        even though construction froze the heap (``gc.freeze`` keeps frozen cycles forever), so a
+        second LLM in the same process finds the device memory free. Safe to call twice."""
         atexit.unregister(self.shutdown)
+        if self.llm_engine is None:
+            return
         self.llm_engine.shutdown()
+        self.llm_engine = None
+        gc.unfreeze()
+        gc.collect()
+        torch = sys.modules.get("torch")  # imported already where an engine ran in this process
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def generate(self, prompts: str | dict | Sequence[str | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

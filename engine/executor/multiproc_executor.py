@@ -4,7 +4,11 @@
 
 ``MultiprocExecutor``: N ranks, one worker process each (``engine.executor.worker_proc``). Every step
 the scheduler output is turned into one ``WorkerStep`` (plain data), encoded once and sent to
-every rank; every rank replies when its forward pass is done, rank 0 with the sampled tokens.
+every rank. Every rank samples (the logits are all-gathered), and only ``output_rank`` (0)
+sends its sampled tokens back, as V1's ``MultiprocExecutor.execute_model`` asks for them with
+``collective_rpc(..., unique_reply_rank=self.output_rank)``. In V1 the other ranks send nothing;
+here every rank still replies when its step is done, with no tokens: the reply carries that
+rank's trace events, and the step ends (and the trace shows it) when every rank has finished.
 
 Transport: ZMQ over ipc:// sockets, as between the front end and the engine core, not a
 shared-memory ring like vLLM's ``shm_broadcast``. A step message here is a few hundred bytes to a
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import os
 import pickle
 import queue
@@ -47,7 +52,7 @@ from engine.engine.exceptions import EngineDeadError
 from engine.hooks import Hooks
 from engine.sample.sampler import SamplerOutput
 from engine.serial_utils import encoder, send_while_alive
-from engine.utils import child_pythonpath
+from engine.utils import child_pythonpath, runtime_dir
 from engine.worker.worker import NewRequestData, ScheduledReq, Worker, WorkerReply, WorkerStep
 
 STARTUP_TIMEOUT_S = 600.0  # loading a big model's shard on the CPU
@@ -62,7 +67,7 @@ class WorkerDiedError(EngineDeadError):
 class Executor:
     """What the engine asks of its ranks. load_model(progress) -> dict (bytes, params, ...);
     determine_num_blocks() -> (n, why), the least over the ranks; initialize_kv_cache(n) ->
-    dict; warm_up(max_model_len) -> dict; execute_model(sched) -> SamplerOutput (rank 0's);
+    dict; warm_up(max_model_len) -> dict; execute_model(sched) -> SamplerOutput (output_rank's);
     held_attention_on_triton() -> dict; shutdown()."""
 
     tensor_parallel_size = 1
@@ -118,6 +123,7 @@ class MultiprocExecutor(Executor):
                  on_dead: Callable[[str], None] | None = None):
         pc = config.parallel
         self.tensor_parallel_size = n = pc.tensor_parallel_size
+        self.output_rank = 0  # whose sampled tokens come back (V1's _get_output_rank: TP rank 0)
         self.hooks, self.on_dead = hooks, on_dead
         self.dead: str | None = None
         self._closing = False
@@ -126,7 +132,7 @@ class MultiprocExecutor(Executor):
         self._rerun_ids = itertools.count(1)
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self._sent: dict[str, int] = {}  # request id -> token ids the workers have
-        self._dir = tempfile.mkdtemp(prefix="vllm-trace-workers-")
+        self._dir = tempfile.mkdtemp(prefix="vllm-trace-workers-", dir=runtime_dir())
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
         out_addr = f"ipc://{self._dir}/results"
@@ -193,7 +199,7 @@ class MultiprocExecutor(Executor):
     # ---- steps ---------------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
         """Broadcast the step, consult forwarded kernel gates (on this, the engine thread), wait
-        for every rank; rank 0's sampled tokens. Raises WorkerDiedError if a rank fails."""
+        for every rank; output_rank's sampled tokens. Raises WorkerDiedError if a rank fails."""
         self._check()
         self._broadcast(b"step", self._step_message(sched))
         pending, result, events = set(range(self.tensor_parallel_size)), None, []
@@ -209,7 +215,7 @@ class MultiprocExecutor(Executor):
                 self._fail(f"worker rank {reply.rank} sent {reply.kind!r} during a step")
             events += reply.events
             pending.discard(reply.rank)
-            if reply.rank == 0:
+            if reply.rank == self.output_rank:
                 result = SamplerOutput(**reply.data) if reply.data is not None else None
         events.sort(key=lambda e: e[6])  # the ranks' launches, interleaved in time (one clock on Linux)
         self._emit(events)
@@ -231,9 +237,10 @@ class MultiprocExecutor(Executor):
             else:
                 delta = req.all_token_ids[have:]
             sent[rid] = have + len(delta)
-            scheduled.append(ScheduledReq(rid, delta, s.num_computed_before, s.num_tokens, list(req.block_ids)))
-        msg = WorkerStep(sched.step, new, scheduled, sorted(sched.finished_req_ids), gated=self.hooks.gated,
-                         trace=self.hooks.active)
+            scheduled.append(ScheduledReq(rid, delta, s.num_computed_before, s.num_tokens, list(req.block_ids),
+                                          s.spec_token_ids))
+        msg = WorkerStep(sched.step, new, scheduled, sorted(sched.finished_req_ids), output_rank=self.output_rank,
+                         gated=self.hooks.gated, trace=self.hooks.active)
         return encoder().encode(msg)
 
     def held_attention_on_triton(self) -> dict:
@@ -318,11 +325,18 @@ class MultiprocExecutor(Executor):
             try:
                 if not poller.poll(100):
                     continue
-                reply = decode(self.results.recv())
+                frame = self.results.recv()
             except zmq.ZMQError:
                 return
+            try:  # a frame that is not a rank's (any process of this user can connect) must not end this thread
+                reply = decode(frame)
+                if reply.kind == "rerun":
+                    call_id, ok, result = reply.data
+            except (msgspec.DecodeError, TypeError, ValueError) as e:
+                logging.getLogger(__name__).warning("ignored a %d-byte frame on the workers' result socket that is "
+                                                    "not a worker's reply (%s)", len(frame), e)
+                continue
             if reply.kind == "rerun":
-                call_id, ok, result = reply.data
                 fut = self._reruns.get(call_id)
                 if fut is not None and not fut.done():
                     fut.set_result((ok, result))
@@ -343,6 +357,9 @@ class MultiprocExecutor(Executor):
             if self.dead is not None:
                 return
             self.dead = reason
+        # Its sockets' files now, not at the end of the shutdown below: the process may exit first
+        # (the engine core does, at once). Connected sockets do not need their files.
+        shutil.rmtree(self._dir, ignore_errors=True)
         for fut in list(self._reruns.values()):
             if not fut.done():
                 fut.set_result((False, reason))

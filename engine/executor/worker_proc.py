@@ -9,7 +9,8 @@ each), joins the process group, then serves the executor's messages in order:
     load    build this rank's shard; reply ready (what it holds, how many KV blocks fit)
     kv      allocate the KV-cache shard for the number of blocks all ranks agreed on
     warm    the kernel warm-up forward passes (collectives included)
-    step    one WorkerStep; every rank replies (rank 0 with the sampled tokens)
+    step    one WorkerStep; every rank samples and replies, only the step's output_rank with
+            the sampled tokens (the others with just their trace events)
     stop    leave the process group and exit
 
 Inside a gated step rank 0 forwards each kernel gate to the executor (a ``gate`` reply) and
@@ -128,9 +129,9 @@ class WorkerProc:
             if remove is not None:
                 remove()
         data = None
-        if out is not None:
+        if out is not None and self.rank == msg.output_rank:  # V1's unique_reply_rank
             data = dict(token_ids=out.token_ids, logprobs=out.logprobs, ranks=out.ranks,
-                        prompt_logprobs=out.prompt_logprobs)
+                        prompt_logprobs=out.prompt_logprobs, spec_token_ids=out.spec_token_ids)
         self._reply("step", data)
 
     def _forward_gate(self, point: str, info: dict) -> None:

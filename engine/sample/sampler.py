@@ -24,6 +24,9 @@ class SamplerOutput:
     # per request that asked for prompt logprobs and computed prompt tokens this step, else None:
     # (first position, [[[prompt token at position + 1, logprob, rank], [top token, logprob, rank], ...], ...])
     prompt_logprobs: list | None = None
+    # speculative decoding: per request that verified drafts, the tokens kept (accepted drafts, then the
+    # recovered or bonus token), else None
+    spec_token_ids: list[list[int] | None] | None = None
 
 
 def argmax(x: torch.Tensor) -> int | list[int]:
@@ -139,21 +142,28 @@ class Sampler:
 
     @staticmethod
     def _sample(row: torch.Tensor, req: Request) -> int:
-        p = req.params
-        row = row / p.temperature
-        if p.min_p > 0.0:  # relative to the top token's probability, before top-k/top-p (as vLLM V1)
-            probs = torch.softmax(row, dim=-1)
-            row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            # keep the smallest set whose mass reaches top_p (always at least the top token)
-            drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
-            probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
+        probs = processed_probs(row, req.params)
         # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) is a draw from p, and
         # it uses exactly one draw of the request's own generator per token.
-        e = torch.empty_like(probs).exponential_(generator=req.generator)
+        # The generator lives on the CPU whatever the device, so a seed draws the same numbers
+        # on a GPU as on the CPU; the draws then move to the probabilities' device.
+        e = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=req.generator).to(probs.device)
         return argmax(probs / e)
+
+
+def processed_probs(row: torch.Tensor, p) -> torch.Tensor:
+    """The distribution a sampled request draws from: temperature, then min-p, top-k and top-p."""
+    row = row / p.temperature
+    if p.min_p > 0.0:  # relative to the top token's probability, before top-k/top-p (as vLLM V1)
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.top_k > 0 and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        # keep the smallest set whose mass reaches top_p (always at least the top token)
+        drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+        probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
+    return probs

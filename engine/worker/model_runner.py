@@ -18,6 +18,7 @@ from torch import nn
 from engine.core.sched.output import SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
+from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.trace_names import BATCH, KERNEL, MODEL_RUNNER
 from kernels import instrument
@@ -41,11 +42,12 @@ class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None,
                  rank: int = 0):
         self.model = model
-        self.rank = rank  # tensor-parallel rank: in every kernel event; only rank 0 samples
+        self.rank = rank  # tensor-parallel rank: in every kernel event and sampler/sampled
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.rejection_sampler: RejectionSampler | None = None  # made on the first step with draft tokens
         self.rope = getattr(model, "rope", None)  # what the positions rotate by (None: a learned position table)
         self.hooks = hooks or Hooks()
         # numpy array -> tensor on the model's device (no copy on the CPU)
@@ -63,14 +65,18 @@ class ModelRunner:
                 input_ids.append(s.request.all_token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids += s.request.all_token_ids[start:end]
+            else:  # a prefill chunk, or a decode with draft tokens to verify after its last token
+                input_ids += s.request.all_token_ids[start:end] + s.spec_token_ids
                 positions += range(start, end)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             seq_lens.append(end)
             qsl.append(qsl[-1] + s.num_tokens)
             tables.append(table)
-        inp = self._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
+        rows = None
+        if any(s.spec_token_ids for s in sched.scheduled):  # every draft's row is scored, not only the last
+            rows = [r for i, s in enumerate(sched.scheduled) for r in range(qsl[i + 1] - 1 - len(s.spec_token_ids),
+                                                                             qsl[i + 1])]
+        inp = self._model_input(input_ids, positions, slots, seq_lens, qsl, tables, rows)
         if self.hooks.active and self.rank == 0:  # the same on every rank: traced once
             self._trace_batch(sched, inp, input_ids, positions, slots, seq_lens, qsl)
         return inp
@@ -80,7 +86,7 @@ class ModelRunner:
                         slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl,
                         block_tables=inp.meta.block_tables.tolist(), request_ids=sched.req_ids, rope=self.rope)
 
-    def _model_input(self, input_ids, positions, slots, seq_lens, qsl, tables) -> ModelInput:
+    def _model_input(self, input_ids, positions, slots, seq_lens, qsl, tables, logits_rows=None) -> ModelInput:
         """Each input its own tensor, named as in vLLM V1 (numpy first: torch.from_numpy is the
         cheapest way in from a Python list)."""
         n, T = len(seq_lens), len(input_ids)
@@ -96,13 +102,14 @@ class ModelRunner:
             max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_seq_len=max(seq_lens),
         )
+        last = np.array(qsl[1:], np.int64) - 1 if logits_rows is None else np.array(logits_rows, np.int64)
         return ModelInput(input_ids=tensor(np.array(input_ids, np.int64)),
                           positions=tensor(np.array(positions, np.int64)), meta=meta,
-                          logits_indices=tensor(np.array(qsl[1:], np.int64) - 1), all_last=T == n)
+                          logits_indices=tensor(last), all_last=T == n)
 
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
-        """One forward pass and sampling for a non-empty SchedulerOutput (None on a
-        tensor-parallel rank other than 0: its logits went to rank 0).
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """One forward pass and sampling for a non-empty SchedulerOutput (on every
+        tensor-parallel rank: each has the whole logits after the all-gather).
 
         Returns one sampled token (with logprobs and ranks when asked for) per scheduled request,
         in ``sched.scheduled`` order; a prefill chunk that does not end its prompt gets one too,
@@ -121,14 +128,14 @@ class ModelRunner:
         with instrument.observe(self._launches.append, before, access_maps=False, step=sched.step):
             return self._run(sched, inp)
 
-    def forward(self, inp: ModelInput) -> torch.Tensor | None:
-        """The model on one batch: logits of each request's last scheduled position (None on a
-        tensor-parallel rank other than 0). (Callers run it under torch.inference_mode().)"""
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """The model on one batch: logits of each request's last scheduled position. (Callers
+        run it under torch.inference_mode().)"""
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
         return self.model.compute_logits(hidden if inp.all_last else hidden[inp.logits_indices])
 
     @torch.inference_mode()
-    def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput | None:
+    def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput:
         rows, spans = _prompt_logprob_rows(sched)
         try:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
@@ -137,21 +144,37 @@ class ModelRunner:
         finally:
             if self._launches:
                 self._publish_launches()
-        if logits is None:
-            return None
-        out = self.sampler(logits, [s.request for s in sched.scheduled])
+        drafts = [s.spec_token_ids for s in sched.scheduled]
+        last_rows = _last_rows(drafts) if any(drafts) else None
+        out = self.sampler(logits if last_rows is None else logits[last_rows], [s.request for s in sched.scheduled])
         if rows:
             out.prompt_logprobs = _prompt_logprobs(prompt_logits, spans, sched)
+        if last_rows is not None:
+            out.spec_token_ids = self._verify(logits, drafts, sched, out.token_ids)
         if self.hooks.active:
             self._trace_sampled(sched, out)
+        return out
+
+    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], sched: SchedulerOutput, bonus: list[int]):
+        """Per request with drafts: the tokens the rejection sampler keeps (None for the others)."""
+        if self.rejection_sampler is None:
+            self.rejection_sampler = RejectionSampler(self.model.backend.name)
+        spec = [i for i, d in enumerate(drafts) if d]
+        draft_rows = [r for i, d in enumerate(drafts) for r in _draft_rows(drafts, i)]
+        kept = self.rejection_sampler(logits[draft_rows], [drafts[i] for i in spec],
+                                      [sched.scheduled[i].request for i in spec], [bonus[i] for i in spec])
+        out: list = [None] * len(drafts)
+        for i, tokens in zip(spec, kept):
+            out[i] = tokens
         return out
 
     def _trace_sampled(self, sched: SchedulerOutput, out: SamplerOutput) -> None:
         # what allowed_token_ids, bad_words and logit_bias did, per request that asked
         done_by_row = getattr(self.sampler, "last_processed", {})  # (a lesson may wrap the sampler)
         processed = {sched.req_ids[i]: done for i, done in done_by_row.items()} or None
+        # on every rank, with the rank: the trace shows that the ranks drew the same tokens
         self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=sched.req_ids,
-                        logits_processors=processed)
+                        logits_processors=processed, rank=self.rank)
 
     def _trace_warmup_launch(self, rec: instrument.LaunchRecord) -> None:
         self.hooks.emit(KERNEL, rec.name, layer_idx=rec.tags.get("layer"), grid=list(rec.grid), meta=rec.meta,
@@ -261,3 +284,18 @@ def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[int, int, int]], sc
         out[i] = (first, [[[t, own[j], ranks[j]], *([u, v, n + 1] for n, (u, v) in enumerate(zip(ids, lps)))]
                           for j, (t, ids, lps) in enumerate(zip(targets, top_ids, top_lps))])
     return out
+
+
+def _last_rows(drafts: list[list[int]]) -> list[int]:
+    """With draft tokens each request has len(drafts) + 1 logits rows: the last one is sampled as usual."""
+    rows, row = [], -1
+    for d in drafts:
+        row += len(d) + 1
+        rows.append(row)
+    return rows
+
+
+def _draft_rows(drafts: list[list[int]], i: int) -> range:
+    """The logits rows that score request i's draft tokens (the rows before its last one)."""
+    start = sum(len(d) + 1 for d in drafts[:i])
+    return range(start, start + len(drafts[i]))

@@ -5,10 +5,11 @@ With one rank the ``UniProcExecutor`` holds a Worker in the engine-core process 
 the scheduler's own objects. With N ranks each Worker lives in its own process
 (``engine.executor.worker_proc``, started by ``MultiprocExecutor``) and keeps, as V1's model runner does, a
 ``CachedRequestState`` per live request: the token ids it has been sent, the sampling
-parameters and, on rank 0, the request's own seeded generator. Every step it receives the same
+parameters and a copy of the request's seeded generator. Every step it receives the same
 ``WorkerStep`` (the scheduler output as plain data: new requests whole, known ones as the
 tokens added since) and runs the same forward pass over its shard; the all-reduces and the
-logits gather inside the model tie the ranks together, and rank 0 samples.
+logits all-gather inside the model tie the ranks together. Every rank then samples, as in V1:
+the same logits and the same generators give the same tokens; the executor keeps rank 0's.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     num_prompt_tokens: int
     sampling_params: dict
     eos_token_id: int | None
-    seed: int  # the request's generator seed: rank 0 draws the same numbers the engine's own would
+    seed: int  # the request's generator seed: every rank draws the same numbers the engine's own would
 
 
 class ScheduledReq(msgspec.Struct, array_like=True, gc=False):
@@ -48,6 +49,7 @@ class ScheduledReq(msgspec.Struct, array_like=True, gc=False):
     num_computed_before: int
     num_tokens: int
     block_ids: list[int]
+    spec_token_ids: list[int] = []  # speculative decoding: drafts to verify after its last token
 
 
 class WorkerStep(msgspec.Struct, array_like=True, gc=False):
@@ -56,6 +58,7 @@ class WorkerStep(msgspec.Struct, array_like=True, gc=False):
     new_reqs: list[NewRequestData]
     scheduled: list[ScheduledReq]
     finished_req_ids: list[str]
+    output_rank: int = 0  # the rank whose sampled tokens go back (V1's unique_reply_rank)
     gated: bool = False  # a step controller may hold the engine in this step (rank 0 forwards kernel gates)
     trace: bool = False  # ship trace events
 
@@ -97,7 +100,7 @@ class Worker:
     load_model() builds this rank's shard and returns what it holds; determine_num_blocks() how
     many KV blocks its budget allows; initialize_kv_cache(n) allocates them; execute_model(sched)
     runs one step (a SchedulerOutput of Requests, or of CachedRequestStates on a worker
-    process) and returns the sampled tokens on rank 0, None elsewhere. Hooks: those of the model
+    process) and returns the sampled tokens (the same on every rank). Hooks: those of the model
     runner (kernel launches carry this rank)."""
 
     def __init__(self, config, model_path, model_config: ModelArchConfig, device: torch.device, dtype: torch.dtype,
@@ -123,11 +126,12 @@ class Worker:
         self.model.to(device=self.device, dtype=self.dtype).eval()
         params = list(self.model.parameters()) + list(self.model.buffers())
         cfg, tp = self.model_config, self.tp
+        embed = self.model.wte if hasattr(self.model, "wte") else self.model.model.embed_tokens  # GPT-2's, Llama's
         return dict(bytes=sum(p.numel() * p.element_size() for p in params),
                     params=sum(p.numel() for p in self.model.parameters()),
                     heads=list(tp.shard(cfg.num_heads)), kv_heads=list(tp.shard(cfg.num_kv_heads)),
-                    mlp=list(tp.shard(cfg.intermediate_size)),
-                    vocab=list(self.model.vocab_range), torch_threads=torch.get_num_threads())
+                    mlp=list(tp.shard(cfg.intermediate_size)), vocab=list(embed.shard_range),
+                    vocab_padded=embed.num_embeddings_padded, torch_threads=torch.get_num_threads())
 
     def determine_num_blocks(self) -> tuple[int, str]:
         return num_blocks_for(self.config.cache, self.model_config, self.dtype, self.device, self.tp.world_size)
@@ -143,7 +147,7 @@ class Worker:
                     kv_heads=list(self.tp.shard(cfg.num_kv_heads)), num_heads=cfg.num_heads,
                     num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_size, num_layers=cfg.num_layers)
 
-    def execute_model(self, sched: SchedulerOutput) -> SamplerOutput | None:
+    def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
         return self.model_runner.execute(sched)
 
     def warm_up(self, max_model_len: int) -> dict:
@@ -172,7 +176,8 @@ class Worker:
             state.block_ids = s.block_ids
             remaining = len(state.all_token_ids) - s.num_computed_before
             is_prefill = remaining > 1 or not state.output_token_ids
-            sched.scheduled.append(ScheduledRequest(state, s.num_tokens, s.num_computed_before, is_prefill))
+            sched.scheduled.append(ScheduledRequest(state, s.num_tokens, s.num_computed_before, is_prefill,
+                                                    s.spec_token_ids))
         self.tp.active = "stepping" if msg.gated else "fast"
         if self.hooks.active:
             self._trace_execute(msg)

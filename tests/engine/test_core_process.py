@@ -156,8 +156,8 @@ def test_a_request_added_as_the_core_dies_is_refused_not_left_waiting():
     llm = AsyncLLM(engine_config("tiny-gpt2-random")).start()
     process_inputs = llm.processor.process_inputs
 
-    def tokenize_then_die(request_id, prompt, params):
-        out = process_inputs(request_id, prompt, params)
+    def tokenize_then_die(request_id, prompt, params, **kw):
+        out = process_inputs(request_id, prompt, params, **kw)
         os.kill(llm.client.pid, signal.SIGKILL)
         deadline = time.monotonic() + DEADLINE
         while llm.client.dead is None and time.monotonic() < deadline:

@@ -46,3 +46,23 @@ def test_n_under_preemption_and_chunked_prefill_leaks_nothing():
         assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids  # greedy
     bm = core.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks and all(b.ref_cnt == 0 for b in bm.blocks)
+
+
+def test_the_trace_knows_each_childs_parent_and_priority():
+    from engine import Hooks
+    from tracer.session import TraceSession
+
+    hooks = Hooks()
+    session = TraceSession(hooks, control=False, model="tiny-gpt2")
+    try:
+        llm = LLM("tiny-gpt2", num_kv_blocks=64, hooks=hooks)
+        llm.generate(PROMPT, SamplingParams(n=2, temperature=0, max_tokens=2), use_tqdm=False, priority=[3])
+        import time
+        deadline = time.monotonic() + 10
+        while "1_0" not in session.state.view().requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        view = session.state.view().requests
+        assert view["0_0"].parent_id == view["1_0"].parent_id == "0"
+        assert view["1_0"].sibling_ids == ["0_0", "1_0"] and view["0_0"].priority == 3
+    finally:
+        session.close()

@@ -63,7 +63,7 @@ def test_tp2_equals_tp1_and_transformers(path, setting):
 
 
 def test_seeded_sampling_and_logprobs_equal_tp1():
-    """Rank 0 samples with a copy of each request's seeded generator: the same draws as TP=1."""
+    """Every rank samples with a copy of each request's seeded generator: the same draws as TP=1."""
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=12, logprobs=2) for s in range(4)]
     prompts = ["Once upon a time", "The cat", "A list of", "In the morning"]
     tp1 = LLM(NAME).generate(prompts, params, use_tqdm=False)
@@ -95,11 +95,18 @@ def test_every_rank_is_traced():
         for rank in (0, 1):
             mine = [e for e in kernels if e[4] == step and e[5]["rank"] == rank]
             reduces = [e for e in mine if e[1] == "all_reduce"]
-            assert len(reduces) == 2 * n_layer  # after attn.c_proj and mlp.c_proj, each layer
-            assert {e[5]["meta"]["site"] for e in reduces} == {"attn.c_proj", "mlp.c_proj"}
+            # the vocab-parallel embedding's, then attn.c_proj's and mlp.c_proj's in each layer
+            assert [e[5]["meta"]["site"] for e in reduces] == ["wte"] + ["attn.c_proj", "mlp.c_proj"] * n_layer
+            assert [e[5]["layer_idx"] for e in reduces] == [None] + [i for i in range(n_layer) for _ in "ab"]
             assert all(e[5]["meta"]["bytes"] > 0 and e[5]["duration_ns"] > 0 for e in reduces)
-            assert [e[5]["meta"]["site"] for e in mine if e[1] == "gather"] == ["lm_head"]
+            gathers = [e[5] for e in mine if e[1] == "all_gather"]
+            assert [(g["meta"]["site"], g["layer_idx"]) for g in gathers] == [("lm_head", None)]
             assert any(e[1].startswith("unified_attention") for e in mine)
+    # every rank ran the sampler on the all-gathered logits and drew the same tokens
+    sampled = [e for e in events if e[0] == "sampler" and e[1] == "sampled"]
+    for step in {e[4] for e in sampled}:
+        mine = {e[5]["rank"]: e[5]["token_ids"] for e in sampled if e[4] == step}
+        assert sorted(mine) == [0, 1] and mine[0] == mine[1]
     pids = {e[5]["pid"] for e in kernels}
     assert len(pids) == 2 and os.getpid() not in pids  # each rank's own process
     # both workers received the same scheduler output, every step
@@ -111,6 +118,7 @@ def test_every_rank_is_traced():
     # each rank's startup: its heads, and its share of the KV cache
     loads = {e[5]["rank"]: e[5] for e in events if e[0] == WORKER and e[1] == "model_load" and e[2] == "end"}
     assert loads[0]["heads"] == [0, 2] and loads[1]["heads"] == [2, 4]
+    assert loads[0]["vocab"] == [0, 2048] and loads[1]["vocab"] == [2048, 4096]  # wte: 4096 rows, split
     kv = [e[5] for e in events if e[0] == "engine" and e[1] == "kv_cache_alloc" and e[2] == "end"][0]
     assert [r["heads"] for r in kv["ranks"]] == [[0, 2], [2, 4]]
 
@@ -137,8 +145,30 @@ def test_kernel_gates_reach_worker_rank_0_and_outlast_the_timeout():
     finally:
         llm.shutdown()
     assert len(out[0].outputs[0].token_ids) == 2
-    assert "all_reduce" in seen and "gather" in seen and any(n.startswith("unified_attention") for n in seen)
+    assert "all_reduce" in seen and "all_gather" in seen and any(n.startswith("unified_attention") for n in seen)
     assert reruns and reruns[0]["max_abs_diff"] < 1e-3
+
+
+def test_vocab_parallel_embedding_pads_to_64_and_its_shards_sum_to_the_table():
+    """GPT-2's 50,257 rows pad to 50,304 (a multiple of 64) and split evenly; each rank's lookup
+    zeroes the ids it does not hold, so the ranks' results add up to the full embedding."""
+    import torch
+
+    from engine.distributed.parallel_state import TPGroup
+    from engine.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding, pad_vocab_size
+
+    assert [pad_vocab_size(50257, n) for n in (1, 2, 3, 4)] == [50257, 50304, 50304, 50304]
+    assert pad_vocab_size(4096, 2) == 4096 and pad_vocab_size(4096, 3) == 4224  # and splits evenly
+    full, ids = torch.randn(100, 8), torch.tensor([0, 5, 63, 64, 99, 70])
+    parts = []
+    for rank in (0, 1):
+        tp = TPGroup(rank, 2)
+        tp.all_reduce = lambda x, site: x  # the sum is taken below, over the two ranks' results
+        emb = VocabParallelEmbedding(100, 8, tp)
+        assert emb.shard_range == (rank * 64, (rank + 1) * 64)  # 100 rows pad to 128
+        emb.weight.data.copy_(emb.shard(full))
+        parts.append(emb(ids))
+    assert torch.equal(parts[0] + parts[1], full[ids])
 
 
 def test_bad_sizes_are_clear_errors():
@@ -152,7 +182,9 @@ def test_a_worker_that_fails_to_start_is_one_clear_error():
     before = _worker_pids()
     with pytest.raises(EngineDeadError, match="worker rank [01]: RuntimeError: No rendezvous handler for bogus://"):
         LLM(NAME, tensor_parallel_size=2, distributed_init_method="bogus://nowhere")
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10  # a rank still importing torch (a loaded machine) stops when it reads "stop"
+    while not _worker_pids() <= before and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _worker_pids() <= before, "orphaned worker processes"
 
 

@@ -1,18 +1,26 @@
 import threading
 
+import pytest
 import torch
-from kernel_batches import make_batch
+from kernel_batches import DEVICE, make_batch
 
 from kernels import (
+    INTERPRETED,
     AttentionConfig,
+    CacheConfig,
     choose_config,
     instrument,
     reshape_and_cache,
     unified_attention,
     unified_attention_ref,
 )
+from kernels.config import MIN_COMPILED_SCORE_COLUMNS
 
-GPU_SHAPED = AttentionConfig(block_q=4, q_blocks_per_program=1, tile_n=16, heads_per_program=1)
+TILE = 16 if INTERPRETED else MIN_COMPILED_SCORE_COLUMNS  # compiled kernels need 32 (see kernels.config)
+GPU_SHAPED = AttentionConfig(block_q=4, q_blocks_per_program=1, tile_n=TILE, heads_per_program=1)
+# The cache write of three tokens as one program, as the interpreter launches it; forced so the
+# GPU (one token per program) records the same grid and access map.
+CACHE_ONE_PROGRAM = CacheConfig(tokens_per_program=4, block_hd=64, num_warps=1)
 
 
 def _known_batch():
@@ -34,13 +42,15 @@ def test_recorded_grid_equals_hand_computed_grid():
     # grid bound is num_tokens // 4 + num_seqs = 10 // 4 + 3 = 5 (block 4 is idle); 2 KV heads.
     assert rec.name == "unified_attention"
     assert rec.grid == (5, 2, 1)
-    assert rec.meta["BLOCK_Q"] == 4 and rec.meta["HEADS_PER_PROG"] == 1 and rec.meta["TILE_N"] == 16
+    assert rec.meta["BLOCK_Q"] == 4 and rec.meta["HEADS_PER_PROG"] == 1 and rec.meta["TILE_N"] == TILE
     assert rec.args["query"] == ((10, 4, 32), "float32")
     assert rec.args["block_tables"][1] == "int32"
     assert rec.reason == "caller-supplied config"
-    assert rec.timing == "wall_clock" and rec.duration_ns > 0
+    # CUDA events time a compiled kernel; the wall clock an interpreted one.
+    assert rec.timing == ("cuda_event" if DEVICE == "cuda" else "wall_clock") and rec.duration_ns > 0
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="a GPU gets many small programs (tests/kernels/test_attention_config.py)")
 def test_interpreter_decode_batch_is_one_program():
     # The model's decode step: 8 requests x 4 heads x 64-token contexts -> a single fat program.
     b = make_batch([1] * 8, [64] * 8, q_heads=4, kv_heads=4, head_size=32, block_size=16)
@@ -73,7 +83,7 @@ def test_access_map_lists_the_physical_blocks_of_a_program():
 def test_access_map_covers_every_block_the_kernel_reads():
     # Poison every cache block that no program claims to read: the output must not change.
     b = make_batch([1, 5, 1], [40, 21, 7], q_heads=2, kv_heads=2, head_size=32, block_size=8, seed=6)
-    split = AttentionConfig(block_q=2, q_blocks_per_program=1, tile_n=16, heads_per_program=1, num_segments=2)
+    split = AttentionConfig(block_q=2, q_blocks_per_program=1, tile_n=TILE, heads_per_program=1, num_segments=2)
     for config in (None, GPU_SHAPED, split):
         k, v = b.key_cache.clone(), b.value_cache.clone()
         rec = _record_launches(lambda: unified_attention(*b.args(), config=config))[0]
@@ -87,27 +97,30 @@ def test_access_map_covers_every_block_the_kernel_reads():
 
 def test_split_kv_access_map_has_segments():
     b = make_batch([1], [40], q_heads=2, kv_heads=2, head_size=32, block_size=16, seed=7)
-    cfg = AttentionConfig(block_q=1, q_blocks_per_program=1, tile_n=16, heads_per_program=2, num_segments=3)
+    cfg = AttentionConfig(block_q=1, q_blocks_per_program=1, tile_n=TILE, heads_per_program=2, num_segments=3)
     attn, reduce = _record_launches(lambda: unified_attention(*b.args(), config=cfg))
     assert (attn.name, attn.grid, reduce.name) == ("unified_attention_split_kv", (1, 1, 3), "reduce_segments")
-    # 3 tiles of 16 keys, one per segment; segment 1 reads keys [16, 32) = logical block 1.
+    # One tile per segment; segment 1 reads keys [TILE, 2 TILE) of the 40: with 16-key tiles
+    # [16, 32) = logical block 1, with 32-key tiles [32, 40) = logical block 2.
     (seg1,) = attn.access_map[(0, 0, 1)]
-    assert (seg1.segment, seg1.kv_positions, seg1.blocks) == (1, (16, 32), (int(b.block_tables[0, 1]),))
+    expected_blocks = (int(b.block_tables[0, TILE // 16]),)
+    assert (seg1.segment, seg1.kv_positions, seg1.blocks) == (1, (TILE, min(2 * TILE, 40)), expected_blocks)
 
 
 def test_cache_write_record_and_access_map():
-    key = torch.randn(3, 2, 32)
-    cache = torch.zeros(4, 8, 2, 32)
-    slots = torch.tensor([17, -1, 3])
-    (rec,) = _record_launches(lambda: reshape_and_cache(key, key, cache, cache.clone(), slots), step=1)
+    key = torch.randn(3, 2, 32, device=DEVICE)
+    cache = torch.zeros(4, 8, 2, 32, device=DEVICE)
+    slots = torch.tensor([17, -1, 3], device=DEVICE)
+    (rec,) = _record_launches(
+        lambda: reshape_and_cache(key, key, cache, cache.clone(), slots, config=CACHE_ONE_PROGRAM), step=1)
     assert rec.name == "reshape_and_cache" and rec.grid == (1, 1) and rec.tags == {"step": 1}
     (acc,) = rec.access_map[(0, 0, 0)]
     assert acc.blocks == (2, 0) and acc.rows == (0, 3) and acc.kv_heads == (0, 1)
 
 
 def test_before_launch_runs_before_each_launch():
-    key = torch.ones(1, 1, 16)
-    cache = torch.zeros(2, 8, 1, 16)
+    key = torch.ones(1, 1, 16, device=DEVICE)
+    cache = torch.zeros(2, 8, 1, 16, device=DEVICE)
     events = []
 
     def before(name, grid, meta):
@@ -115,18 +128,18 @@ def test_before_launch_runs_before_each_launch():
         events.append(("before", name, grid, float(cache.sum()), meta["TOKENS"]))
 
     with instrument.observe(lambda r: events.append(("after", r.name, r.grid, float(cache.sum()), None)), before):
-        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0]))
-        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([9]))
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0], device=DEVICE))
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([9], device=DEVICE))
     assert [(e[0], e[3]) for e in events] == [("before", 0.0), ("after", 16.0), ("before", 16.0), ("after", 32.0)]
     assert events[0][1:3] == ("reshape_and_cache", (1, 1)) and events[0][4] == 1
 
 
 def test_observe_nests_and_restores_tags():
-    key = torch.ones(1, 1, 16)
-    cache = torch.zeros(2, 8, 1, 16)
+    key = torch.ones(1, 1, 16, device=DEVICE)
+    cache = torch.zeros(2, 8, 1, 16, device=DEVICE)
 
     def write():
-        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0]))
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([0], device=DEVICE))
 
     outer, inner = [], []
     instrument.set_tags(ignored=True)  # nobody observes: a no-op
@@ -149,25 +162,26 @@ def test_observe_nests_and_restores_tags():
 
 
 def test_observation_is_thread_local():
-    key = torch.ones(1, 1, 16)
-    cache = torch.zeros(2, 8, 1, 16)
+    key = torch.ones(1, 1, 16, device=DEVICE)
+    cache = torch.zeros(2, 8, 1, 16, device=DEVICE)
     seen = []
     with instrument.observe(seen.append, who="main"):
-        t = threading.Thread(target=lambda: reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([1])))
+        slot = torch.tensor([1], device=DEVICE)
+        t = threading.Thread(target=lambda: reshape_and_cache(key, key, cache, cache.clone(), slot))
         t.start()
         t.join()
         assert seen == []  # the other thread's launch was not observed here
-        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([2]))
+        reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([2], device=DEVICE))
     assert [r.tags for r in seen] == [{"who": "main"}]
 
 
 def test_access_map_snapshot_is_taken_only_for_an_observer_that_reads_maps():
-    key = torch.randn(3, 2, 32)
-    cache = torch.zeros(4, 8, 2, 32)
-    slots = torch.tensor([17, -1, 3])
+    key = torch.randn(3, 2, 32, device=DEVICE)
+    cache = torch.zeros(4, 8, 2, 32, device=DEVICE)
+    slots = torch.tensor([17, -1, 3], device=DEVICE)
 
     def write():
-        reshape_and_cache(key, key, cache, cache.clone(), slots)
+        reshape_and_cache(key, key, cache, cache.clone(), slots, config=CACHE_ONE_PROGRAM)
 
     (plain,) = _record_launches(write, access_maps=False)
     assert plain.access_map == {} and plain.grid == (1, 1)  # no metadata snapshot was taken for it

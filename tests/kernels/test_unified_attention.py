@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_batches import make_batch
+from kernel_batches import DEVICE, make_batch
 
 from kernels import (
     INTERPRETED,
@@ -12,6 +12,7 @@ from kernels import (
     unified_attention,
     unified_attention_ref,
 )
+from kernels.config import MIN_COMPILED_SCORE_COLUMNS
 
 # (query_lens, seq_lens, q_heads, kv_heads, head_size, block_size). Each line covers several
 # items: seq_len == query_len is a fresh prompt, seq_len > query_len a cached prefix.
@@ -28,9 +29,11 @@ CASES = {
 
 # Configs the tests force, to run every code path under the interpreter, not just the one
 # choose_config picks here. "gpu" is the shape a GPU gets: one head, one query block per program.
+# Tiles of 16 keys give short contexts several tiles; compiled kernels need 32 (see kernels.config).
+TILE = 16 if INTERPRETED else MIN_COMPILED_SCORE_COLUMNS
 CONFIGS = {
     "auto": None,
-    "gpu": AttentionConfig(block_q=4, q_blocks_per_program=1, tile_n=16, heads_per_program=1),
+    "gpu": AttentionConfig(block_q=4, q_blocks_per_program=1, tile_n=TILE, heads_per_program=1),
     "split": AttentionConfig(block_q=2, q_blocks_per_program=2, tile_n=16, heads_per_program=1, num_segments=3),
 }
 
@@ -53,10 +56,10 @@ def test_attention_matches_reference(case, config):
 
 
 def test_split_kv_with_empty_segments():
-    # 6 segments of one 16-key tile over contexts of 1..40 keys: most programs of the short
+    # 6 segments of one TILE-key tile over contexts of 1..40 keys: most programs of the short
     # requests get no tile at all and must contribute nothing to the merge.
     b = _batch("decode", seed=1)
-    cfg = AttentionConfig(block_q=1, q_blocks_per_program=1, tile_n=16, heads_per_program=2, num_segments=6)
+    cfg = AttentionConfig(block_q=1, q_blocks_per_program=1, tile_n=TILE, heads_per_program=2, num_segments=6)
     torch.testing.assert_close(
         unified_attention(*b.args(), config=cfg), unified_attention_ref(*b.args()), atol=1e-3, rtol=0
     )
@@ -88,9 +91,9 @@ def test_chunked_prefill_after_cache_write_end_to_end():
     # Slots of the new tokens: positions seq_len - q_len .. seq_len - 1 of each request.
     slots = [int(b.block_tables[r, p // bs]) * bs + p % bs
              for r, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)]
-    slots = torch.tensor(slots + [-1])  # plus one padding token
-    key, value = torch.randn(2, len(slots), heads, d, generator=g)
-    query = torch.cat([b.query, torch.zeros(1, heads, d)])
+    slots = torch.tensor(slots + [-1], device=DEVICE)  # plus one padding token
+    key, value = torch.randn(2, len(slots), heads, d, generator=g).to(DEVICE)
+    query = torch.cat([b.query, torch.zeros(1, heads, d, device=DEVICE)])
     qsl = b.query_start_loc
 
     k_ref, v_ref = b.key_cache.clone(), b.value_cache.clone()

@@ -170,10 +170,11 @@ async def test_a_false_claim_shows_the_failed_check_and_exits_1(monkeypatch):
 
 def test_tui_flag_reaches_the_tui_runner(monkeypatch):
     """`--tui` (script and `vllm-trace lesson`) hands the lesson to run_in_tui; --no-pause turns pauses off."""
+    import lessons.cli
     import lessons.tui
     from tracer.cli import main as cli
     seen = []
     monkeypatch.setattr(lessons.tui, "run_in_tui", lambda lesson, run: seen.append(lesson.pause_enabled) or 7)
     assert cli(["lesson", "5", "--tui", "--no-pause"]) == 7
-    assert lessons.framework.main(vars(module("paged_kv_cache")), ["--tui"]) == 7
+    assert lessons.cli.main(vars(module("paged_kv_cache")), ["--tui"]) == 7
     assert seen == [False, True]

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import lessons
-from lessons.framework import main
+from lessons.cli import main
 
 LESSONS = lessons.discover()
 

@@ -2,7 +2,7 @@
 import importlib
 
 import lessons
-from lessons.framework import main
+from lessons.cli import main
 
 
 def test_slot_mapping_lesson_fails_if_slots_ignore_the_block_table(monkeypatch, capsys):

@@ -2,7 +2,7 @@
 import importlib
 
 import lessons
-from lessons.framework import main
+from lessons.cli import main
 
 
 def run_lesson(name: str) -> int:

@@ -14,7 +14,9 @@ NAMES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cach
          "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
          "vllm:generation_tokens_total", "vllm:num_preemptions_total", "vllm:time_to_first_token_seconds_bucket",
          "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
-         "vllm:request_queue_time_seconds_bucket", "vllm:iteration_tokens_total_bucket"]
+         "vllm:request_queue_time_seconds_bucket", "vllm:iteration_tokens_total_bucket",
+         "vllm:request_time_per_output_token_seconds_bucket",
+         "vllm_trace:request_abort_total"]  # ours, named so: vLLM does not count aborts
 
 
 def sample(text: str, name: str, **labels) -> float:
@@ -41,6 +43,7 @@ def test_metrics_names_and_counts(http):
     assert delta("vllm:time_to_first_token_seconds_count") == 1
     assert delta("vllm:inter_token_latency_seconds_count") == 4
     assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 1  # one per request, as vLLM
     assert delta("vllm:prefix_cache_queries_total") >= r["usage"]["prompt_tokens"]
     assert "_created" not in after
 

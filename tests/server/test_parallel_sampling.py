@@ -67,3 +67,4 @@ def test_logit_bias_allowed_and_bad_words_over_http(http):
     assert http.post("/v1/completions", json=base | {"logit_bias": {"x": 1}}).status_code == 400
     assert http.post("/v1/completions", json=base | {"allowed_token_ids": [99999]}).status_code == 400
     assert http.post("/v1/completions", json=base | {"logit_bias": {"3": 1000}}).status_code == 400
+

@@ -13,6 +13,7 @@ import httpx
 from engine import LLM, SamplingParams
 from tests.engine.test_tensor_parallel import _alive
 from tests.server.conftest import spawn_serve
+from tests.server.procfs import is_loopback, listening_addresses, unix_socket_paths
 from tracer.events import read_trace
 
 DEADLINE = 60
@@ -35,6 +36,13 @@ def _children_of(pid: int, marker: bytes) -> list[int]:
     return found
 
 
+def _workers_dir(core_pid: int) -> str:
+    """The directory of the ipc sockets the engine core bound for its workers."""
+    paths = [p for p in unix_socket_paths(core_pid) if "vllm-trace-workers-" in p]
+    assert paths, "the engine core has no worker sockets"
+    return os.path.dirname(paths[0])
+
+
 def test_serve_with_two_ranks(model_cache, tmp_path):
     trace = tmp_path / "tp.jsonl"
     proc, startup, url = spawn_serve("--no-tui", "--tensor-parallel-size", "2", "--trace-file", str(trace))
@@ -42,6 +50,11 @@ def test_serve_with_two_ranks(model_cache, tmp_path):
         core_pid = int(re.search(r"engine core pid (\d+)", startup).group(1))
         workers = _children_of(core_pid, b"engine.executor.worker_proc")
         assert len(workers) == 2, startup
+        # the rendezvous store and the backends' sockets: nothing of the tree listens beyond loopback
+        listening = listening_addresses([proc.pid, core_pid, *workers])
+        assert {pid for pid, _, _ in listening} >= {proc.pid, workers[0]}, listening  # uvicorn, the store
+        assert all(is_loopback(addr) for _, addr, _ in listening), listening
+        workers_dir = _workers_dir(core_pid)
         body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         got = httpx.post(url + "/v1/completions", json=body, timeout=DEADLINE).json()
         one_rank = LLM("tiny-gpt2").generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=12,
@@ -66,6 +79,7 @@ def test_serve_with_two_ranks(model_cache, tmp_path):
         while any(map(_alive, [core_pid, *workers])) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(map(_alive, [core_pid, *workers])), "orphaned engine processes"
+        assert not os.path.exists(workers_dir), "the workers' socket directory was left behind"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -75,7 +89,7 @@ def test_serve_with_two_ranks(model_cache, tmp_path):
     kernels = [e for e in events if e.layer == "kernel" and e.step is not None]
     assert {e.attrs["rank"] for e in kernels} == {0, 1}
     assert {e.attrs["pid"] for e in kernels} == set(workers)
-    assert {e.name for e in kernels} >= {"all_reduce", "gather"}
+    assert {e.name for e in kernels} >= {"all_reduce", "all_gather"}
     loads = [e for e in events if e.layer == "worker" and e.name == "model_load" and e.kind == "end"]
     assert sorted(e.attrs["rank"] for e in loads) == [0, 1]
 
@@ -96,6 +110,21 @@ def test_a_dead_worker_stops_a_one_process_server_too(model_cache):
         assert re.search(r"stopped because the engine died: worker rank \d died \(signal 9\)", err), err
         assert "Traceback" not in err, err
         assert not any(map(_alive, workers))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_kill_9_of_a_tensor_parallel_core_leaves_no_directory_behind(model_cache):
+    proc, startup, url = spawn_serve("--no-tui", "--tensor-parallel-size", "2")
+    try:
+        core_pid = int(re.search(r"engine core pid (\d+)", startup).group(1))
+        workers_dir = _workers_dir(core_pid)
+        os.kill(core_pid, signal.SIGKILL)  # no code of the core runs: the front end must clean up
+        assert proc.wait(DEADLINE) == 1
+        assert "engine core died: signal 9" in proc.stderr.read()
+        assert not os.path.exists(workers_dir), "the workers' socket directory was left behind"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -126,6 +126,24 @@ def test_step_body_is_validated(t):
     assert t.http.post("/trace/step", json={"n": 0}).status_code == 400
 
 
+@pytest.mark.parametrize("method,path,body,param", [
+    ("post", "/trace/step", {"n": 2 ** 64}, "n"),
+    ("post", "/trace/step", {"n": 2 ** 63}, "n"),
+    ("post", "/trace/step", {"n": trace_api.MAX_STEP_N + 1}, "n"),
+    ("post", "/trace/step", {"n": 1, "wait": True, "timeout": 10 ** 400}, "timeout"),
+    ("get", f"/trace/events?since={2 ** 64}", None, "since"),
+    ("delete", f"/trace/breakpoints/{2 ** 64}", None, "bp_id"),
+    ("delete", "/trace/breakpoints/-1", None, "bp_id"),
+])
+def test_every_integer_of_the_trace_api_is_bounded(t, method, path, body, param):
+    """n = 2**64 used to be a 500: the remote controller's msgpack cannot encode it."""
+    kwargs = {"json": body} if body is not None else {}
+    r = getattr(t.http, method)(path, **kwargs)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert not t.session.controller.status()["paused"]  # nothing was started
+
+
 def test_breakpoints_add_list_delete_and_finish_holds_the_engine(t):
     r = t.http.post("/trace/breakpoints", json={"condition": "finish"})
     assert r.status_code == 201

@@ -21,7 +21,7 @@ def test_every_ranks_launches_are_kept_with_their_rank():
     per_rank = {r: [k for k in s.kernels if rank_of(k) == r] for r in (0, 1)}
     for r, launches in per_rank.items():
         names = [k["name"] for k in launches]
-        assert names.count("all_reduce") == 2 * N_LAYER and names.count("gather") == 1
+        assert names.count("all_reduce") == 2 * N_LAYER and names.count("all_gather") == 1
         sites = [k["meta"]["site"] for k in launches if k["name"] == "all_reduce"]
         assert sites == ["attn.c_proj", "mlp.c_proj"] * N_LAYER
     # the per-step sparklines follow rank 0 only: rank 1's launches take twice as long
@@ -89,7 +89,7 @@ def test_a_real_two_rank_run_folds_to_the_engines_shards():
     assert step_ranks(s) == [0, 1]
     for r in (0, 1):
         mine = [k for k in s.kernels if rank_of(k) == r]
-        assert sum(k["name"] == "all_reduce" for k in mine) == 2 * cfg.n_layer
+        assert sum(k["name"] == "all_reduce" for k in mine) == 2 * cfg.n_layer + 1  # and the embedding's
         assert all(k["meta"]["bytes"] > 0 for k in mine if k["name"] == "all_reduce")
     digests = {w["execute_model"]["digest"] for w in s.workers}
     assert len(digests) == 1 and {w["execute_model"]["step"] for w in s.workers} == {s.step}

@@ -77,9 +77,9 @@ async def test_each_rank_has_its_sums_and_collectives_show_bytes_site_and_time()
         assert " ".join(reduce[0][5:7]) == fmt_ns(2 * 2_000_000)  # rank 1: twice rank 0's time
         assert f"{HIDDEN * 4} B attn.c_proj (sum over 2 ranks)" in " ".join(reduce[0])  # 128 floats
         assert "mlp.c_proj" in " ".join(reduce[1])
-        gather = [row for row in rows if "gather" in row]
-        assert len(gather) == 1 and gather[0][2] == "gather"  # no layer: the LM head's
-        assert "lm_head (gather over 2 ranks)" in " ".join(gather[0])
+        gather = [row for row in rows if "all_gather" in row]
+        assert len(gather) == 1 and gather[0][2] == "all_gather"  # no layer: the LM head's
+        assert "lm_head (all_gather over 2 ranks)" in " ".join(gather[0])
         # the cursor on a collective: what it moves, no program grid
         await pilot.press("down", "down")
         assert rows[2][3] == "all_reduce"

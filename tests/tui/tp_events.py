@@ -1,5 +1,5 @@
 """Synthetic tensor-parallel traces, built as the event contract of issue #20 says the engine
-emits them (config.parallel, every rank's launches with `rank`, all_reduce / gather as launches,
+emits them (config.parallel, every rank's launches with `rank`, all_reduce / all_gather as launches,
 the workers' startup stages and execute_model per step), for the fold and the panels' tests.
 
 Rank r's launches take (r + 1) times rank 0's, so per-rank sums tell the ranks apart.
@@ -83,9 +83,10 @@ def tp_events(n: int = 2, steps: int = 1, with_rank: bool = True) -> list[Event]
                           meta={"op": "sum", "world_size": n, "bytes": HIDDEN * 4, "site": site, "group": "fast"},
                           **rank)
         for r in range(n if n > 1 else 0):
-            t.add("kernel", "gather", step=step, layer_idx=None, grid=[], duration_ns=GATHER_NS * (r + 1),
+            t.add("kernel", "all_gather", step=step, layer_idx=None, grid=[], duration_ns=GATHER_NS * (r + 1),
                   timing="wall_clock", reason="lm_head", args={"tensor": [[1, 4096 // n], "float32"]}, rank=r,
-                  meta={"op": "gather", "world_size": n, "bytes": 4096 // n * 4, "site": "lm_head", "group": "fast"})
+                  meta={"op": "all_gather", "world_size": n, "bytes": 4096 // n * 4, "site": "lm_head",
+                        "group": "fast"})
         t.add("engine", "step", END, step=step, stats={"num_free_blocks": NUM_BLOCKS - 1,
                                                       "num_total_blocks": NUM_BLOCKS})
     return t.events

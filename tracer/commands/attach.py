@@ -12,7 +12,7 @@ import asyncio
 import os
 import sys
 
-from tracer.commands.send import DEFAULT_URL
+from tracer.defaults import DEFAULT_URL
 from tracer.errors import UserError
 
 

@@ -18,7 +18,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from tracer.commands.send import DEFAULT_URL, connect_error, error_message
+from tracer.commands.send import connect_error, error_message
+from tracer.defaults import DEFAULT_URL
 from tracer.errors import UserError
 
 # Token ids every GPT-2-family vocabulary has (the byte-level base tokens).

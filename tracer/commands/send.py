@@ -9,12 +9,8 @@ import json
 import os
 import sys
 
+from tracer.defaults import DEFAULT_PROMPT, DEFAULT_URL
 from tracer.errors import UserError
-
-DEFAULT_URL = "http://127.0.0.1:8000"
-# The built-in tiny-gpt2 learned Python's documentation, so a prompt from that world gets readable text
-# back ("Hello, my name is" gets docstring-speak; "The capital of France is" will not lead to "Paris").
-DEFAULT_PROMPT = "The first argument is"
 
 
 def register(sub) -> None:

@@ -468,7 +468,7 @@ def _url(host: str, port: int) -> str:
 
 
 def _banner(args: argparse.Namespace, name: str, url: str, refusal: str | None, session) -> None:
-    from tracer.commands.send import DEFAULT_PROMPT
+    from tracer.defaults import DEFAULT_PROMPT
 
     body = json.dumps({"model": name, "prompt": DEFAULT_PROMPT, "max_tokens": 16})
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""

@@ -32,7 +32,7 @@ from tracer.tui.widgets.kernels import KernelsPanel
 from tracer.tui.widgets.kv_cache import KVCachePanel
 from tracer.tui.widgets.log import LogPanel
 from tracer.tui.widgets.overview import OverviewPanel
-from tracer.tui.widgets.panel import WIDE, Panel  # noqa: F401  (WIDE: lessons.tui lays out by it too)
+from tracer.tui.widgets.panel import WIDE, Panel  # noqa: F401  (WIDE: the lessons' TUI lays out by it too)
 from tracer.tui.widgets.requests import RequestsPanel
 from tracer.tui.widgets.startup import StartupPanel
 from tracer.tui.widgets.step import StepPanel

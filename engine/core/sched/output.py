@@ -12,6 +12,7 @@ class ScheduledRequest:
     num_tokens: int  # tokens computed for it this step
     num_computed_before: int  # where this step's tokens start
     is_prefill: bool
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify (their slots are in num_tokens)
 
 
 @dataclass
@@ -29,6 +30,11 @@ class SchedulerOutput:
     def num_scheduled_tokens(self) -> dict[str, int]:
         """Request id -> tokens computed for it this step (vLLM V1's name and shape)."""
         return {s.request.request_id: s.num_tokens for s in self.scheduled}
+
+    @property
+    def scheduled_spec_decode_tokens(self) -> dict[str, list[int]]:
+        """Request id -> the draft tokens it verifies this step (vLLM V1's name)."""
+        return {s.request.request_id: s.spec_token_ids for s in self.scheduled if s.spec_token_ids}
 
     @property
     def req_ids(self) -> list[str]:

@@ -31,7 +31,7 @@ from engine.engine.core_types import EngineCoreOutput, EngineCoreOutputs
 from engine.hooks import BEGIN, Hooks
 from engine.request import Request, RequestStatus
 from engine.sample.sampler import SamplerOutput
-from engine.trace_names import ENGINE, FINISHED, PREEMPTED, SCHEDULE, SCHEDULER
+from engine.trace_names import ENGINE, FINISHED, PREEMPTED, REJECTED, SCHEDULE, SCHEDULER, SPEC_DECODE, VERIFIED
 
 
 class Scheduler:
@@ -55,6 +55,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_count = 0
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
         self.finished_req_ids: set[str] = set()  # handed to the next SchedulerOutput
 
     def add_request(self, req: Request) -> None:
@@ -91,7 +92,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = len(req.all_token_ids) - req.num_computed_tokens
-            n = min(remaining, budget)
+            n = min(remaining + len(req.spec_token_ids), budget)  # draft tokens: lookahead slots to verify
             while not self.block_manager.allocate_slots(req, n):
                 victim, why = self._victim()
                 self._preempt(victim, out, reason=f"{why}: no free blocks for {req.request_id}")
@@ -99,7 +100,8 @@ class Scheduler:
                     break
             else:  # (Request.is_prefill, inlined: this runs for every running request every step)
                 is_prefill = remaining > 1 or not req.output_token_ids
-                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, is_prefill))
+                spec, req.spec_token_ids = req.spec_token_ids[:max(0, n - remaining)], []
+                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, is_prefill, spec))
                 budget -= n
                 i += 1
                 continue
@@ -149,6 +151,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput, reason: str) -> None:
         self.block_manager.free_request(req)
         req.status = RequestStatus.PREEMPTED
+        req.spec_token_ids = []
         req.num_computed_tokens = 0  # recompute: prompt and generated tokens are prefilled again
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -176,19 +179,31 @@ class Scheduler:
             req = s.request
             req.first_scheduled_time = req.first_scheduled_time or now
             req.num_computed_tokens += s.num_tokens
+            tokens = [token_id]
+            if s.spec_token_ids:  # drafts verified: keep what the rejection sampler kept; rejected slots get rewritten
+                tokens = model_runner_output.spec_token_ids[i]
+                req.num_computed_tokens -= len(s.spec_token_ids) + 1 - len(tokens)
+                self.spec_stats.observe(len(s.spec_token_ids), len(tokens) - 1)
+                if self.hooks.active:
+                    self._trace_verified(req, step, s.spec_token_ids, tokens)
             if model_runner_output.prompt_logprobs and model_runner_output.prompt_logprobs[i] is not None:
                 _add_prompt_logprobs(req, *model_runner_output.prompt_logprobs[i])
             if req.num_computed_tokens < len(req.all_token_ids):
                 continue  # one chunk of a longer prefill: its sampled token is discarded
-            req.append_token(token_id)
+            new_token_ids = []
+            for token_id in tokens:
+                req.append_token(token_id)
+                new_token_ids.append(token_id)
+                status = check_stop(req, self.max_model_len)
+                if status is not None:
+                    break  # the rest (accepted drafts past a stop) is dropped
             req.first_token_time = req.first_token_time or now
-            status = check_stop(req, self.max_model_len)
             if status is not None:
                 req.finished_time = now
                 self.finish_requests((req.request_id,), status)
             lps = model_runner_output.logprobs[i]
             new_logprobs = None if lps is None else [_ranked(lps, token_id, model_runner_output.ranks[i])]
-            outputs.append(_output(req, token_id, new_logprobs))
+            outputs.append(_output(req, new_token_ids, new_logprobs))
             if status is not None and self.hooks.active:
                 self._trace_finished(req, step)
         self.step_count += 1
@@ -213,9 +228,42 @@ class Scheduler:
         self.hooks.emit(SCHEDULER, SCHEDULE, BEGIN, step=step, num_waiting=len(self.waiting),
                         num_running=len(self.running))
 
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """The proposer's drafts for the next step (vLLM V1's name): scheduled as lookahead slots."""
+        for rid, drafts in draft_token_ids.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                req.spec_token_ids = drafts
+
+    def _trace_verified(self, req: Request, step: int, drafts: list[int], kept: list[int]) -> None:
+        accepted = len(kept) - 1  # the kept tokens: the accepted drafts, then the target's own token
+        self.hooks.emit(SPEC_DECODE, VERIFIED, request_id=req.request_id, step=step, draft=drafts,
+                        accepted=drafts[:accepted], rejected=drafts[accepted:], token=kept[-1],
+                        bonus=accepted == len(drafts))
+        if accepted < len(drafts):
+            self.hooks.emit(SPEC_DECODE, REJECTED, request_id=req.request_id, step=step, rejected=drafts[accepted:])
+
     def _trace_finished(self, req: Request, step: int) -> None:
         self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=step, finish_reason=req.finish_reason,
                         num_output_tokens=req.num_output_tokens)
+
+
+class SpecDecodingStats:
+    """vLLM V1's spec-decode counters: drafts verified, draft tokens, accepted tokens, and accepted
+    tokens by position in the draft."""
+
+    def __init__(self):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos: list[int] = []
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos += [0] * (num_draft_tokens - len(per_pos))
+        for j in range(num_accepted):
+            per_pos[j] += 1
 
 
 def _priority(req: Request) -> tuple[int, float]:
@@ -235,15 +283,15 @@ def _add_prompt_logprobs(req: Request, first: int, entries: list) -> None:
         req.prompt_logprobs += entries[skip:]
 
 
-def _output(req: Request, token_id: int, new_logprobs: list | None) -> EngineCoreOutput:
+def _output(req: Request, new_token_ids: list[int], new_logprobs: list | None) -> EngineCoreOutput:
     # Positional arguments: built for every running request every step, so it counts.
     metrics = None
-    if req.num_output_tokens == 1 or req.finished_time is not None:  # the first token, and the finish
+    if req.num_output_tokens == len(new_token_ids) or req.finished_time is not None:  # the first, and the finish
         metrics = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
                        first_token_time=req.first_token_time, finished_time=req.finished_time,
                        num_preemptions=req.num_preemptions)
     prompt_logprobs = None
-    if req.num_output_tokens == 1 and req.params.prompt_logprobs is not None:
+    if req.num_output_tokens == len(new_token_ids) and req.params.prompt_logprobs is not None:
         prompt_logprobs = req.prompt_logprobs
-    return EngineCoreOutput(req.request_id, [token_id], new_logprobs, req.finish_reason, req.stop_reason,
+    return EngineCoreOutput(req.request_id, new_token_ids, new_logprobs, req.finish_reason, req.stop_reason,
                             req.num_cached_tokens, metrics, prompt_logprobs)

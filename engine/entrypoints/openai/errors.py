@@ -93,6 +93,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if loc and loc[0] in ("query", "path"):  # where it came from: the parameter is what follows
+        loc = loc[1:]
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}",
                         code="json_invalid")

@@ -5,6 +5,12 @@ the AsyncLLMEngine), with vLLM V1's accounting: a request's prompt tokens count 
 that produced its first token. Gauges are read from the engine's latest published stats at
 scrape time, so a request queued while the engine is paused shows in
 ``vllm:num_requests_waiting`` at once. Each app has its own registry (tests build several).
+
+One counter is ours, not vLLM's, and named so: ``vllm_trace:request_abort_total``, the requests
+aborted (a client that went away, an explicit abort). vLLM counts no such thing: its
+``OutputProcessor.abort_requests`` (``vllm/v1/engine/output_processor.py``) drops an aborted
+request's state without recording its stats, so ``vllm:request_success_total`` does not move
+for it; neither does ours.
 """
 from __future__ import annotations
 
@@ -57,10 +63,21 @@ class ServerMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(model_name)
         self.request_success = counter("vllm:request_success", "Finished requests, by finish reason.",
                                        m + ["finished_reason"])
+        self.request_abort = counter("vllm_trace:request_abort",
+                                     "Aborted requests (ours: vLLM does not count them).").labels(model_name)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Per request: first to last token, divided by the tokens after the first.", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative drafts verified.").labels(model_name)
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                         "Speculative draft tokens verified.").labels(model_name)
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Speculative draft tokens accepted.").labels(model_name)
+        self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted draft tokens, by position in the draft.", [*m, "position"])
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_BUCKETS)
         self.model_name = model_name
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens so far, last token time)
@@ -88,17 +105,31 @@ class ServerMetrics:
                 self._seen.pop(out.request_id, None)
                 self.request_success.labels(self.model_name, out.outputs[0].finish_reason).inc()
                 self.e2e.observe(now - m["arrival_time"])
+                # as vLLM's IterationStats.update_from_finished_request: 0 for a one-token answer
+                first = m["first_token_time"]
+                self.tpot.observe((now - first) / (n - 1) if n > 1 and first is not None else 0.0)
             else:
                 self._seen[out.request_id] = (n, now)
         for rid in aborted:
             self._seen.pop(rid, None)
-            self.request_success.labels(self.model_name, "abort").inc()
+            self.request_abort.inc()
         if outputs:
             self.iteration_tokens.observe(step_tokens)
         last, self._last = self._last, stats
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        if stats.spec_num_drafts != last.spec_num_drafts:
+            self._spec(stats, last)
+
+    def _spec(self, stats: EngineStats, last: EngineStats) -> None:
+        self.spec_drafts.inc(stats.spec_num_drafts - last.spec_num_drafts)
+        self.spec_draft_tokens.inc(stats.spec_num_draft_tokens - last.spec_num_draft_tokens)
+        self.spec_accepted.inc(stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens)
+        before = last.spec_num_accepted_tokens_per_pos
+        for pos, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
+            gained = n - (before[pos] if pos < len(before) else 0)
+            self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(gained)
 
     def render(self) -> bytes:
         stats = self.engine.stats

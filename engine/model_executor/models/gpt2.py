@@ -14,11 +14,13 @@ Tensor parallelism (Megatron style, as vLLM's gpt2.py) when built with a ``TPGro
   input features and the partial sums are all-reduced; the bias is added once (by rank 0,
   before the sum), not N times.
 * ``mlp.c_fc`` is column-parallel (its slice of the 4·n_embd features; GELU is elementwise).
-* The token embedding is *replicated*: a lookup is cheap, and a vocab-parallel one would cost a
-  third all-reduce per step for a table that is ~30 % of GPT-2 small's weights. The tied LM
-  head is vocab-parallel: rank r multiplies by its slice of the (padded) vocabulary, and the
-  logits are gathered to rank 0, which samples. GPT-2's 50,257 rows are padded to a multiple of
-  N with zero rows, whose logits are cut off after the gather.
+* ``wte`` is vocab-parallel (``VocabParallelEmbedding``): rank r holds rows [r·V'/N, (r+1)·V'/N)
+  of the vocabulary padded to V', a multiple of 64; a lookup finds the ids in its shard and one
+  all-reduce per step sums the ranks' vectors. The tied LM head is that same shard: each rank
+  computes its slice of the logits, they are all-gathered (vLLM V1's ``LogitsProcessor``
+  all-gathers) and the padding's columns cut off, so every rank holds the whole logits and
+  runs the sampler; the executor keeps rank 0's output.
+* ``wpe`` and the layer norms are replicated.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from torch import nn
 
 from engine.distributed.parallel_state import TPGroup
 from engine.model_executor.layers.attention import AttentionBackend, AttentionMetadata
+from engine.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model_executor.model_loader import GPT2Config
 from kernels import instrument
 
@@ -122,31 +125,28 @@ class GPT2Model(nn.Module):
         self.backend = backend
         self.tp = tp = tp or TPGroup()
         check_tp_size(cfg, tp.world_size)
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, tp)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg, i, backend, tp) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        # the LM head's rows on this rank: [start, end) of the vocabulary padded to a multiple of N
-        per_rank = -(-cfg.vocab_size // tp.world_size)
-        self.vocab_range = (tp.rank * per_rank, (tp.rank + 1) * per_rank)
-        if tp.world_size > 1:  # filled by load_hf_weights (a slice of the tied wte, zero-padded)
-            self.register_buffer("lm_head_shard", torch.zeros(per_rank, cfg.n_embd), persistent=False)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, n_embd]."""
         self.backend.prepare(meta, kv_caches[0][0].shape[1])  # once per forward: indexing all layers share
+        instrument.set_tags(layer=None)  # the embedding's all-reduce belongs to no layer
         x = self.wte(input_ids) + self.wpe(positions)
         for i, block in enumerate(self.h):
             instrument.set_tags(layer=i)  # labels kernel launches; a no-op unless observed
             x = block(x, kv_caches[i], meta)
+        instrument.set_tags(layer=None)  # nor does the LM head's all-gather
         return self.ln_f(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [rows, vocab_size]; with tensor parallelism on rank 0 only (None elsewhere)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab_size], on every rank."""
+        logits = F.linear(hidden, self.wte.weight)  # tied LM head: this rank's slice of the vocabulary
         if self.tp.world_size == 1:
-            return F.linear(hidden, self.wte.weight)  # tied LM head
-        logits = self.tp.gather(F.linear(hidden, self.lm_head_shard), "lm_head")
-        return logits[:, :self.cfg.vocab_size] if logits is not None else None  # the padding rows' logits go
+            return logits
+        return self.tp.all_gather(logits, "lm_head")[:, :self.cfg.vocab_size]  # the padding's columns go
 
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face GPT-2 state dict by name (same names, same layouts), each weight
@@ -165,10 +165,6 @@ class GPT2Model(nn.Module):
             missing.discard(name)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
-        if self.tp.world_size > 1:
-            start, end = self.vocab_range
-            rows = self.wte.weight.data[start:min(end, self.cfg.vocab_size)]
-            self.lm_head_shard.zero_()[:rows.shape[0]].copy_(rows)
 
     def _shard(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint weight (Conv1D weights are [in, out])."""
@@ -184,4 +180,6 @@ class GPT2Model(nn.Module):
         if name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight")):
             a, b = tp.shard(w.shape[0])  # row-parallel: input features (the bias stays whole)
             return w[a:b]
-        return w  # layer norms, embeddings, row-parallel biases: replicated
+        if name == "wte.weight":
+            return self.wte.shard(w)  # vocab-parallel: this rank's rows, zero-padded
+        return w  # wpe, layer norms, row-parallel biases: replicated

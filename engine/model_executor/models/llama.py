@@ -13,8 +13,9 @@ What differs from GPT-2, layer by layer:
 Tensor parallelism (vLLM's layers, layers/linear.py), with a ``TPGroup`` of N ranks: q, k, v
 in one column-parallel ``qkv_proj`` holding num_heads / N query heads and num_kv_heads / N KV
 heads per rank (N must divide both); ``gate_up_proj`` column-parallel; ``o_proj`` and
-``down_proj`` row-parallel (an all-reduce each). The embedding is replicated and the LM head
-vocab-parallel with its logits gathered to rank 0, as in gpt2.py.
+``down_proj`` row-parallel (an all-reduce each). The embedding and the LM head (the same
+module when tied) are vocab-parallel (layers/vocab_parallel_embedding.py), as in gpt2.py: the
+logits are all-gathered, so every rank holds them.
 
 Hugging Face stores q, k, v and gate, up as separate tensors; ``load_hf_weights`` stacks each
 into its fused parameter through the parameter's ``weight_loader`` (vLLM's
@@ -31,6 +32,7 @@ from engine.model_executor.layers.attention import AttentionBackend, AttentionMe
 from engine.model_executor.layers.layernorm import RMSNorm
 from engine.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.model_executor.layers.rotary_embedding import get_rope
+from engine.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model_executor.model_loader import LlamaConfig
 from engine.model_executor.models.registry import check_tp_size
 from kernels import instrument
@@ -94,7 +96,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, backend: AttentionBackend, tp: TPGroup, layer_cls: type):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated: see gpt2.py
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, "embed_tokens")
         self.layers = nn.ModuleList(layer_cls(cfg, i, backend, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -103,6 +105,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             instrument.set_tags(layer=i)  # labels kernel launches; a no-op unless observed
             x = layer(positions, x, kv_caches[i], meta)
+        instrument.set_tags(layer=None)  # nor does the LM head's all-gather
         return self.norm(x)
 
 
@@ -119,12 +122,9 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp = tp or TPGroup()
         check_tp_size(cfg, tp.world_size)
         self.model = LlamaModel(cfg, backend, tp, self.decoder_layer)
-        # the LM head's rows on this rank: [start, end) of the vocabulary padded to a multiple of N
-        per_rank = -(-cfg.vocab_size // tp.world_size)
-        self.vocab_range = (tp.rank * per_rank, (tp.rank + 1) * per_rank)
-        self.tied = cfg.tie_word_embeddings and tp.world_size == 1  # logits straight from embed_tokens
-        if not self.tied:  # filled by load_hf_weights (lm_head's rows, or embed_tokens' when tied)
-            self.lm_head = nn.Parameter(torch.zeros(per_rank, cfg.hidden_size))
+        # the LM head: its own rows of the (padded) vocabulary on this rank, or the embedding's when tied
+        self.lm_head = (self.model.embed_tokens if cfg.tie_word_embeddings else
+                        VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, "lm_head"))
 
     @property
     def rope(self) -> dict:
@@ -137,27 +137,21 @@ class LlamaForCausalLM(nn.Module):
         self.backend.prepare(meta, kv_caches[0][0].shape[1])  # once per forward: indexing all layers share
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [rows, vocab_size]; with tensor parallelism on rank 0 only (None elsewhere)."""
-        if self.tied:
-            return F.linear(hidden, self.model.embed_tokens.weight)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab_size], on every rank."""
+        logits = F.linear(hidden, self.lm_head.weight)  # this rank's slice of the vocabulary
         if self.tp.world_size == 1:
-            return F.linear(hidden, self.lm_head)
-        logits = self.tp.gather(F.linear(hidden, self.lm_head), "lm_head")
-        return logits[:, :self.cfg.vocab_size] if logits is not None else None  # the padding rows' logits go
+            return logits
+        return self.tp.all_gather(logits, "lm_head")[:, :self.cfg.vocab_size]  # the padding's columns go
 
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face Llama-family state dict: each tensor through its parameter's
         weight_loader (which cuts this rank's shard), q/k/v and gate/up into their fused parameter."""
-        params = dict(self.named_parameters())
+        params = dict(self.named_parameters())  # a tied lm_head.weight is embed_tokens': listed once
         loaded: dict[str, int] = {}
         for name, w in state.items():
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue  # recomputed; tied to embed_tokens
-            if name == "lm_head.weight":
-                self._load_lm_head(w)
-                loaded["lm_head"] = 1
-                continue
             for fused, hf_name, shard in self.stacked_params_mapping:
                 if hf_name in name:
                     name = name.replace(hf_name, fused)
@@ -167,20 +161,13 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             param = params[name]
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                w = (self.model.embed_tokens if "embed" in name else self.lm_head).shard(w)  # vocab-parallel rows
             getattr(param, "weight_loader", _default_loader)(param, w, shard)
             loaded[name] = loaded.get(name, 0) + 1
         missing = [n for n, p in params.items() if loaded.get(n, 0) < getattr(p, "num_shards", 1)]
-        if missing and missing != ["lm_head"]:
+        if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
-        if "lm_head" in params and self.cfg.tie_word_embeddings:
-            self._load_lm_head(self.model.embed_tokens.weight.data)
-        elif missing:
-            raise ValueError("checkpoint is missing weights: ['lm_head.weight'] (and tie_word_embeddings is false)")
-
-    def _load_lm_head(self, w: torch.Tensor) -> None:
-        start, end = self.vocab_range
-        rows = w[start:min(end, self.cfg.vocab_size)]
-        self.lm_head.data.zero_()[:rows.shape[0]].copy_(rows)
 
 
 def _default_loader(param: nn.Parameter, w: torch.Tensor, shard=None) -> None:

@@ -42,7 +42,7 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
   that very launch runs through our Triton kernel (interpreted on a CPU) and its grid, its
   programs and its largest difference from the PyTorch output are shown. With tensor
   parallelism (`--tensor-parallel-size N`) every rank's launches are listed, `all_reduce` and
-  `gather` with their bytes and site, a line per rank sums its time and communication; `r`
+  `all_gather` with their bytes and site, a line per rank sums its time and communication; `r`
   lists one rank's launches, then the next, then all. The KV cache, Startup and Step panels
   add a line per rank (its heads, its weights, its KV shard, the scheduler output it got).
 - **Log** (6): the event stream, `[TRACE] layer name key=value`; `/` filters by layer

@@ -8,7 +8,7 @@ have no grid: its rows show the argument shapes instead, and when the engine is 
 an attention launch (`k`), `t` runs that very launch through our Triton kernel (interpreted
 on the CPU) and draws its grid, its programs and its difference from the PyTorch output.
 
-With tensor parallelism every rank's launches arrive, the collectives (all_reduce, gather)
+With tensor parallelism every rank's launches arrive, the collectives (all_reduce, all_gather)
 among them. Then a rank column appears, `r` cycles the list through rank 0, 1, ... and all,
 and a line per rank sums its launches and the share of its time spent communicating. With
 one rank the panel is as it always was.
@@ -25,7 +25,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import Static
 
-from engine.trace_names import ALL_REDUCE, GATHER
+from engine.trace_names import ALL_GATHER, ALL_REDUCE
 from kernels.instrument import ProgramAccess
 from tracer.state import TraceState, rank_of, step_ranks
 from tracer.tui.fmt import fmt_bytes, fmt_ns, sparkline
@@ -55,11 +55,11 @@ def arg_shapes(args: dict | None) -> str:
     return " ".join(f"{name} {'×'.join(map(str, shape)) or 'scalar'}" for name, (shape, _dtype) in args.items())
 
 
-COLLECTIVES = (ALL_REDUCE, GATHER)
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER)
 
 
 def collective_detail(launch: dict) -> str:
-    """'2.0 KiB attn.c_proj (sum over 2 ranks)': what an all_reduce / gather row shows."""
+    """'2.0 KiB attn.c_proj (sum over 2 ranks)': what an all_reduce / all_gather row shows."""
     m = launch.get("meta") or {}
     over = f"{m.get('op', '?')} over {m.get('world_size', '?')} ranks"
     return f"{fmt_bytes(m.get('bytes'))} {m.get('site', '?')} ({over})"

@@ -122,7 +122,12 @@ class RequestDetail(LinesView):
         title = Text.assemble(("■ ", frame.color(rid)), (f"request {rid}  ", "bold"), status_text(r.status),
                               f"  prompt {r.num_prompt_tokens} tokens · generated {len(r.output_token_ids)}"
                               + (f"/{r.max_tokens}" if r.max_tokens else "")
-                              + (f" · preempted {r.num_preemptions}×" if r.num_preemptions else ""))
+                              + (f" · preempted {r.num_preemptions}×" if r.num_preemptions else "")
+                              + (f" · priority {r.priority}" if r.priority else ""))
+        if r.parent_id is not None:  # n > 1: one of a parent request's children
+            siblings = ", ".join(s if s != rid else f"[{s}]" for s in r.sibling_ids)
+            title.append(f"\nchild {r.sibling_ids.index(rid)} of {len(r.sibling_ids)} of request {r.parent_id} "
+                         f"(n = {len(r.sibling_ids)}: {siblings}); they share the prompt's KV blocks", "cyan")
         hits = (f"{r.num_cached_tokens} prompt tokens from the prefix cache (blocks "
                 f"{', '.join(map(str, r.cache_hit_blocks))})" if r.num_cached_tokens else "no prefix-cache hit")
         why = waiting_why(frame, r)

@@ -14,6 +14,7 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import ProgressBar, Static
 
+from tracer.defaults import DEFAULT_PROMPT
 from tracer.tui.fmt import fmt_bytes, shard_details
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.panel import Panel
@@ -57,8 +58,6 @@ def rank_rows(workers: list[dict], stage: str) -> list[tuple]:
 
 
 def curl_line(url: str, model: str) -> str:
-    from tracer.commands.send import DEFAULT_PROMPT
-
     body = json.dumps({"model": model, "prompt": DEFAULT_PROMPT, "max_tokens": 16})
     return f"curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 

@@ -1,0 +1,60 @@
+"""RejectionSampler: verify draft tokens against the target model (vLLM V1's ``v1/sample/rejection_sampler.py``).
+
+For each request with k drafts the model runner computed k + 1 rows of logits: row j is the
+target's distribution for the token after draft j - 1. The acceptance walk (kernels/
+rejection_sample.py, Triton, or its PyTorch reference) keeps the drafts while the target agrees:
+for a greedy request when a draft is the target's argmax; for a sampled one with probability
+p(d) / q(d), q the proposer's (an n-gram proposal is a point mass, q = 1). The first rejected
+draft is replaced by a draw from the normalised (p - q)+ (the argmax when greedy); after k
+accepted drafts comes the bonus token, the sampler's own draw from row k. So greedy output is the
+target's token for token, and sampled output is distributed exactly as without speculation.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.sample.sampler import argmax, processed_probs
+
+
+class RejectionSampler:
+    def __init__(self, backend: str = "torch"):
+        import kernels  # the Triton interpreter is set up before any kernel is defined
+
+        self.kernels, self.backend = kernels, backend
+
+    def __call__(self, draft_logits: torch.Tensor, drafts: list[list[int]], requests: list,
+                 bonus_token_ids: list[int]) -> list[list[int]]:
+        """Per request: its accepted drafts, then the recovered or bonus token (1 to k + 1 tokens).
+        draft_logits: the rows scoring each draft, request after request."""
+        flat = [t for d in drafts for t in d]
+        cu = [0]
+        for d in drafts:
+            cu.append(cu[-1] + len(d))
+        greedy = [r.params.temperature == 0.0 for r in requests]
+        target_argmax = argmax(draft_logits) if flat else []
+        target_probs, uniform, recovered = [1.0] * len(flat), [0.0] * len(flat), list(target_argmax)
+        for r, req in enumerate(requests):
+            if greedy[r]:
+                continue
+            for i in range(cu[r], cu[r + 1]):  # the sampler's own processing of the target's row
+                probs = processed_probs(draft_logits[i].float(), req.params)
+                target_probs[i] = float(probs[flat[i]])
+                uniform[i] = float(torch.rand(1, generator=req.generator))
+                residual = probs.clone()
+                residual[flat[i]] = 0.0  # (p - q)+ for a point-mass q on the draft
+                e = torch.empty(residual.shape, dtype=residual.dtype).exponential_(generator=req.generator)
+                recovered[i] = argmax(residual / e.to(residual.device)) if residual.sum() > 0 else flat[i]
+        args = dict(draft_token_ids=torch.tensor(flat, dtype=torch.int64), cu_num_drafts=torch.tensor(cu),
+                    target_argmax=torch.tensor(target_argmax, dtype=torch.int64),
+                    target_probs=torch.tensor(target_probs), draft_probs=torch.ones(len(flat)),
+                    uniform=torch.tensor(uniform), recovered_token_ids=torch.tensor(recovered, dtype=torch.int64),
+                    bonus_token_ids=torch.tensor(bonus_token_ids, dtype=torch.int64),
+                    is_greedy=torch.tensor(greedy), max_drafts=max(map(len, drafts)))
+        if self.backend == "triton":
+            device = draft_logits.device
+            out = self.kernels.rejection_sample(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                                   for k, v in args.items()})
+        else:
+            out = self.kernels.instrument.call("rejection_sample_ref", self.kernels.rejection_sample_ref, args,
+                                               reason="attention_backend=torch: PyTorch reference")
+        return [[t for t in row if t >= 0] for row in out.tolist()]
