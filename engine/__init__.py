@@ -12,7 +12,7 @@ import importlib
 _EXPORTS = {
     "engine.config": ("CacheConfig", "ConfigError", "EngineConfig", "ModelConfig", "SchedulerConfig"),
     "engine.hooks": ("Hooks",), "engine.entrypoints.llm": ("LLM",), "engine.engine.llm_engine": ("LLMEngine",),
-    "engine.model_executor.model_loader": ("ModelNotFoundError", "NotAGPT2CheckpointError"),
+    "engine.model_executor.model_loader": ("ModelNotFoundError", "UnsupportedCheckpointError"),
     "engine.outputs": ("CompletionOutput", "EngineStats", "Logprob", "RequestOutput"),
     "engine.sampling_params": ("SamplingParams", "SamplingParamsError", "StructuredOutputsParams"),
 }
@@ -32,5 +32,5 @@ __all__ = [
     "LLM", "LLMEngine", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams", "RequestOutput",
     "CompletionOutput", "Logprob",
     "EngineStats", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig", "ConfigError", "Hooks",
-    "ModelNotFoundError", "NotAGPT2CheckpointError",
+    "ModelNotFoundError", "UnsupportedCheckpointError",
 ]

@@ -76,7 +76,8 @@ class EngineArgs:
                                   "(default: fcfs)", choices=SCHEDULING_POLICIES)
     attention_backend: str | None = _arg(None, "paged-attention implementation (default: triton on CUDA, "
                                          "torch on CPU)", choices=ATTENTION_BACKENDS)
-    dtype: str | None = _arg(None, "weights and KV cache (default: float32 on CPU, float16 on CUDA)", choices=DTYPES)
+    dtype: str | None = _arg(None, "weights and KV cache (default: float32 on CPU; on CUDA float16, or bfloat16 "
+                                                  "for a bfloat16 checkpoint)", choices=DTYPES)
     device: str | None = _arg(None, "cpu or cuda (default: cuda if available)")
     seed: int = _arg(0, "engine seed for unseeded sampling")
     tensor_parallel_size: int = _arg(1, "ranks, one worker process each; must divide the model's attention heads "

@@ -11,6 +11,11 @@ loader as any Hugging Face checkpoint.
 weights from a fixed seed and a byte-level tokenizer without merges (token id b is the byte b,
 256 is <|endoftext|>). Written once in Hugging Face format to a cache directory. Tests whose
 subject is the engine, not the text, use it: its ids are bytes, and its greedy outputs vary.
+
+``tiny-llama``: a Llama (4 layers, 128 wide, 8 query heads sharing 2 KV heads, RoPE, RMSNorm,
+SwiGLU, untied LM head) trained on the same corpus with the same tokenizer as tiny-gpt2
+(``python -m engine.builtin.train_tiny_llama``), packaged the same way (``engine/builtin/tiny-llama/``).
+``tiny-llama-random`` is its random-weights twin on the byte-level tokenizer, as tiny-gpt2-random is.
 """
 from __future__ import annotations
 
@@ -22,8 +27,12 @@ from pathlib import Path
 
 NAME = "tiny-gpt2"
 RANDOM_NAME = "tiny-gpt2-random"
-NAMES = (NAME, RANDOM_NAME)
+LLAMA_NAME = "tiny-llama"
+LLAMA_RANDOM_NAME = "tiny-llama-random"
+NAMES = (NAME, RANDOM_NAME, LLAMA_NAME, LLAMA_RANDOM_NAME)
 PACKAGED = Path(__file__).resolve().parent / "builtin" / NAME
+PACKAGED_MODELS = {NAME: PACKAGED, LLAMA_NAME: PACKAGED.parent / LLAMA_NAME}
+TRAINING_SCRIPTS = {NAME: "train_tiny_gpt2", LLAMA_NAME: "train_tiny_llama"}
 SEED = 1234
 CONFIG = dict(
     model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=257, n_positions=512,
@@ -33,6 +42,13 @@ CONFIG = dict(
     reorder_and_upcast_attn=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
 )
 VERSION = "2"  # bump when CONFIG, SEED or the init changes, so stale caches are rebuilt
+LLAMA_CONFIG = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=257, hidden_size=128, intermediate_size=384,
+    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=16, hidden_act="silu",
+    max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, attention_bias=False,
+    mlp_bias=False, tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, initializer_range=0.02,
+)
+LLAMA_VERSION = "1"
 
 
 class BuiltinModelMissingError(ValueError):
@@ -46,19 +62,23 @@ def cache_root() -> Path:
 
 
 def builtin_path(name: str = NAME) -> Path:
-    """Directory of a built-in checkpoint (NAME or RANDOM_NAME); the random one is written
-    to the cache first if needed."""
-    if name == NAME:
-        if not (PACKAGED / "model.safetensors").exists():
+    """Directory of a built-in checkpoint (one of NAMES); a random one is written to the cache
+    first if needed."""
+    if name in PACKAGED_MODELS:
+        path = PACKAGED_MODELS[name]
+        if not (path / "model.safetensors").exists():
             raise BuiltinModelMissingError(
-                f"the built-in model's files are missing from {PACKAGED} (an install without package data?). "
-                f"Reinstall vllm-trace, or rebuild them: python -m engine.builtin.train_tiny_gpt2")
-        return PACKAGED
-    if name != RANDOM_NAME:
+                f"the built-in model's files are missing from {path} (an install without package data?). "
+                f"Reinstall vllm-trace, or rebuild them: python -m engine.builtin.{TRAINING_SCRIPTS[name]}")
+        return path
+    if name == RANDOM_NAME:
+        path, config, weights = cache_root() / f"{NAME}-v{VERSION}", CONFIG, _weights
+    elif name == LLAMA_RANDOM_NAME:
+        path, config, weights = cache_root() / f"{LLAMA_NAME}-v{LLAMA_VERSION}", LLAMA_CONFIG, _llama_weights
+    else:
         raise ValueError(f"{name!r} is not a built-in model; those are {', '.join(NAMES)}")
-    path = cache_root() / f"{NAME}-v{VERSION}"
     if not (path / "model.safetensors").exists():
-        _write(path)
+        _write(path, config, weights)
     return path
 
 
@@ -93,6 +113,39 @@ def _weights() -> dict:
     return w
 
 
+def _llama_weights() -> dict:
+    """Hugging Face Llama names. Scales chosen as for tiny-gpt2-random (greedy outputs vary,
+    mostly printable bytes); q and k are large enough that attention is far from uniform."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    c = LLAMA_CONFIG
+    d, v, f, hd = c["hidden_size"], c["vocab_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+
+    def normal(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    printable = torch.zeros(v, 1, dtype=torch.bool)
+    printable[32:127] = True
+    scale = torch.where(printable, 1.0, 0.2)
+    w = {"model.embed_tokens.weight": normal(v, d, std=0.5) * scale, "model.norm.weight": 1 + normal(d, std=0.1),
+         "lm_head.weight": normal(v, d, std=0.5) * scale}
+    for i in range(c["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        w |= {
+            pre + "input_layernorm.weight": 1 + normal(d, std=0.1),
+            pre + "self_attn.q_proj.weight": normal(q, d, std=0.3),
+            pre + "self_attn.k_proj.weight": normal(kv, d, std=0.3),
+            pre + "self_attn.v_proj.weight": normal(kv, d, std=0.3),
+            pre + "self_attn.o_proj.weight": normal(d, q, std=0.05),
+            pre + "post_attention_layernorm.weight": 1 + normal(d, std=0.1),
+            pre + "mlp.gate_proj.weight": normal(f, d, std=0.2), pre + "mlp.up_proj.weight": normal(f, d, std=0.2),
+            pre + "mlp.down_proj.weight": normal(d, f, std=0.05),
+        }
+    return w
+
+
 def _tokenizer_json() -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
@@ -124,21 +177,26 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def _write(path: Path) -> None:
+def write_byte_tokenizer(path: Path, model_max_length: int) -> None:
+    """The byte-level tokenizer of the random models (id b is byte b, 256 is <|endoftext|>)."""
+    (path / "tokenizer.json").write_text(json.dumps(_tokenizer_json()))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>", "unk_token": None, "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }))
+
+
+def _write(path: Path, config: dict, weights) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
-        save_file({k: t.contiguous() for k, t in _weights().items()}, str(tmp / "model.safetensors"),
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_file({k: t.contiguous() for k, t in weights().items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        (tmp / "tokenizer.json").write_text(json.dumps(_tokenizer_json()))
-        (tmp / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>",
-            "eos_token": "<|endoftext|>", "unk_token": None, "model_max_length": CONFIG["n_positions"],
-            "clean_up_tokenization_spaces": False,
-        }))
+        write_byte_tokenizer(tmp, config.get("n_positions") or config["max_position_embeddings"])
         (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": 256}))
         (tmp / "README.md").write_text(__doc__)
         try:

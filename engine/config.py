@@ -21,9 +21,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 @dataclass
 class ModelConfig:
     model: str = "tiny-gpt2"
-    dtype: str | None = None  # None: float32 on CPU, float16 on CUDA
+    dtype: str | None = None  # None: float32 on CPU; float16 on CUDA (bfloat16 for a bf16 checkpoint)
     device: str | None = None  # None: cuda if available else cpu
-    max_model_len: int | None = None  # None: the checkpoint's n_positions
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -29,7 +29,7 @@ def access_map(name: str, meta: dict, grid: list[int] | tuple[int, ...], batch: 
                                  num_segments=meta.get("NUM_SEGMENTS", 1))
         qsl = torch.tensor(batch["query_start_loc"])
         out = _attention_map(qsl, torch.tensor(batch["seq_lens"]), torch.tensor(batch["block_tables"]), config,
-                             grid[1] * hp, meta["BLOCK_SIZE"], int(qsl[-1]))
+                             grid[1] * hp, meta["BLOCK_SIZE"], int(qsl[-1]), meta.get("GROUP", 1))
     elif name == "reshape_and_cache":
         config = CacheConfig(tokens_per_program=meta["TOKENS"], block_hd=meta["BLOCK_HD"])
         out = _cache_write_map(torch.tensor(batch["slot_mapping"]), config, meta["NUM_HEADS"], meta["HEAD_SIZE"],

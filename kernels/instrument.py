@@ -34,6 +34,7 @@ class ProgramAccess:
     blocks: tuple[int, ...]  # physical cache blocks, in the order the program walks them
     kv_positions: tuple[int, int] | None = None  # [start, end) key positions read (attention)
     segment: int | None = None  # KV segment (split-KV attention only)
+    q_heads: tuple[int, ...] | None = None  # attention: the query heads reading these KV heads (h // group)
 
 
 @dataclass

@@ -36,7 +36,7 @@ def attention_on_triton(query, key_cache, value_cache, query_start_loc, seq_lens
     """Run unified_attention (Triton) and unified_attention_ref (PyTorch) on the same inputs.
 
     Returns {"name", "grid", "meta", "reason", "seconds", "interpreted", "num_programs",
-    "programs": [{"pid", "request", "rows", "kv_heads", "blocks", "kv_positions", "segment"}],
+    "programs": [{"pid", "request", "rows", "kv_heads", "blocks", "kv_positions", "segment", "q_heads"}],
     "max_abs_diff", "num_tokens", "num_seqs"}: lists and numbers only."""
     records: list[instrument.LaunchRecord] = []
     t0 = time.perf_counter()
@@ -48,7 +48,7 @@ def attention_on_triton(query, key_cache, value_cache, query_start_loc, seq_lens
     launch = next(r for r in records if r.name.startswith("unified_attention"))
     programs = [dict(pid=list(a.pid), request=a.request, rows=list(a.rows), kv_heads=list(a.kv_heads),
                      blocks=list(a.blocks), kv_positions=list(a.kv_positions) if a.kv_positions else None,
-                     segment=a.segment)
+                     segment=a.segment, q_heads=list(a.q_heads))
                 for pid in sorted(launch.access_map) for a in launch.access_map[pid]]
     diff = (out.float() - ref.float()).abs()
     return dict(name=launch.name, grid=list(launch.grid), meta=dict(launch.meta), reason=launch.reason,

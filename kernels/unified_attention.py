@@ -263,7 +263,7 @@ def unified_attention(
     instrument.launch(
         "unified_attention" if segments == 1 else "unified_attention_split_kv",
         _attention_kernel, grid, args, meta, reason=reason, access=_access_map,
-        access_args=(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens),
+        access_args=(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens, group),
     )
     if segments > 1:
         heads_block = config.reduce_heads_per_program
@@ -278,8 +278,9 @@ def unified_attention(
     return out
 
 
-def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens):
-    """Replay the kernel's program -> work mapping on the host, from the launch's metadata."""
+def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens, group=1):
+    """Replay the kernel's program -> work mapping on the host, from the launch's metadata.
+    group = num_queries_per_kv: the program of KV heads [a, b) does query heads [a·group, b·group)."""
     qsl, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()  # one copy each
     bq, qbp, hp, tile = config.block_q, config.q_blocks_per_program, config.heads_per_program, config.tile_n
     nseg = config.num_segments
@@ -309,5 +310,6 @@ def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, b
                     out.append(instrument.ProgramAccess(
                         (x, y, seg), r, (row0, row1), tuple(range(y * hp, (y + 1) * hp)), blocks,
                         kv_positions=pos, segment=seg if nseg > 1 else None,
+                        q_heads=tuple(range(y * hp * group, (y + 1) * hp * group)),
                     ))
     return out

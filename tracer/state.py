@@ -536,7 +536,8 @@ def kv_shards(s: TraceState) -> list[dict]:
     for st in reversed(s.startup):
         if st["stage"] == "kv_cache_alloc" and st.get("ranks"):
             return list(st["ranks"])
-    return [{"rank": w["rank"], **{k: w["kv_cache_alloc"].get(k) for k in ("heads", "bytes", "bytes_per_block")}}
+    return [{"rank": w["rank"], **{k: w["kv_cache_alloc"].get(k) for k in ("heads", "kv_heads", "bytes",
+                                                                             "bytes_per_block")}}
             for w in s.workers if "kv_cache_alloc" in w]
 
 

@@ -1,24 +1,27 @@
 """The paged KV cache: per layer, one K and one V tensor of
-``[num_blocks, block_size, num_heads, head_size]``, sized from a memory budget. With tensor
-parallelism each rank holds the K/V of its own heads (n_head / N of them) for every block: the
-block ids, and so the block tables, are the same on every rank."""
+``[num_blocks, block_size, num_kv_heads, head_size]``, sized from a memory budget. Only KV
+heads are cached: with grouped-query attention (Llama 3 8B: 32 query heads, 8 KV heads) a block
+is smaller by the group factor num_heads / num_kv_heads, and that many times more tokens fit in
+the same memory (lesson 20 measures it). With tensor parallelism each rank holds the K/V of its
+own KV heads (num_kv_heads / N of them) for every block: the block ids, and so the block
+tables, are the same on every rank."""
 from __future__ import annotations
 
 import torch
 
 from engine.config import CacheConfig
-from engine.model_executor.model_loader import GPT2Config
+from engine.model_executor.model_loader import ModelArchConfig
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024 * 1024
 
 
-def bytes_per_block(model: GPT2Config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """K and V, all layers, one block (on one rank: its n_head / tp_size heads)."""
+def bytes_per_block(model: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """K and V, all layers, one block (on one rank: its num_kv_heads / tp_size KV heads)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.n_layer * block_size * (model.n_head // tp_size) * model.head_size * elem
+    return 2 * model.num_layers * block_size * (model.num_kv_heads // tp_size) * model.head_size * elem
 
 
-def num_blocks_for(cache: CacheConfig, model: GPT2Config, dtype: torch.dtype, device: torch.device,
+def num_blocks_for(cache: CacheConfig, model: ModelArchConfig, dtype: torch.dtype, device: torch.device,
                    tp_size: int = 1) -> tuple[int, str]:
     """How many blocks to allocate (on each rank, from each rank's budget), and a sentence saying why."""
     per_block = bytes_per_block(model, cache.block_size, dtype, tp_size)
@@ -43,8 +46,8 @@ def num_blocks_for(cache: CacheConfig, model: GPT2Config, dtype: torch.dtype, de
     return n, f"{why} / {per_block} bytes per block"
 
 
-def allocate_kv_cache(num_blocks: int, block_size: int, model: GPT2Config, dtype: torch.dtype,
+def allocate_kv_cache(num_blocks: int, block_size: int, model: ModelArchConfig, dtype: torch.dtype,
                       device: torch.device, tp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, model.n_head // tp_size, model.head_size)
+    shape = (num_blocks, block_size, model.num_kv_heads // tp_size, model.head_size)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.n_layer)]
+            for _ in range(model.num_layers)]

@@ -29,7 +29,7 @@ from engine.executor.multiproc_executor import Executor, MultiprocExecutor, UniP
 from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT, Hooks
 from engine.model_executor import model_loader
 from engine.model_executor.layers.attention import default_backend
-from engine.model_executor.models.gpt2 import GPT2Model, check_tp_size
+from engine.model_executor.models.registry import check_tp_size
 from engine.outputs import EngineStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -61,17 +61,19 @@ class EngineCore:
         mc, cc = config.model, config.cache
         self.on_dead: Callable[[str], None] | None = None  # a tensor-parallel worker died (set before it can)
         self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = DTYPES[mc.dtype or ("float16" if self.device.type == "cuda" else "float32")]
         self.attention_backend = config.attention_backend or default_backend(self.device)
 
-        with self._stage("resolve_model", model=mc.model):
+        with self._stage("resolve_model", model=mc.model) as info:
             self.model_path = model_loader.resolve(mc.model)
             model_loader.check_checkpoint(self.model_path)
             self.model_config = model_loader.read_config(self.model_path)
-        self.max_model_len = mc.max_model_len or self.model_config.n_positions
-        if self.max_model_len > self.model_config.n_positions:
-            raise ValueError(f"max_model_len must be <= {self.model_config.n_positions} (the model's "
-                             f"n_positions), got {self.max_model_len}")
+            info["architecture"] = self.model_config.architecture
+        self.dtype = DTYPES[mc.dtype or model_loader.default_dtype(self.model_config, self.device.type)]
+        max_positions = self.model_config.max_position_embeddings
+        self.max_model_len = mc.max_model_len or max_positions
+        if self.max_model_len > max_positions:
+            raise ValueError(f"max_model_len must be <= {max_positions} (the model's "
+                             f"max_position_embeddings), got {self.max_model_len}")
         with self._stage("tokenizer_load", path=str(self.model_path)) as info:
             self.tokenizer = load_tokenizer(self.model_path)
             info["vocab_size"] = len(self.tokenizer)
@@ -109,7 +111,7 @@ class EngineCore:
 
     # With one rank the model, its KV cache and its model runner live here, for lessons to read
     @property
-    def model(self) -> GPT2Model:
+    def model(self) -> torch.nn.Module:
         return self._driver_worker().model
 
     @property

@@ -184,12 +184,13 @@ class MultiprocExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int) -> dict:
         replies = self._all("kv", num_blocks, "kv", STARTUP_TIMEOUT_S)
-        ranks = [dict(rank=r.rank, heads=r.data["heads"], bytes=r.data["bytes"],
+        ranks = [dict(rank=r.rank, heads=r.data["heads"], kv_heads=r.data["kv_heads"], bytes=r.data["bytes"],
                       bytes_per_block=r.data["bytes_per_block"]) for r in replies]
         first = replies[0].data
         return dict(num_blocks=num_blocks, block_size=first["block_size"], bytes=sum(r["bytes"] for r in ranks),
                     bytes_per_block=sum(r["bytes_per_block"] for r in ranks),
-                    tensor_parallel_size=self.tensor_parallel_size, ranks=ranks)
+                    tensor_parallel_size=self.tensor_parallel_size, ranks=ranks,
+                    **{k: first[k] for k in ("num_heads", "num_kv_heads", "head_size", "num_layers")})
 
     def warm_up(self, max_model_len: int) -> dict:
         replies = self._all("warm", max_model_len, "warm", STARTUP_TIMEOUT_S)

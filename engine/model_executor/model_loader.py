@@ -1,10 +1,19 @@
-"""Find a GPT-2-family checkpoint and load its weights by name.
+"""Find a checkpoint, read its config, load its weights by name.
 
 A model name resolves, in order: the built-in ``tiny-gpt2`` (and ``tiny-gpt2-random``); a local
 directory; the Hugging Face cache; the Hugging Face hub (download). Every checkpoint, the
 built-in ones included, goes through the same checks and ``load_state_dict``. A checkpoint
 directory holding a ``SHA256SUMS`` file (as the built-in one does) has every file listed there
 verified before use, so a corrupted or truncated file is an error, not a silently wrong model.
+
+``read_config`` picks the architecture from ``architectures`` in config.json, as vLLM's model
+registry does (``models/registry.py``), and reads it into that family's config: ``GPT2Config``
+(GPT-2's own field names) or ``LlamaConfig`` (Llama and Qwen3, Hugging Face's names). Both
+answer the questions the engine asks of any model (``num_layers``, ``num_heads``,
+``num_kv_heads``, ``head_size``, ``max_position_embeddings``), as vLLM's ``ModelConfig`` does.
+Weights may be one safetensors file, several listed in ``model.safetensors.index.json`` (a
+sharded checkpoint), or a ``pytorch_model.bin``; a bfloat16 checkpoint is read as it is stored
+and cast where the model is built (float32 on the CPU; bfloat16 kept on CUDA, see ``default_dtype``).
 """
 from __future__ import annotations
 
@@ -20,9 +29,10 @@ if TYPE_CHECKING:  # torch is imported where weights are read: the API server re
     import torch
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+SHARD_INDEX = "model.safetensors.index.json"  # a sharded checkpoint: tensor name -> shard file
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 CHECKSUM_FILE = "SHA256SUMS"
-HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "tokenizer*", "vocab.json",
+HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", SHARD_INDEX, "tokenizer*", "vocab.json",
                 "merges.txt", "special_tokens_map.json"]
 
 
@@ -30,8 +40,8 @@ class ModelNotFoundError(ValueError):
     """The model name or path could not be resolved to a checkpoint."""
 
 
-class NotAGPT2CheckpointError(ValueError):
-    """The directory exists but is not a GPT-2-architecture checkpoint."""
+class UnsupportedCheckpointError(ValueError):
+    """The directory exists but is not a checkpoint of an architecture the engine implements."""
 
 
 class ChecksumMismatchError(ValueError):
@@ -49,11 +59,53 @@ class GPT2Config:
     layer_norm_epsilon: float
     eos_token_id: int | None
     scale_attn_by_inverse_layer_idx: bool = False
+    torch_dtype: str | None = None
+    architecture = "GPT2LMHeadModel"
 
     @property
     def head_size(self) -> int:
         return self.n_embd // self.n_head
 
+    # what the engine asks of every architecture (LlamaConfig has the same properties)
+    num_layers = property(lambda self: self.n_layer)
+    num_heads = property(lambda self: self.n_head)
+    num_kv_heads = property(lambda self: self.n_head)  # multi-head attention: one KV head per query head
+    hidden_size = property(lambda self: self.n_embd)
+    intermediate_size = property(lambda self: self.n_inner)
+    max_position_embeddings = property(lambda self: self.n_positions)
+
+
+@dataclass
+class LlamaConfig:
+    """LlamaForCausalLM and Qwen3ForCausalLM (Hugging Face's field names). Qwen3 is Llama plus
+    an RMSNorm over each head of q and of k before RoPE (``qk_norm``), with head_dim not
+    necessarily hidden_size / num_attention_heads."""
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None: plain RoPE; else {"rope_type": "llama3" | "linear", ...}
+    attention_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    qk_norm: bool
+    eos_token_id: int | None
+    torch_dtype: str | None = None
+
+    num_layers = property(lambda self: self.num_hidden_layers)
+    num_heads = property(lambda self: self.num_attention_heads)
+    num_kv_heads = property(lambda self: self.num_key_value_heads)
+    head_size = property(lambda self: self.head_dim)
+
+
+ModelArchConfig = GPT2Config | LlamaConfig
 
 def resolve(model: str) -> Path:
     """Model name or path -> local checkpoint directory."""
@@ -62,7 +114,7 @@ def resolve(model: str) -> Path:
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise NotAGPT2CheckpointError(f"model {model!r} is a file; give a checkpoint directory")
+            raise UnsupportedCheckpointError(f"model {model!r} is a file; give a checkpoint directory")
         return path
     if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
         raise ModelNotFoundError(f"model path {model!r} does not exist. "
@@ -89,31 +141,87 @@ def _from_hub(repo_id: str) -> Path:
         + f". If you are offline, use the built-in model: {builtin_model.NAME}")
 
 
-def read_config(path: Path) -> GPT2Config:
+def read_config(path: Path) -> ModelArchConfig:
+    from engine.model_executor.models.registry import architecture_of
+
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        raise NotAGPT2CheckpointError(f"{path} is not a model checkpoint: it has no config.json")
+        raise UnsupportedCheckpointError(f"{path} is not a model checkpoint: it has no config.json")
     try:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
-        raise NotAGPT2CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
-    arch = raw.get("model_type")
-    if arch != "gpt2":
-        raise NotAGPT2CheckpointError(
-            f"{path} holds a {arch!r} model; vllm-trace runs GPT-2-architecture checkpoints (model_type 'gpt2')")
+        raise UnsupportedCheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    arch = architecture_of(raw, path)
+    try:
+        return _gpt2_config(raw, path) if arch == "GPT2LMHeadModel" else _llama_config(raw, path, arch)
+    except KeyError as e:
+        raise UnsupportedCheckpointError(f"{cfg_file} ({arch}) has no {e.args[0]!r}") from None
+
+
+def _gpt2_config(raw: dict, path: Path) -> GPT2Config:
     if raw.get("reorder_and_upcast_attn"):
-        raise NotAGPT2CheckpointError(f"{path}: reorder_and_upcast_attn=True is not supported")
+        raise UnsupportedCheckpointError(f"{path}: reorder_and_upcast_attn=True is not supported")
     if raw.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise NotAGPT2CheckpointError(f"{path}: activation {raw['activation_function']!r} is not supported")
+        raise UnsupportedCheckpointError(f"{path}: activation {raw['activation_function']!r} is not supported")
     if not raw.get("scale_attn_weights", True):
-        raise NotAGPT2CheckpointError(f"{path}: scale_attn_weights=False is not supported")
+        raise UnsupportedCheckpointError(f"{path}: scale_attn_weights=False is not supported")
     n_embd = raw["n_embd"]
     return GPT2Config(
         vocab_size=raw["vocab_size"], n_positions=raw["n_positions"], n_embd=n_embd,
         n_layer=raw["n_layer"], n_head=raw["n_head"], n_inner=raw.get("n_inner") or 4 * n_embd,
-        layer_norm_epsilon=raw.get("layer_norm_epsilon", 1e-5), eos_token_id=raw.get("eos_token_id"),
+        layer_norm_epsilon=raw.get("layer_norm_epsilon", 1e-5), eos_token_id=_eos(raw),
         scale_attn_by_inverse_layer_idx=bool(raw.get("scale_attn_by_inverse_layer_idx", False)),
+        torch_dtype=_dtype(raw),
     )
+
+
+ROPE_TYPES = ("default", "linear", "llama3")  # implemented in layers/rotary_embedding.py
+
+
+def _llama_config(raw: dict, path: Path, arch: str) -> LlamaConfig:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise UnsupportedCheckpointError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    if raw.get("use_sliding_window"):
+        raise UnsupportedCheckpointError(f"{path}: sliding-window attention is not supported")
+    # transformers 5 writes rope_parameters {"rope_type", "rope_theta", ...}; 4.x wrote rope_theta
+    # and rope_scaling {"type" or "rope_type", ...} (most hub checkpoints still do)
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedCheckpointError(f"{path}: rope_scaling type {rope_type!r} is not implemented; "
+                                         f"implemented: {', '.join(ROPE_TYPES)}")
+    heads = raw["num_attention_heads"]
+    return LlamaConfig(
+        architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        max_position_embeddings=raw["max_position_embeddings"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=theta, rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
+        attention_bias=bool(raw.get("attention_bias", False)), mlp_bias=bool(raw.get("mlp_bias", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), qk_norm=arch == "Qwen3ForCausalLM",
+        eos_token_id=_eos(raw), torch_dtype=_dtype(raw),
+    )
+
+
+def _eos(raw: dict) -> int | None:
+    """The config's EOS id; Llama 3 lists several (end of text, end of turn): the first is taken."""
+    eos = raw.get("eos_token_id")
+    return eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
+
+
+def _dtype(raw: dict) -> str | None:
+    return raw.get("torch_dtype") or raw.get("dtype")
+
+
+def default_dtype(model_config: ModelArchConfig, device_type: str) -> str:
+    """float32 on the CPU (its matmuls are fastest there, and the references are exact);
+    on CUDA the checkpoint's bfloat16 when it is stored so (float16 would overflow where
+    bfloat16 does not), float16 otherwise (vLLM's dtype="auto")."""
+    if device_type != "cuda":
+        return "float32"
+    return "bfloat16" if model_config.torch_dtype == "bfloat16" else "float16"
 
 
 def verify_checksums(path: Path) -> int:
@@ -143,19 +251,34 @@ def verify_checksums(path: Path) -> int:
 def check_checkpoint(path: Path) -> None:
     verify_checksums(path)
     read_config(path)
-    if not any((path / f).exists() for f in WEIGHT_FILES) and not list(path.glob("model-*.safetensors")):
-        raise NotAGPT2CheckpointError(f"{path} has no weights (looked for {', '.join(WEIGHT_FILES)})")
+    weight_files(path)
     if not any((path / f).exists() for f in TOKENIZER_FILES):
-        raise NotAGPT2CheckpointError(f"{path} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
+        raise UnsupportedCheckpointError(f"{path} has no tokenizer (looked for {', '.join(TOKENIZER_FILES)})")
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: the shards its index lists, else its safetensors files,
+    else pytorch_model.bin. A shard the index names but the directory lacks is an error."""
+    index = path / SHARD_INDEX
+    if index.exists():
+        files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise UnsupportedCheckpointError(f"{path}: {SHARD_INDEX} lists shards that are missing: {missing[:3]}")
+        return files
+    files = sorted(path.glob("model*.safetensors")) or [f for f in [path / "pytorch_model.bin"] if f.exists()]
+    if not files:
+        raise UnsupportedCheckpointError(f"{path} has no weights (looked for {', '.join(WEIGHT_FILES)}, {SHARD_INDEX})")
+    return files
 
 
 def load_state_dict(path: Path, progress: Callable[[int, int], None] | None = None) -> dict[str, torch.Tensor]:
-    """All weights of the checkpoint with the ``transformer.`` prefix removed.
-    progress(bytes read, bytes in all): after each tensor of a safetensors file (a .bin file
-    is read in one go)."""
-    files = sorted(path.glob("model*.safetensors"))
+    """All weights of the checkpoint, in their stored dtype, with GPT-2's ``transformer.``
+    prefix removed. progress(bytes read, bytes in all): after each tensor of a safetensors file
+    (a .bin file is read in one go)."""
+    files = weight_files(path)
     state: dict[str, torch.Tensor] = {}
-    if files:
+    if files[0].suffix == ".safetensors":
         from safetensors import safe_open
         total, done = sum(f.stat().st_size for f in files), 0
         for f in files:
@@ -170,8 +293,8 @@ def load_state_dict(path: Path, progress: Callable[[int, int], None] | None = No
     else:
         import torch
 
-        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        state = torch.load(files[0], map_location="cpu", weights_only=True)
         if progress is not None:
-            size = (path / "pytorch_model.bin").stat().st_size
+            size = files[0].stat().st_size
             progress(size, size)
     return {k.removeprefix("transformer."): v for k, v in state.items()}

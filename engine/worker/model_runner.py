@@ -3,7 +3,9 @@
 All scheduled tokens of all requests are concatenated (no padding). For each token we
 know its position and its slot in the paged cache (slot = physical block * block_size +
 offset, looked up in the request's block table). Only each request's last position is
-projected to logits.
+projected to logits. The positions feed GPT-2's learned position table or, for a RoPE model
+(Llama, Qwen3), the rotation of q and k; the batch event then says so (``rope``), and each
+layer's ``rotary_embedding`` launch precedes its cache write.
 """
 from __future__ import annotations
 
@@ -11,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 import kernels
 from engine.core.sched.output import SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
-from engine.model_executor.models.gpt2 import GPT2Model
 from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.trace_names import BATCH, KERNEL, MODEL_RUNNER
@@ -38,7 +40,7 @@ class ModelRunner:
     runs the forward pass over the KV caches it was given and samples one token per request. It
     holds no request state: the scheduler decides what runs, the engine applies the result."""
 
-    def __init__(self, model: GPT2Model, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None,
+    def __init__(self, model: nn.Module, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None,
                  rank: int = 0):
         self.model = model
         self.rank = rank  # tensor-parallel rank: in every kernel event and sampler/sampled
@@ -47,6 +49,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.rejection_sampler: RejectionSampler | None = None  # made on the first step with draft tokens
+        self.rope = getattr(model, "rope", None)  # what the positions rotate by (None: a learned position table)
         self.hooks = hooks or Hooks()
         # numpy array -> tensor on the model's device (no copy on the CPU)
         self._tensor = torch.from_numpy if device.type == "cpu" else lambda a: torch.from_numpy(a).to(device)
@@ -82,7 +85,7 @@ class ModelRunner:
     def _trace_batch(self, sched: SchedulerOutput, inp: ModelInput, input_ids, positions, slots, seq_lens, qsl):
         self.hooks.emit(MODEL_RUNNER, BATCH, step=sched.step, input_ids=input_ids, positions=positions,
                         slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl,
-                        block_tables=inp.meta.block_tables.tolist(), request_ids=sched.req_ids)
+                        block_tables=inp.meta.block_tables.tolist(), request_ids=sched.req_ids, rope=self.rope)
 
     def _model_input(self, input_ids, positions, slots, seq_lens, qsl, tables, logits_rows=None) -> ModelInput:
         """Each input its own tensor, named as in vLLM V1 (numpy first: torch.from_numpy is the

@@ -25,8 +25,8 @@ from engine.core.sched.output import ScheduledRequest, SchedulerOutput
 from engine.distributed.parallel_state import TPGroup
 from engine.hooks import Hooks
 from engine.model_executor.layers.attention import AttentionBackend
-from engine.model_executor.model_loader import GPT2Config, load_state_dict
-from engine.model_executor.models.gpt2 import GPT2Model
+from engine.model_executor.model_loader import ModelArchConfig, load_state_dict
+from engine.model_executor.models.registry import model_class
 from engine.sample.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.trace_names import EXECUTE_MODEL, WORKER
@@ -108,13 +108,13 @@ class Worker:
     process) and returns the sampled tokens (the same on every rank). Hooks: those of the model
     runner (kernel launches carry this rank)."""
 
-    def __init__(self, config, model_path, model_config: GPT2Config, device: torch.device, dtype: torch.dtype,
+    def __init__(self, config, model_path, model_config: ModelArchConfig, device: torch.device, dtype: torch.dtype,
                  attention_backend: str, tp: TPGroup | None = None, hooks: Hooks | None = None):
         self.config, self.model_path, self.model_config = config, model_path, model_config
         self.device, self.dtype, self.attention_backend = device, dtype, attention_backend
         self.tp = tp or TPGroup()
         self.hooks = hooks or Hooks()
-        self.model: GPT2Model | None = None
+        self.model = None  # the architecture's model class (models/registry.py), this rank's shard
         self.kv_caches: list | None = None
         self.model_runner: ModelRunner | None = None
         self.requests: dict[str, CachedRequestState] = {}  # worker processes only
@@ -126,16 +126,17 @@ class Worker:
     def load_model(self, progress=None) -> dict:
         torch.manual_seed(self.config.model.seed)
         backend = AttentionBackend(self.attention_backend)
-        self.model = GPT2Model(self.model_config, backend, self.tp)
+        self.model = model_class(self.model_config.architecture)(self.model_config, backend, self.tp)
         self.model.load_hf_weights(load_state_dict(self.model_path, progress))
         self.model.to(device=self.device, dtype=self.dtype).eval()
         params = list(self.model.parameters()) + list(self.model.buffers())
         cfg, tp = self.model_config, self.tp
+        embed = self.model.wte if hasattr(self.model, "wte") else self.model.model.embed_tokens  # GPT-2's, Llama's
         return dict(bytes=sum(p.numel() * p.element_size() for p in params),
                     params=sum(p.numel() for p in self.model.parameters()),
-                    heads=list(tp.shard(cfg.n_head)), mlp=list(tp.shard(cfg.n_inner)),
-                    vocab=list(self.model.wte.shard_range), vocab_padded=self.model.wte.num_embeddings_padded,
-                    torch_threads=torch.get_num_threads())
+                    heads=list(tp.shard(cfg.num_heads)), kv_heads=list(tp.shard(cfg.num_kv_heads)),
+                    mlp=list(tp.shard(cfg.intermediate_size)), vocab=list(embed.shard_range),
+                    vocab_padded=embed.num_embeddings_padded, torch_threads=torch.get_num_threads())
 
     def determine_num_blocks(self) -> tuple[int, str]:
         return num_blocks_for(self.config.cache, self.model_config, self.dtype, self.device, self.tp.world_size)
@@ -147,7 +148,9 @@ class Worker:
                                         rank=self.rank)
         per_block = bytes_per_block(cfg, cc.block_size, self.dtype, n)
         return dict(num_blocks=num_blocks, block_size=cc.block_size, bytes=num_blocks * per_block,
-                    bytes_per_block=per_block, heads=list(self.tp.shard(cfg.n_head)))
+                    bytes_per_block=per_block, heads=list(self.tp.shard(cfg.num_heads)),
+                    kv_heads=list(self.tp.shard(cfg.num_kv_heads)), num_heads=cfg.num_heads,
+                    num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_size, num_layers=cfg.num_layers)
 
     def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
         return self.model_runner.execute(sched)

@@ -1,6 +1,6 @@
 import pytest
 
-from engine import LLM, ConfigError, ModelNotFoundError, NotAGPT2CheckpointError, SamplingParams, SamplingParamsError
+from engine import LLM, ConfigError, ModelNotFoundError, SamplingParams, SamplingParamsError, UnsupportedCheckpointError
 
 
 @pytest.mark.parametrize("kwargs, param", [
@@ -60,11 +60,14 @@ def test_unknown_model_says_what_was_tried(monkeypatch, tmp_path):
     assert "tiny-gpt2" in str(e.value) and "cache" in str(e.value)
 
 
-def test_directory_that_is_not_gpt2(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(NotAGPT2CheckpointError, match="llama"):
+def test_directory_of_an_unsupported_model(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
+    with pytest.raises(UnsupportedCheckpointError, match="mamba.*runs GPT2LMHeadModel, LlamaForCausalLM"):
         LLM(str(tmp_path))
-    with pytest.raises(NotAGPT2CheckpointError, match="config.json"):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(UnsupportedCheckpointError, match="LlamaForCausalLM.*has no 'num_attention_heads'"):
+        LLM(str(tmp_path))
+    with pytest.raises(UnsupportedCheckpointError, match="config.json"):
         LLM(str(tmp_path / ".."))  # a directory without config.json
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.builtin_model import NAME, PACKAGED, RANDOM_NAME, builtin_path
+from engine.builtin_model import LLAMA_NAME, NAME, PACKAGED, PACKAGED_MODELS, RANDOM_NAME, builtin_path
 from engine.model_executor.model_loader import CHECKSUM_FILE, ChecksumMismatchError, resolve, verify_checksums
 from engine.tokenizer import load_tokenizer
 
@@ -61,18 +61,25 @@ def test_bpe_vocabulary(tok):
         assert len(ids) == len(emoji.encode("utf-8")) and all(len(t) == 1 for t in tok.convert_ids_to_tokens(ids))
 
 
-def test_builtin_is_the_packaged_checkpoint_with_checksums():
-    assert resolve(NAME) == PACKAGED
-    assert verify_checksums(PACKAGED) == 4  # config, weights, tokenizer and its config
-    assert sum(f.stat().st_size for f in PACKAGED.iterdir()) < 16 * 2**20
+@pytest.mark.parametrize("name", [NAME, LLAMA_NAME])
+def test_builtin_is_the_packaged_checkpoint_with_checksums(name):
+    assert resolve(name) == PACKAGED_MODELS[name]
+    assert verify_checksums(PACKAGED_MODELS[name]) == 4  # config, weights, tokenizer and its config
+    assert sum(f.stat().st_size for f in PACKAGED_MODELS[name].iterdir()) < 16 * 2**20
 
 
 def test_package_data_includes_the_artifacts():
-    """pyproject's package data covers every file of the artifact directory, so a wheel has them."""
+    """pyproject's package data covers every file of the artifact directories, so a wheel has them."""
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
     globs = conf["tool"]["setuptools"]["package-data"]["engine"]
-    files = [str(f.relative_to(ROOT / "engine")) for f in PACKAGED.iterdir()]
+    files = [str(f.relative_to(ROOT / "engine")) for d in PACKAGED_MODELS.values() for f in d.iterdir()]
     assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
+
+
+def test_tiny_llama_shares_tiny_gpt2s_tokenizer():
+    """Trained on the same corpus with the same tokenizer: the same text is the same ids."""
+    llama = PACKAGED_MODELS[LLAMA_NAME]
+    assert (llama / "tokenizer.json").read_bytes() == (PACKAGED / "tokenizer.json").read_bytes()
 
 
 @pytest.fixture

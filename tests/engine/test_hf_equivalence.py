@@ -1,14 +1,16 @@
 """Greedy outputs equal Hugging Face transformers', token for token, whatever the engine does
 underneath: batching, preemption, chunked prefill, prefix caching, block sizes. On the trained
-built-in tiny-gpt2; the random-weights tiny-gpt2-random (whose greedy outputs vary more) runs the
-default and the everything-at-once settings too."""
+built-in tiny-gpt2; the random-weights tiny-gpt2-random (whose greedy outputs vary more) and both
+Llama built-ins (tiny-llama, tiny-llama-random: RoPE, GQA) run the default and the
+everything-at-once settings too, near-ties excepted (tests/engine/test_llama_family.py has the
+Qwen3 and tensor-parallel ones)."""
 import random
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.builtin_model import NAME, RANDOM_NAME, builtin_path
-from tests.engine.hf_reference import hf_greedy
+from engine.builtin_model import LLAMA_NAME, LLAMA_RANDOM_NAME, NAME, RANDOM_NAME, builtin_path
+from tests.engine.hf_reference import assert_greedy_equal, hf_greedy
 
 MAX_NEW = 24
 
@@ -42,11 +44,14 @@ def _run(prompts, model=NAME, **llm_kwargs):
     return [o.outputs[0].token_ids for o in outs], stats
 
 
-@pytest.mark.parametrize("model", [NAME, RANDOM_NAME])
+EVERY_ARCHITECTURE = [NAME, RANDOM_NAME, LLAMA_NAME, LLAMA_RANDOM_NAME]
+
+
+@pytest.mark.parametrize("model", [NAME, RANDOM_NAME, LLAMA_NAME])
 def test_default_settings(model):
     prompts = _prompts()
     got, _ = _run(prompts, model)
-    assert got == hf_greedy(str(builtin_path(model)), prompts, MAX_NEW)
+    assert_greedy_equal(got, str(builtin_path(model)), prompts, MAX_NEW)
 
 
 def test_english_prompts(path):
@@ -100,10 +105,10 @@ def test_block_sizes(path, block_size):
     assert got == hf_greedy(path, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize("model", [NAME, RANDOM_NAME])
+@pytest.mark.parametrize("model", EVERY_ARCHITECTURE)
 def test_everything_at_once(model):
     """Small cache, small token budget, shared prefixes, block size 8."""
     prompts = _prompts(shared_prefix=20)
     got, stats = _run(prompts, model, block_size=8, num_kv_blocks=30, max_num_batched_tokens=24, max_num_seqs=6)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    assert got == hf_greedy(str(builtin_path(model)), prompts, MAX_NEW)
+    assert_greedy_equal(got, str(builtin_path(model)), prompts, MAX_NEW)

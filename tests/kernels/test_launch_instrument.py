@@ -70,6 +70,7 @@ def test_access_map_lists_the_physical_blocks_of_a_program():
     # at position 8 + 5 = 13, so it reads keys 0..13: logical blocks 0..3 of request 1.
     (acc,) = rec.access_map[(2, 1, 0)]
     assert (acc.request, acc.rows, acc.kv_heads, acc.kv_positions) == (1, (5, 7), (1,), (0, 14))
+    assert acc.q_heads == (2, 3)  # GQA, 4 query heads on 2 KV heads: query heads 2 and 3 read KV head 1
     assert acc.blocks == tuple(bt[1, :4].tolist())
     # Its first query block (rows 1..4) stops at key 11: three blocks.
     assert rec.access_map[(1, 0, 0)][0].blocks == tuple(bt[1, :3].tolist())

@@ -33,10 +33,10 @@ def model_cache(tmp_path_factory):
         os.environ["VLLM_TRACE_CACHE"] = old
 
 
-def spawn_serve(*args: str) -> tuple[subprocess.Popen, str, str]:
-    """`vllm-trace serve tiny-gpt2 --port 0 ARGS` as a subprocess, read up to its ready line.
+def spawn_serve(*args: str, model: str = "tiny-gpt2") -> tuple[subprocess.Popen, str, str]:
+    """`vllm-trace serve MODEL --port 0 ARGS` as a subprocess, read up to its ready line.
     Returns (process, what it printed on stderr up to then, base URL); the caller stops it."""
-    proc = subprocess.Popen([sys.executable, "-m", "tracer.cli", "serve", "tiny-gpt2", "--port", "0", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "tracer.cli", "serve", model, "--port", "0", *args],
                             cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=os.environ.copy())
     lines = []

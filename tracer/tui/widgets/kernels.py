@@ -92,7 +92,8 @@ def rerun_access(result: dict) -> dict:
     m: dict = {}
     for p in result["programs"]:
         a = ProgramAccess(tuple(p["pid"]), p["request"], tuple(p["rows"]), tuple(p["kv_heads"]), tuple(p["blocks"]),
-                          tuple(p["kv_positions"]) if p["kv_positions"] else None, p["segment"])
+                          tuple(p["kv_positions"]) if p["kv_positions"] else None, p["segment"],
+                          tuple(p["q_heads"]) if p.get("q_heads") else None)
         m[a.pid] = m.get(a.pid, ()) + (a,)
     return m
 
@@ -214,6 +215,8 @@ def program_text(grid: ProgramGrid) -> Text:
         if rid is not None:
             t.append(f"request {rid} ", f"bold {grid.frame.colors.get(rid, 'white') if grid.frame else 'white'}")
         t.append(f"rows {a.rows[0]}..{a.rows[1] - 1}  kv heads {list(a.kv_heads)}")
+        if a.q_heads and a.q_heads != a.kv_heads:  # GQA: the query heads that share them
+            t.append(f" ← query heads {list(a.q_heads)}")
         if a.kv_positions:
             t.append(f"  keys {a.kv_positions[0]}..{a.kv_positions[1] - 1}")
         t.append(f"\n  reads for KV head {head}: physical blocks ", "dim")

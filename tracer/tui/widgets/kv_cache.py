@@ -12,6 +12,9 @@ request's blocks stay in colour while everyone else's fade.
 With tensor parallelism each rank's worker holds its own shard: the KV of its attention heads
 for every block. The block ids (and the block tables) are the same on every rank, so one
 grid stands for all of them; the summary adds a line per rank with its heads and bytes.
+
+With grouped-query attention (Llama, Qwen3) the summary says how many query heads share each
+KV head and what a block costs: only KV heads are cached, so a block is smaller by that factor.
 """
 from __future__ import annotations
 
@@ -81,6 +84,17 @@ def draw_blocks(frame: Frame, num_blocks: int, width: int, rows_available: int) 
 _styles: dict[str, Style] = {}
 
 
+def gqa_line(startup: list[dict]) -> str:
+    """'' for multi-head attention; else the query heads per KV head and the bytes of a block."""
+    kv = next((st for st in reversed(startup) if st["stage"] == "kv_cache_alloc" and "num_kv_heads" in st), None)
+    if kv is None or kv["num_kv_heads"] >= kv["num_heads"]:
+        return ""
+    h, h_kv, g = kv["num_heads"], kv["num_kv_heads"], kv["num_heads"] // kv["num_kv_heads"]
+    return (f"\nGQA: {h} query heads share {h_kv} KV heads ({g} each); the cache holds KV heads only: "
+            f"{fmt_bytes(kv['bytes_per_block'])} a block = 2 × {kv['num_layers']} layers × {kv['block_size']} tokens × "
+            f"{h_kv} KV heads × {kv['head_size']} dims, 1/{g} of one KV head per query head")
+
+
 def shard_lines(shards: list[dict]) -> str:
     """One line saying the block table is shared, then each rank's heads and bytes ('' for one rank)."""
     if len(shards) < 2:
@@ -90,7 +104,9 @@ def shard_lines(shards: list[dict]) -> str:
              "each holding its own heads' K and V"]
     for sh in shards:
         a, b = sh.get("heads") or ("?", "?")
-        lines.append(f"rank {sh['rank']}: heads [{a}, {b}) of {n_head} · {fmt_bytes(sh.get('bytes'))} "
+        kv = sh.get("kv_heads")
+        kv = f" (KV heads [{kv[0]}, {kv[1]}))" if kv and kv != sh.get("heads") else ""
+        lines.append(f"rank {sh['rank']}: heads [{a}, {b}) of {n_head}{kv} · {fmt_bytes(sh.get('bytes'))} "
                      f"({fmt_bytes(sh.get('bytes_per_block'))} a block)")
     return "\n".join(lines)
 
@@ -127,7 +143,7 @@ class KVCachePanel(Panel):
         usage = used / total if total else 0.0
         bar_w = max(10, min(40, width - 56))
         filled = round(usage * bar_w)
-        shards = shard_lines(kv_shards(s))
+        shards = gqa_line(s.startup) + shard_lines(kv_shards(s))
         grid_rows = max(4, (self.size.height or 20) - 5 - shards.count("\n"))
         k = blocks_per_cell(total, width, grid_rows) if total else 1
         legend = ("\n█ owned  ▓ shared prefix  ░ cached, free  · free" if k == 1 else

@@ -34,8 +34,9 @@ def stage_details(stage: dict) -> str:
                 f" = {fmt_bytes(stage.get('bytes'))}")
     if name == "tokenizer_load" and "vocab_size" in stage:
         return f"vocab {stage['vocab_size']}"
-    if name == "resolve_model":
-        return str(stage.get("model", ""))
+    if name == "resolve_model":  # the architecture is named where it is not the default GPT-2
+        arch = stage.get("architecture")
+        return str(stage.get("model", "")) + (f" · {arch}" if arch and arch != "GPT2LMHeadModel" else "")
     return ""
 
 
