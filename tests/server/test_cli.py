@@ -24,6 +24,16 @@ def test_send_prints_text_then_usage(live, capsys):
     assert re.search(r"chatcmpl-\w+: \d+ prompt \+ 3 completion", capsys.readouterr().err)
 
 
+def test_send_n_and_priority(live, capsys):
+    argv = ["send", "Hello", "--url", live.url, "--max-tokens", "4", "--n", "2", "--temperature", "0.9",
+            "--priority", "1"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.count("--- choice") == 2 and "+ 8 completion" in err  # both samples count
+    assert main(argv + ["--stream"]) == 0
+    assert capsys.readouterr().out.count("--- choice") == 2
+
+
 def test_send_reports_server_errors_and_unreachable_servers(live, capsys):
     assert main(["send", "x" * 600, "--url", live.url]) == 1
     assert "max_model_len" in capsys.readouterr().err
@@ -44,6 +54,8 @@ def test_bench_reports_and_writes_json(live, tmp_path, capsys):
         assert label in out
     result = json.loads(path.read_text())
     assert result["completed"] == 8 and result["failed"] == 0 and result["total_output_tokens"] == 48
+    assert main(argv[:-3] + ["--n", "2", "--priority", "3", "--no-progress", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["total_output_tokens"] == 96  # both samples of every prompt
     assert 0 < result["ttft"]["median_ms"] <= result["e2e"]["median_ms"]
 
 

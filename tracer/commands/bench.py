@@ -53,6 +53,9 @@ def register(sub) -> None:
     p.add_argument("--output-len", type=length_range, default=(32, 32), metavar="N|MIN:MAX",
                    help="generated tokens per request (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths and arrivals (default 0)")
+    p.add_argument("--n", type=int, default=1, help="samples of each prompt (default 1)")
+    p.add_argument("--priority", type=int, default=0,
+                   help="every request's priority, for a server run with --scheduling-policy priority (default 0)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON here")
     p.add_argument("--api-key", default=os.environ.get("VLLM_TRACE_API_KEY"),
                    help="the server's --api-key (default: $VLLM_TRACE_API_KEY)")
@@ -77,9 +80,10 @@ def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, in
             for _ in range(n)]
 
 
-async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
+async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int, n: int = 1,
+                      priority: int = 0) -> Result:
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stream=True,
-                stream_options={"include_usage": True})
+                stream_options={"include_usage": True}, n=n, priority=priority)
     start = time.perf_counter()
     res, last = Result(ok=False, prompt_tokens=len(prompt)), None
     try:
@@ -136,10 +140,10 @@ async def _run(args: argparse.Namespace) -> dict:
 
         async def run_one(prompt, max_tokens):
             if gate is None:
-                res = await one_request(client, url, model, prompt, max_tokens)
+                res = await one_request(client, url, model, prompt, max_tokens, args.n, args.priority)
             else:
                 async with gate:
-                    res = await one_request(client, url, model, prompt, max_tokens)
+                    res = await one_request(client, url, model, prompt, max_tokens, args.n, args.priority)
             if bar is not None:
                 bar.update(1)
             return res

@@ -28,6 +28,10 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("VLLM_TRACE_API_KEY"),
                    help="the server's --api-key (default: $VLLM_TRACE_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+    p.add_argument("--n", type=int, default=1, help="samples of the prompt (child requests sharing its KV blocks; "
+                   "with --stream each choice is printed when it ends)")
+    p.add_argument("--priority", type=int, default=0,
+                   help="the request's priority, for a server run with --scheduling-policy priority (lower first)")
     so = p.add_mutually_exclusive_group()  # structured outputs: at most one constraint
     so.add_argument("--json-schema", metavar="FILE", default=None,
                     help="answer as JSON following the schema in FILE (response_format json_schema)")
@@ -76,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _send(client, url: str, args: argparse.Namespace) -> int:
     model = args.model or default_model(client, url)
-    body = dict(model=model, max_tokens=args.max_tokens, temperature=args.temperature, stream=args.stream)
+    body = dict(model=model, max_tokens=args.max_tokens, temperature=args.temperature, stream=args.stream, n=args.n,
+                priority=args.priority)
     body.update(structured_output_fields(args))
     if args.chat:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": args.prompt}]
@@ -88,16 +93,18 @@ def _send(client, url: str, args: argparse.Namespace) -> int:
             if resp.status_code != 200:
                 resp.read()
                 raise ServerError(f"{resp.status_code} {error_message(resp)}")
-            rid, usage, finish = _print_stream(resp, args.chat)
+            rid, usage, finish = _print_stream(resp, args.chat, args.n)
     else:
         resp = client.post(url + path, json=body)
         if resp.status_code != 200:
             raise ServerError(f"{resp.status_code} {error_message(resp)}")
         data = resp.json()
-        choice = data["choices"][0]
-        text = choice["message"]["content"] if args.chat else choice["text"]
-        print(text)
-        rid, usage, finish = data["id"], data["usage"], choice["finish_reason"]
+        for choice in data["choices"]:
+            if args.n > 1:
+                print(f"--- choice {choice['index']}")
+            print(choice["message"]["content"] if args.chat else choice["text"])
+        rid, usage = data["id"], data["usage"]
+        finish = ", ".join(sorted({c["finish_reason"] for c in data["choices"]}))
     if usage:
         print(f"[{rid}: {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion = "
               f"{usage['total_tokens']} tokens, finish_reason={finish}]", file=sys.stderr)
@@ -120,8 +127,10 @@ def structured_output_fields(args: argparse.Namespace) -> dict:
     return {}
 
 
-def _print_stream(resp, chat: bool):
+def _print_stream(resp, chat: bool, n: int = 1):
+    """Print the text as it comes (one choice), or each choice whole when it ends (n > 1)."""
     rid = usage = finish = None
+    texts: dict[int, str] = {}
     for line in resp.iter_lines():
         if not line.startswith("data: "):
             continue
@@ -134,7 +143,14 @@ def _print_stream(resp, chat: bool):
         rid, usage = chunk.get("id", rid), chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
             text = (choice["delta"].get("content") or "") if chat else choice["text"]
-            print(text, end="", flush=True)
             finish = choice.get("finish_reason") or finish
-    print()
+            if n == 1:
+                print(text, end="", flush=True)
+                continue
+            i = choice["index"]
+            texts[i] = texts.get(i, "") + text
+            if choice.get("finish_reason"):
+                print(f"--- choice {i}\n{texts[i]}", flush=True)
+    if n == 1:
+        print()
     return rid, usage, finish
