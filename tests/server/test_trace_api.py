@@ -338,3 +338,25 @@ def test_stream_reports_missed_events_then_ends_when_the_bus_closes():
     frames = [f for f in text.split("\n\n") if f]
     assert frames[0] == 'event: missed\ndata: {"count": 6}'
     assert [json.loads(f[6:])["name"] for f in frames[1:]] == ["e6", "e7", "e8", "e9"]
+
+
+def test_a_draining_server_refuses_to_hold_its_engine(bare_session):
+    """At shutdown the controller lets the engine go (to drain); a step with wait used to answer
+    timed_out: true after milliseconds, and pause or a breakpoint to answer 200 and do nothing."""
+    import concurrent.futures
+
+    c = bare_app("127.0.0.1", None, bare_session)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(c.post, "/trace/step", json={"wait": True, "timeout": 30})
+        time.sleep(0.5)  # it waits for a stop that will not come: the drain begins
+        t0 = time.monotonic()
+        bare_session.controller.close()
+        r = waiting.result(10)
+    assert time.monotonic() - t0 < 5
+    assert r.status_code == 503 and r.json()["error"]["code"] == "controller_closed", r.text
+    assert "shutting down" in r.json()["error"]["message"]
+    for path, body in [("/trace/step", {"wait": True}), ("/trace/pause", {}),
+                       ("/trace/run_until", {"condition": "finish"}), ("/trace/breakpoints", {"condition": "finish"})]:
+        r = c.post(path, json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "controller_closed", (path, r.text)
+    assert c.post("/trace/resume", json={}).status_code == 200  # harmless: the engine runs anyway

@@ -370,7 +370,7 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
                 session.controller.close()
             stats = async_engine.stats
             in_flight = stats.num_running + stats.num_waiting
-            if in_flight:
+            if in_flight and not died:  # after a death they have already failed: nothing drains
                 print(f"vllm-trace serve: stopping; {in_flight} request(s) in flight get --drain-timeout "
                       f"{args.drain_timeout:g} s to finish (a second Ctrl-C or SIGTERM aborts them now)",
                       file=sys.stderr, flush=True)
