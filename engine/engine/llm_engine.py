@@ -229,7 +229,8 @@ class LLMEngine:
             self.hooks.emit(ENGINE, ABORTED, request_id=request_id, step=self.step_count)
         else:
             self.hooks.emit(ENGINE, FINISHED, request_id=request_id, step=self.step_count,
-                            finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens)
+                            finish_reason=req.finish_reason, stop_reason=stop_reason,
+                            num_output_tokens=req.num_output_tokens)
 
     def warm_up(self) -> dict:
         """Run the model once on a dummy batch (compiling the Triton kernels on first use),
@@ -310,7 +311,8 @@ class LLMEngine:
                 if self.hooks.active:
                     # no text behind an EngineCore: the front end detokenizes (after this event)
                     self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=sched.step,
-                                    finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens,
+                                    finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                                    num_output_tokens=req.num_output_tokens,
                                     text=req.output_text if self.detokenize else None)
             if not self.detokenize:
                 outputs.append(self._core_output(req))  # every step: the front end detokenizes

@@ -360,3 +360,22 @@ def test_a_draining_server_refuses_to_hold_its_engine(bare_session):
         r = c.post(path, json=body)
         assert r.status_code == 503 and r.json()["error"]["code"] == "controller_closed", (path, r.text)
     assert c.post("/trace/resume", json={}).status_code == 200  # harmless: the engine runs anyway
+
+
+def test_a_stop_string_finish_is_finished_with_its_stop_reason_in_the_cores_trace(t):
+    """In two processes the front end matches the stop string and tells the core with an ABORT
+    that carries finish_reason "stop": the core must trace FINISHED (stop, with the string), as the
+    one-process engine does, never ABORTED."""
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    text = t.http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = text[4:7]
+    assert stop.strip() and text.index(stop) == 4, text  # it first occurs there
+    r = t.http.post("/v1/completions", json=dict(body, stop=[stop])).json()
+    rid, choice = r["id"], r["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == text[:4], choice
+    t.session.recorder.flush()
+    _, events = read_trace(t.path)
+    engine_ends = [e for e in events
+                   if e.request_id == rid and e.layer == "engine" and e.name in ("FINISHED", "ABORTED")]
+    assert [(e.name, e.attrs.get("finish_reason"), e.attrs.get("stop_reason")) for e in engine_ends] == \
+        [("FINISHED", "stop", stop)], engine_ends
