@@ -13,11 +13,20 @@ Targets (issue #18), one line each, PASS or FAIL:
     big_prompt   10 MiB, 900 KiB and 6 KiB prompts beside 2-token requests: refused at once, nobody stalls
     memory       RSS growth over 2,000 traced requests <= 25 MiB; /trace/state < 100 ms after them
     drain        48 long streams, SIGINT with --drain-timeout 1: each ends with [DONE] or an error event
+    trace_ints   /trace integers past any bound (step n = 2**64, ...): every one a 4xx
+    slow_heads   100 idle and 100 half-sent connections: all closed within 15 s, requests answered meanwhile
+    ipc_garbage  1,000 frames that are not the core's pushed into the API server's output socket: requests
+                 still answered, /health 200
+    frozen_core  32 streams, the engine core SIGSTOPped: /health not 200 within 15 s, 200 again within 15 s
+                 of SIGCONT, all 32 finish
+    tp_sockets   --tensor-parallel-size 2: nothing of the process tree listens beyond loopback; kill -9 of
+                 the core leaves no socket directory behind
+    big_trace    a 100 MiB trace: export peaks under 400 MiB RSS; replay (index, a step, the end, back) too
     logs         no "Traceback" in any server's log
 
 The server is the built-in tiny-gpt2 on this machine's device, traced (the default), headless.
 Timings on a shared machine are distorted by whatever else runs; the pass criteria are counts,
-except big_prompt's and memory's latencies.
+except big_prompt's, memory's, frozen_core's and big_trace's figures.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -519,8 +529,230 @@ async def second_sigterm(logdir: Path, n: int = 8) -> tuple[Result, Server]:
                   f"ended with [DONE]"), server
 
 
+async def trace_ints(server: Server) -> Result:
+    """Integers past every bound, into each integer the trace API takes."""
+    cases = [("POST", "/trace/step", {"n": 2 ** 64}), ("POST", "/trace/step", {"n": 2 ** 63}),
+             ("POST", "/trace/step", {"n": 10 ** 9 + 1}), ("POST", "/trace/step", {"n": -(2 ** 64)}),
+             ("POST", "/trace/step", {"n": 1, "wait": True, "timeout": 10 ** 400}),
+             ("GET", f"/trace/events?since={2 ** 64}", None), ("DELETE", f"/trace/breakpoints/{2 ** 64}", None)]
+    async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as c:
+        codes = []
+        for method, path, body in cases:
+            r = await c.request(method, path, json=body) if body is not None else await c.request(method, path)
+            codes.append(r.status_code)
+        await c.post("/trace/resume", json={})
+    bad = [f"{m} {p} {b}: {code}" for (m, p, b), code in zip(cases, codes) if not 400 <= code < 500]
+    return Result("trace_ints", not bad, f"{len(cases)} out-of-range integers: statuses {sorted(set(codes))}", bad)
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+async def slow_heads(server: Server, n: int = 200) -> Result:
+    """Connections that never send a whole request head hold a socket each until closed."""
+    socks = [_connect(server.url) for _ in range(n)]
+    for s in socks[n // 2:]:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+    t = time.perf_counter()
+    async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE) as c:
+        answered = (await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code
+    t_answer = time.perf_counter() - t
+
+    def closed_after(s: socket.socket) -> float | None:
+        s.settimeout(max(0.1, 30 - (time.perf_counter() - t)))
+        try:
+            while s.recv(4096):
+                pass
+        except (ConnectionResetError, socket.timeout):
+            pass
+        finally:
+            s.close()
+        elapsed = time.perf_counter() - t
+        return elapsed if elapsed < 30 else None
+
+    waits = await asyncio.to_thread(lambda: [closed_after(s) for s in socks])
+    open_left = sum(w is None for w in waits)
+    last = max((w for w in waits if w is not None), default=float("nan"))
+    return Result("slow_heads", answered == 200 and not open_left and last < 15,
+                  f"{n // 2} idle + {n // 2} half-sent connections: all closed after {last:.1f} s ({open_left} "
+                  f"still open at 30 s); a request meanwhile: {answered} in {t_answer * 1000:.0f} ms")
+
+
+def _unix_socket_paths(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    with open("/proc/net/unix") as f:
+        next(f)
+        return {cols[7] for cols in map(str.split, f) if len(cols) == 8 and cols[6] in inodes}
+
+
+async def ipc_garbage(server: Server, frames: int = 1000) -> Result:
+    """Frames that are not the engine core's, pushed into the API server's output socket."""
+    import msgspec
+    import zmq
+
+    path = next(p for p in _unix_socket_paths(server.proc.pid) if p.endswith("/output"))
+    rng = __import__("random").Random(0)
+    kinds = [lambda: os.urandom(rng.randint(0, 1 << 16)), lambda: b"",
+             lambda: msgspec.msgpack.encode({"a": rng.random()}),
+             lambda: msgspec.msgpack.encode([[], [], [], [], [], [], None, None, False, [rng.randint(0, 9)]]),
+             lambda: msgspec.msgpack.encode([[[1, 2]]]), lambda: msgspec.msgpack.encode(list(range(20)))]
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect("ipc://" + path)
+    t = time.perf_counter()
+    for i in range(frames):
+        push.send(kinds[i % len(kinds)]())
+    push.close(linger=5000)
+    ctx.term()
+    t_push = time.perf_counter() - t
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+        t = time.perf_counter()
+        codes = await asyncio.gather(*(c.post("/v1/completions", json=_body(i, 8)) for i in range(16)))
+        t_req = time.perf_counter() - t
+        health = (await c.get("/health")).status_code
+    ok_reqs = sum(r.status_code == 200 for r in codes)
+    skipped = len(re.findall(r"not an engine message", server.log_text()))
+    return Result("ipc_garbage", ok_reqs == 16 and health == 200,
+                  f"{frames} bad frames pushed in {t_push:.1f} s ({skipped} warning lines, at most one a second); "
+                  f"then 16 requests: {ok_reqs} x 200 in {t_req:.1f} s; /health {health}")
+
+
+def _core_pid(server: Server) -> int:
+    return int(re.search(r"engine core pid (\d+)", server.log_text()).group(1))
+
+
+async def frozen_core(logdir: Path, n: int = 32) -> tuple[Result, Server]:
+    server = spawn(logdir, "frozen")
+    core = _core_pid(server)
+
+    async def health(c: httpx.AsyncClient) -> int:
+        try:  # the server answers within its ping timeout (5 s): a client that gave up would hide when
+            return (await c.get("/health", timeout=10)).status_code
+        except httpx.TimeoutException:
+            return 0
+
+    async def until(c: httpx.AsyncClient, pred, limit: float) -> float | None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < limit:
+            if pred(await health(c)):
+                return time.perf_counter() - t
+            await asyncio.sleep(0.25)
+        return None
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE,
+                                 limits=httpx.Limits(max_connections=n + 8)) as c:
+        tasks = asyncio.ensure_future(asyncio.gather(*(read_stream(c, "/v1/completions", _body(i, 64))
+                                                       for i in range(n))))
+        while await metric(c, "vllm:num_requests_running") < n:
+            await asyncio.sleep(0.05)
+        os.kill(core, signal.SIGSTOP)
+        try:
+            down = await until(c, lambda code: code == 503, 15)
+            await asyncio.sleep(5)  # frozen a while longer: /health stays down, requests wait
+            still_down = await health(c) != 200
+        finally:
+            os.kill(core, signal.SIGCONT)
+        up = await until(c, lambda code: code == 200, 15)
+        results = await tasks
+    finished = sum(1 for r in results if r["done"] and not r["errors"] and stream_text(r["frames"])[1] == ["length"])
+
+    def fmt(x: float | None) -> str:
+        return "never" if x is None else f"{x:.1f} s"
+    return Result("frozen_core", down is not None and still_down and up is not None and finished == n,
+                  f"{n} streams, core SIGSTOPped: /health 503 after {fmt(down)}; SIGCONT: 200 after "
+                  f"{fmt(up)}; {finished}/{n} streams finished"), server
+
+
+def _tree_listening(pids: list[int]) -> list[tuple[int, str]]:
+    import ipaddress
+
+    owner = {}
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                owner[target[8:-1]] = pid
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for cols in map(str.split, f):
+                if cols[3] == "0A" and cols[9] in owner:
+                    hex_addr, port = cols[1].split(":")
+                    raw = bytes.fromhex(hex_addr)
+                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                    found.append((owner[cols[9]], f"{ip}:{int(port, 16)}"))
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+async def tp_sockets(logdir: Path) -> tuple[Result, Server]:
+    import ipaddress
+
+    server = spawn(logdir, "tp", "--tensor-parallel-size", "2")
+    core = _core_pid(server)
+    workers = _children(core)
+    tree = [server.proc.pid, core, *workers]
+    listening = _tree_listening(tree)
+
+    def loopback(addr: str) -> bool:
+        ip = ipaddress.ip_address(addr.rsplit(":", 1)[0])
+        return ip.is_loopback or (ip.version == 6 and bool(ip.ipv4_mapped) and ip.ipv4_mapped.is_loopback)
+    beyond = [f"pid {pid}: {addr}" for pid, addr in listening if not loopback(addr)]
+    dirs = {os.path.dirname(p) for p in _unix_socket_paths(core) if "vllm-trace-workers-" in p}
+    os.kill(core, signal.SIGKILL)
+    code = await asyncio.to_thread(server.proc.wait, 60)
+    left = [d for d in dirs if os.path.exists(d)]
+    return Result("tp_sockets", not beyond and len(workers) == 2 and dirs and not left and code == 1,
+                  f"TP=2, {len(tree)} processes: {len(listening)} listening TCP sockets, "
+                  f"{len(listening) - len(beyond)} on loopback ({', '.join(sorted(a for _, a in listening))}); "
+                  f"kill -9 of the core: serve exit {code}, {len(left)} socket directory left", beyond), server
+
+
+def big_trace(logdir: Path, megabytes: float = 100) -> Result:
+    from benchmarks.big_trace import REPLAY_MOVES, make, peak_rss_mib, run_measured
+
+    trace = logdir / "big.jsonl"
+    events, size = make(trace, megabytes)
+    t = time.perf_counter()
+    rss_export, proc = peak_rss_mib("export", str(trace), "-o", str(logdir / "big.json"))
+    t_export = time.perf_counter() - t
+    t = time.perf_counter()
+    rss_replay, rproc = run_measured(REPLAY_MOVES, str(trace))
+    t_replay = time.perf_counter() - t
+    ok = proc.returncode == 0 and rproc.returncode == 0 and rss_export < 400 and rss_replay < 400
+    out = (logdir / "big.json").stat().st_size if proc.returncode == 0 else 0
+    details = [x.stderr.strip()[-500:] for x in (proc, rproc) if x.returncode]
+    trace.unlink()
+    (logdir / "big.json").unlink(missing_ok=True)
+    return Result("big_trace", ok,
+                  f"{size / 2 ** 20:.0f} MiB trace ({events} events): export peak RSS {rss_export:.0f} MiB in "
+                  f"{t_export:.1f} s ({out / 2 ** 20:.0f} MiB written); replay (index, a middle step, the end, "
+                  f"back, home) peak RSS {rss_replay:.0f} MiB in {t_replay:.1f} s", details)
+
+
 # ---- main ---------------------------------------------------------------------------------
-SCENARIOS = ("fuzz", "bad_input", "streams", "cancel", "control", "big_prompt", "memory", "drain", "sigterm")
+SCENARIOS = ("fuzz", "bad_input", "streams", "cancel", "control", "big_prompt", "memory", "drain", "sigterm",
+             "trace_ints", "slow_heads", "ipc_garbage", "frozen_core", "tp_sockets", "big_trace")
 
 
 async def run(args) -> list[Result]:
@@ -535,7 +767,8 @@ async def run(args) -> list[Result]:
         for d in res.details[:10]:
             print("        " + d.replace("\n", "\n        "), flush=True)
 
-    shared = only & {"fuzz", "bad_input", "streams", "cancel", "control", "big_prompt", "memory"}
+    shared = only & {"fuzz", "bad_input", "streams", "cancel", "control", "big_prompt", "memory", "trace_ints",
+                     "slow_heads", "ipc_garbage"}
     if shared:
         server = spawn(logdir, "main", "--num-kv-blocks", "256", "--max-num-seqs", "256")
         servers.append(server)
@@ -553,6 +786,12 @@ async def run(args) -> list[Result]:
                 report(await big_prompt(server))
             if "memory" in only:
                 report(await memory(server, args.requests))
+            if "trace_ints" in only:
+                report(await trace_ints(server))
+            if "slow_heads" in only:
+                report(await slow_heads(server))
+            if "ipc_garbage" in only:
+                report(await ipc_garbage(server))
             if "fuzz" in only:
                 report(await asyncio.to_thread(fuzz, server, args.cases))
         finally:
@@ -565,6 +804,14 @@ async def run(args) -> list[Result]:
         res, server = await second_sigterm(logdir)
         servers.append(server)
         report(res)
+    for name, scenario in (("frozen_core", frozen_core), ("tp_sockets", tp_sockets)):
+        if name in only:
+            res, server = await scenario(logdir)
+            server.stop()
+            servers.append(server)
+            report(res)
+    if "big_trace" in only:
+        report(await asyncio.to_thread(big_trace, logdir))
     tracebacks = {s.log.name: s.log_text().count("Traceback") for s in servers}
     report(Result("logs", not any(tracebacks.values()),
                   f"tracebacks per server log: {tracebacks} (logs in {logdir})"))

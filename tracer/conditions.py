@@ -72,14 +72,16 @@ def _label(kind: str, arg: str | None) -> str:
 
 def parse_condition(text: str) -> Condition:
     """'finish:3' -> on_finish('3'), etc. (see the module docstring)."""
-    kind, _, arg = text.strip().partition(":")
+    kind, colon, arg = text.strip().partition(":")
+    if colon and not arg.strip():  # "finish:" is not "finish": a name was meant and is missing
+        raise ValueError(f"bad condition {text!r}: nothing after ':' (write {kind!r} alone for any)")
     arg = arg or None
     simple = {"arrive": on_arrive, "finish": on_finish, "preempt": on_preempt, "kernel": on_kernel}
     if kind in simple:
         return simple[kind](arg)
     if kind in ("request", "layer") and arg:
         return on_request(arg) if kind == "request" else on_layer(arg)
-    if kind == "event" and arg and "." in arg:
+    if kind == "event" and arg and all(part.strip() for part in arg.split(".", 1)) and "." in arg:
         return on_event(*arg.split(".", 1))
     raise ValueError(f"bad condition {text!r}: use arrive[:ID], finish[:ID], preempt[:ID], request:ID, "
                      f"layer:LAYER, kernel:NAME or event:LAYER.NAME")

@@ -146,6 +146,11 @@ class StepController:
                 "reason": held and held.reason, "breakpoints": [str(b) for b in self._breakpoints],
                 "until": str(self._until) if self._until else None, "pause_requested": self._pause is not None}
 
+    @property
+    def closed(self) -> bool:
+        """Detached (the server is stopping): the engine runs freely and no command holds it."""
+        return self._closed
+
     def close(self) -> None:
         """Detach from the engine and let it run freely. Safe to call twice."""
         if self._closed:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import math
 import re
 import time
@@ -180,36 +179,119 @@ def is_header(d: dict) -> bool:
     return d.get("schema") == SCHEMA
 
 
-def iter_lines(path: str | Path) -> Iterator[dict]:
-    """Parsed lines of a trace file. A torn last line (the process died mid-write) is skipped;
-    a bad line anywhere else is an error."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+class TraceFileError(ValueError):
+    """A path that is not a readable trace file, said in one line that names it."""
+
+
+class TraceReader:
+    """A trace file read as a stream: the header when opened, then the events one line at a time
+    as you iterate (a recording of a long run is gigabytes: nothing here holds the file).
+
+    ``truncated`` becomes True when the last line turns out torn (the recording process died
+    mid-write): that line is skipped. A bad line anywhere else is a TraceFileError naming the
+    file and line. ``lines()`` also gives each event's byte offset, for an index of the file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.truncated = False
         try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1 and not line.endswith("\n"):
-                return
-            raise ValueError(f"{path}:{i + 1}: not a JSON line")
+            self._file = open(self.path, "rb")
+        except FileNotFoundError:
+            raise TraceFileError(f"no such trace file: {path}") from None
+        except IsADirectoryError:
+            raise TraceFileError(f"{path} is a directory, not a trace file") from None
+        except OSError as e:
+            raise TraceFileError(f"cannot read trace file {path}: {e.strerror or e}") from None
+        try:
+            self.header = self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
+        self.version = self.header["version"]
+        self._events_at = self._file.tell()
+
+    def _read_header(self) -> dict:
+        not_trace = TraceFileError(f"{self.path}: not a vllm-trace file (the first line must be its header)")
+        try:
+            header = orjson.loads(self._file.readline(1 << 20))
+        except orjson.JSONDecodeError:  # binary, or text of another kind
+            raise not_trace from None
+        if not isinstance(header, dict) or not is_header(header):
+            raise not_trace
+        version = header.get("version")
+        if version not in READABLE_VERSIONS:
+            readable = ", ".join(map(str, READABLE_VERSIONS))
+            raise TraceFileError(f"{self.path}: trace schema version {version}, this tracer reads {readable}")
+        return header
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "TraceReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def lines(self) -> Iterator[tuple[int, Event]]:
+        """(byte offset of its line, event) for every event, in file order."""
+        f = self._file
+        f.seek(self._events_at)
+        lineno, offset = 1, self._events_at
+        upgrade = self.version == 1
+        for line in f:
+            lineno += 1
+            at, offset = offset, offset + len(line)
+            if not line.strip():
+                continue
+            try:
+                ev = self.decode(line)
+            except TraceFileError:
+                if not line.endswith(b"\n"):  # only the file's last line can lack one
+                    self.truncated = True
+                    return
+                raise TraceFileError(f"{self.path}:{lineno}: not a trace event line") from None
+            yield at, _upgrade_v1(ev) if upgrade else ev
+
+    def __iter__(self) -> Iterator[Event]:
+        return (ev for _, ev in self.lines())
+
+    def decode(self, line: bytes) -> Event:
+        """The event of one of this file's lines."""
+        try:
+            d = orjson.loads(line)
+            if not isinstance(d, dict):
+                raise ValueError("not an object")
+            return Event.from_dict(d)
+        except ValueError:  # orjson's JSONDecodeError is one
+            raise TraceFileError(f"{self.path}: not a trace event line") from None
+
+    def read_at(self, offset: int, count: int) -> list[Event]:
+        """`count` events from the line at byte `offset` on (random access, for an index)."""
+        f = self._file
+        f.seek(offset)
+        out: list[Event] = []
+        upgrade = self.version == 1
+        while len(out) < count:
+            line = f.readline()
+            if not line:
+                break
+            if not line.strip():
+                continue
+            try:
+                ev = self.decode(line)
+            except TraceFileError:
+                if not line.endswith(b"\n"):  # the torn last line
+                    break
+                raise
+            out.append(_upgrade_v1(ev) if upgrade else ev)
+        return out
 
 
 def read_trace(path: str | Path) -> tuple[dict, list[Event]]:
-    """(header, events) of a trace file."""
-    lines = iter_lines(path)
-    header = next(lines, None)
-    if header is None or not is_header(header):
-        raise ValueError(f"{path}: not a vllm-trace file (the first line must be its header)")
-    version = header.get("version")
-    if version not in READABLE_VERSIONS:
-        readable = ", ".join(map(str, READABLE_VERSIONS))
-        raise ValueError(f"{path}: trace schema version {version}, this tracer reads {readable}")
-    events = [Event.from_dict(d) for d in lines]
-    if version == 1:
-        events = [_upgrade_v1(e) for e in events]
-    return header, events
+    """(header, events) of a trace file, all in memory (a small one; TraceReader streams)."""
+    with TraceReader(path) as reader:
+        return reader.header, list(reader)
 
 
 def _upgrade_v1(e: Event) -> Event:

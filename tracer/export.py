@@ -12,11 +12,25 @@
     M events                      process and thread names
 
 Timestamps are microseconds from the start of the trace.
+
+A recording is read as a stream and never held: events are converted as they are read, and the
+converted ones, which must come out in time order (a step's slice is known only at its end,
+after its kernels), are sorted in runs of RUN_EVENTS written to temporary files beside the
+output, then merged into it. Memory stays flat whatever the trace's size (measured in
+benchmarks/RESULTS.md); ``to_chrome_trace`` is the in-memory form, for an event list at hand.
 """
 from __future__ import annotations
 
-import json
+import heapq
+import itertools
+import os
+import pickle
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import msgspec
 
 from engine.hooks import BEGIN, END, SNAPSHOT
 from engine.trace_names import (
@@ -42,12 +56,13 @@ from engine.trace_names import (
     TRACER,
     WORKER,
 )
-from tracer.events import Event, json_safe, read_trace
+from tracer.events import Event, TraceReader, json_safe
 
 PID = 1
 STEPS_TID, KERNELS_TID = 1, 2
 LAYER_TIDS = {CLI: 10, HTTP: 11, API: 12, ENGINE: 13, TRACER: 14}  # other layers' spans
 RANK_KERNELS_TID, RANK_WORKER_TID = 100, 200  # + rank: tensor-parallel ranks > 0, and workers
+RUN_EVENTS = 50_000  # converted events sorted in memory at once (~20 MB), then spilled to a run file
 
 
 def _us(ns: int) -> float:
@@ -55,20 +70,22 @@ def _us(ns: int) -> float:
 
 
 class _Builder:
-    def __init__(self) -> None:
-        self.out: list[dict] = []
+    """Converted events go to ``emit`` (in the order they are known, not in time order)."""
+
+    def __init__(self, emit: Callable[[dict], None]) -> None:
+        self.emit = emit
         self.threads: dict[int, str] = {STEPS_TID: "engine steps", KERNELS_TID: "kernels"}
 
     def x(self, tid: int, name: str, begin_ns: int, end_ns: int, args: dict | None = None, cat: str = ENGINE):
-        self.out.append({"ph": "X", "pid": PID, "tid": tid, "name": name, "cat": cat, "ts": _us(begin_ns),
+        self.emit({"ph": "X", "pid": PID, "tid": tid, "name": name, "cat": cat, "ts": _us(begin_ns),
                          "dur": max(0.0, _us(end_ns - begin_ns)), "args": args or {}})
 
     def async_(self, ph: str, cat: str, aid: str, name: str, ts_ns: int, args: dict | None = None):
-        self.out.append({"ph": ph, "pid": PID, "tid": STEPS_TID, "cat": cat, "id": aid, "name": name,
+        self.emit({"ph": ph, "pid": PID, "tid": STEPS_TID, "cat": cat, "id": aid, "name": name,
                          "ts": _us(ts_ns), "args": args or {}})
 
     def counter(self, name: str, ts_ns: int, value: float):
-        self.out.append({"ph": "C", "pid": PID, "tid": STEPS_TID, "name": name, "ts": _us(ts_ns),
+        self.emit({"ph": "C", "pid": PID, "tid": STEPS_TID, "name": name, "ts": _us(ts_ns),
                          "args": {"value": value}})
 
 
@@ -96,16 +113,39 @@ class _RequestTrack:
         self.closed = True
 
 
-def to_chrome_trace(header: dict, events: list[Event]) -> dict:
-    b = _Builder()
+def _sort_key(e: dict) -> tuple:
+    return e["ts"], -e.get("dur", 0)  # (sorted stably: b/e order kept at equal ts)
+
+
+def to_chrome_trace(header: dict, events: Iterable[Event]) -> dict:
+    """The Chrome trace-event JSON object of the events, built in memory."""
+    out: list[dict] = []
+    b = _Builder(out.append)
+    _convert(b, events)
+    return {"traceEvents": _meta(header, b) + sorted(out, key=_sort_key), **_trailer(header)}
+
+
+def _meta(header: dict, b: _Builder) -> list[dict]:
+    meta = [{"ph": "M", "pid": PID, "tid": 0, "name": "process_name",
+             "args": {"name": f"vllm-trace {header.get('model') or ''}".strip()}}]
+    return meta + [{"ph": "M", "pid": PID, "tid": tid, "name": "thread_name", "args": {"name": name}}
+                   for tid, name in sorted(b.threads.items())]
+
+
+def _trailer(header: dict) -> dict:
+    return {"displayTimeUnit": "ms", "otherData": {k: header.get(k) for k in ("model", "wall_clock_start", "version")}}
+
+
+def _convert(b: _Builder, events: Iterable[Event]) -> None:
     tracks: dict[str, _RequestTrack] = {}
     open_spans: dict[tuple, Event] = {}  # (layer, name, request_id) -> its BEGIN
     step_begin: dict[int, int] = {}
     step_marks: dict[int, dict] = {}  # step -> ts of its phase boundaries, and its batch
     kernel_end: dict[int, int] = {}  # rank -> where its track's last launch ended
-    last_ts = events[-1].ts_ns if events else 0
+    last_ts = 0
 
     for ev in events:
+        last_ts = ev.ts_ns
         a = ev.attrs or {}
         rank = a.get("rank") or 0
         key = (ev.layer, ev.name, ev.request_id, rank)
@@ -164,13 +204,6 @@ def to_chrome_trace(header: dict, events: list[Event]) -> dict:
 
     for track in tracks.values():  # the trace ended with these requests unfinished
         track.close(last_ts, {"finish_reason": None})
-    body = sorted(b.out, key=lambda e: (e["ts"], -e.get("dur", 0)))  # stable: b/e order kept at equal ts
-    meta = [{"ph": "M", "pid": PID, "tid": 0, "name": "process_name",
-             "args": {"name": f"vllm-trace {header.get('model') or ''}".strip()}}]
-    meta += [{"ph": "M", "pid": PID, "tid": tid, "name": "thread_name", "args": {"name": name}}
-             for tid, name in sorted(b.threads.items())]
-    return {"traceEvents": meta + body, "displayTimeUnit": "ms",
-            "otherData": {k: header.get(k) for k in ("model", "wall_clock_start", "version")}}
 
 
 def _step_slices(b: _Builder, step: int, begin: int, end: int, marks: dict) -> None:
@@ -196,10 +229,100 @@ def _counters(b: _Builder, ts_ns: int, stats: dict) -> None:
         b.counter("vllm:kv_cache_usage_perc", ts_ns, round(stats.get("kv_cache_usage", 0.0), 6))
 
 
-def export_perfetto(trace_path: str | Path, out_path: str | Path) -> dict:
-    """Read a recorded trace, write its Chrome trace JSON; returns the JSON object."""
-    header, events = read_trace(trace_path)
-    chrome = to_chrome_trace(header, events)
-    with open(out_path, "w", encoding="utf-8") as f:
-        json.dump(chrome, f)
-    return chrome
+@dataclass
+class ExportResult:
+    num_events: int  # trace events written (metadata included)
+    truncated: bool  # the recording's last line was torn (its process died mid-write) and was left out
+
+
+def export_perfetto(trace_path: str | Path, out_path: str | Path) -> ExportResult:
+    """Read a recorded trace as a stream and write its Chrome trace JSON (see the module
+    docstring). The output appears whole or not at all: it is written beside, then renamed.
+    Raises TraceFileError (a ValueError) for an unreadable trace, OSError for the output."""
+    out_path = Path(out_path)
+    with TraceReader(trace_path) as reader:
+        if out_path.is_dir():
+            raise IsADirectoryError(f"{out_path} is a directory")
+        fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent or ".")
+        try:
+            with os.fdopen(fd, "wb") as out, tempfile.TemporaryDirectory(dir=out_path.parent or ".",
+                                                                          prefix=".export-runs-") as runs_dir:
+                runs = _SortedRuns(Path(runs_dir))
+                b = _Builder(runs.add)
+                _convert(b, reader)
+                n = _write(out, reader.header, b, runs.merged())
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's file is private: give it a plain file's mode
+            os.replace(tmp, out_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return ExportResult(n, reader.truncated)
+
+
+_encode = msgspec.json.Encoder().encode  # right-sized bytes (orjson's hold a 4 KiB buffer each: 12x the memory)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _dumps(e: dict) -> bytes:
+    try:
+        return _encode(e)
+    except (TypeError, OverflowError, msgspec.EncodeError):  # an int past 64 bits: an event list built in memory
+        return _encode(json_safe(e))
+
+
+def _write(out, header: dict, b: _Builder, body: Iterator[bytes]) -> int:
+    n = 0
+    out.write(b'{"traceEvents":[')
+    for line in itertools.chain(map(_dumps, _meta(header, b)), body):
+        if n:
+            out.write(b",")
+        out.write(line)
+        n += 1
+    out.write(b"]," + _dumps(_trailer(header))[1:])  # the trailer's keys after the list
+    return n
+
+
+class _SortedRuns:
+    """An external sort of the converted events by (ts, -dur), stable: runs of RUN_EVENTS sorted
+    in memory, each pickled to a file in batches, then merged lazily."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.files = directory, []
+        self._buf: list[tuple] = []
+        self._n = 0
+
+    def add(self, e: dict) -> None:
+        self._buf.append((*_sort_key(e), self._n, _dumps(e)))
+        self._n += 1
+        if len(self._buf) >= RUN_EVENTS:
+            self._spill()
+
+    def _spill(self) -> None:
+        self._buf.sort()  # the emission counter breaks ties: the bytes are never compared
+        path = self.directory / f"run{len(self.files)}"
+        with open(path, "wb") as f:
+            for i in range(0, len(self._buf), 1000):
+                pickle.dump(self._buf[i:i + 1000], f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.files.append(path)
+        self._buf = []
+
+    def merged(self) -> Iterator[bytes]:
+        self._buf.sort()
+        sources = [_read_run(p) for p in self.files] + [iter(self._buf)]
+        for item in heapq.merge(*sources):
+            yield item[3]
+
+
+def _read_run(path: Path) -> Iterator[tuple]:
+    with open(path, "rb") as f:
+        while True:
+            try:
+                batch = pickle.load(f)
+            except EOFError:
+                return
+            yield from batch

@@ -145,6 +145,11 @@ class RemoteStepController:
                 "until": str(self._until) if self._until else None,
                 "pause_requested": bool(self._status.get("pause_requested")) and held is None}
 
+    @property
+    def closed(self) -> bool:
+        """Detached (the server is stopping): the engine runs freely and no command holds it."""
+        return self._closed
+
     def close(self) -> None:
         """Let the engine run freely and stop mirroring it. Safe to call twice."""
         if self._closed:

@@ -72,8 +72,21 @@ async def get_controller(session: Annotated[TraceSession, Depends(get_session)])
     return session.controller
 
 
+def _closed_error() -> APIError:
+    return APIError(503, "the server is shutting down: the step controller has let the engine run, to drain the "
+                         "requests in flight", code="controller_closed")
+
+
+async def get_open_controller(controller: Annotated[StepController, Depends(get_controller)]) -> StepController:
+    """The controller, for a command that would hold the engine: refused once the server drains."""
+    if controller.closed:
+        raise _closed_error()
+    return controller
+
+
 SessionDep = Annotated[TraceSession, Depends(get_session)]
 ControllerDep = Annotated[StepController, Depends(get_controller)]
+OpenControllerDep = Annotated[StepController, Depends(get_open_controller)]
 
 
 def _status(controller: StepController | None) -> dict | None:
@@ -216,7 +229,7 @@ def _condition(text: str) -> Condition:
 
 
 @router.post("/pause", dependencies=control, responses=JSON_ONLY)
-async def pause(controller: ControllerDep, body: EmptyBody | None = None) -> dict:
+async def pause(controller: OpenControllerDep, body: EmptyBody | None = None) -> dict:
     """Hold the engine at its next step boundary (new requests still arrive and wait)."""
     controller.pause()
     return {"controller": controller.status()}
@@ -230,7 +243,7 @@ async def resume(controller: ControllerDep, body: EmptyBody | None = None) -> di
 
 
 @router.post("/step", dependencies=control, responses=JSON_ONLY)
-async def step(controller: ControllerDep, body: StepBody | None = None) -> dict:
+async def step(controller: OpenControllerDep, body: StepBody | None = None) -> dict:
     """Run n steps (or phases, or kernel launches), then hold. With wait, answer once held."""
     body = body or StepBody()
     controller.step(body.n, body.granularity)
@@ -238,12 +251,14 @@ async def step(controller: ControllerDep, body: StepBody | None = None) -> dict:
     if body.wait:
         # wait_until_paused blocks on a threading.Condition: keep it off the event loop
         stop = await asyncio.to_thread(controller.wait_until_paused, body.timeout)
+        if stop is None and controller.closed:  # the wait ended because the server began to drain
+            raise _closed_error()
         out = {"controller": controller.status(), "stop": _stop_dict(stop), "timed_out": stop is None}
     return out
 
 
 @router.post("/run_until", dependencies=control, responses=JSON_ONLY)
-async def run_until(body: ConditionBody, controller: ControllerDep) -> dict:
+async def run_until(body: ConditionBody, controller: OpenControllerDep) -> dict:
     """Run until an event matches the condition (once), then hold. Resume disarms it."""
     controller.run_until(_condition(body.condition))
     return {"controller": controller.status()}
@@ -298,7 +313,7 @@ async def list_breakpoints(controller: ControllerDep, ids: IdsDep) -> dict:
 
 @router.post("/breakpoints", status_code=201, dependencies=control, response_model=Breakpoint,
              responses=JSON_ONLY | {200: {"model": Breakpoint, "description": "it existed already: returned as is"}})
-async def add_breakpoint(body: ConditionBody, controller: ControllerDep, ids: IdsDep, response: Response) -> dict:
+async def add_breakpoint(body: ConditionBody, controller: OpenControllerDep, ids: IdsDep, response: Response) -> dict:
     """Hold the engine whenever an event matches. Adding one that exists returns it (200)."""
     cond = _condition(body.condition)
     if cond in controller.breakpoints:

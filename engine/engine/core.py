@@ -330,7 +330,8 @@ class EngineCore:
             self.hooks.emit(ENGINE, ABORTED, request_id=req.request_id, step=self.step_count)
         else:
             self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=self.step_count,
-                            finish_reason=req.finish_reason, num_output_tokens=req.num_output_tokens)
+                            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                            num_output_tokens=req.num_output_tokens)
 
     def _load_progress(self, done: int, total: int) -> None:
         """Weights read so far, for the startup progress bar: about every 5 %."""

@@ -64,7 +64,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """Everything one message from the core says, applied by the front end in this order:
     trace events (so the events a step caused come before what the front end does with its
     outputs), then accepted / rejected adds, then outputs and aborts, then a utility answer."""
-    events: list[tuple] = []  # (layer, name, kind, request_id, step, attrs, perf_counter_ns)
+    # (layer, name, kind, request_id, step, attrs, perf_counter_ns), typed: a frame that is not the
+    # core's fails to decode as a whole (and is skipped) rather than half-way through its handling
+    events: list[tuple[str, str, str, Any, Any, dict | None, int]] = []
     accepted: list[str] = []  # now in the scheduler's waiting queue
     rejected: list[tuple[str, str]] = []  # (request id, the engine's error message)
     outputs: list[EngineCoreOutput] = []

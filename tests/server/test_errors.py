@@ -95,3 +95,30 @@ def test_api_key(live):
     assert c.post(C, json={"prompt": "x"}).status_code == 401
     assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200  # open, as in vLLM
+
+
+@pytest.mark.parametrize("mode", ["inproc", "mp"])
+def test_a_closed_engine_answers_new_requests_503(model_cache, mode):
+    """Shut down (not killed: the kill -9 tests cover a death), the engine refuses what comes next
+    with a 503 that says why, for a completion, a chat and a stream alike, and /health agrees."""
+    import httpx
+
+    from engine.entrypoints.openai import build_app
+    from tests.server.conftest import make_engine, start_server
+
+    async_engine = make_engine(mode, num_kv_blocks=16)
+    server, thread, url = start_server(build_app(async_engine, "tiny-gpt2"))
+    try:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+            async_engine.stop(0)
+            for path, body in [("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                               ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": True}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})]:
+                r = c.post(path, json=body)
+                assert r.status_code == 503, (path, r.text)
+                assert "not running" in r.json()["error"]["message"], r.text
+            assert c.get("/health").status_code == 503
+    finally:
+        server.should_exit = True
+        thread.join(30)

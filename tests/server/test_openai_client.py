@@ -52,6 +52,19 @@ def test_stop_string_never_leaks_into_a_chunk(client):
     assert all(stop not in c.choices[0].text for c in chunks if c.choices)
 
 
+def test_a_stream_that_ends_in_a_partial_stop_match_sends_the_held_back_text(client):
+    """The output's last characters start a stop string that never completes (the stream ends
+    by length first): they are held back while they might, and must still be sent at the end."""
+    kw = dict(model="tiny-gpt2", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].text
+    stop = plain[-1] + "\u2603"  # the last character, then one the model never writes
+    r = client.completions.create(stop=[stop], **kw).choices[0]
+    assert r.text == plain and r.finish_reason == "length"
+    text, chunks, _ = stream_completion(client, stop=[stop], **kw)
+    assert text == plain
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
 def test_chat_streaming_equals_non_streaming(client):
     kw = dict(model="tiny-gpt2", messages=[{"role": "system", "content": "Be brief."},
                                            {"role": "user", "content": "Hi there"}], max_tokens=12, temperature=0)

@@ -2,6 +2,7 @@
 engine driven over /trace, Ctrl-C while held, and the trace file afterwards."""
 from __future__ import annotations
 
+import json
 import re
 import signal
 import threading
@@ -90,6 +91,7 @@ def test_serve_start_paused_trace_file_and_ctrl_c_while_held(model_cache, tmp_pa
     assert [e.seq for e in events] == list(range(len(events)))
     assert [e.ts_ns for e in events if e.layer == "cli"] == sorted(e.ts_ns for e in events if e.layer == "cli")
     assert any(e.layer == "engine" and e.name == "FINISHED" for e in events)  # the drained request is in it
-    chrome = export_perfetto(trace, tmp_path / "out.json")
+    export_perfetto(trace, tmp_path / "out.json")
+    chrome = json.loads((tmp_path / "out.json").read_text())
     names = {e["name"] for e in chrome["traceEvents"] if e["ph"] == "X"}
     assert {"args", "config", "kernel_warmup", "http_ready"} <= names

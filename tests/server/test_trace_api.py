@@ -338,3 +338,44 @@ def test_stream_reports_missed_events_then_ends_when_the_bus_closes():
     frames = [f for f in text.split("\n\n") if f]
     assert frames[0] == 'event: missed\ndata: {"count": 6}'
     assert [json.loads(f[6:])["name"] for f in frames[1:]] == ["e6", "e7", "e8", "e9"]
+
+
+def test_a_draining_server_refuses_to_hold_its_engine(bare_session):
+    """At shutdown the controller lets the engine go (to drain); a step with wait used to answer
+    timed_out: true after milliseconds, and pause or a breakpoint to answer 200 and do nothing."""
+    import concurrent.futures
+
+    c = bare_app("127.0.0.1", None, bare_session)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(c.post, "/trace/step", json={"wait": True, "timeout": 30})
+        time.sleep(0.5)  # it waits for a stop that will not come: the drain begins
+        t0 = time.monotonic()
+        bare_session.controller.close()
+        r = waiting.result(10)
+    assert time.monotonic() - t0 < 5
+    assert r.status_code == 503 and r.json()["error"]["code"] == "controller_closed", r.text
+    assert "shutting down" in r.json()["error"]["message"]
+    for path, body in [("/trace/step", {"wait": True}), ("/trace/pause", {}),
+                       ("/trace/run_until", {"condition": "finish"}), ("/trace/breakpoints", {"condition": "finish"})]:
+        r = c.post(path, json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "controller_closed", (path, r.text)
+    assert c.post("/trace/resume", json={}).status_code == 200  # harmless: the engine runs anyway
+
+
+def test_a_stop_string_finish_is_finished_with_its_stop_reason_in_the_cores_trace(t):
+    """In two processes the front end matches the stop string and tells the core with an ABORT
+    that carries finish_reason "stop": the core must trace FINISHED (stop, with the string), as the
+    one-process engine does, never ABORTED."""
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    text = t.http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = text[4:7]
+    assert stop.strip() and text.index(stop) == 4, text  # it first occurs there
+    r = t.http.post("/v1/completions", json=dict(body, stop=[stop])).json()
+    rid, choice = r["id"], r["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == text[:4], choice
+    t.session.recorder.flush()
+    _, events = read_trace(t.path)
+    engine_ends = [e for e in events
+                   if e.request_id == rid and e.layer == "engine" and e.name in ("FINISHED", "ABORTED")]
+    assert [(e.name, e.attrs.get("finish_reason"), e.attrs.get("stop_reason")) for e in engine_ends] == \
+        [("FINISHED", "stop", stop)], engine_ends

@@ -235,7 +235,8 @@ def test_bad_commands_and_condition_text():
     assert parse_condition("request:7").matches("detokenizer", "NEW_TOKENS", "7")
     assert not parse_condition("finish").matches("engine", "QUEUED", "1")
     assert parse_condition("finish").matches("engine", "ABORTED", "1")
-    for bad in ("nope", "layer:gpu", "event:x"):
+    for bad in ("nope", "layer:gpu", "event:x", "finish:", "kernel:", "arrive: ", "preempt:", "event:engine.",
+                "event:.FINISHED", "layer:", "request:"):
         with pytest.raises(ValueError):
             parse_condition(bad)
 

@@ -68,3 +68,65 @@ def test_export_command(trace, tmp_path, capsys):
     assert check_chrome_trace(json.loads(out.read_text())) == []
     assert "ui.perfetto.dev" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "missing.jsonl"), "-o", str(out)]) == 2
+
+
+def test_the_streamed_export_equals_the_in_memory_one(trace, tmp_path, monkeypatch):
+    """export_perfetto sorts in runs spilled to disk and merged: the same JSON, in the same order."""
+    from tracer import export
+
+    monkeypatch.setattr(export, "RUN_EVENTS", 7)  # many runs, and ties (equal ts) across them
+    out = tmp_path / "out.json"
+    result = export.export_perfetto(trace, out)
+    chrome = json.loads(out.read_text())
+    assert chrome == to_chrome_trace(*read_trace(trace))
+    assert result.num_events == len(chrome["traceEvents"]) and not result.truncated
+    assert not [p for p in tmp_path.iterdir() if p.name != "out.json"], "temporary files left behind"
+
+
+def test_the_trace_tools_errors_are_one_true_line(trace, tmp_path, capsys):
+    def error(*argv: str) -> str:
+        assert main(list(argv)) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "Traceback" not in err, err
+        return err
+
+    assert error("export", str(trace), "-o", "/nonexistent/dir/x.json") == (
+        "vllm-trace export: error: cannot write /nonexistent/dir/x.json: no such directory /nonexistent/dir")
+    assert error("export", str(trace), "-o", str(tmp_path)) == f"vllm-trace export: error: cannot write {tmp_path}: " \
+                                                              "it is a directory"
+    assert error("export", str(tmp_path), "-o", str(tmp_path / "x.json")) == (
+        f"vllm-trace export: error: {tmp_path} is a directory, not a trace file")
+    assert error("replay", str(tmp_path)) == f"vllm-trace replay: error: {tmp_path} is a directory, not a trace file"
+    missing = tmp_path / "missing.jsonl"
+    assert error("export", str(missing), "-o", str(tmp_path / "x.json")) == (
+        f"vllm-trace export: error: no such trace file: {missing}")
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    for cmd in (["export", str(binary), "-o", str(tmp_path / "x.json")], ["replay", str(binary)]):
+        assert error(*cmd).endswith(f"error: {binary}: not a vllm-trace file (the first line must be its header)")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_truncated_trace_says_so(trace, tmp_path, capsys):
+    data = trace.read_bytes()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(data[:len(data) - 40])  # the recording process died mid-line
+    assert main(["export", str(cut), "-o", str(tmp_path / "x.json")]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {cut} is truncated" in err and "ui.perfetto.dev" in err
+    assert main(["export", str(trace), "-o", str(tmp_path / "y.json")]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_export_and_replay_of_a_big_trace_hold_no_whole_file(trace, tmp_path):
+    """Both used to hold every event: ~9x the file in RSS for export, ~20x for replay."""
+    from benchmarks.big_trace import REPLAY_MOVES, inflate, peak_rss_mib, run_measured
+
+    big = tmp_path / "big.jsonl"
+    _, size = inflate(trace, big, 40 * 2 ** 20)
+    rss, proc = peak_rss_mib("export", str(big), "-o", str(tmp_path / "big.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert rss < 120, f"export of a {size / 2 ** 20:.0f} MiB trace peaked at {rss:.0f} MiB"
+    rss, proc = run_measured(REPLAY_MOVES, str(big))  # the TUI's moves: a step, the end, back, home
+    assert proc.returncode == 0, proc.stderr
+    assert rss < 150, f"replay of a {size / 2 ** 20:.0f} MiB trace peaked at {rss:.0f} MiB"

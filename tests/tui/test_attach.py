@@ -31,13 +31,13 @@ class Server(uvicorn.Server):
         self.ready.set()
 
 
-def start_server(port: int = 0, start_paused: bool = True):
+def start_server(port: int = 0, start_paused: bool = True, api_key: str | None = None):
     """A real engine behind the real router, in a thread: (url, session, stop)."""
     hooks = Hooks()
     session = TraceSession(hooks, start_paused=start_paused, model="tiny-gpt2")
     llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=64)
     engine = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core, drain_timeout=0)
-    app = build_app(engine, "tiny-gpt2")
+    app = build_app(engine, "tiny-gpt2", api_key)
     app.state.trace = session
     app.include_router(trace_api.router)
     sock = socket.socket()
@@ -109,6 +109,32 @@ async def test_attach_to_nothing_is_one_clear_error():
     with pytest.raises(AttachError, match="no vllm-trace server"):
         await source.start()
     await source.close()
+
+
+async def test_attach_says_what_is_wrong_in_one_line(model_cache, capsys, monkeypatch):
+    """A wrong key used to read as "no vllm-trace server ... is `vllm-trace serve` running there?";
+    a malformed URL was a 14-frame httpx.InvalidURL traceback."""
+    from tracer.cli import main
+
+    def error(*argv: str) -> str:
+        assert main(["attach", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "Traceback" not in err, err
+        return err
+
+    monkeypatch.delenv("VLLM_TRACE_API_KEY", raising=False)
+    url, _, stop = start_server(api_key="sesame")
+    try:
+        wrong = await asyncio.to_thread(error, url, "--api-key", "wrong")
+        assert wrong.startswith(f"vllm-trace attach: error: the server at {url} refused the API key (401: "), wrong
+        assert "running there" not in wrong
+        none = await asyncio.to_thread(error, url)
+        assert f"the server at {url} wants an API key (--api-key or $VLLM_TRACE_API_KEY)" in none
+    finally:
+        stop()
+    assert (await asyncio.to_thread(error, "http://[::1")).startswith(
+        "vllm-trace attach: error: not a valid URL: 'http://[::1'")
+    assert "not an http:// or https:// URL" in await asyncio.to_thread(error, "ftp://127.0.0.1:1")
 
 
 async def test_attach_shows_the_server_going_away_and_reconnects_when_it_is_back(model_cache):

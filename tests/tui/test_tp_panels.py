@@ -4,6 +4,7 @@ collective rows; the KV panel's shards; the Startup panel's and `serve`'s per-ra
 Perfetto export's per-rank threads. With one rank nothing of it shows."""
 from __future__ import annotations
 
+import json
 from contextlib import asynccontextmanager
 
 import pytest
@@ -153,7 +154,8 @@ def test_serve_prints_each_ranks_lines_under_the_engines(capsys):
 def test_the_perfetto_export_has_a_kernels_thread_per_rank(tmp_path):
     from tracer.export import export_perfetto
 
-    chrome = export_perfetto(write_trace(tmp_path / "tp.jsonl", tp_events(n=2)), tmp_path / "tp.json")
+    export_perfetto(write_trace(tmp_path / "tp.jsonl", tp_events(n=2)), tmp_path / "tp.json")
+    chrome = json.loads((tmp_path / "tp.json").read_text())
     threads = {e["tid"]: e["args"]["name"] for e in chrome["traceEvents"] if e["name"] == "thread_name"}
     by_name = {name: tid for tid, name in threads.items()}
     assert {"kernels rank 0", "kernels rank 1", "worker rank 0", "worker rank 1"} <= set(by_name)
@@ -163,7 +165,8 @@ def test_the_perfetto_export_has_a_kernels_thread_per_rank(tmp_path):
         assert len(mine) == 9 and all(e["args"]["rank"] == r for e in mine)
         loads = [e for e in slices if e["tid"] == by_name[f"worker rank {r}"]]
         assert [e["name"] for e in loads] == ["model_load", "kv_cache_alloc"]
-    one = export_perfetto(write_trace(tmp_path / "one.jsonl", tp_events(n=1, with_rank=False)), tmp_path / "1.json")
+    export_perfetto(write_trace(tmp_path / "one.jsonl", tp_events(n=1, with_rank=False)), tmp_path / "1.json")
+    one = json.loads((tmp_path / "1.json").read_text())
     assert "kernels" in {e["args"]["name"] for e in one["traceEvents"] if e["name"] == "thread_name"}
 
 

@@ -39,11 +39,17 @@ def run(args: argparse.Namespace) -> int:
 
 async def _attach(url: str, api_key: str | None, web_port: int | None = None) -> int:
     from tracer.tui.app import TraceApp
-    from tracer.tui.sources.remote import AttachError, RemoteSource
+    from tracer.tui.sources.remote import AttachError, AttachRefused, RemoteSource
 
-    source = RemoteSource(url, api_key)
+    try:
+        source = RemoteSource(url, api_key)
+    except AttachRefused as e:  # a malformed URL
+        raise UserError(str(e)) from None
     try:
         await source.start()  # fail here, with one line, rather than inside the TUI
+    except AttachRefused as e:  # a server is there: say what it said, not that none is
+        await source.close()
+        raise UserError(str(e)) from None
     except AttachError as e:
         await source.close()
         raise UserError(f"{e}; is `vllm-trace serve` running there?") from None

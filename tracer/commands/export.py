@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tracer.errors import UserError
@@ -20,13 +21,26 @@ def register(sub) -> None:
     p.set_defaults(handler=run)
 
 
+def output_error(path: str, e: OSError) -> UserError:
+    """One true line for an output path that cannot be written."""
+    parent = os.path.dirname(path) or "."
+    if isinstance(e, IsADirectoryError):
+        return UserError(f"cannot write {path}: it is a directory")
+    if isinstance(e, FileNotFoundError) and not os.path.isdir(parent):
+        return UserError(f"cannot write {path}: no such directory {parent}")
+    return UserError(f"cannot write {path}: {e.strerror or e}")
+
+
 def run(args: argparse.Namespace) -> int:
     from tracer.export import export_perfetto
 
     try:
-        chrome = export_perfetto(args.trace, args.output)
-    except FileNotFoundError:
-        raise UserError(f"no such trace file: {args.trace}")
-    n = len(chrome["traceEvents"])
-    print(f"wrote {n} trace events to {args.output} (open it in https://ui.perfetto.dev)", file=sys.stderr)
+        result = export_perfetto(args.trace, args.output)
+    except OSError as e:  # the trace's own errors are TraceFileErrors (one line each): this is the output
+        raise output_error(args.output, e) from None
+    print(f"wrote {result.num_events} trace events to {args.output} (open it in https://ui.perfetto.dev)",
+          file=sys.stderr)
+    if result.truncated:
+        print(f"vllm-trace export: warning: {args.trace} is truncated (its last line was cut off mid-write, "
+              f"as when the recording process dies): exported what precedes it", file=sys.stderr)
     return 0

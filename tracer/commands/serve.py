@@ -310,6 +310,7 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
     from engine.engine.async_engine import AsyncLLMEngine
     from engine.entrypoints.openai import build_app
     from engine.entrypoints.openai.chat_template import load_chat_template
+    from engine.entrypoints.openai.http_protocol import HeaderTimeoutH11Protocol
     from engine.entrypoints.openai.security import control_refusal
     from engine.gc_utils import freeze_gc_heap, raise_young_threshold
     from engine.hooks import BEGIN, END
@@ -368,7 +369,7 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
                 session.controller.close()
             stats = async_engine.stats
             in_flight = stats.num_running + stats.num_waiting
-            if in_flight:
+            if in_flight and not died:  # after a death they have already failed: nothing drains
                 print(f"vllm-trace serve: stopping; {in_flight} request(s) in flight get --drain-timeout "
                       f"{args.drain_timeout:g} s to finish (a second Ctrl-C or SIGTERM aborts them now)",
                       file=sys.stderr, flush=True)
@@ -390,7 +391,8 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
             self._captured_signals.clear()
 
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, lifespan="on",
-                               timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE)
+                               timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE,
+                               http=HeaderTimeoutH11Protocol)  # a request's head within 10 s, or closed
     server = Server(uv_config)
     stop_server.append(server)
     serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -338,7 +338,7 @@ class Scheduler:
 
     def _trace_finished(self, req: Request, step: int) -> None:
         self.hooks.emit(ENGINE, FINISHED, request_id=req.request_id, step=step, finish_reason=req.finish_reason,
-                        num_output_tokens=req.num_output_tokens)
+                        stop_reason=req.stop_reason, num_output_tokens=req.num_output_tokens)
 
 
 class SpecDecodingStats:

@@ -7,6 +7,8 @@ import threading
 
 import uvicorn
 
+from engine.entrypoints.openai.http_protocol import HEADER_TIMEOUT_S, with_header_timeout
+
 
 class BackgroundServer(uvicorn.Server):
     """uvicorn in a thread; `ready` is set once it accepts connections."""
@@ -24,12 +26,14 @@ class BackgroundServer(uvicorn.Server):
         pass
 
 
-def start_background(app, timeout: float = 60) -> tuple[BackgroundServer, threading.Thread, str]:
+def start_background(app, timeout: float = 60,
+                     header_timeout: float = HEADER_TIMEOUT_S) -> tuple[BackgroundServer, threading.Thread, str]:
     """Serve `app` on 127.0.0.1 (a free port); returns (server, thread, base URL) once ready.
-    Stop it with ``server.should_exit = True; thread.join()``."""
+    Stop it with ``server.should_exit = True; thread.join()``. header_timeout: see http_protocol."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = BackgroundServer(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    server = BackgroundServer(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+                                             http=with_header_timeout(header_timeout)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     if not server.ready.wait(timeout):

@@ -31,9 +31,36 @@ class AttachError(Exception):
     """Nobody (or no trace API) answers at that URL."""
 
 
+class AttachRefused(AttachError):
+    """A vllm-trace server answers there, and refuses: the API key, tracing off, a public bind."""
+
+
+def check_url(url: str) -> str:
+    """The URL without its trailing slash; AttachError (one line) if it is no http(s) URL."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as e:
+        raise AttachRefused(f"not a valid URL: {url!r} ({e})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise AttachRefused(f"not an http:// or https:// URL with a host: {url!r}")
+    return url.rstrip("/")
+
+
+def _refusal(resp: httpx.Response, url: str, has_key: bool) -> AttachRefused:
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = resp.reason_phrase
+    if resp.status_code == 401:
+        what = "refused the API key" if has_key else "wants an API key (--api-key or $VLLM_TRACE_API_KEY)"
+        return AttachRefused(f"the server at {url} {what} (401: {message})")
+    return AttachRefused(f"the server at {url} refused the trace API ({resp.status_code}: {message})")
+
+
 class RemoteSource(Source):
     def __init__(self, url: str, api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None):
-        self.url = url.rstrip("/")
+        self.url = check_url(url)
+        self._has_key = bool(api_key)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10, transport=transport)
         self.info = SourceInfo("attach", url=self.url)
@@ -50,6 +77,10 @@ class RemoteSource(Source):
 
     async def start(self) -> None:
         try:
+            resp = await self.client.get("/trace/state")
+            if resp.status_code in (401, 403, 503) and resp.headers.get("content-type", "").startswith(
+                    "application/json"):  # a vllm-trace server (its OpenAI error body) that says no
+                raise _refusal(resp, self.url, self._has_key)
             await self._take_state()
             models = (await self.client.get("/v1/models")).json().get("data", [])
         except (httpx.HTTPError, ValueError, KeyError) as e:

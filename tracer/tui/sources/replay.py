@@ -6,6 +6,7 @@ events up to the position; going back rewinds it.
 """
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from engine.trace_names import CONFIG, ENGINE
@@ -87,8 +88,9 @@ class ReplaySource(Source):
 
     async def export(self, path: str) -> str:
         from tracer.export import export_perfetto
-        chrome = export_perfetto(self.path, path)
-        return f"{len(chrome['traceEvents'])} Perfetto events to {path} (open in ui.perfetto.dev)"
+        result = await asyncio.to_thread(export_perfetto, self.path, path)  # a big trace takes seconds
+        cut = " (the recording is truncated: its torn last line left out)" if result.truncated else ""
+        return f"{result.num_events} Perfetto events to {path}{cut} (open in ui.perfetto.dev)"
 
     async def send_test_request(self, prompt: str, max_tokens: int = 16) -> str:
         raise Unsupported("a replay cannot take requests; `vllm-trace serve` can")

@@ -1,0 +1,144 @@
+"""The scheduler alone (Scheduler + BlockManager + Request, no model): max_num_seqs is a hard
+limit, the token budget bounds a step, long prompts are chunked, waiting requests are admitted
+first come first served, and on a block shortage the newest running request is the one
+preempted. The engine's part of a step (advancing num_computed_tokens, appending the sampled
+token, finishing at max_tokens) is played by ``Harness.step``."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import SchedulerConfig
+from engine.core.block_manager import BlockManager
+from engine.core.sched.scheduler import Scheduler, SchedulerOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+class Harness:
+    """One scheduler over a small KV cache, and the engine's side of each step."""
+
+    def __init__(self, num_blocks: int = 64, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True):
+        self.block_manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
+        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.step_no = 0
+        self.num_added = 0
+
+    def add(self, num_prompt_tokens: int, max_tokens: int = 8) -> Request:
+        rid, self.num_added = f"r{self.num_added}", self.num_added + 1
+        req = Request(rid, None, list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens),
+                      None, max_tokens)
+        self.scheduler.add_request(req)
+        return req
+
+    def schedule(self) -> SchedulerOutput:
+        out = self.scheduler.schedule(self.step_no)
+        self.step_no += 1
+        return out
+
+    def step(self) -> SchedulerOutput:
+        """Schedule, then apply the step as the engine does: tokens computed, one sampled token
+        for each request that caught up, and the finish at max_tokens."""
+        out = self.schedule()
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_tokens
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_token(7)
+                if req.num_output_tokens >= req.max_tokens:
+                    self.scheduler.finish_requests(req, RequestStatus.FINISHED_LENGTH)
+        return out
+
+
+def ids(out: SchedulerOutput) -> list[str]:
+    return [s.request.request_id for s in out.scheduled]
+
+
+def test_max_num_seqs_is_a_hard_limit():
+    h = Harness(max_num_seqs=2)
+    a, b, c = h.add(3), h.add(3), h.add(3)
+    out = h.step()
+    assert ids(out) == [a.request_id, b.request_id] and out.admitted == [a.request_id, b.request_id]
+    assert out.waiting_reasons == {c.request_id: "max_num_seqs reached"}
+    assert list(h.scheduler.waiting) == [c] and c.status is RequestStatus.WAITING
+    for _ in range(3):  # decoding: still two, while both run
+        out = h.step()
+        assert len(out.scheduled) == 2 and out.waiting_reasons == {c.request_id: "max_num_seqs reached"}
+
+
+def test_the_token_budget_bounds_a_step():
+    h = Harness(max_num_batched_tokens=10, enable_chunked_prefill=False)
+    a, b = h.add(6), h.add(6)
+    out = h.step()
+    assert ids(out) == [a.request_id] and out.total_num_scheduled_tokens == 6 and out.token_budget == 10
+    assert out.waiting_reasons == {b.request_id: "token budget too small for the whole prompt (chunked prefill off)"}
+    out = h.step()  # a decodes (1 token), b's whole prompt fits beside it
+    assert out.num_scheduled_tokens == {a.request_id: 1, b.request_id: 6}
+
+    h = Harness(max_num_batched_tokens=10)  # chunked prefill: b takes what is left of the budget
+    a, b, c = h.add(6), h.add(6), h.add(2)
+    out = h.step()
+    assert out.num_scheduled_tokens == {a.request_id: 6, b.request_id: 4}
+    assert out.waiting_reasons == {c.request_id: "token budget used up"}
+    out = h.step()
+    assert out.num_scheduled_tokens == {a.request_id: 1, b.request_id: 2, c.request_id: 2}
+
+
+def test_a_long_prompt_is_chunked_across_steps():
+    h = Harness(max_num_batched_tokens=8)
+    req = h.add(21)
+    chunks = []
+    while req.num_output_tokens == 0:
+        out = h.step()
+        (s,) = out.scheduled
+        assert s.is_prefill and s.num_computed_before == sum(chunks)
+        chunks.append(s.num_tokens)
+    assert chunks == [8, 8, 5]
+    (s,) = h.step().scheduled
+    assert not s.is_prefill and s.num_tokens == 1 and s.num_computed_before == 21
+
+
+def test_waiting_requests_are_admitted_first_come_first_served():
+    h = Harness(max_num_batched_tokens=64)
+    reqs = [h.add(n) for n in (5, 1, 9, 2)]
+    assert h.step().admitted == [r.request_id for r in reqs]
+
+    h = Harness(num_blocks=1 + 4)  # 4 usable blocks of 4 tokens
+    first, second, third = h.add(12), h.add(8), h.add(2)  # 3 blocks; then 2 (1 is free); then 1 (it would fit)
+    out = h.step()
+    assert out.admitted == [first.request_id]  # third does not overtake second
+    assert list(h.scheduler.waiting) == [second, third]
+    assert out.waiting_reasons == {second.request_id: "not enough free KV-cache blocks",
+                                   third.request_id: "not enough free KV-cache blocks"}
+
+
+def test_on_a_block_shortage_the_newest_running_request_is_preempted():
+    h = Harness(num_blocks=1 + 4, max_num_seqs=2, max_num_batched_tokens=64)  # 4 usable blocks of 4 tokens
+    old, new = h.add(7, max_tokens=16), h.add(7, max_tokens=16)  # 2 blocks each: all 4 taken
+    later = h.add(3)
+    out = h.step()
+    assert out.admitted == [old.request_id, new.request_id] and h.block_manager.num_free_blocks == 0
+    out = h.step()  # 8 tokens each now: the next token needs a fifth block
+    while not out.preempted:
+        out = h.step()
+    assert out.preempted == [new.request_id] and ids(out) == [old.request_id]
+    assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and new.block_ids == []
+    assert new.num_preemptions == 1 and h.scheduler.num_preemptions == 1
+    assert list(h.scheduler.waiting) == [new, later] and h.scheduler.running == [old]  # new goes back first
+    assert out.waiting_reasons == {new.request_id: "preemption this step", later.request_id: "preemption this step"}
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_every_request_finishes_and_every_block_comes_back(max_num_seqs):
+    h = Harness(num_blocks=1 + 8, max_num_seqs=max_num_seqs, max_num_batched_tokens=12)
+    reqs = [h.add(n, max_tokens=5) for n in (9, 3, 14, 5, 1)]
+    for _ in range(200):
+        if not h.scheduler.has_unfinished_requests():
+            break
+        out = h.step()
+        assert len(h.scheduler.running) <= max_num_seqs and out.total_num_scheduled_tokens <= 12
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 5 for r in reqs)
+    assert h.block_manager.num_free_blocks == h.block_manager.num_usable_blocks
