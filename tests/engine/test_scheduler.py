@@ -1,16 +1,18 @@
 """The scheduler alone (Scheduler + BlockManager + Request, no model): max_num_seqs is a hard
 limit, the token budget bounds a step, long prompts are chunked, waiting requests are admitted
 first come first served, and on a block shortage the newest running request is the one
-preempted. The engine's part of a step (advancing num_computed_tokens, appending the sampled
-token, finishing at max_tokens) is played by ``Harness.step``."""
+preempted. ``Harness.step`` is EngineCore.step without a model: schedule(), then
+update_from_output() with token 7 sampled for every scheduled request."""
 from __future__ import annotations
 
 import pytest
 
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
-from engine.core.sched.scheduler import Scheduler, SchedulerOutput
+from engine.core.sched.output import SchedulerOutput
+from engine.core.sched.scheduler import Scheduler
 from engine.request import Request, RequestStatus
+from engine.sample.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -23,33 +25,24 @@ class Harness:
                  enable_chunked_prefill: bool = True):
         self.block_manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.step_no = 0
+        self.scheduler = Scheduler(config, self.block_manager, max_model_len=1024)
         self.num_added = 0
 
     def add(self, num_prompt_tokens: int, max_tokens: int = 8) -> Request:
         rid, self.num_added = f"r{self.num_added}", self.num_added + 1
-        req = Request(rid, None, list(range(1, num_prompt_tokens + 1)), SamplingParams(max_tokens=max_tokens),
-                      None, max_tokens)
+        req = Request(rid, None, list(range(1, num_prompt_tokens + 1)),
+                      SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, max_tokens)
         self.scheduler.add_request(req)
         return req
 
     def schedule(self) -> SchedulerOutput:
-        out = self.scheduler.schedule(self.step_no)
-        self.step_no += 1
-        return out
+        return self.scheduler.schedule()
 
     def step(self) -> SchedulerOutput:
-        """Schedule, then apply the step as the engine does: tokens computed, one sampled token
-        for each request that caught up, and the finish at max_tokens."""
+        """One engine step with no model: every scheduled request samples token 7."""
         out = self.schedule()
-        for s in out.scheduled:
-            req = s.request
-            req.num_computed_tokens += s.num_tokens
-            if req.num_computed_tokens == req.num_tokens:
-                req.append_token(7)
-                if req.num_output_tokens >= req.max_tokens:
-                    self.scheduler.finish_requests(req, RequestStatus.FINISHED_LENGTH)
+        n = len(out.scheduled)
+        self.scheduler.update_from_output(out, SamplerOutput([7] * n, [None] * n, [None] * n) if n else None)
         return out
 
 
