@@ -50,7 +50,10 @@ async def _attach(url: str, api_key: str | None, web_port: int | None = None) ->
     if web_port is not None:
         await source.close()
         return await _web(url, api_key, web_port)
-    await TraceApp(source).run_async()
+    app = TraceApp(source)
+    await app.run_async()
+    if app.return_code == 130:  # ctrl+c
+        raise KeyboardInterrupt
     return 0
 
 

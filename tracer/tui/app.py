@@ -66,6 +66,7 @@ class TraceApp(App):
         Binding("home", "travel('home')", "first", priority=True),
         Binding("end", "travel('end')", "last", priority=True),
         Binding("q", "quit", "quit"),
+        Binding("ctrl+c", "interrupt", show=False),  # what Ctrl-C does to any command (Textual: "press ctrl+q")
         Binding("t", "triton", "on Triton"),
         Binding("r", "next_rank", "rank"),  # tensor parallelism only (check_action)
         Binding("slash", "filter", "filter"),
@@ -95,6 +96,7 @@ class TraceApp(App):
         self._chosen_at = -1e9  # when the user last chose a panel (monotonic seconds)
         self._held_name: str | None = None  # the launch the engine is held before
         self._ranks = 1  # tensor-parallel ranks: the footer shows `r` with more than one
+        self.interrupt = None  # ctrl+c: the command's own Ctrl-C (serve: the signal), else exit with 130
     # ---- layout ----------------------------------------------------------------------------
     def compose(self):
         info = self.source.info
@@ -119,9 +121,12 @@ class TraceApp(App):
     def on_mount(self) -> None:
         # Kept, not queried per refresh: queries run against the active screen (a modal one,
         # the palette) and would not find the panels there.
-        self.header = self.query_one(StatusHeader)
-        self.panes = self.query_one(TabbedContent)
-        self.log_panel = self.query_one(LogPanel)
+        try:
+            self.header = self.query_one(StatusHeader)
+            self.panes = self.query_one(TabbedContent)
+            self.log_panel = self.query_one(LogPanel)
+        except NoMatches:  # told to exit before its widgets were mounted (Ctrl-C as `serve` starts)
+            return
         self.tick()
         self._timer = self.set_interval(1 / self.refresh_hz, self.tick)
 
@@ -338,6 +343,13 @@ class TraceApp(App):
             self.push_screen(ConfirmQuit(n), answered)
         else:
             self.exit()
+
+    def action_interrupt(self) -> None:
+        """ctrl+c: the terminal is the TUI's, so the key arrives here rather than as SIGINT."""
+        if self.interrupt is not None:
+            self.interrupt()
+        else:
+            self.exit(return_code=130)
 
     async def on_unmount(self) -> None:
         if self._timer is not None:  # None when the app stopped before it mounted

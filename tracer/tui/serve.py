@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 
 from tracer.tui.app import TraceApp
 from tracer.tui.sources.base import SourceInfo, engine_identity
@@ -71,6 +72,9 @@ class LiveTui:
         info = SourceInfo("live", model=model, device="…", backend="…", url=url)  # known once built
         self.source = LiveSource(session, info, None, api_key)
         self.app = TraceApp(self.source)
+        # ctrl+c is the signal, as without the TUI: while starting, one line and status 130; once
+        # serving, the drain and the summary, as `q` (uvicorn's handler takes the signal then)
+        self.app.interrupt = lambda: signal.raise_signal(signal.SIGINT)
         self._logs = _uvicorn_logs_to(_ToApp(self.app))
         self._logs.__enter__()
         self.ui = asyncio.ensure_future(self.app.run_async(headless=headless, size=(120, 40) if headless else None))
