@@ -110,14 +110,13 @@ async def test_k_stops_before_each_kernel_launch_and_the_kernels_panel_says_whic
         await live.submit()
         await pilot.press("5")
         points = []
-        for _ in range(3):
+        for _ in range(2):
             await pilot.press("k")
             points.append(await live.held())
         second = points[-1]
         panel = live.app.query_one(KernelsPanel)
         await live.settle(pilot, until=lambda: "held before" in shown(panel.query_one("#kernels-head")))
-        # a finer step also stops at the coarser points: between schedule and execute first
-        assert [p.point for p in points] == ["execute", "kernel", "kernel"]
+        assert [p.point for p in points] == ["kernel", "kernel"]  # from before step 0: its first launch
         assert len(live.source.refresh().kernels) == 1  # the first launch ran, the second is held before
         head = shown(panel.query_one("#kernels-head"))
         assert f"held before {second.info['name']} (layer 0)" in head, shown_state(live)
@@ -127,13 +126,30 @@ async def test_k_stops_before_each_kernel_launch_and_the_kernels_panel_says_whic
         assert "held before the kernel launch unified_attention_ref (layer 0) of step 0: k runs it" in header(live.app)
 
 
+async def test_k_after_the_forward_pass_runs_to_the_next_steps_first_launch(live):
+    """It used to stop at the step and phase boundaries on the way, while the header said
+    "one launch done (k)"."""
+    async with live.app.run_test(size=(160, 36)) as pilot:
+        await live.submit()
+        for _ in range(2):
+            await pilot.press("s")
+            stop = await live.held()
+        assert stop.point == "postprocess"
+        await pilot.press("k")
+        stop = await live.held()
+        assert (stop.point, stop.step, stop.info["name"]) == ("kernel", 1, "reshape_and_cache_ref")
+        await live.settle(pilot, until=lambda: "of step 1" in header(live.app))
+        assert ("held before the kernel launch reshape_and_cache_ref (layer 0) of step 1: k runs it "
+                "(you stepped to the next kernel launch (k))") in header(live.app), header(live.app)
+
+
 async def test_t_runs_the_held_attention_launch_through_the_triton_kernel(live):
     async with live.app.run_test(size=(160, 48)) as pilot:
         await live.submit()
         await pilot.press("t")  # not held at an attention launch: says how to get there
         await live.settle(pilot)
         assert live.app.query_one(KernelsPanel).rerun is None
-        for _ in range(3):
+        for _ in range(2):  # the first launch of step 0, then the attention launch
             await pilot.press("k")
             stop = await live.held()
         assert stop.info["name"] == "unified_attention_ref"
