@@ -235,6 +235,28 @@ async def test_enter_opens_the_request_with_its_tokens_timeline_and_blocks(live)
         assert not isinstance(live.app.screen, RequestScreen)
 
 
+async def test_the_requests_cursor_follows_the_newest_request_even_one_that_came_and_went(live):
+    """A request that starts and finishes while another panel is shown (or between two refreshes) was
+    never active on screen: the cursor stayed on the older one, and enter opened that."""
+    async with live.app.run_test(size=(120, 36)) as pilot:
+        streams = await live.submit(prompts=["first"], params=live_params(max_tokens=2), prefix="old")
+        await pilot.press("space")  # run freely
+        assert [o async for o in streams[0]][-1].finished
+        await pilot.press("2")
+        table = live.app.query_one("#requests-table")
+        await live.settle(pilot, until=lambda: table.keys == ["old0"])
+        assert table.cursor_key == "old0"
+        await pilot.press("6")  # the Log panel: the Requests panel is not drawn meanwhile
+        streams = await live.submit(prompts=["second"], params=live_params(max_tokens=2), prefix="new")
+        assert [o async for o in streams[0]][-1].finished
+        await pilot.press("2")
+        await live.settle(pilot, until=lambda: table.keys == ["new0", "old0"])
+        assert table.cursor_key == "new0", table.keys
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(live.app.screen, RequestScreen) and live.app.screen.request_id == "new0"
+
+
 async def test_slash_filters_the_log_by_layer_and_request(live):
     async with live.app.run_test(size=(120, 36)) as pilot:
         await live.submit()

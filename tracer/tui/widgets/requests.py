@@ -1,6 +1,6 @@
 """Requests: every request the engine knows, newest and active first (running, waiting or
 preempted, by arrival, newest on top), then the finished ones, most recent first. The cursor
-follows the newest active request until the user moves it. Enter opens one; on a wide
+stays on the top row (the newest request) until the user moves it. Enter opens one; on a wide
 terminal its detail (with the full reason a request waits) sits beside the list."""
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ class RequestsPanel(Panel):
             if force or not self._busy or now - self._drawn_at >= 1 / BUSY_HZ:
                 rows.set_rows(cells_text([name for name, _ in COLUMNS], widths), new)
                 self._drawn_at = now
-                if not rows.moved_by_user:  # the cursor stays on the newest active request until then
+                if not rows.moved_by_user:  # the cursor stays on the newest request until then
                     self._follow_newest(frame, rows)
         detail = self.query_one(RequestDetail)
         if detail.display:
@@ -133,11 +133,13 @@ class RequestsPanel(Panel):
                 Text.assemble((f"{frame.selected}: ", "bold"), (why, "yellow"), ("  (enter: its detail)", "dim"))
                 if why else Text("enter: the selected request's detail", "dim"))
 
-    def _follow_newest(self, frame: Frame, rows: RowList) -> None:
-        active = set(frame.state.running) | set(frame.state.waiting)
-        first = next((i for i, k in enumerate(rows.keys) if k in active), None)
-        if first is not None and first != rows.cursor:
-            rows.move_cursor(first)
+    @staticmethod
+    def _follow_newest(frame: Frame, rows: RowList) -> None:
+        """The top row: the newest active request, else the one that finished last. (Following
+        only active ones left the cursor on an older request when a short one came and went
+        between two refreshes, or while another panel was shown: enter opened the wrong one.)"""
+        if rows.keys and rows.cursor != 0:
+            rows.move_cursor(0)
 
     def on_row_list_highlighted(self, event: RowList.Highlighted) -> None:
         self.post_message(self.Selected(event.key))
