@@ -21,3 +21,19 @@ def test_bad_input_is_one_line_without_traceback():
 def test_help_lists_commands(capsys):
     assert main([]) == 2
     assert "generate" in capsys.readouterr().out
+
+
+def test_help_says_each_default_once_and_never_a_key_from_the_environment(capsys, monkeypatch):
+    """send --help printed "(default: the first one the server lists) (default: None)", and attach
+    --help the value of $VLLM_TRACE_API_KEY."""
+    import re
+
+    import pytest
+
+    monkeypatch.setenv("VLLM_TRACE_API_KEY", "sekrit-from-env")
+    for command in ("send", "attach", "generate", "export"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+        assert "(default: None)" not in text and "sekrit" not in text, (command, text)
+        assert not re.search(r"default[^()]*\) \(default", text), (command, text)  # "(default 64) (default: 64)"

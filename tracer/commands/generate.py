@@ -4,13 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tracer.commands import HelpFormatter
 from tracer.commands.engine_args import add_engine_args, llm_kwargs
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion offline and print it",
                        description="Run the engine offline on one or more prompts and print each completion.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument(
         "model", help="tiny-gpt2 (built in, offline), a Hugging Face name such as gpt2, or a local directory"
     )
