@@ -257,6 +257,22 @@ async def test_the_requests_cursor_follows_the_newest_request_even_one_that_came
         assert isinstance(live.app.screen, RequestScreen) and live.app.screen.request_id == "new0"
 
 
+async def test_held_at_a_finish_breakpoint_the_counts_agree_with_the_finish(live):
+    """With the engine core in its own process, the request has finished there while its last token
+    (from the API server) is still to come: the row said 3/4 beside "length"."""
+    from tracer.conditions import parse_condition
+
+    async with live.app.run_test(size=(120, 36)) as pilot:
+        await live.submit(prompts=["Hello there"])
+        live.controller.add_breakpoint(parse_condition("finish"))
+        await pilot.press("2", "space")
+        stop = await live.held()
+        assert stop.reason == "breakpoint finish"
+        await live.settle(pilot, until=lambda: cells(live.app, "r0")[1] == "finished")
+        row = cells(live.app, "r0")
+        assert row[1] == "finished" and row[3] == "4/4" and "length" in row[5], row
+
+
 async def test_slash_filters_the_log_by_layer_and_request(live):
     async with live.app.run_test(size=(120, 36)) as pilot:
         await live.submit()
@@ -316,6 +332,8 @@ async def test_palette_sends_a_test_request_and_exports_a_replayable_trace(live,
                 break
             await asyncio.sleep(0.02)
         assert "tui-1" in live.source.refresh().waiting
+        queued = next(e for e in live.session.bus.read(0)[0] if e.name == "QUEUED" and e.request_id == "tui-1")
+        assert queued.attrs["params"]["temperature"] == 0 and queued.attrs["max_tokens"] == 16  # greedy, as it says
         await pilot.press("n")
         await live.held()
         await pilot.press("ctrl+p", *"export trace", "enter")

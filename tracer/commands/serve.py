@@ -470,9 +470,9 @@ def _url(host: str, port: int) -> str:
 
 
 def _banner(args: argparse.Namespace, name: str, url: str, refusal: str | None, session) -> None:
-    from tracer.commands.send import DEFAULT_PROMPT
+    from tracer.commands.send import DEFAULT_PROMPT, sample_body
 
-    body = json.dumps({"model": name, "prompt": DEFAULT_PROMPT, "max_tokens": 16})
+    body = json.dumps(sample_body(name))
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     print(f"\nReady: {name} at {url} (OpenAI API under {url}/v1; Ctrl-C to stop)", file=sys.stderr)
     print(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'", file=sys.stderr)

@@ -40,7 +40,7 @@ from tracer.tui.widgets.step import StepPanel
 REFRESH_HZ = 12  # the timer drops a tick when the loop is late: 12 asked, at least 10 had under load
 PANES = [("overview", "Overview"), ("requests", "Requests"), ("kv", "KV cache"), ("step", "Step"),
          ("kernels", "Kernels"), ("log", "Log"), ("startup", "Startup")]
-TEST_PROMPT = "The paged KV cache"
+TEST_PROMPT, TEST_TOKENS = "The paged KV cache", 16  # the palette's test request: greedy, as `vllm-trace send`
 CONTROL_ACTIONS = {"toggle_pause", "step", "breakpoints", "triton"}
 TRAVEL_ACTIONS = {"travel"}
 PANE_ACTIONS = {"show_pane", "cycle_pane"}  # keys that work whatever has focus (not while typing)
@@ -319,11 +319,11 @@ class TraceApp(App):
 
     async def action_send_test_request(self) -> None:
         try:
-            what = await self.source.send_test_request(TEST_PROMPT)
+            what = await self.source.send_test_request(TEST_PROMPT, TEST_TOKENS)
         except Unsupported as e:
             self.notify(str(e), severity="warning")
             return
-        self.notify(f"sent: {what}")
+        self.notify(f"sent {TEST_PROMPT!r} ({TEST_TOKENS} tokens, greedy): {what}")
 
     async def action_export(self, path: str | None = None) -> None:
         path = path or str(Path.cwd() / time.strftime("vllm-trace-%Y%m%d-%H%M%S.jsonl"))
@@ -374,7 +374,8 @@ class TraceApp(App):
                                  ("end", "Last step")]:
                 yield SystemCommand(title, "replay: move through the recorded trace",
                                     lambda w=where: self.run_action(f"travel('{w}')"))
-        yield SystemCommand("Send a test request", f"POST a completion of {TEST_PROMPT!r} (16 tokens)",
+        yield SystemCommand("Send a test request", f"complete {TEST_PROMPT!r}: {TEST_TOKENS} tokens, greedy "
+                            "(temperature 0, as `vllm-trace send`)",
                             self.action_send_test_request)
         yield SystemCommand("Export trace", "write the trace so far to a file (replay: Perfetto JSON)",
                             self.action_export)

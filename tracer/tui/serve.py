@@ -106,7 +106,7 @@ class LiveTui:
         s = self.source.refresh()
         done = [s.requests[r] for r in s.finished if r in s.requests]
         aborted = sum(r.status == "FINISHED_ABORTED" for r in done)
-        tokens = sum(len(r.output_token_ids) for r in done)
+        tokens = sum(r.num_output_tokens for r in done)
         steps = "no step" if s.step is None else f"{s.step + 1} engine steps"
         served, cut = len(done) - aborted, f", {aborted} aborted" if aborted else ""
         if s.num_finished > len(done):  # the state keeps the latest --trace-max-finished requests

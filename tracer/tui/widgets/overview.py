@@ -87,7 +87,7 @@ def overview(frame: Frame, width: int, height: int) -> Text:
     idw = min(24, max([10] + [len(r) for r in s.running[:n_run] + s.waiting[:n_wait] + s.finished[-3:]]))
     for rid in s.running[:n_run]:
         r = s.requests[rid]
-        out = f"{len(r.output_token_ids)}/{r.max_tokens}" if r.max_tokens else str(len(r.output_token_ids))
+        out = f"{r.num_output_tokens}/{r.max_tokens}" if r.max_tokens else str(r.num_output_tokens)
         t.append("  ■ ", frame.color(rid))
         t.append(f"{rid[:idw]:<{idw}}", "bold" if rid == frame.selected else "")
         if width >= 100:
@@ -118,7 +118,7 @@ def overview(frame: Frame, width: int, height: int) -> Text:
             r = s.requests[rid]
             t.append("  ■ ", frame.color(rid))
             t.append(f"{rid[:idw]:<{idw}}", "bold" if rid == frame.selected else "")
-            t.append(f"  {len(r.output_token_ids)} tokens out, {r.finish_reason or '?'}", "dim")
+            t.append(f"  {r.num_output_tokens} tokens out, {r.finish_reason or '?'}", "dim")
             t.append(f"  {r.text[:max(0, width - idw - 30)]!r}\n" if r.text else "\n", "green")
     t.append("\n")
     snap = s.snapshot if s.snapshot_step == s.step and s.snapshot else None

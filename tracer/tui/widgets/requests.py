@@ -48,7 +48,7 @@ def request_rows(frame: Frame, text_filter: str = "") -> list[tuple[str, tuple]]
         if text_filter and text_filter not in rid and text_filter not in r.status.lower():
             continue
         prompt = f"{min(r.num_computed_tokens, r.num_prompt_tokens)}/{r.num_prompt_tokens}"
-        out = f"{len(r.output_token_ids)}/{r.max_tokens}" if r.max_tokens else str(len(r.output_token_ids))
+        out = f"{r.num_output_tokens}/{r.max_tokens}" if r.max_tokens else str(r.num_output_tokens)
         why = waiting_why(frame, r)
         status = status_text(r.status)
         rows.append((rid, (cell("■ " + shorten(rid, MAX_ID), frame.color(rid)), cell(status.plain, str(status.style)),

@@ -56,9 +56,9 @@ def rank_rows(workers: list[dict], stage: str) -> list[tuple]:
 
 
 def curl_line(url: str, model: str) -> str:
-    from tracer.commands.send import DEFAULT_PROMPT
+    from tracer.commands.send import sample_body
 
-    body = json.dumps({"model": model, "prompt": DEFAULT_PROMPT, "max_tokens": 16})
+    body = json.dumps(sample_body(model))
     return f"curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
@@ -120,9 +120,9 @@ class StartupPanel(Panel):
                                  "1-7 or tab for the panels, ? for help.")
         if self.url:
             return Text.assemble(("Ready. ", "bold green"), f"{self.model} at {self.url}\n\n",
-                                 ("Send a request from another terminal:\n", "dim"),
+                                 ("Send a request from another terminal (greedy, as `vllm-trace send`):\n", "dim"),
                                  (curl_line(self.url, self.model), "bold"), "\n\n",
-                                 ("or press ctrl+p and choose 'Send a test request'. "
+                                 ("or press ctrl+p and choose 'Send a test request' (16 tokens, greedy). "
                                   "The TUI then opens the Overview (1); Requests (2), KV cache (3), "
                                   "Step (4), Kernels (5), Log (6), this panel (7).", "dim"))
         return Text("Ready.", "bold green")
