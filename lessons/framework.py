@@ -158,7 +158,8 @@ def block_table(req: Request, block_size: int, title: str | None = None) -> Tabl
 def queues(llm: LLM) -> Table:
     """The scheduler's queues, as the engine holds them now."""
     s = llm.llm_engine.scheduler
-    t = Table(title=f"step {llm.llm_engine.step_count}: scheduler queues")
+    n = llm.llm_engine.step_count  # steps run so far: the next one is step n
+    t = Table(title=f"scheduler queues {f'after step {n - 1}, ' if n else ''}before step {n}")
     for col in ("queue", "request", "status", "computed / total tokens", "blocks"):
         t.add_column(col)
     for name, reqs in (("running", s.running), ("waiting", list(s.waiting))):

@@ -75,7 +75,7 @@ class StatusHeader(FixedText):
         s, c, info = frame.state, frame.controller, self.info
         label, style = engine_mode(frame, stepping, info.mode, self.connection is None)
         step = "-" if s.step is None else str(s.step)
-        where = c.get("point") if c.get("paused") else s.phase
+        where = s.phase  # of the step shown, as the Step panel says it; where a hold is, line two says
         travel = (f"/{c['first_step']}..{c['last_step']}" if info.mode == "replay" and c.get("last_step") is not None
                   else "")
         width = self.size.width or 80
