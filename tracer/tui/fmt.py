@@ -40,6 +40,11 @@ def fmt_age(ns: int | None) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
+def plural(n: int, word: str) -> str:
+    """'1 request', '2 requests', '3 launches'."""
+    return f"{n} {word}{'' if n == 1 else 'es' if word.endswith('ch') else 's'}"
+
+
 def fmt_age_coarse(ns: int | None) -> str:
     """Whole seconds: a list of many requests then changes once a second, not every refresh."""
     if ns is None or ns < 0:

@@ -18,6 +18,7 @@ import logging
 import signal
 
 from tracer.tui.app import TraceApp
+from tracer.tui.fmt import plural
 from tracer.tui.sources.base import SourceInfo, engine_identity
 from tracer.tui.sources.live import LiveSource
 
@@ -107,14 +108,14 @@ class LiveTui:
         done = [s.requests[r] for r in s.finished if r in s.requests]
         aborted = sum(r.status == "FINISHED_ABORTED" for r in done)
         tokens = sum(r.num_output_tokens for r in done)
-        steps = "no step" if s.step is None else f"{s.step + 1} engine steps"
+        steps = "no step" if s.step is None else plural(s.step + 1, "engine step")
         served, cut = len(done) - aborted, f", {aborted} aborted" if aborted else ""
         if s.num_finished > len(done):  # the state keeps the latest --trace-max-finished requests
             lines = [f"vllm-trace serve: {s.num_finished} requests finished in {steps}; the latest {len(done)}: "
                      f"{served} served, {tokens} tokens generated{cut}"]
         else:
             lines = [f"vllm-trace serve: {served} request{'' if served == 1 else 's'} served "
-                     f"({tokens} tokens generated{cut}) in {steps}"]
+                     f"({plural(tokens, 'token')} generated{cut}) in {steps}"]
         hz = self.app.busy_refresh_hz
         if hz is not None:
             lines.append(f"  TUI: {hz:.1f} refreshes/s while requests were in flight "

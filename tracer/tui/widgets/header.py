@@ -75,7 +75,9 @@ class StatusHeader(FixedText):
         s, c, info = frame.state, frame.controller, self.info
         label, style = engine_mode(frame, stepping, info.mode, self.connection is None)
         step = "-" if s.step is None else str(s.step)
-        where = s.phase  # of the step shown, as the Step panel says it; where a hold is, line two says
+        # the phase of the step shown, as the Step panel says it (where a hold is, line two says);
+        # a replay moves from step to step, each done
+        where = s.phase if info.mode != "replay" else None
         travel = (f"/{c['first_step']}..{c['last_step']}" if info.mode == "replay" and c.get("last_step") is not None
                   else "")
         width = self.size.width or 80

@@ -23,7 +23,8 @@ from tracer.tui.widgets.rows import RowList, cell, cells_text
 # Redrawing 64 changed rows costs Textual ~25 ms, taken from the engine (same interpreter).
 BUSY_ROWS, BUSY_HZ = 16, 4
 MAX_FINISHED = 100  # the most recent; the trace file keeps them all
-COLUMNS = [("id", 23), ("state", 9), ("prompt", 7), ("output", 8), ("age", 5), ("why waiting / finish", 40)]
+# lifetime: since its arrival, until now or until it finished (so the newest request is not the "youngest")
+COLUMNS = [("id", 23), ("state", 9), ("prompt", 7), ("output", 8), ("lifetime", 8), ("why waiting / finish", 40)]
 ID, WHY = 0, 5  # sized to fit: the id column to the longest id shown, the reason to what is left
 MAX_ID = 21  # vLLM-style ids (cmpl-<16 hex>) fit whole: the id is what a user greps the log for
 
