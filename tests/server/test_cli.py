@@ -68,7 +68,7 @@ def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path):
     proc, banner, url = spawn_serve("--num-kv-blocks", "64", "--served-model-name", "tiny",
                                     "--chat-template", str(template), "--no-tui")
     try:
-        for stage in ("args", "tokenizer_load", "model_load", "kv_cache_alloc", "http_ready"):
+        for stage in ("arguments", "tokenizer", "weights", "KV cache", "HTTP ready"):  # the Startup panel's words
             assert re.search(rf"^  {stage}\s+[\d.]+ ms", banner, re.M), banner
         assert "curl " + url + "/v1/completions" in next(proc.stderr)
 
@@ -119,3 +119,18 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(model_cache):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_names_its_stages_as_the_startup_panel_does_in_one_column(capsys, monkeypatch):
+    """serve --no-tui said resolve_model / tokenizer_load / model_load / kv_cache_alloc where the TUI says
+    model files / tokenizer / weights / KV cache, and core_process_start pushed its time out of line."""
+    from tracer.commands import serve
+    from tracer.tui.fmt import STAGE_LABELS
+
+    monkeypatch.setattr(serve, "_SHOW_STAGES", True)
+    for name in STAGE_LABELS:
+        serve._stage(name, 0.0123, "details")
+    lines = capsys.readouterr().err.splitlines()
+    assert [line[2:].split("  ")[0].strip() for line in lines] == list(STAGE_LABELS.values())
+    assert "model files" in STAGE_LABELS.values() and "weights" in STAGE_LABELS.values()
+    assert len({line.index("12.3 ms") for line in lines}) == 1, lines

@@ -139,9 +139,12 @@ _SHOW_STAGES = True  # off while the TUI owns the terminal: its Startup panel sh
 
 
 def _stage(name: str, seconds: float, details: str = "") -> None:
+    """One startup stage's line, in the Startup panel's words (its trace name: tracer.tui.fmt)."""
+    from tracer.tui.fmt import STAGE_WIDTH, stage_label
+
     if not _SHOW_STAGES:
         return
-    print(f"  {name:<16} {seconds * 1000:8.1f} ms  {details}", file=sys.stderr, flush=True)
+    print(f"  {stage_label(name):<{STAGE_WIDTH}} {seconds * 1000:8.1f} ms  {details}", file=sys.stderr, flush=True)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -182,9 +185,10 @@ def _print_stage(layer, name, kind, request_id, step, attrs) -> None:
 
     if kind == END and layer == WORKER and "rank" in attrs and "seconds" in attrs:
         # the workers finish first: their lines wait for the engine's, which says what they add up to
-        from tracer.tui.fmt import shard_details
+        from tracer.tui.fmt import STAGE_WIDTH, shard_details
+        rank = f"  rank {attrs['rank']}"
         _rank_lines.setdefault(name, []).append((attrs["rank"], (
-            f"    rank {attrs['rank']:<9} {attrs['seconds'] * 1000:8.1f} ms  {shard_details(name, attrs)}")))
+            f"  {rank:<{STAGE_WIDTH}} {attrs['seconds'] * 1000:8.1f} ms  {shard_details(name, attrs)}")))
     elif kind == END and "seconds" in attrs and (layer == ENGINE or name in (CORE_PROCESS_START, CORE_HANDSHAKE)):
         _stage(name, attrs["seconds"], _fmt_details(name, attrs))
         for _, line in sorted(_rank_lines.pop(name, [])) if layer == ENGINE else ():

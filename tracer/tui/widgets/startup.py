@@ -14,13 +14,9 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import ProgressBar, Static
 
-from tracer.tui.fmt import fmt_bytes, shard_details
+from tracer.tui.fmt import fmt_bytes, shard_details, stage_label
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.panel import Panel
-
-LABELS = {"args": "arguments", "config": "config", "resolve_model": "model files", "tokenizer_load": "tokenizer",
-          "model_load": "weights",
-          "kv_cache_alloc": "KV cache", "kernel_warmup": "kernel warm-up", "http_ready": "HTTP ready"}
 
 
 def stage_details(stage: dict) -> str:
@@ -92,7 +88,7 @@ class StartupPanel(Panel):
         table.add_column()
         for st in s.startup:
             ok = st.get("ok", True)
-            table.add_row(Text("✓" if ok else "✗", "green" if ok else "red"), LABELS.get(st["stage"], st["stage"]),
+            table.add_row(Text("✓" if ok else "✗", "green" if ok else "red"), stage_label(st["stage"]),
                           f"{st.get('seconds', 0) * 1000:.1f} ms", stage_details(st))
             if st["stage"] in RANK_STAGES and s.workers:
                 for row in rank_rows(s.workers, st["stage"]):
@@ -100,7 +96,7 @@ class StartupPanel(Panel):
         done, total = (cur or {}).get("progress") or (0, None)
         if cur is not None:
             what = f"in progress: {fmt_bytes(done)} of {fmt_bytes(total)}" if total else "in progress"
-            table.add_row(Text("…", "yellow"), LABELS.get(cur["stage"], cur["stage"]), "", Text(what, "yellow"))
+            table.add_row(Text("…", "yellow"), stage_label(cur["stage"]), "", Text(what, "yellow"))
             if cur["stage"] in RANK_STAGES and s.workers:
                 for row in rank_rows(s.workers, cur["stage"]):
                     table.add_row(*row)
