@@ -47,6 +47,20 @@ def test_bench_reports_and_writes_json(live, tmp_path, capsys):
     assert 0 < result["ttft"]["median_ms"] <= result["e2e"]["median_ms"]
 
 
+def test_bench_paces_requests_over_a_duration_a_person_can_watch(live, tmp_path):
+    """At its defaults bench sent everything at once and was over in a second: --request-rate (Poisson,
+    as vLLM's) with --duration keeps a steady trickle for that long."""
+    path = tmp_path / "bench.json"
+    t0 = time.monotonic()
+    assert main(["bench", "--url", live.url, "--request-rate", "4", "--duration", "2", "--output-len", "4",
+                 "--prompt-len", "4", "--json", str(path), "--no-progress"]) == 0
+    result = json.loads(path.read_text())
+    assert time.monotonic() - t0 >= 2 and result["duration_s"] >= 1.5  # the last arrival is before the 2 s
+    assert 3 <= result["completed"] <= 20 and result["failed"] == 0  # ~8 arrivals at 4/s (seeded)
+    assert result["request_rate"] == 4 and result["send_duration_s"] == 2
+    assert main(["bench", "--url", live.url, "--duration", "2"]) == 2  # no pace: all at once, for ever
+
+
 def test_bench_rejects_rate_and_concurrency_together(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--request-rate", "2", "--concurrency", "2"])
