@@ -140,3 +140,19 @@ async def test_counts_read_as_english_and_the_lifetime_column_says_what_it_is(li
         await live.settle(pilot)
         head = live.app.query_one("#requests-table")._header_strip(120, 0, 0).text
         assert "lifetime" in head and " age " not in head
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+async def test_the_kernels_panel_says_what_it_lists_and_what_it_leaves_out(recorded_trace, size):
+    """It lists two launches a layer, which a learner took for the whole forward pass."""
+    source = ReplaySource.load(recorded_trace)
+    source.replay.goto(2)
+    app = TraceApp(source, initial_pane="kernels")
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        head = app.query_one("#kernels-head")
+        text = " ".join(shown(head).split())
+        assert "listed: each layer's KV-cache write and paged attention" in text, text
+        assert "not listed: matmuls, layer norms, MLP, LM head, sampler" in text, text
+        assert all(len(line.rstrip()) <= head.size.width for line in shown(head).splitlines())
