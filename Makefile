@@ -11,7 +11,7 @@ SHELL  := /bin/bash
 PIP    := $(BIN)/pip install --disable-pip-version-check --progress-bar on
 SHOW   := { grep --line-buffered -v '^Requirement already satisfied' || true; }
 
-.PHONY: setup demo lint test bench clean
+.PHONY: setup demo lint test bench screenshot clean
 
 $(BIN)/vllm-trace: pyproject.toml
 	@echo "==> setting up $(VENV), once (a minute or two): $(TORCH), then vllm-trace and its test tools"
@@ -33,6 +33,9 @@ lint: setup  ## ruff: line length, pyflakes, import order (configured in pyproje
 
 test: setup  ## the whole test suite
 	$(BIN)/python -m pytest
+
+screenshot: setup  ## the README's picture of the TUI (docs/images/tui.svg), drawn again by Textual
+	$(BIN)/python -m tests.tui.test_readme_screenshot
 
 bench: setup  ## benchmarks (each prints ratios measured side by side in one run)
 	$(BIN)/python -m benchmarks.throughput
