@@ -79,7 +79,7 @@ def register(sub) -> None:
     h.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level; 'info' logs every request (default warning)")
-    tr = p.add_argument_group("tracing", "the event stream, /trace control and recording (see /trace/* in the README)")
+    tr = p.add_argument_group("tracing", "the event stream, /trace control and recording (docs/user-guide.md)")
     tr.add_argument("--trace-file", metavar="PATH", default=None,
                     help="record every event as JSON lines (valid after Ctrl-C; `vllm-trace export PATH` for Perfetto)")
     tr.add_argument("--start-paused", action="store_true",
