@@ -23,7 +23,7 @@ from tracer.tui.widgets.lines import LinesView
 from tracer.tui.widgets.panel import Panel
 from tracer.tui.widgets.request_detail import waiting_why
 
-BUSY_HZ = 3  # with 64 streams every redraw differs: ~4-10 ms each on this 2-core VM (measured), off the loop
+BUSY_HZ = 3  # with 64 streams every redraw differs: ~4-10 ms each on a 2-core CPU (measured), off the loop
 
 
 def kv_gauge(frame: Frame, width: int = 20) -> Text:
