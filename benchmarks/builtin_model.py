@@ -1,4 +1,4 @@
-"""Is the built-in model small enough? Issue 16's sizing targets for `tiny-gpt2`, measured in one run.
+"""Is the built-in model small enough? The sizing targets for `tiny-gpt2`, measured in one run.
 
     python -m benchmarks.builtin_model [--model tiny-gpt2] [--reps 3] [--threads 1]
 

@@ -3,7 +3,7 @@ a long run and a drain, each against a real server process, with figures printed
 
     python -m benchmarks.robustness [--only NAME ...] [--cases 2000] [--requests 2000]
 
-Targets (issue #18), one line each, PASS or FAIL:
+Targets, one line each, PASS or FAIL:
 
     fuzz         >= 2,000 schemathesis cases, response conformance checked: 0 x 5xx, 0 failures
     bad_input    >= 80 hand-made bad requests: every one a 4xx with an OpenAI error body

@@ -18,7 +18,7 @@ other. The workload is greedy and seeded, so step k schedules the same batch in 
 mode's time is the sum over steps of that step's median over the repetitions, plus the median of
 its helpers' time: the recorder's final flush and the CPU time of its threads (the recorder's
 writer, the TUI reader), counted in full although much of it overlaps the engine's work.
-Whole-run medians are printed too. Why lockstep: this shared VM's speed drifts by tens of percent
+Whole-run medians are printed too. Why lockstep: a shared VM's speed drifts by tens of percent
 from one second to the next, and whole runs a third of a second apart (the previous method) left
 `off` and `bypassed`, the same engine code, up to 5-10 % apart in one invocation; paired steps
 cancel the drift. What still differs between modes is only their own work, and what their helper

@@ -1,9 +1,9 @@
 """The TUI's cost in a real terminal: `vllm-trace serve` with its TUI drawing into a tmux pane
 (160x48, the Requests panel shown) against `serve --no-tui` (tracing on, as `serve` traces by
 default) and `serve --no-tui --no-trace`, all with the engine core in its own process, answering
-the same 64 streaming HTTP clients. Issue 15's targets (tokens per wall second):
+the same 64 streaming HTTP clients. The targets (tokens per wall second):
 
-    tui / traced >= 0.90: the TUI on / off, everything else equal (#6 measured it against --no-tui)
+    tui / traced >= 0.90: the TUI on / off, everything else equal
     traced / off >= 0.90: tracing on / off
     >= 10 refreshes/s while requests are in flight
 

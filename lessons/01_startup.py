@@ -16,12 +16,14 @@ from engine.hooks import END  # noqa: E402
 from engine.model_executor.models.gpt2 import GPT2Model  # noqa: E402
 from lessons.cli import main  # noqa: E402
 from lessons.framework import events_of, table  # noqa: E402
+from tracer.tui.fmt import STAGE_LABELS  # noqa: E402
 
 TITLE = "From `vllm-trace serve` to ready"
 SUMMARY = "The startup stages (model, tokenizer, weights, KV cache, HTTP), what each does and costs."
 STAGES = ["resolve_model", "tokenizer_load", "model_load", "kv_cache_alloc"]
 SERVER_TIMEOUT_S = 45
-STAGE_LINE = re.compile(r"^\s+(\w+)\s+([\d.]+) ms\s*(.*)$")
+STAGE_LINE = re.compile(r"^  (\S.*?)\s+([\d.]+) ms\s*(.*)$")  # "  weights   12.3 ms  details"
+TRACE_NAME = {label: name for name, label in STAGE_LABELS.items()}  # serve prints words; the trace, names
 
 
 def start_server(model: str) -> tuple[list[tuple[float, str]], str | None, float]:
@@ -76,7 +78,8 @@ def run(lesson) -> None:
     lesson.say(f"Starting `vllm-trace serve {lesson.model} --no-tui --port 0` (port 0: any free port) …")
     seen, models, ready_s = start_server(lesson.model)
     lesson.show("\n".join(line for _, line in seen if line.strip()), title="the server's stderr, up to ready")
-    stages = [(m.group(1), float(m.group(2))) for _, line in seen if (m := STAGE_LINE.match(line))]
+    stages = [(TRACE_NAME.get(m.group(1), m.group(1)), float(m.group(2)))
+              for _, line in seen if (m := STAGE_LINE.match(line))]
     names = [n for n, _ in stages]
     lesson.check(models is not None, f"the server printed its ready line within {SERVER_TIMEOUT_S} s")
     lesson.check(names == ["args", "config", "core_process_start"] + STAGES + ["kernel_warmup", "core_handshake",
@@ -85,14 +88,17 @@ def run(lesson) -> None:
                  "stages in order and its kernel warm-up, the handshake that says it is ready, then http_ready")
     lesson.check(lesson.model in json.loads(models)["data"][0]["id"],
                  "once ready, GET /v1/models answers with the served model")
-    first_stage_at = next(t for t, line in seen if line.lstrip().startswith(STAGES[0]))
+    first_stage_at = next(t for t, line in seen if line.lstrip().startswith(STAGE_LABELS[STAGES[0]]))
     engine_ms = sum(ms for n, ms in stages if n in STAGES)
     lesson.say(
         f"The server was ready **{ready_s:.1f} s** after launch. The engine's own stages add up to only "
-        f"**{engine_ms:.0f} ms**; most of the wait before `resolve_model` ({first_stage_at:.1f} s) is "
+        f"**{engine_ms:.0f} ms**; most of the wait before *model files* ({first_stage_at:.1f} s) is "
         "Python importing torch and Triton (in the engine-core process) while the API server imports the web "
         "server and the `tokenizers` library (never torch: it does not need it). Real vLLM spends that too, "
         "and more (see below).\n\n"
+        "`serve` and the TUI's Startup panel name the stages in words; the trace, and the rest of this lesson, "
+        "by the engine's names: *model files* is `resolve_model`, *tokenizer* `tokenizer_load`, *weights* "
+        "`model_load`, *KV cache* `kv_cache_alloc`, *kernel warm-up* `kernel_warmup`.\n\n"
         "**kernel_warmup** runs one dummy prefill and one decode through the model before any request "
         "arrives, so the attention kernels are built (compiled, for Triton on a GPU) before a user "
         "waits on them. It is not a request and not an engine step.")

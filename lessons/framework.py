@@ -150,24 +150,32 @@ def events_of(session: TraceSession) -> list[Event]:
 
 
 def block_table(req: Request, block_size: int, title: str | None = None) -> Table:
-    """A request's block table: logical block -> physical block, and the tokens in each."""
+    """A request's block table: logical block -> physical block, the positions whose K/V each
+    holds, and the token ids at those positions (two columns: a lesson whose prompt ids are
+    0, 1, 2, ... would otherwise read a generated token's id as its position)."""
     t = Table(title=title or f"block table of request {req.request_id}", show_lines=False)
     t.add_column("logical")
     t.add_column("physical")
     t.add_column("slots used")
-    t.add_column("tokens")
+    t.add_column("positions")
+    t.add_column("token ids there")
     n = req.num_computed_tokens
     for i, phys in enumerate(req.block_ids):
         used = max(0, min(block_size, n - i * block_size))
-        toks = req.all_token_ids[i * block_size:i * block_size + used]
-        t.add_row(str(i), str(phys), f"{used}/{block_size}", " ".join(map(str, toks[:8])) + (" …" if used > 8 else ""))
+        first = i * block_size
+        toks = req.all_token_ids[first:first + used]
+        positions = "-" if not used else str(first) if used == 1 else f"{first}–{first + used - 1}"
+        t.add_row(str(i), str(phys), f"{used}/{block_size}", positions,
+                  " ".join(map(str, toks[:8])) + (" …" if used > 8 else ""))
     return t
 
 
 def queues(llm: LLM) -> Table:
     """The scheduler's queues, as the engine holds them now."""
-    s = llm.llm_engine.engine_core.engine_core.scheduler
-    t = Table(title=f"step {llm.llm_engine.engine_core.engine_core.step_count}: scheduler queues")
+    core = llm.llm_engine.engine_core.engine_core  # the EngineCore behind the InprocClient
+    s = core.scheduler
+    n = core.step_count  # steps run so far: the next one is step n
+    t = Table(title=f"scheduler queues {f'after step {n - 1}, ' if n else ''}before step {n}")
     for col in ("queue", "request", "status", "computed / total tokens", "blocks"):
         t.add_column(col)
     for name, reqs in (("running", s.running), ("waiting", list(s.waiting))):

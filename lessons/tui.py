@@ -16,6 +16,9 @@ import threading
 import traceback
 from pathlib import Path
 
+from rich.measure import Measurement
+from rich.panel import Panel as RichPanel
+from rich.table import Table
 from rich.text import Text
 from textual.binding import Binding
 from textual.widgets import RichLog
@@ -30,6 +33,8 @@ from tracer.tui.widgets.step import StepPanel
 
 ABORTED = 130
 NARRATION_PCT, NARRATION_MIN = 45, 36  # the side panel's share of the terminal, and its least width
+PANELS_MIN = 56  # columns the panels keep when the narration widens for a table
+NARRATION_CHROME = 5  # the side panel's left border, padding and scrollbar (until it is laid out)
 
 
 class LessonSource(Source):
@@ -138,6 +143,8 @@ class LessonApp(TraceApp):
         self.lesson = lesson
         self.presenter = lesson.presenter = TuiPresenter(self)
         self.exit_code: int | None = None  # the lesson's, once it has ended; ABORTED if quit before
+        self.quit_early = False  # q before the lesson's end: the learner's choice, not a failure
+        self._side: int | None = None  # the narration's width once a table widened it
         self._thread = threading.Thread(target=self._run_lesson, args=(run,), name=f"lesson-{lesson.number:02d}",
                                         daemon=True)
 
@@ -158,7 +165,7 @@ class LessonApp(TraceApp):
     def _fit(self) -> None:
         """TraceApp lays its panels out for the terminal's width; here they get what the
         narration leaves (the Requests list first, its detail beside it only if that is wide)."""
-        side = max(NARRATION_MIN, self.size.width * NARRATION_PCT // 100) if self.narration.display else 0
+        side = self._side_width() if self.narration.display else 0
         wide = self.size.width - side >= WIDE
         self.screen_stack[0].query_one("#requests-detail").display = wide
         self.screen_stack[0].query_one(StepPanel).set_class(not wide, "-narrow")
@@ -182,9 +189,33 @@ class LessonApp(TraceApp):
         except RuntimeError:
             pass
 
+    def _chrome(self) -> int:
+        """Columns of the side panel that are not its text."""
+        n = self.narration
+        return n.outer_size.width - n.scrollable_content_region.width if n.outer_size.width else NARRATION_CHROME
+
+    def _side_width(self) -> int:
+        return self._side or max(NARRATION_MIN, self.size.width * NARRATION_PCT // 100)
+
+    def _widen_for(self, renderable) -> None:
+        """A table is as wide as its columns need (cut to `block_ta…` it teaches nothing), as far
+        as the panels can spare: the narration widens for it, and stays that wide."""
+        table = renderable.renderable if isinstance(renderable, RichPanel) else renderable
+        if not isinstance(table, Table):
+            return
+        options = self.console.options.update_width(max(1, self.size.width))  # (headless, the console is 80 wide)
+        need = Measurement.get(self.console, options, renderable).maximum + self._chrome()
+        side = min(need, max(self._side_width(), self.size.width - PANELS_MIN))
+        if side > self._side_width():
+            self._side = side
+            self.narration.styles.width = side
+            self.call_after_refresh(self._fit)
+
     # ---- called on the UI thread (through call_from_thread) ----------------------------------
     def narrate(self, renderable) -> None:
-        self.narration.write(renderable, expand=True)
+        self._widen_for(renderable)
+        # at the width it will have (a widening is laid out after this write)
+        self.narration.write(renderable, width=self._side_width() - self._chrome(), expand=True)
 
     def hold(self, prompt: str) -> None:
         self.source.held = prompt
@@ -225,14 +256,24 @@ class LessonApp(TraceApp):
         if self.exit_code is not None or self.presenter.cancelled.is_set():
             self.exit()  # the lesson is over, or this is the second q
             return
+        self.quit_early = True
         self.presenter.cancel()
         self.source.held = None
         self.narrate(Text("Stopping the lesson…", style="dim"))
 
+    def exit_status(self) -> int:
+        """The command's: 130 for ctrl+c (or a signal), 0 for q before the end (nothing failed),
+        else the lesson's own (0 every check held, 1 one failed)."""
+        if self.return_code == ABORTED:
+            return ABORTED
+        if self.quit_early:
+            return 0
+        return self.exit_code if self.exit_code is not None else ABORTED
+
 
 def run_in_tui(lesson: Lesson, run: Run) -> int:
-    """Run the lesson in the TUI until the learner quits; the lesson's exit code."""
+    """Run the lesson in the TUI until the learner quits; the command's exit status."""
     app = LessonApp(lesson, run)
     app.run()
     app.presenter.cancel()  # the app may have gone without q (a signal): free the lesson thread
-    return app.exit_code if app.exit_code is not None else ABORTED
+    return app.exit_status()

@@ -95,3 +95,19 @@ def test_imports_point_one_way():
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("lessons.tui", "lessons.cli")):
             bad.append(f"lessons/framework.py: {node.module}")
     assert bad == []
+
+
+def test_help_says_each_default_once_and_never_a_key_from_the_environment(capsys, monkeypatch):
+    """send --help printed "(default: the first one the server lists) (default: None)", and attach
+    --help the value of $VLLM_TRACE_API_KEY."""
+    import re
+
+    import pytest
+
+    monkeypatch.setenv("VLLM_TRACE_API_KEY", "sekrit-from-env")
+    for command in ("send", "attach", "generate", "export"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+        assert "(default: None)" not in text and "sekrit" not in text, (command, text)
+        assert not re.search(r"default[^()]*\) \(default", text), (command, text)  # "(default 64) (default: 64)"

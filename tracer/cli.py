@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args) or 0
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(f"vllm-trace {args.command}: interrupted", file=sys.stderr)
         return 130
     except (UserError, ValueError) as e:  # bad input: one clear line, no traceback
         print(f"vllm-trace {args.command}: error: {e}", file=sys.stderr)

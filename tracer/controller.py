@@ -9,9 +9,11 @@ the engine thread there (on a ``threading.Condition``) when it should stop:
     kernel        before each kernel launch               granularity "kernel" (step kernel)
     step_end      after a step's outputs                  only for breakpoints
 
-A finer granularity also stops at the coarser points, so "step kernel" still stops at the
-next phase when a step launches no kernel. ``step_end`` exists so that a breakpoint hit late
-in a step (a request finishing) stops the engine in that step, even if it was the last one.
+"step phase" also stops at step boundaries (a phase is either side of one). "step kernel" runs to
+the next kernel launch, whatever boundaries lie between (from a hold after the forward pass:
+into the next step); only a step that launches no kernel at all stops it at that step's end.
+``step_end`` exists so that a breakpoint hit late in a step (a request finishing) stops the
+engine in that step, even if it was the last one.
 Breakpoints and run-until match *events* (which may come from any thread: a request arriving
 over HTTP is not the engine thread), so a match
 only marks a hit and the engine stops at its next control point; a kernel-name breakpoint is
@@ -46,6 +48,7 @@ class StepController:
         self._cond = threading.Condition()
         self._pause = "start paused" if start_paused else None  # stop at the next step boundary
         self._countdown, self._granularity = 0, "step"  # an active step(n) command
+        self._launched = True  # "step kernel": the step under way launched a kernel (or began before the command)
         self._breakpoints: tuple[Condition, ...] = ()
         self._until: Condition | None = None
         self._hit: str | None = None  # a matched condition, waiting for the next control point
@@ -85,7 +88,7 @@ class StepController:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         with self._cond:
-            self._pause, self._countdown, self._granularity = None, n, granularity
+            self._pause, self._countdown, self._granularity, self._launched = None, n, granularity, True
             self._release()  # (which gates the engine again: the countdown is armed)
 
     def run_until(self, condition: Condition) -> None:
@@ -221,11 +224,22 @@ class StepController:
         if self._pause is not None and level == 0:
             reason, self._pause = self._pause, None
             return reason
-        if self._countdown and level <= GRANULARITIES[self._granularity]:
+        if self._countdown and self._counts(point, level):
             self._countdown -= 1
             if self._countdown == 0:
                 return f"step {self._granularity}"
         return None
+
+    def _counts(self, point: str, level: int) -> bool:  # holding self._cond
+        """Does the active step command count this control point?"""
+        if self._granularity != "kernel":
+            return level <= GRANULARITIES[self._granularity]
+        if point == "step":
+            self._launched = False
+        elif point == "kernel":
+            self._launched = True
+            return True
+        return point == "step_end" and not self._launched  # a step with no launch: stop rather than run on
 
     def _on_event(self, layer: str, name: str, kind: str, request_id, step, attrs) -> None:
         if not (self._breakpoints or self._until) or layer == TRACER:

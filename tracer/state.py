@@ -90,6 +90,10 @@ class RequestView:
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_pieces: list[str] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # Tokens generated, counted by the engine's FINISHED too: with the engine core in its own
+    # process, a request held at a finish breakpoint has finished in the core while its last
+    # token (NEW_TOKENS, from the API server) is still to come, so output_token_ids is one short.
+    num_output_tokens: int = 0
     text: str = ""  # generated text so far
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -312,6 +316,7 @@ def _finished(s: TraceState, ev: Event) -> None:
     else:
         req.finish_reason = a.get("finish_reason")
         req.status = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH"}.get(req.finish_reason, FINISHED)
+        req.num_output_tokens = max(req.num_output_tokens, a.get("num_output_tokens") or 0)
         if a.get("text") is not None:  # authoritative: a stop string may have cut the tail
             req.text = a["text"]
         # else the core's (its own process: no text there), which comes before the API server's
@@ -573,6 +578,7 @@ def _new_tokens(s: TraceState, ev: Event) -> None:
     a, req = _attrs(ev), s.request(ev.request_id)
     toks = a.get("token_ids", [])
     req.output_token_ids.extend(toks)
+    req.num_output_tokens = max(req.num_output_tokens, len(req.output_token_ids))
     req.num_tokens += len(toks)
     req.text += a.get("text", "")
     if req.grammar is not None:

@@ -35,7 +35,7 @@ def model_cache(tmp_path_factory):
 
 
 def core_pid(startup: str) -> int:
-    return int(re.search(r"core_process_start .* engine core pid (\d+)", startup).group(1))
+    return int(re.search(r"engine core process .* engine core pid (\d+)", startup).group(1))
 
 
 def alive(pid: int) -> bool:

@@ -132,7 +132,43 @@ async def test_q_at_a_checkpoint_stops_the_lesson_and_closes_its_engine():
         await pilot.press("q")
         await until(pilot, lambda: not app.is_running, "the app to exit once the lesson thread stopped")
     assert app.exit_code == ABORTED and lesson.checks == ["block 0 is not in the free queue"]
+    assert app.exit_status() == 0  # the learner's choice: `vllm-trace lesson 5 --tui` exits 0 (it said 130)
     assert all(s._closed for s in lesson.sessions)
+
+
+@pytest.mark.asyncio
+async def test_ctrl_c_at_a_checkpoint_exits_130():
+    mod = module("paged_kv_cache")
+    app = LessonApp(new_lesson(mod, pause=True), mod.run)
+    async with app.run_test(size=SIZE) as pilot:
+        await next_checkpoint(pilot, app)
+        await pilot.press("ctrl+c")
+        await until(pilot, lambda: not app.is_running, "the app to exit")
+    assert app.exit_status() == ABORTED
+
+
+@pytest.mark.asyncio
+async def test_lesson_06_header_and_narration_name_the_same_step_and_its_tables_fit():
+    """The header said `step 1 (a checkpoint)` beside a table titled `step 2: scheduler queues` (the
+    queues before step 2), and the flattened batch's columns were cut (`block_ta…`, `positio…`) in a
+    45 % side panel while the Requests list beside it was mostly empty."""
+    mod = module("slot_mapping")
+    app = LessonApp(new_lesson(mod, pause=True), mod.run)
+    async with app.run_test(size=SIZE) as pilot:
+        await next_checkpoint(pilot, app)
+        assert app.source.refresh().step == 1
+        assert "step 1 (done)" in shown(app.query_one(StatusHeader))
+        assert "scheduler queues after step 1, before step 2" in narration(app)
+        await pilot.press("c")
+        await next_checkpoint(pilot, app)
+        assert "step 2 (done)" in shown(app.query_one(StatusHeader))
+        text = narration(app)
+        for column in ("rows (query_start_loc)", "positions", "block_tables row", "slots"):
+            assert column in text, text
+        assert "…" not in "".join(t for t in text.split() if t.startswith(("block", "positi", "(query")))
+        await pilot.pause()
+        assert app.query_one("#requests-table").size.width >= 50  # the panels keep room
+        await pilot.press("q")
 
 
 @pytest.mark.asyncio

@@ -41,3 +41,16 @@ def test_lessons_are_listed_and_run_from_the_cli():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     r = subprocess.run([sys.executable, "-m", "tracer.cli", "lesson", "no-such-lesson"], capture_output=True, text=True)
     assert r.returncode == 2 and "no single lesson matches" in r.stderr
+
+
+def test_a_block_table_shows_positions_beside_the_token_ids(capsys):
+    """Lesson 5's prompt ids are 0, 1, 2, ...: its one "tokens" column read A's generated token id 12 as
+    if it were position 12, in the block that holds position 48."""
+    import re
+
+    module = importlib.import_module(lessons.find("paged_kv_cache").module)
+    assert main(vars(module), ["--no-pause"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"positions\s+┃\s+token ids there", out), out
+    assert re.search(r"│ 3\s+│ \d+\s+│ 1/16\s+│ 48\s+│ \d+\s+│", out), out  # A's 4th block: position 48 only
+    assert re.search(r"│ 1\s+│ \d+\s+│ 16/16\s+│ 16–31\s+│", out), out

@@ -60,8 +60,8 @@ def test_latency_lesson_fails_if_the_chunk_size_is_ignored(monkeypatch, capsys):
 
 
 def test_stopping_lesson_holds_when_the_model_does_produce_eos(monkeypatch, capsys):
-    """The built-in model may not produce EOS today; a trained one will. Make a token that greedy
-    decoding does produce the EOS token, and the lesson's EOS branch must hold."""
+    """Greedy decoding of the built-in model may never produce EOS for the lesson's prompt. Make a
+    token that greedy decoding does produce the EOS token, and the lesson's EOS branch must hold."""
     from engine import LLM, SamplingParams
     from engine.engine.core import EngineCore
     out = LLM("tiny-gpt2", num_kv_blocks=16).generate("Once upon a time", SamplingParams(temperature=0, max_tokens=6),

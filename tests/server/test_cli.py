@@ -59,6 +59,20 @@ def test_bench_reports_and_writes_json(live, tmp_path, capsys):
     assert 0 < result["ttft"]["median_ms"] <= result["e2e"]["median_ms"]
 
 
+def test_bench_paces_requests_over_a_duration_a_person_can_watch(live, tmp_path):
+    """At its defaults bench sent everything at once and was over in a second: --request-rate (Poisson,
+    as vLLM's) with --duration keeps a steady trickle for that long."""
+    path = tmp_path / "bench.json"
+    t0 = time.monotonic()
+    assert main(["bench", "--url", live.url, "--request-rate", "4", "--duration", "2", "--output-len", "4",
+                 "--prompt-len", "4", "--json", str(path), "--no-progress"]) == 0
+    result = json.loads(path.read_text())
+    assert time.monotonic() - t0 >= 2 and result["duration_s"] >= 1.5  # the last arrival is before the 2 s
+    assert 3 <= result["completed"] <= 20 and result["failed"] == 0  # ~8 arrivals at 4/s (seeded)
+    assert result["request_rate"] == 4 and result["send_duration_s"] == 2
+    assert main(["bench", "--url", live.url, "--duration", "2"]) == 2  # no pace: all at once, for ever
+
+
 def test_bench_rejects_rate_and_concurrency_together(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--request-rate", "2", "--concurrency", "2"])
@@ -80,7 +94,7 @@ def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path):
     proc, banner, url = spawn_serve("--num-kv-blocks", "64", "--served-model-name", "tiny",
                                     "--chat-template", str(template), "--no-tui")
     try:
-        for stage in ("args", "tokenizer_load", "model_load", "kv_cache_alloc", "http_ready"):
+        for stage in ("arguments", "tokenizer", "weights", "KV cache", "HTTP ready"):  # the Startup panel's words
             assert re.search(rf"^  {stage}\s+[\d.]+ ms", banner, re.M), banner
         assert "curl " + url + "/v1/completions" in next(proc.stderr)
 
@@ -131,3 +145,18 @@ def test_a_second_ctrl_c_stops_at_once_without_a_traceback(model_cache):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_names_its_stages_as_the_startup_panel_does_in_one_column(capsys, monkeypatch):
+    """serve --no-tui said resolve_model / tokenizer_load / model_load / kv_cache_alloc where the TUI says
+    model files / tokenizer / weights / KV cache, and core_process_start pushed its time out of line."""
+    from tracer.commands import serve
+    from tracer.tui.fmt import STAGE_LABELS
+
+    monkeypatch.setattr(serve, "_SHOW_STAGES", True)
+    for name in STAGE_LABELS:
+        serve._stage(name, 0.0123, "details")
+    lines = capsys.readouterr().err.splitlines()
+    assert [line[2:].split("  ")[0].strip() for line in lines] == list(STAGE_LABELS.values())
+    assert "model files" in STAGE_LABELS.values() and "weights" in STAGE_LABELS.values()
+    assert len({line.index("12.3 ms") for line in lines}) == 1, lines

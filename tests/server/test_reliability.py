@@ -1,4 +1,4 @@
-"""Issue #18, small and fast: what a client sends can never make a 5xx or a traceback, a
+"""Robustness, small and fast: what a client sends can never make a 5xx or a traceback, a
 client that leaves takes the 499 path, resume disarms run_until, big prompts are refused
 before they cost anything, and a drain ends every stream with [DONE] or an error event.
 (benchmarks/robustness.py runs the long versions: 2,000 fuzz cases, 256 streams, ...)"""

@@ -46,7 +46,7 @@ def test_serve_start_paused_trace_file_and_ctrl_c_while_held(model_cache, tmp_pa
     proc, startup, url = spawn_serve("--num-kv-blocks", "32", "--trace-file", str(trace), "--start-paused",
                                      "--trace-log-layers", "cli", "--drain-timeout", "10")
     try:
-        for stage in ("args", "config", "model_load", "kv_cache_alloc", "kernel_warmup", "http_ready"):
+        for stage in ("arguments", "config", "weights", "KV cache", "kernel warm-up", "HTTP ready"):
             assert re.search(rf"^  {stage}\s+[\d.]+ ms", startup, re.M), startup
         assert "[TRACE] cli args (end)" in startup and "[TRACE] engine" not in startup  # --trace-log-layers cli
 

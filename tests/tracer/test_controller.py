@@ -170,27 +170,31 @@ def test_pause_while_running_and_arrive_breakpoint():
 
 
 class FakeKernelEngine:
-    """Steps with a kernel gate before each launch, as the kernels integration provides."""
+    """Steps with a kernel gate before each launch, as the kernels integration provides; the steps
+    in `launchless` launch nothing."""
 
     KERNELS = ["reshape_and_cache", "unified_attention"] * 2
 
-    def __init__(self, hooks, steps):
-        self.hooks, self.steps = hooks, steps
+    def __init__(self, hooks, steps, launchless=()):
+        self.hooks, self.steps, self.launchless = hooks, steps, launchless
 
     def run(self):
         for s in range(self.steps):
             self.hooks.gate("step", step=s)
             self.hooks.gate("execute", step=s)
-            for layer, name in enumerate(self.KERNELS):
+            for layer, name in enumerate(self.KERNELS if s not in self.launchless else ()):
                 self.hooks.gate("kernel", step=s, name=name, layer=layer // 2)
                 self.hooks.emit("kernel", name, step=s, grid=[4, 1], duration_ns=100)
             self.hooks.gate("postprocess", step=s)
+            self.hooks.gate("step_end", step=s)
 
 
-def test_step_kernel_and_kernel_breakpoint():
+def test_step_kernel_runs_to_the_next_launch_and_kernel_breakpoints():
+    """k is "the next kernel launch", across phase and step boundaries (it used to stop at each of
+    them too, which read as a launch done); a step that launches nothing stops it at its end."""
     hooks = Hooks()
     ctl = StepController(hooks, start_paused=True)
-    fake = FakeKernelEngine(hooks, steps=2)
+    fake = FakeKernelEngine(hooks, steps=4, launchless={1})
     t = threading.Thread(target=fake.run, daemon=True)
     t.start()
     try:
@@ -199,19 +203,24 @@ def test_step_kernel_and_kernel_breakpoint():
         for _ in range(6):
             ctl.step(1, "kernel")
             s = ctl.wait_until_paused(T)
-            stops.append((s.point, s.info.get("name"), s.info.get("layer")))
+            stops.append((s.step, s.point, s.info.get("name"), s.info.get("layer")))
         assert stops == [
-            ("execute", None, None),
-            ("kernel", "reshape_and_cache", 0),
-            ("kernel", "unified_attention", 0),
-            ("kernel", "reshape_and_cache", 1),
-            ("kernel", "unified_attention", 1),
-            ("postprocess", None, None),
+            (0, "kernel", "reshape_and_cache", 0),
+            (0, "kernel", "unified_attention", 0),
+            (0, "kernel", "reshape_and_cache", 1),
+            (0, "kernel", "unified_attention", 1),
+            (1, "step_end", None, None),  # past step 0's postprocess and step 1's start: no launch in step 1
+            (2, "kernel", "reshape_and_cache", 0),
         ]
+        ctl.step(1, "phase")
+        assert ctl.wait_until_paused(T).point == "postprocess"
+        ctl.step(1, "kernel")  # from after the forward pass: straight to the next step's first launch
+        s = ctl.wait_until_paused(T)
+        assert (s.step, s.point, s.info["name"], s.reason) == (3, "kernel", "reshape_and_cache", "step kernel")
         ctl.add_breakpoint(on_kernel("unified_attention"))
         ctl.resume()
-        s = ctl.wait_until_paused(T)  # before the launch, in the next step
-        assert (s.point, s.step, s.info["name"], s.reason) == ("kernel", 1, "unified_attention",
+        s = ctl.wait_until_paused(T)  # before the launch
+        assert (s.point, s.step, s.info["name"], s.reason) == ("kernel", 3, "unified_attention",
                                                               "breakpoint kernel:unified_attention")
         ctl.resume()
         assert ctl.wait_until_paused(T).info["layer"] == 1  # the next unified_attention, not the same one twice

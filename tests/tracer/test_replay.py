@@ -108,7 +108,7 @@ def test_unknown_step_is_an_error(run):
 
 
 def test_a_version_1_recording_replays_as_version_2(run, tmp_path):
-    """Version 1 put the step's total under num_scheduled_tokens; replay reads it as today's form."""
+    """Version 1 put the step's total under num_scheduled_tokens; replay reads it in the current form."""
     path = tmp_path / "v1.jsonl"
     old = []
     for i, line in enumerate(run[0].read_text().splitlines()):

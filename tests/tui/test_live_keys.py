@@ -110,14 +110,13 @@ async def test_k_stops_before_each_kernel_launch_and_the_kernels_panel_says_whic
         await live.submit()
         await pilot.press("5")
         points = []
-        for _ in range(3):
+        for _ in range(2):
             await pilot.press("k")
             points.append(await live.held())
         second = points[-1]
         panel = live.app.query_one(KernelsPanel)
         await live.settle(pilot, until=lambda: "held before" in shown(panel.query_one("#kernels-head")))
-        # a finer step also stops at the coarser points: between schedule and execute first
-        assert [p.point for p in points] == ["execute", "kernel", "kernel"]
+        assert [p.point for p in points] == ["kernel", "kernel"]  # from before step 0: its first launch
         assert len(live.source.refresh().kernels) == 1  # the first launch ran, the second is held before
         head = shown(panel.query_one("#kernels-head"))
         assert f"held before {second.info['name']} (layer 0)" in head, shown_state(live)
@@ -127,13 +126,30 @@ async def test_k_stops_before_each_kernel_launch_and_the_kernels_panel_says_whic
         assert "held before the kernel launch unified_attention_ref (layer 0) of step 0: k runs it" in header(live.app)
 
 
+async def test_k_after_the_forward_pass_runs_to_the_next_steps_first_launch(live):
+    """It used to stop at the step and phase boundaries on the way, while the header said
+    "one launch done (k)"."""
+    async with live.app.run_test(size=(160, 36)) as pilot:
+        await live.submit()
+        for _ in range(2):
+            await pilot.press("s")
+            stop = await live.held()
+        assert stop.point == "postprocess"
+        await pilot.press("k")
+        stop = await live.held()
+        assert (stop.point, stop.step, stop.info["name"]) == ("kernel", 1, "reshape_and_cache_ref")
+        await live.settle(pilot, until=lambda: "of step 1" in header(live.app))
+        assert ("held before the kernel launch reshape_and_cache_ref (layer 0) of step 1: k runs it "
+                "(you stepped to the next kernel launch (k))") in header(live.app), header(live.app)
+
+
 async def test_t_runs_the_held_attention_launch_through_the_triton_kernel(live):
     async with live.app.run_test(size=(160, 48)) as pilot:
         await live.submit()
         await pilot.press("t")  # not held at an attention launch: says how to get there
         await live.settle(pilot)
         assert live.app.query_one(KernelsPanel).rerun is None
-        for _ in range(3):
+        for _ in range(2):  # the first launch of step 0, then the attention launch
             await pilot.press("k")
             stop = await live.held()
         assert stop.info["name"] == "unified_attention_ref"
@@ -219,6 +235,44 @@ async def test_enter_opens_the_request_with_its_tokens_timeline_and_blocks(live)
         assert not isinstance(live.app.screen, RequestScreen)
 
 
+async def test_the_requests_cursor_follows_the_newest_request_even_one_that_came_and_went(live):
+    """A request that starts and finishes while another panel is shown (or between two refreshes) was
+    never active on screen: the cursor stayed on the older one, and enter opened that."""
+    async with live.app.run_test(size=(120, 36)) as pilot:
+        streams = await live.submit(prompts=["first"], params=live_params(max_tokens=2), prefix="old")
+        await pilot.press("space")  # run freely
+        assert [o async for o in streams[0]][-1].finished
+        await pilot.press("2")
+        table = live.app.query_one("#requests-table")
+        await live.settle(pilot, until=lambda: table.keys == ["old0"])
+        assert table.cursor_key == "old0"
+        await pilot.press("6")  # the Log panel: the Requests panel is not drawn meanwhile
+        streams = await live.submit(prompts=["second"], params=live_params(max_tokens=2), prefix="new")
+        assert [o async for o in streams[0]][-1].finished
+        await pilot.press("2")
+        await live.settle(pilot, until=lambda: table.keys == ["new0", "old0"])
+        assert table.cursor_key == "new0", table.keys
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(live.app.screen, RequestScreen) and live.app.screen.request_id == "new0"
+
+
+async def test_held_at_a_finish_breakpoint_the_counts_agree_with_the_finish(live):
+    """With the engine core in its own process, the request has finished there while its last token
+    (from the API server) is still to come: the row said 3/4 beside "length"."""
+    from tracer.conditions import parse_condition
+
+    async with live.app.run_test(size=(120, 36)) as pilot:
+        await live.submit(prompts=["Hello there"])
+        live.controller.add_breakpoint(parse_condition("finish"))
+        await pilot.press("2", "space")
+        stop = await live.held()
+        assert stop.reason == "breakpoint finish"
+        await live.settle(pilot, until=lambda: cells(live.app, "r0")[1] == "finished")
+        row = cells(live.app, "r0")
+        assert row[1] == "finished" and row[3] == "4/4" and "length" in row[5], row
+
+
 async def test_slash_filters_the_log_by_layer_and_request(live):
     async with live.app.run_test(size=(120, 36)) as pilot:
         await live.submit()
@@ -278,6 +332,8 @@ async def test_palette_sends_a_test_request_and_exports_a_replayable_trace(live,
                 break
             await asyncio.sleep(0.02)
         assert "tui-1" in live.source.refresh().waiting
+        queued = next(e for e in live.session.bus.read(0)[0] if e.name == "QUEUED" and e.request_id == "tui-1")
+        assert queued.attrs["params"]["temperature"] == 0 and queued.attrs["max_tokens"] == 16  # greedy, as it says
         await pilot.press("n")
         await live.held()
         await pilot.press("ctrl+p", *"export trace", "enter")

@@ -68,7 +68,7 @@ async def test_the_scroll_indicator_leaves_the_column_names_alone_and_the_full_r
         await live.settle(pilot)
         table = live.app.query_one("#requests-table")
         head = shown(table).splitlines()[0]
-        for name in ("id", "state", "prompt", "output", "age", "why waiting / finish"):
+        for name in ("id", "state", "prompt", "output", "lifetime", "why waiting / finish"):
             assert name in head
         assert "↕" in head and "of 30" in head, (table.row_count, table.size, head)
         detail = live.app.query_one("#requests-detail")
@@ -106,3 +106,53 @@ def test_the_startup_hint_names_a_real_command():
         resolve("./nonexistent-model")
     assert "vllm-trace serve tiny-gpt2" in str(e.value) and "--model" not in str(e.value)
 
+
+
+@pytest.mark.asyncio
+async def test_at_80_columns_the_overview_never_scrolls_sideways_and_its_gauge_is_whole(live):
+    """The Overview's lines were sized to the panel: once its content needed a vertical scrollbar
+    they were two columns too wide, the body scrolled sideways, the gauge read `0/4095 bloc` and a
+    scrollbar thumb sat in the bottom-right corner. They leave room for that scrollbar now."""
+    async with live.app.run_test(size=(80, 24)) as pilot:
+        await live.submit(BURST)
+        await pilot.press("n")  # held after one step: running and waiting requests, the kernels
+        await live.held()
+        await pilot.press("1")
+        body = live.app.query_one("#overview-body")
+        await live.settle(pilot, until=lambda: "KV cache" in shown(body))
+        room = body.size.width - body.styles.scrollbar_size_vertical
+        assert body.virtual_size.width <= room and not body.show_horizontal_scrollbar
+        gauge = next(line for line in shown(body).splitlines() if "KV cache" in line)
+        assert gauge[:room].rstrip().endswith("/63 blocks"), gauge  # (block 0 is the null block)
+
+
+@pytest.mark.asyncio
+async def test_counts_read_as_english_and_the_lifetime_column_says_what_it_is(live):
+    async with live.app.run_test(size=(120, 36)) as pilot:
+        await live.submit(prompts=["x"])
+        for _ in range(2):  # the prefill, then one decode of one request
+            await pilot.press("n")
+            await live.held()
+        await pilot.press("4")
+        await live.settle(pilot, until=lambda: "in the batch" in shown(live.app.query_one("#step-right")))
+        assert "(1 request, 1 token in the batch)" in shown(live.app.query_one("#step-right"))
+        await pilot.press("2")
+        await live.settle(pilot)
+        head = live.app.query_one("#requests-table")._header_strip(120, 0, 0).text
+        assert "lifetime" in head and " age " not in head
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+async def test_the_kernels_panel_says_what_it_lists_and_what_it_leaves_out(recorded_trace, size):
+    """It lists two launches a layer, which a learner took for the whole forward pass."""
+    source = ReplaySource.load(recorded_trace)
+    source.replay.goto(2)
+    app = TraceApp(source, initial_pane="kernels")
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        head = app.query_one("#kernels-head")
+        text = " ".join(shown(head).split())
+        assert "listed: each layer's KV-cache write and paged attention" in text, text
+        assert "not listed: matmuls, layer norms, MLP, LM head, sampler" in text, text
+        assert all(len(line.rstrip()) <= head.size.width for line in shown(head).splitlines())

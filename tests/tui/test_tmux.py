@@ -185,3 +185,24 @@ def test_attach_shows_the_disconnect(model_cache):
         assert time.monotonic() - t0 < 2.5  # (polled every 0.2 s)
     finally:
         subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", SESSION], capture_output=True)
+
+
+@pytest.mark.parametrize("when", ["0.3 s", "0.8 s", "1.3 s", "the Startup panel"])
+def test_ctrl_c_while_serve_starts_is_one_line_and_status_130(model_cache, when):
+    """Ctrl-C early is SIGINT (the terminal is still the shell's); once the TUI has the terminal it is
+    a key, which the TUI turns into the same signal. Before: a traceback (NoMatches: LogPanel) from
+    the app told to exit before it was built, and in the TUI nothing at all."""
+    new_session(f"{env(model_cache)} {sys.executable} -m tracer.cli serve tiny-gpt2 --port {free_port()}; "
+                f"echo EXIT=$?", 100, 30)
+    try:
+        if when.endswith(" s"):
+            time.sleep(float(when.split()[0]))
+        else:  # drawn, not ready: the TUI owns the terminal and the engine is still starting
+            wait_for(lambda: "arguments" in pane() and "Ready." not in pane(), 30, "the Startup panel")
+        tmux("send-keys", "-t", f"{SESSION}:0", "C-c")
+        screen = wait_for(lambda: "EXIT=" in pane() and pane(), 30, "serve to exit")
+        said = [line for line in screen.splitlines() if line.strip() and "EXIT=" not in line]
+        assert said == ["^Cvllm-trace serve: interrupted"] or said == ["vllm-trace serve: interrupted"], screen
+        assert "EXIT=130" in screen
+    finally:
+        subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", SESSION], capture_output=True)

@@ -14,7 +14,7 @@ from tests.tui.test_live_keys import footer_shows
 from tests.tui.tp_events import HIDDEN, rank_ns, tp_events, write_trace
 from tracer.replay import Replay
 from tracer.tui.app import TraceApp
-from tracer.tui.fmt import fmt_ns
+from tracer.tui.fmt import STAGE_WIDTH, fmt_ns
 from tracer.tui.sources.replay import ReplaySource
 
 
@@ -146,8 +146,9 @@ def test_serve_prints_each_ranks_lines_under_the_engines(capsys):
     for ev in tp_events(n=2):
         serve._print_stage(ev.layer, ev.name, ev.kind, ev.request_id, ev.step, ev.attrs or {})
     lines = capsys.readouterr().err.splitlines()
-    starts = [line.split()[0] + (" " + line.split()[1] if line.split()[0] == "rank" else "") for line in lines]
-    assert starts == ["model_load", "rank 0", "rank 1", "kv_cache_alloc", "rank 0", "rank 1"]
+    starts = [line[:2 + STAGE_WIDTH].strip() for line in lines]
+    assert starts == ["weights", "rank 0", "rank 1", "KV cache", "rank 0", "rank 1"]
+    assert len({line.index(" ms ") for line in lines}) == 1  # one column of times
     assert "heads [2, 4) · mlp cols [256, 512)" in lines[2] and "64 blocks × 8.0 KiB" in lines[4]
 
 

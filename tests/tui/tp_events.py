@@ -1,5 +1,5 @@
-"""Synthetic tensor-parallel traces, built as the event contract of issue #20 says the engine
-emits them (config.parallel, every rank's launches with `rank`, all_reduce / all_gather as launches,
+"""Synthetic tensor-parallel traces, built as the engine emits them with tensor parallelism
+(config.parallel, every rank's launches with `rank`, all_reduce / all_gather as launches,
 the workers' startup stages and execute_model per step), for the fold and the panels' tests.
 
 Rank r's launches take (r + 1) times rank 0's, so per-rank sums tell the ranks apart.

@@ -12,6 +12,7 @@ import asyncio
 import os
 import sys
 
+from tracer.commands import HelpFormatter
 from tracer.defaults import DEFAULT_URL
 from tracer.errors import UserError
 
@@ -22,7 +23,7 @@ def register(sub) -> None:
     p = sub.add_parser("attach", help="open the TUI on a running server (started with --no-tui)",
                        description="Open the TUI on a `vllm-trace serve --no-tui` server: watch its requests, "
                                    "pause and step its engine over HTTP.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("url", nargs="?", default=DEFAULT_URL, help="the server's base URL")
     p.add_argument("--api-key", default=os.environ.get("VLLM_TRACE_API_KEY"),
                    help="the server's --api-key: a server started with one wants it for every /trace "
@@ -56,7 +57,10 @@ async def _attach(url: str, api_key: str | None, web_port: int | None = None) ->
     if web_port is not None:
         await source.close()
         return await _web(url, api_key, web_port)
-    await TraceApp(source).run_async()
+    app = TraceApp(source)
+    await app.run_async()
+    if app.return_code == 130:  # ctrl+c
+        raise KeyboardInterrupt
     return 0
 
 

@@ -3,13 +3,17 @@
 Each request is a streamed completion of a seeded random token-id prompt, greedy, with EOS
 ignored so it generates exactly its output length. Per request we time TTFT (send -> first
 text chunk), ITL (gaps between chunks), TPOT ((e2e - ttft) / (tokens - 1)) and E2E latency.
-Arrivals: --request-rate R sends a Poisson stream of R requests/s (inf: all at once);
---concurrency C keeps C requests in flight instead.
+Arrivals: --request-rate R sends a Poisson stream of R requests/s (vLLM's flag; inf, the default:
+all at once); --concurrency C keeps C requests in flight instead. --duration S keeps sending for
+S seconds (then waits for the requests in flight), so a slow rate can be watched in the TUI:
+
+    vllm-trace bench --request-rate 1 --duration 60 --output-len 200:400
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -43,11 +47,14 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=DEFAULT_URL, help=f"server base URL (default {DEFAULT_URL})")
     p.add_argument("--model", default=None, help="model name (default: the first one the server lists)")
-    p.add_argument("--num-requests", type=int, default=64, help="requests to send (default 64)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests to send (default 64; with --duration: as many as it allows)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--request-rate", type=float, default=float("inf"),
                       help="Poisson arrival rate, requests/s (default inf: all at once)")
     load.add_argument("--concurrency", type=int, default=None, help="keep this many requests in flight instead")
+    p.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="send for S seconds, at --request-rate or --concurrency (then wait for the last answers)")
     p.add_argument("--prompt-len", type=length_range, default=(32, 32), metavar="N|MIN:MAX",
                    help="prompt tokens per request (default 32)")
     p.add_argument("--output-len", type=length_range, default=(32, 32), metavar="N|MIN:MAX",
@@ -74,10 +81,12 @@ class Result:
     error: str = ""
 
 
-def make_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int):
+def make_requests(n: int | None, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int):
+    """(prompt token ids, output length) for each request, seeded; n None: without end (--duration)."""
     rng = random.Random(seed)
-    return [([rng.randrange(PROMPT_VOCAB) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len))
-            for _ in range(n)]
+    count = itertools.count() if n is None else range(n)
+    for _ in count:
+        yield [rng.randrange(PROMPT_VOCAB) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len)
 
 
 async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int, n: int = 1,
@@ -134,23 +143,30 @@ async def _run(args: argparse.Namespace) -> dict:
         bar = None
         if not args.no_progress:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(work), desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
+            bar = tqdm(total=args.num_requests, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
         gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
         rng = random.Random(args.seed + 1)
 
         async def run_one(prompt, max_tokens):
-            if gate is None:
+            try:
                 res = await one_request(client, url, model, prompt, max_tokens, args.n, args.priority)
-            else:
-                async with gate:
-                    res = await one_request(client, url, model, prompt, max_tokens, args.n, args.priority)
+            finally:
+                if gate is not None:
+                    gate.release()
             if bar is not None:
                 bar.update(1)
             return res
 
         start = time.perf_counter()
+        deadline = None if args.duration is None else start + args.duration
         tasks = []
         for prompt, max_tokens in work:
+            if gate is not None:
+                await gate.acquire()  # a slot first: the request is sent when it frees
+            if deadline is not None and time.perf_counter() >= deadline:
+                if gate is not None:
+                    gate.release()
+                break
             tasks.append(asyncio.create_task(run_one(prompt, max_tokens)))
             if args.concurrency is None and args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))  # the arrival process itself
@@ -179,6 +195,7 @@ def summarize(results: list[Result], duration: float, args: argparse.Namespace, 
         model=model, url=args.url, num_requests=len(results), completed=len(ok), failed=len(results) - len(ok),
         errors=sorted({r.error for r in results if not r.ok})[:5],
         request_rate=args.request_rate if args.concurrency is None else None, concurrency=args.concurrency,
+        send_duration_s=args.duration,
         duration_s=duration, total_input_tokens=in_tokens, total_output_tokens=out_tokens,
         request_throughput=len(ok) / duration, output_throughput=out_tokens / duration,
         total_token_throughput=(in_tokens + out_tokens) / duration,
@@ -209,8 +226,14 @@ def print_report(s: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.num_requests < 1 or (args.concurrency is not None and args.concurrency < 1) or args.request_rate <= 0:
-        raise UserError("--num-requests, --concurrency and --request-rate must be positive")
+    if ((args.num_requests is not None and args.num_requests < 1) or (args.concurrency is not None
+                                                                      and args.concurrency < 1)
+            or args.request_rate <= 0 or (args.duration is not None and args.duration <= 0)):
+        raise UserError("--num-requests, --concurrency, --request-rate and --duration must be positive")
+    if args.duration is None:
+        args.num_requests = args.num_requests or 64
+    elif args.concurrency is None and args.request_rate == float("inf"):
+        raise UserError("--duration needs a pace: --request-rate R (Poisson, R a second) or --concurrency C")
     summary = asyncio.run(_run(args))
     print_report(summary)
     if args.json:

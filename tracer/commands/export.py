@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 
+from tracer.commands import HelpFormatter
 from tracer.errors import UserError
 
 FORMATS = ["perfetto"]
@@ -14,7 +15,7 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="convert a recorded trace (--trace-file) for other viewers",
                        description="Convert a trace recorded with --trace-file. 'perfetto' writes Chrome "
                                    "trace-event JSON that ui.perfetto.dev and chrome://tracing open.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("trace", help="a JSON-lines trace file written by --trace-file")
     p.add_argument("--format", choices=FORMATS, default="perfetto", help="output format")
     p.add_argument("-o", "--output", required=True, help="where to write the exported trace")

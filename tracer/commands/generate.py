@@ -5,12 +5,13 @@ import argparse
 import sys
 
 from engine.arg_utils import EngineArgs
+from tracer.commands import HelpFormatter
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion offline and print it",
                        description="Run the engine offline on one or more prompts and print each completion.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument(
         "model", help="tiny-gpt2 (built in, offline), a Hugging Face name such as gpt2, or a local directory"
     )

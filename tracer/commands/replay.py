@@ -33,5 +33,8 @@ def run(args: argparse.Namespace) -> int:
             source.replay.goto(args.step)
         except KeyError as e:
             raise UserError(str(e.args[0])) from None
-    TraceApp(source).run()
+    app = TraceApp(source)
+    app.run()
+    if app.return_code == 130:  # ctrl+c
+        raise KeyboardInterrupt
     return 0

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+from tracer.commands import HelpFormatter
 from tracer.defaults import DEFAULT_PROMPT, DEFAULT_URL
 from tracer.errors import UserError
 
@@ -17,13 +18,13 @@ def register(sub) -> None:
     p = sub.add_parser("send", help="send one request to a running server and print the answer",
                        description="Send one completion (or, with --chat, chat) request to a running "
                                    "`vllm-trace serve` and print the text, then the usage.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="prompt text (with --chat: the user message)")
     p.add_argument("--url", default=DEFAULT_URL, help="server base URL")
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions (the chat template applies)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (server-sent events)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy: the same text every time")
     p.add_argument("--model", default=None, help="model name (default: the first one the server lists)")
     p.add_argument("--api-key", default=os.environ.get("VLLM_TRACE_API_KEY"),
                    help="the server's --api-key (default: $VLLM_TRACE_API_KEY)")

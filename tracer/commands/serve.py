@@ -79,7 +79,7 @@ def register(sub) -> None:
     h.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level; 'info' logs every request (default warning)")
-    tr = p.add_argument_group("tracing", "the event stream, /trace control and recording (see /trace/* in the README)")
+    tr = p.add_argument_group("tracing", "the event stream, /trace control and recording (docs/user-guide.md)")
     tr.add_argument("--trace-file", metavar="PATH", default=None,
                     help="record every event as JSON lines (valid after Ctrl-C; `vllm-trace export PATH` for Perfetto)")
     tr.add_argument("--start-paused", action="store_true",
@@ -139,9 +139,12 @@ _SHOW_STAGES = True  # off while the TUI owns the terminal: its Startup panel sh
 
 
 def _stage(name: str, seconds: float, details: str = "") -> None:
+    """One startup stage's line, in the Startup panel's words (its trace name: tracer.tui.fmt)."""
+    from tracer.tui.fmt import STAGE_WIDTH, stage_label
+
     if not _SHOW_STAGES:
         return
-    print(f"  {name:<16} {seconds * 1000:8.1f} ms  {details}", file=sys.stderr, flush=True)
+    print(f"  {stage_label(name):<{STAGE_WIDTH}} {seconds * 1000:8.1f} ms  {details}", file=sys.stderr, flush=True)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -182,9 +185,10 @@ def _print_stage(layer, name, kind, request_id, step, attrs) -> None:
 
     if kind == END and layer == WORKER and "rank" in attrs and "seconds" in attrs:
         # the workers finish first: their lines wait for the engine's, which says what they add up to
-        from tracer.tui.fmt import shard_details
+        from tracer.tui.fmt import STAGE_WIDTH, shard_details
+        rank = f"  rank {attrs['rank']}"
         _rank_lines.setdefault(name, []).append((attrs["rank"], (
-            f"    rank {attrs['rank']:<9} {attrs['seconds'] * 1000:8.1f} ms  {shard_details(name, attrs)}")))
+            f"  {rank:<{STAGE_WIDTH}} {attrs['seconds'] * 1000:8.1f} ms  {shard_details(name, attrs)}")))
     elif kind == END and "seconds" in attrs and (layer == ENGINE or name in (CORE_PROCESS_START, CORE_HANDSHAKE)):
         _stage(name, attrs["seconds"], _fmt_details(name, attrs))
         for _, line in sorted(_rank_lines.pop(name, [])) if layer == ENGINE else ():
@@ -470,9 +474,9 @@ def _url(host: str, port: int) -> str:
 
 
 def _banner(args: argparse.Namespace, name: str, url: str, refusal: str | None, session) -> None:
-    from tracer.defaults import DEFAULT_PROMPT
+    from tracer.defaults import DEFAULT_PROMPT, sample_body
 
-    body = json.dumps({"model": name, "prompt": DEFAULT_PROMPT, "max_tokens": 16})
+    body = json.dumps(sample_body(name))
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     print(f"\nReady: {name} at {url} (OpenAI API under {url}/v1; Ctrl-C to stop)", file=sys.stderr)
     print(f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'", file=sys.stderr)

@@ -40,7 +40,7 @@ from tracer.tui.widgets.step import StepPanel
 REFRESH_HZ = 12  # the timer drops a tick when the loop is late: 12 asked, at least 10 had under load
 PANES = [("overview", "Overview"), ("requests", "Requests"), ("kv", "KV cache"), ("step", "Step"),
          ("kernels", "Kernels"), ("log", "Log"), ("startup", "Startup")]
-TEST_PROMPT = "The paged KV cache"
+TEST_PROMPT, TEST_TOKENS = "The paged KV cache", 16  # the palette's test request: greedy, as `vllm-trace send`
 CONTROL_ACTIONS = {"toggle_pause", "step", "breakpoints", "triton"}
 TRAVEL_ACTIONS = {"travel"}
 PANE_ACTIONS = {"show_pane", "cycle_pane"}  # keys that work whatever has focus (not while typing)
@@ -66,6 +66,7 @@ class TraceApp(App):
         Binding("home", "travel('home')", "first", priority=True),
         Binding("end", "travel('end')", "last", priority=True),
         Binding("q", "quit", "quit"),
+        Binding("ctrl+c", "interrupt", show=False),  # what Ctrl-C does to any command (Textual: "press ctrl+q")
         Binding("t", "triton", "on Triton"),
         Binding("r", "next_rank", "rank"),  # tensor parallelism only (check_action)
         Binding("slash", "filter", "filter"),
@@ -95,6 +96,7 @@ class TraceApp(App):
         self._chosen_at = -1e9  # when the user last chose a panel (monotonic seconds)
         self._held_name: str | None = None  # the launch the engine is held before
         self._ranks = 1  # tensor-parallel ranks: the footer shows `r` with more than one
+        self.interrupt = None  # ctrl+c: the command's own Ctrl-C (serve: the signal), else exit with 130
     # ---- layout ----------------------------------------------------------------------------
     def compose(self):
         info = self.source.info
@@ -119,9 +121,12 @@ class TraceApp(App):
     def on_mount(self) -> None:
         # Kept, not queried per refresh: queries run against the active screen (a modal one,
         # the palette) and would not find the panels there.
-        self.header = self.query_one(StatusHeader)
-        self.panes = self.query_one(TabbedContent)
-        self.log_panel = self.query_one(LogPanel)
+        try:
+            self.header = self.query_one(StatusHeader)
+            self.panes = self.query_one(TabbedContent)
+            self.log_panel = self.query_one(LogPanel)
+        except NoMatches:  # told to exit before its widgets were mounted (Ctrl-C as `serve` starts)
+            return
         self.tick()
         self._timer = self.set_interval(1 / self.refresh_hz, self.tick)
 
@@ -314,11 +319,11 @@ class TraceApp(App):
 
     async def action_send_test_request(self) -> None:
         try:
-            what = await self.source.send_test_request(TEST_PROMPT)
+            what = await self.source.send_test_request(TEST_PROMPT, TEST_TOKENS)
         except Unsupported as e:
             self.notify(str(e), severity="warning")
             return
-        self.notify(f"sent: {what}")
+        self.notify(f"sent {TEST_PROMPT!r} ({TEST_TOKENS} tokens, greedy): {what}")
 
     async def action_export(self, path: str | None = None) -> None:
         path = path or str(Path.cwd() / time.strftime("vllm-trace-%Y%m%d-%H%M%S.jsonl"))
@@ -338,6 +343,13 @@ class TraceApp(App):
             self.push_screen(ConfirmQuit(n), answered)
         else:
             self.exit()
+
+    def action_interrupt(self) -> None:
+        """ctrl+c: the terminal is the TUI's, so the key arrives here rather than as SIGINT."""
+        if self.interrupt is not None:
+            self.interrupt()
+        else:
+            self.exit(return_code=130)
 
     async def on_unmount(self) -> None:
         if self._timer is not None:  # None when the app stopped before it mounted
@@ -362,7 +374,8 @@ class TraceApp(App):
                                  ("end", "Last step")]:
                 yield SystemCommand(title, "replay: move through the recorded trace",
                                     lambda w=where: self.run_action(f"travel('{w}')"))
-        yield SystemCommand("Send a test request", f"POST a completion of {TEST_PROMPT!r} (16 tokens)",
+        yield SystemCommand("Send a test request", f"complete {TEST_PROMPT!r}: {TEST_TOKENS} tokens, greedy "
+                            "(temperature 0, as `vllm-trace send`)",
                             self.action_send_test_request)
         yield SystemCommand("Export trace", "write the trace so far to a file (replay: Perfetto JSON)",
                             self.action_export)

@@ -10,6 +10,19 @@ PALETTE = ["#e06c75", "#98c379", "#61afef", "#e5c07b", "#c678dd", "#56b6c2", "#d
 SPARK = "▁▂▃▄▅▆▇█"
 
 
+# The startup stages in words, by their trace names: serve's lines and the Startup panel say the
+# same (a learner who reads "weights" in one and model_load in the other sees two things).
+STAGE_LABELS = {"args": "arguments", "config": "config", "core_process_start": "engine core process",
+                "resolve_model": "model files", "tokenizer_load": "tokenizer", "model_load": "weights",
+                "kv_cache_alloc": "KV cache", "kernel_warmup": "kernel warm-up", "core_handshake": "engine core ready",
+                "http_ready": "HTTP ready"}
+STAGE_WIDTH = max(map(len, STAGE_LABELS.values()))
+
+
+def stage_label(name: str) -> str:
+    return STAGE_LABELS.get(name, name)
+
+
 def color_map(request_ids) -> dict[str, str]:
     """Each request's colour, by arrival order (the state's requests dict keeps that order)."""
     return {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(request_ids)}
@@ -38,6 +51,11 @@ def fmt_age(ns: int | None) -> str:
     if s < 60:
         return f"{s:.0f}s"
     return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def plural(n: int, word: str) -> str:
+    """'1 request', '2 requests', '3 launches'."""
+    return f"{n} {word}{'' if n == 1 else 'es' if word.endswith('ch') else 's'}"
 
 
 def fmt_age_coarse(ns: int | None) -> str:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 
 from tracer.tui.app import TraceApp
+from tracer.tui.fmt import plural
 from tracer.tui.sources.base import SourceInfo, engine_identity
 from tracer.tui.sources.live import LiveSource
 
@@ -71,6 +73,9 @@ class LiveTui:
         info = SourceInfo("live", model=model, device="…", backend="…", url=url)  # known once built
         self.source = LiveSource(session, info, None, api_key)
         self.app = TraceApp(self.source)
+        # ctrl+c is the signal, as without the TUI: while starting, one line and status 130; once
+        # serving, the drain and the summary, as `q` (uvicorn's handler takes the signal then)
+        self.app.interrupt = lambda: signal.raise_signal(signal.SIGINT)
         self._logs = _uvicorn_logs_to(_ToApp(self.app))
         self._logs.__enter__()
         self.ui = asyncio.ensure_future(self.app.run_async(headless=headless, size=(120, 40) if headless else None))
@@ -102,15 +107,15 @@ class LiveTui:
         s = self.source.refresh()
         done = [s.requests[r] for r in s.finished if r in s.requests]
         aborted = sum(r.status == "FINISHED_ABORTED" for r in done)
-        tokens = sum(len(r.output_token_ids) for r in done)
-        steps = "no step" if s.step is None else f"{s.step + 1} engine steps"
+        tokens = sum(r.num_output_tokens for r in done)
+        steps = "no step" if s.step is None else plural(s.step + 1, "engine step")
         served, cut = len(done) - aborted, f", {aborted} aborted" if aborted else ""
         if s.num_finished > len(done):  # the state keeps the latest --trace-max-finished requests
             lines = [f"vllm-trace serve: {s.num_finished} requests finished in {steps}; the latest {len(done)}: "
                      f"{served} served, {tokens} tokens generated{cut}"]
         else:
             lines = [f"vllm-trace serve: {served} request{'' if served == 1 else 's'} served "
-                     f"({tokens} tokens generated{cut}) in {steps}"]
+                     f"({plural(tokens, 'token')} generated{cut}) in {steps}"]
         hz = self.app.busy_refresh_hz
         if hz is not None:
             lines.append(f"  TUI: {hz:.1f} refreshes/s while requests were in flight "

@@ -19,7 +19,8 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
   batch, KV-cache use and the last step's kernel timings. The TUI opens it by itself when the
   engine goes from idle to busy (unless you chose a panel in the last few seconds).
 - **Requests** (2): newest and active first (running, waiting, preempted), then finished
-  requests: id, state, prompt tokens computed/total, generated tokens, age, and *why* a
+  requests: id, state, prompt tokens computed/total, generated tokens, lifetime (from its
+  arrival until now, or until it finished), and *why* a
   waiting request was not admitted this step (token budget, max_num_seqs, no free KV blocks)
   or why it finished. The cursor follows the newest request until you move it.
   `enter` opens a request: its prompt as token pieces with their ids, the text streaming in,
@@ -35,7 +36,9 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
   and the flattened model inputs of the selected request (input_ids, positions, slot_mapping,
   query_start_loc, block table).
 - **Kernels** (5): each kernel launch of the step with its grid, meta-parameters (Triton) or
-  argument shapes (PyTorch), duration and a sparkline of its time per step. `enter` on a
+  argument shapes (PyTorch), duration and a sparkline of its time per step. It lists each layer's
+  KV-cache write and paged attention (and the collectives with tensor parallelism); the matmuls,
+  layer norms, MLP, LM head and sampler run but are not traced as launches. `enter` on a
   Triton attention launch goes into its program grid (one row per KV head); the arrows pick
   a program and a head and show the physical blocks it reads (`esc`: back to the list).
   On the PyTorch backend, hold the engine before an attention launch (`k`) and press `t`:
@@ -66,6 +69,7 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
 | `ctrl+p` | command palette: every action, *send a test request*, *export trace* |
 | `?` | this help |
 | `q` | quit (asks first if requests are in flight) |
+| `ctrl+c` | stop, as Ctrl-C does (`serve`: starting, it exits; serving, it drains the requests in flight) |
 | `←` / `→`, `home` / `end` | replay: step back / forward in time, jump to the first / last step |
 
 The header shows the model, device and attention backend, the engine's state (RUNNING,

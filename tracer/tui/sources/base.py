@@ -121,6 +121,7 @@ class Source:
         raise Unsupported("breakpoints need a running engine")
 
     async def send_test_request(self, prompt: str, max_tokens: int = 16) -> str:
+        """A greedy completion of prompt (temperature 0, as `vllm-trace send`); returns where it went."""
         raise Unsupported("no server to send a request to")
 
     async def export(self, path: str) -> str:

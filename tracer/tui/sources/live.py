@@ -130,7 +130,7 @@ async def _post_completion(url: str, model: str, prompt: str, max_tokens: int, a
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     async with httpx.AsyncClient(timeout=None) as client:
         async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
             async for _ in resp.aiter_bytes():
@@ -140,5 +140,5 @@ async def _post_completion(url: str, model: str, prompt: str, max_tokens: int, a
 async def _generate(async_engine, request_id: str, prompt: str, max_tokens: int) -> None:
     from engine.sampling_params import SamplingParams
 
-    async for _ in async_engine.generate(prompt, SamplingParams(max_tokens=max_tokens), request_id):
+    async for _ in async_engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0), request_id):
         pass

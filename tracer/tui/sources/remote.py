@@ -202,7 +202,7 @@ class RemoteSource(Source):
         self._breakpoints = resp.json().get("breakpoints", []) if resp.status_code == 200 else []
 
     async def send_test_request(self, prompt: str, max_tokens: int = 16) -> str:
-        body = {"model": self.info.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+        body = {"model": self.info.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
 
         async def send() -> None:
             async with self.client.stream("POST", "/v1/completions", json=body, timeout=None) as resp:

@@ -17,9 +17,10 @@ POINTS = {  # where the engine holds -> what it is waiting to do
     "execute": "after scheduling step {step}, before its forward pass: s goes on to the next phase",
     "postprocess": "after the forward pass of step {step}, before its tokens are appended: s goes on",
     "kernel": "before the kernel launch {name} (layer {layer}) of step {step}: k runs it",
+    "step_end": "at the end of step {step}, its tokens out: n runs the next step",
 }
-WHY = {"pause": "you paused (space)", "step step": "one step done (n)", "step phase": "one phase done (s)",
-       "step kernel": "one launch done (k)"}
+WHY = {"pause": "you paused (space)", "step step": "you stepped over a step (n)",
+       "step phase": "you stepped to the next phase (s)", "step kernel": "you stepped to the next kernel launch (k)"}
 
 
 def engine_mode(frame: Frame, stepping: bool, mode: str, connected: bool = True) -> tuple[str, str]:
@@ -74,7 +75,9 @@ class StatusHeader(FixedText):
         s, c, info = frame.state, frame.controller, self.info
         label, style = engine_mode(frame, stepping, info.mode, self.connection is None)
         step = "-" if s.step is None else str(s.step)
-        where = c.get("point") if c.get("paused") else s.phase
+        # the phase of the step shown, as the Step panel says it (where a hold is, line two says);
+        # a replay moves from step to step, each done
+        where = s.phase if info.mode != "replay" else None
         travel = (f"/{c['first_step']}..{c['last_step']}" if info.mode == "replay" and c.get("last_step") is not None
                   else "")
         width = self.size.width or 80

@@ -224,6 +224,11 @@ def program_text(grid: ProgramGrid) -> Text:
     return t
 
 
+# What the list holds, said on the panel: a learner otherwise takes it for the whole forward pass.
+SCOPE = ("listed: each layer's KV-cache write and paged attention, and any collectives",
+         "not listed: matmuls, layer norms, MLP, LM head, sampler (they run, untraced)")
+
+
 class KernelsPanel(Panel):
     def compose(self):
         yield FixedText(id="kernels-head")
@@ -287,6 +292,7 @@ class KernelsPanel(Panel):
             head.append("  (r: next rank)", "dim")
             for r in step_ranks(s):
                 head.append("\n" + rank_summary(s.kernels, r), "bold" if r == self.rank else "")
+        head.append("\n" + "\n".join(SCOPE), "dim")
         box = self.query_one("#kernels-head", FixedText)
         height = 1 + head.plain.count("\n")  # a line per rank under the CSS's one
         if box.styles.height is None or box.styles.height.value != height:

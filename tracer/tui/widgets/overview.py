@@ -17,17 +17,13 @@ import time
 from rich.text import Text
 
 from tracer.state import rank_of
-from tracer.tui.fmt import fmt_ns, status_text
+from tracer.tui.fmt import fmt_ns, plural, status_text
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import LinesView
 from tracer.tui.widgets.panel import Panel
 from tracer.tui.widgets.request_detail import waiting_why
 
-BUSY_HZ = 3  # with 64 streams every redraw differs: ~4-10 ms each on this 2-core VM (measured), off the loop
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 'es' if word.endswith('ch') else 's'}"
+BUSY_HZ = 3  # with 64 streams every redraw differs: ~4-10 ms each on a 2-core CPU (measured), off the loop
 
 
 def kv_gauge(frame: Frame, width: int = 20) -> Text:
@@ -87,7 +83,7 @@ def overview(frame: Frame, width: int, height: int) -> Text:
     idw = min(24, max([10] + [len(r) for r in s.running[:n_run] + s.waiting[:n_wait] + s.finished[-3:]]))
     for rid in s.running[:n_run]:
         r = s.requests[rid]
-        out = f"{len(r.output_token_ids)}/{r.max_tokens}" if r.max_tokens else str(len(r.output_token_ids))
+        out = f"{r.num_output_tokens}/{r.max_tokens}" if r.max_tokens else str(r.num_output_tokens)
         t.append("  ■ ", frame.color(rid))
         t.append(f"{rid[:idw]:<{idw}}", "bold" if rid == frame.selected else "")
         if width >= 100:
@@ -118,7 +114,7 @@ def overview(frame: Frame, width: int, height: int) -> Text:
             r = s.requests[rid]
             t.append("  ■ ", frame.color(rid))
             t.append(f"{rid[:idw]:<{idw}}", "bold" if rid == frame.selected else "")
-            t.append(f"  {len(r.output_token_ids)} tokens out, {r.finish_reason or '?'}", "dim")
+            t.append(f"  {plural(r.num_output_tokens, 'token')} out, {r.finish_reason or '?'}", "dim")
             t.append(f"  {r.text[:max(0, width - idw - 30)]!r}\n" if r.text else "\n", "green")
     t.append("\n")
     snap = s.snapshot if s.snapshot_step == s.step and s.snapshot else None
@@ -167,13 +163,21 @@ class OverviewPanel(Panel):
     def show(self, frame: Frame, force: bool = False) -> None:
         s = frame.state
         body = self.query_one("#overview-body", LinesView)
-        key = (s.last_seq, frame.selected, frame.controller.get("paused"), self.size)
+        if not body.size.width:
+            return  # not laid out yet: the lines are sized to fit, so draw once the width is known
+        key = (s.last_seq, frame.selected, frame.controller.get("paused"), self.size, body.size)
         now = time.monotonic()
         if not force and (key == self._key or (not frame.controller.get("paused")
                                                and now - self._drawn_at < 1 / BUSY_HZ)):
             return  # (a skipped change is drawn by a later refresh: the key still differs then)
         self._key, self._drawn_at = key, now
-        # one line of segments per line of text, no Rich layout: the lines are sized to fit already
+        # one line of segments per line of text, no Rich layout: the lines are sized to fit
         console = self.app.console
-        text = overview(frame, self.size.width or 80, self.size.height or 20)
-        body.update_rows([list(line.render(console)) for line in text.split("\n")])
+        # lines sized to fit beside a vertical scrollbar: one line too wide scrolled the whole body
+        # sideways (the gauge cut to `0/4095 bloc`, a stray scrollbar thumb in the corner)
+        width = body.size.width - body.styles.scrollbar_size_vertical
+        text = overview(frame, width, body.size.height)
+        lines = text.split("\n")
+        for line in lines:  # a long request id or reason: cut, never a sideways scroll
+            line.truncate(width, overflow="ellipsis")
+        body.update_rows([list(line.render(console)) for line in lines])

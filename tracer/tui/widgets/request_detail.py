@@ -133,7 +133,7 @@ class RequestDetail(LinesView):
             body.update(Text("Select a request (Requests panel, arrows) to see it here.", "dim"))
             return
         title = Text.assemble(("■ ", frame.color(rid)), (f"request {rid}  ", "bold"), status_text(r.status),
-                              f"  prompt {r.num_prompt_tokens} tokens · generated {len(r.output_token_ids)}"
+                              f"  prompt {r.num_prompt_tokens} tokens · generated {r.num_output_tokens}"
                               + (f"/{r.max_tokens}" if r.max_tokens else "")
                               + (f" · preempted {r.num_preemptions}×" if r.num_preemptions else "")
                               + (f" · priority {r.priority}" if r.priority else ""))

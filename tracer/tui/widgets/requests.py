@@ -1,6 +1,6 @@
 """Requests: every request the engine knows, newest and active first (running, waiting or
 preempted, by arrival, newest on top), then the finished ones, most recent first. The cursor
-follows the newest active request until the user moves it. Enter opens one; on a wide
+stays on the top row (the newest request) until the user moves it. Enter opens one; on a wide
 terminal its detail (with the full reason a request waits) sits beside the list."""
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from tracer.tui.widgets.rows import RowList, cell, cells_text
 # Redrawing 64 changed rows costs Textual ~25 ms, taken from the engine (same interpreter).
 BUSY_ROWS, BUSY_HZ = 16, 4
 MAX_FINISHED = 100  # the most recent; the trace file keeps them all
-COLUMNS = [("id", 23), ("state", 9), ("prompt", 7), ("output", 8), ("age", 5), ("why waiting / finish", 40)]
+# lifetime: since its arrival, until now or until it finished (so the newest request is not the "youngest")
+COLUMNS = [("id", 23), ("state", 9), ("prompt", 7), ("output", 8), ("lifetime", 8), ("why waiting / finish", 40)]
 ID, WHY = 0, 5  # sized to fit: the id column to the longest id shown, the reason to what is left
 MAX_ID = 21  # vLLM-style ids (cmpl-<16 hex>) fit whole: the id is what a user greps the log for
 
@@ -48,7 +49,7 @@ def request_rows(frame: Frame, text_filter: str = "") -> list[tuple[str, tuple]]
         if text_filter and text_filter not in rid and text_filter not in r.status.lower():
             continue
         prompt = f"{min(r.num_computed_tokens, r.num_prompt_tokens)}/{r.num_prompt_tokens}"
-        out = f"{len(r.output_token_ids)}/{r.max_tokens}" if r.max_tokens else str(len(r.output_token_ids))
+        out = f"{r.num_output_tokens}/{r.max_tokens}" if r.max_tokens else str(r.num_output_tokens)
         why = waiting_why(frame, r)
         status = status_text(r.status)
         rows.append((rid, (cell("■ " + shorten(rid, MAX_ID), frame.color(rid)), cell(status.plain, str(status.style)),
@@ -120,7 +121,7 @@ class RequestsPanel(Panel):
             if force or not self._busy or now - self._drawn_at >= 1 / BUSY_HZ:
                 rows.set_rows(cells_text([name for name, _ in COLUMNS], widths), new)
                 self._drawn_at = now
-                if not rows.moved_by_user:  # the cursor stays on the newest active request until then
+                if not rows.moved_by_user:  # the cursor stays on the newest request until then
                     self._follow_newest(frame, rows)
         detail = self.query_one(RequestDetail)
         if detail.display:
@@ -133,11 +134,13 @@ class RequestsPanel(Panel):
                 Text.assemble((f"{frame.selected}: ", "bold"), (why, "yellow"), ("  (enter: its detail)", "dim"))
                 if why else Text("enter: the selected request's detail", "dim"))
 
-    def _follow_newest(self, frame: Frame, rows: RowList) -> None:
-        active = set(frame.state.running) | set(frame.state.waiting)
-        first = next((i for i, k in enumerate(rows.keys) if k in active), None)
-        if first is not None and first != rows.cursor:
-            rows.move_cursor(first)
+    @staticmethod
+    def _follow_newest(frame: Frame, rows: RowList) -> None:
+        """The top row: the newest active request, else the one that finished last. (Following
+        only active ones left the cursor on an older request when a short one came and went
+        between two refreshes, or while another panel was shown: enter opened the wrong one.)"""
+        if rows.keys and rows.cursor != 0:
+            rows.move_cursor(0)
 
     def on_row_list_highlighted(self, event: RowList.Highlighted) -> None:
         self.post_message(self.Selected(event.key))

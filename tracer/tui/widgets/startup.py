@@ -14,14 +14,10 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import ProgressBar, Static
 
-from tracer.defaults import DEFAULT_PROMPT
-from tracer.tui.fmt import fmt_bytes, shard_details
+from tracer.defaults import sample_body
+from tracer.tui.fmt import fmt_bytes, shard_details, stage_label
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.panel import Panel
-
-LABELS = {"args": "arguments", "config": "config", "resolve_model": "model files", "tokenizer_load": "tokenizer",
-          "model_load": "weights",
-          "kv_cache_alloc": "KV cache", "kernel_warmup": "kernel warm-up", "http_ready": "HTTP ready"}
 
 
 def stage_details(stage: dict) -> str:
@@ -58,7 +54,7 @@ def rank_rows(workers: list[dict], stage: str) -> list[tuple]:
 
 
 def curl_line(url: str, model: str) -> str:
-    body = json.dumps({"model": model, "prompt": DEFAULT_PROMPT, "max_tokens": 16})
+    body = json.dumps(sample_body(model))
     return f"curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
@@ -92,7 +88,7 @@ class StartupPanel(Panel):
         table.add_column()
         for st in s.startup:
             ok = st.get("ok", True)
-            table.add_row(Text("✓" if ok else "✗", "green" if ok else "red"), LABELS.get(st["stage"], st["stage"]),
+            table.add_row(Text("✓" if ok else "✗", "green" if ok else "red"), stage_label(st["stage"]),
                           f"{st.get('seconds', 0) * 1000:.1f} ms", stage_details(st))
             if st["stage"] in RANK_STAGES and s.workers:
                 for row in rank_rows(s.workers, st["stage"]):
@@ -100,7 +96,7 @@ class StartupPanel(Panel):
         done, total = (cur or {}).get("progress") or (0, None)
         if cur is not None:
             what = f"in progress: {fmt_bytes(done)} of {fmt_bytes(total)}" if total else "in progress"
-            table.add_row(Text("…", "yellow"), LABELS.get(cur["stage"], cur["stage"]), "", Text(what, "yellow"))
+            table.add_row(Text("…", "yellow"), stage_label(cur["stage"]), "", Text(what, "yellow"))
             if cur["stage"] in RANK_STAGES and s.workers:
                 for row in rank_rows(s.workers, cur["stage"]):
                     table.add_row(*row)
@@ -120,9 +116,9 @@ class StartupPanel(Panel):
                                  "1-7 or tab for the panels, ? for help.")
         if self.url:
             return Text.assemble(("Ready. ", "bold green"), f"{self.model} at {self.url}\n\n",
-                                 ("Send a request from another terminal:\n", "dim"),
+                                 ("Send a request from another terminal (greedy, as `vllm-trace send`):\n", "dim"),
                                  (curl_line(self.url, self.model), "bold"), "\n\n",
-                                 ("or press ctrl+p and choose 'Send a test request'. "
+                                 ("or press ctrl+p and choose 'Send a test request' (16 tokens, greedy). "
                                   "The TUI then opens the Overview (1); Requests (2), KV cache (3), "
                                   "Step (4), Kernels (5), Log (6), this panel (7).", "dim"))
         return Text("Ready.", "bold green")

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.containers import Horizontal
 
+from tracer.tui.fmt import plural
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import LinesView
 from tracer.tui.widgets.panel import Panel
@@ -148,8 +149,9 @@ def flattened_inputs(frame: Frame) -> Group | Text:
     t.add_row("seq_len", str(b["seq_lens"][i]))
     t.add_row("query_start_loc", f"{_ints(qsl, 16)}   (this request: rows {lo}..{hi - 1})")
     t.add_row("block_table", _ints(b["block_tables"][i]))
+    size = f"  ({plural(len(ids), 'request')}, {plural(len(b['input_ids']), 'token')} in the batch)"
     return Group(Text.assemble(("flattened inputs of request ", "bold"), (rid, f"bold {frame.color(rid)}"),
-                               (f"  ({len(ids)} requests, {len(b['input_ids'])} tokens in the batch)", "dim")), t)
+                               (size, "dim")), t)
 
 
 class StepPanel(Panel):
