@@ -13,7 +13,8 @@ BAD = [
     (C, {"prompt": "x", "top_p": 0}, 400, "top_p"),
     (C, {"prompt": "x", "top_k": -5}, 400, "top_k"),
     (C, {"prompt": "x", "min_p": 2}, 400, "min_p"),
-    (C, {"prompt": "x", "n": 2}, 400, "n"),
+    (C, {"prompt": "x", "n": 0}, 400, "n"),
+    (C, {"prompt": "x", "n": 1, "best_of": 3}, 400, "best_of"),
     (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     (C, {"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty"),
     (C, {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
@@ -24,7 +25,9 @@ BAD = [
     (C, {"prompt": "x", "seed": 2 ** 80}, 400, "seed"),
     (C, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    (C, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    (C, {"prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
+    (C, {"prompt": "x", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     (C, {"prompt": "x" * 600}, 400, None),  # longer than max_model_len (512)
     (C, {"prompt": "x" * 500, "max_tokens": 100}, 400, None),  # prompt + max_tokens too long
     (C, {"prompt": "x", "max_tokens": 100_000}, 400, None),
