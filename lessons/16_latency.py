@@ -77,7 +77,8 @@ def served(lesson) -> None:
     try:
         args = argparse.Namespace(url=url, model=None, num_requests=n, request_rate=float("inf"), concurrency=None,
                                   prompt_len=(prompt_len, prompt_len), output_len=(out_len, out_len), seed=0,
-                                  json=None, api_key=None, no_progress=True, duration=None)
+                                  json=None, api_key=None, no_progress=True, duration=None, n=1,
+                                  priority=0)
         summary = asyncio.run(bench._run(args))
         with httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
             scrape = client.get("/metrics").text

@@ -5,6 +5,12 @@ import torch
 
 from kernels import rejection_sample, rejection_sample_ref
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled there, interpreted here
+
+
+def _on_device(case: dict) -> dict:
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+
 
 def _case(seed: int, num_reqs: int = 5, max_drafts: int = 4, vocab: int = 7):
     g = torch.Generator().manual_seed(seed)
@@ -23,7 +29,7 @@ def _case(seed: int, num_reqs: int = 5, max_drafts: int = 4, vocab: int = 7):
 @pytest.mark.parametrize("seed", range(6))
 def test_kernel_equals_reference(seed):
     case = _case(seed)
-    assert torch.equal(rejection_sample(**case), rejection_sample_ref(**case))
+    assert torch.equal(rejection_sample(**_on_device(case)).cpu(), rejection_sample_ref(**case))
 
 
 def test_greedy_accepts_the_agreeing_prefix_then_corrects():
@@ -31,9 +37,9 @@ def test_greedy_accepts_the_agreeing_prefix_then_corrects():
                 target_argmax=torch.tensor([4, 5, 1]), target_probs=torch.ones(3), draft_probs=torch.ones(3),
                 uniform=torch.zeros(3), recovered_token_ids=torch.tensor([4, 5, 1]),
                 bonus_token_ids=torch.tensor([9]), is_greedy=torch.tensor([True]), max_drafts=3)
-    assert rejection_sample(**case).tolist() == [[4, 5, 1, -1]]
+    assert rejection_sample(**_on_device(case)).tolist() == [[4, 5, 1, -1]]
     case["target_argmax"] = torch.tensor([4, 5, 6])
-    assert rejection_sample(**case).tolist() == [[4, 5, 6, 9]]  # all accepted: the bonus token follows
+    assert rejection_sample(**_on_device(case)).tolist() == [[4, 5, 6, 9]]  # all accepted: the bonus token follows
 
 
 def test_the_output_follows_the_target_distribution():
