@@ -50,7 +50,7 @@ def request_rows(frame: Frame, text_filter: str = "") -> list[tuple[str, tuple]]
             continue
         prompt = f"{min(r.num_computed_tokens, r.num_prompt_tokens)}/{r.num_prompt_tokens}"
         out = f"{r.num_output_tokens}/{r.max_tokens}" if r.max_tokens else str(r.num_output_tokens)
-        why = waiting_why(frame, r)
+        why = (f"priority {r.priority} · " if r.priority else "") + waiting_why(frame, r)  # priority policy
         status = status_text(r.status)
         rows.append((rid, (cell("■ " + shorten(rid, MAX_ID), frame.color(rid)), cell(status.plain, str(status.style)),
                            prompt, out, fmt_age_coarse(frame.age(rid)), why)))
