@@ -192,8 +192,10 @@ class Scheduler:
         so = req.structured_output_request
         so.num_allowed.append(out.grammar_allowed.get(req.request_id))
         if not self.structured_output_manager.accept_token(req, token_id) and self.hooks.active:
-            self.hooks.emit(STRUCTURED_OUTPUT, GRAMMAR_REJECTED, request_id=req.request_id, step=out.step,
-                            token_id=token_id)
+            self._trace_grammar_rejected(req, token_id, out.step)
+
+    def _trace_grammar_rejected(self, req: Request, token_id: int, step: int) -> None:
+        self.hooks.emit(STRUCTURED_OUTPUT, GRAMMAR_REJECTED, request_id=req.request_id, step=step, token_id=token_id)
 
     def _trace_grammar_compiled(self, req: Request, step: int) -> None:
         so = req.structured_output_request

@@ -21,6 +21,7 @@ from engine.entrypoints.openai.state import ServerState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from engine.structured_output.backend_xgrammar import validate_structured_output
+from engine.trace_names import API
 
 
 def new_request_id(prefix: str) -> str:
@@ -76,6 +77,11 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return {int(t): b for t, b in bias.items()}
     except ValueError:
         raise APIError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
+
+
+def trace_request(hooks, name: str, request_id: str, params: SamplingParams, user: str | None, **attrs) -> None:
+    """The api layer's event for a request as the serving layer understood it."""
+    hooks.emit(API, name, request_id=request_id, params=vars(params), user=user, **attrs)
 
 
 async def submit(state: ServerState, request_ids: list[str], prompts: list, params: SamplingParams,

@@ -32,6 +32,7 @@ from engine.entrypoints.openai.serving import (
     sampling_params,
     sse,
     submit,
+    trace_request,
     until_disconnected,
 )
 from engine.entrypoints.openai.state import ServerState
@@ -85,8 +86,7 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         params = sampling_params(body, max_tokens, num_logprobs)
         prompt = await chat_prompt(state, body.messages, body.add_generation_prompt)
         if hooks.active:
-            hooks.emit(API, "chat_request", request_id=rid, prompt=prompt, num_messages=len(body.messages),
-                       params=vars(params), user=body.user)
+            trace_request(hooks, "chat_request", rid, params, body.user, prompt=prompt, num_messages=len(body.messages))
         [stream] = await submit(state, [rid], [prompt], params, body.priority)
     except APIError as e:
         if hooks.active:

@@ -32,6 +32,7 @@ from engine.entrypoints.openai.serving import (
     sampling_params,
     sse,
     submit,
+    trace_request,
     until_disconnected,
 )
 from engine.entrypoints.openai.state import ServerState
@@ -93,8 +94,7 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
         params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         if hooks.active:
-            hooks.emit(API, "completion_request", request_id=rid, request_ids=ids, num_prompts=len(prompts),
-                       params=vars(params), user=body.user)
+            trace_request(hooks, "completion_request", rid, params, body.user, request_ids=ids, num_prompts=len(ids))
         streams = await submit(state, ids, prompts, params, body.priority)
     except APIError as e:
         if hooks.active:
@@ -169,9 +169,9 @@ class _Ctx:
             log.exception("completion stream %s failed", self.rid)
             yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         finally:
+            complete = len(self.finals) == len(streams)
             if hooks.active:
-                hooks.emit(HTTP, PATH, END, request_id=self.rid, status=200, chunks=self.chunks,
-                           complete=len(self.finals) == len(streams))
+                hooks.emit(HTTP, PATH, END, request_id=self.rid, status=200, chunks=self.chunks, complete=complete)
         yield SSE_DONE
 
     async def _chunks(self, merged, num_prompts: int):
