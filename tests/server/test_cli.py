@@ -73,6 +73,20 @@ def test_bench_paces_requests_over_a_duration_a_person_can_watch(live, tmp_path)
     assert main(["bench", "--url", live.url, "--duration", "2"]) == 2  # no pace: all at once, for ever
 
 
+def test_a_proxy_in_the_environment_does_not_come_between_us_and_a_local_server(live, capsys, monkeypatch):
+    """HTTP_PROXY set (curl ignores that upper-case name, httpx does not): send, bench and attach
+    failed with "ConnectError: All connection attempts failed" while /health answered curl."""
+    from tracer.net import trust_env
+
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    assert main(["send", "Hello", "--url", live.url, "--max-tokens", "3"]) == 0
+    assert "3 completion" in capsys.readouterr().err
+    assert main(["bench", "--url", live.url, "--num-requests", "2", "--output-len", "2", "--no-progress"]) == 0
+    assert not trust_env("http://localhost:8000") and not trust_env("http://[::1]:8000")
+    assert trust_env("http://gpu-box.example:8000")  # a remote server may need the proxy
+
+
 def test_bench_rejects_rate_and_concurrency_together(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--request-rate", "2", "--concurrency", "2"])

@@ -229,6 +229,36 @@ def test_a_tab_whose_server_is_gone_shows_why_and_ends():
     assert time.monotonic() - t0 < 30
 
 
+def test_a_tab_reaches_its_server_past_a_proxy_in_the_environment(server, monkeypatch):
+    """With HTTP_PROXY set, a tab's attach (httpx honours it; curl, checking /health, does not)
+    failed with "ConnectError: All connection attempts failed" and the page said "Application
+    failed to start". Loopback never goes through a proxy now."""
+    from aiohttp import ClientSession, WSMsgType
+
+    from tracer.tui.web import WebView
+
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+
+    async def main():
+        web = await WebView(server, 0).start()
+        try:
+            async with ClientSession(trust_env=False) as http:
+                page = await (await http.get(web.url)).text()
+                ws_url = page.split('data-session-websocket-url="', 1)[1].split('"', 1)[0]
+                got = b""
+                async with http.ws_connect(f"{ws_url}?width=100&height=30") as ws:
+                    while b"tiny-gpt2" not in got:
+                        message = await ws.receive(timeout=60)
+                        assert message.type == WSMsgType.BINARY, (message, got[-500:])
+                        got += message.data
+            return got
+        finally:
+            await web.stop()
+
+    assert b"tiny-gpt2" in asyncio.run(main())  # the TUI's header, drawn by the tab's attach
+
+
 def test_attach_that_cannot_connect_exits_with_one_line():
     dead = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()

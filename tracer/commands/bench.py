@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from tracer.commands.send import connect_error, error_message
 from tracer.defaults import DEFAULT_URL
 from tracer.errors import UserError
+from tracer.net import trust_env
 
 # Token ids every GPT-2-family vocabulary has (the byte-level base tokens).
 PROMPT_VOCAB = 256
@@ -131,7 +132,8 @@ async def _run(args: argparse.Namespace) -> dict:
     url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None, connect=10.0), limits=limits) as client:
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None, connect=10.0), limits=limits,
+                                 trust_env=trust_env(url)) as client:
         try:
             resp = await client.get(f"{url}/v1/models")
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:

@@ -12,6 +12,7 @@ import sys
 from tracer.commands import HelpFormatter
 from tracer.defaults import DEFAULT_PROMPT, DEFAULT_URL
 from tracer.errors import UserError
+from tracer.net import trust_env
 
 
 def register(sub) -> None:
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        with httpx.Client(headers=headers, timeout=args.timeout) as client:
+        with httpx.Client(headers=headers, timeout=args.timeout, trust_env=trust_env(url)) as client:
             return _send(client, url, args)
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
         raise connect_error(url, e) from None

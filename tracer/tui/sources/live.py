@@ -129,9 +129,11 @@ class LiveSource(Source):
 async def _post_completion(url: str, model: str, prompt: str, max_tokens: int, api_key: str | None) -> None:
     import httpx
 
+    from tracer.net import trust_env
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    async with httpx.AsyncClient(timeout=None) as client:
+    async with httpx.AsyncClient(timeout=None, trust_env=trust_env(url)) as client:
         async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
             async for _ in resp.aiter_bytes():
                 pass

@@ -20,6 +20,7 @@ from collections import deque
 import httpx
 
 from tracer.events import Event
+from tracer.net import trust_env
 from tracer.state import TraceState, fold
 from tracer.tui.sources.base import EventBatch, LogBuffer, Source, SourceInfo, Unsupported, engine_identity
 
@@ -62,7 +63,8 @@ class RemoteSource(Source):
         self.url = check_url(url)
         self._has_key = bool(api_key)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10, transport=transport)
+        self.client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10, transport=transport,
+                                        trust_env=trust_env(self.url))
         self.info = SourceInfo("attach", url=self.url)
         self._state = TraceState()
         self._pending: deque[Event] = deque()
