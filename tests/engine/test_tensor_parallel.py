@@ -198,7 +198,8 @@ def test_a_dead_worker_fails_the_engine_without_orphans():
     while any(map(_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(_alive, pids)), "worker rank 0 outlived the dead rank"
-    assert not os.path.exists(llm.llm_engine.executor._dir), "the workers' socket directory was left behind"
+    assert not os.path.exists(llm.llm_engine.engine_core.engine_core.model_executor._dir), \
+        "the workers' socket directory was left behind"
     with pytest.raises(EngineDeadError):  # and it stays dead, with the same reason
         llm.generate(["again"], SamplingParams(max_tokens=1), use_tqdm=False)
     llm.shutdown()
