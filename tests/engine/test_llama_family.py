@@ -54,7 +54,7 @@ def qwen3(tmp_path_factory):
 
 
 def _generate(path, prompts, **kwargs):
-    llm = LLM(path, **kwargs)
+    llm = LLM(path, dtype="float32", **kwargs)  # transformers' reference runs in float32 (CUDA's default is 16-bit)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         stats = llm.llm_engine.engine_core.engine_core.stats()
@@ -67,7 +67,7 @@ def _generate(path, prompts, **kwargs):
 def test_sharded_bf16_checkpoint_is_read(llama):
     import os
     assert os.path.exists(f"{llama}/model.safetensors.index.json")
-    llm = LLM(llama, num_kv_blocks=8)
+    llm = LLM(llama, num_kv_blocks=8, dtype="float32")
     core = llm.llm_engine.engine_core.engine_core
     assert core.model_config.architecture == "LlamaForCausalLM" and core.dtype == torch.float32
     assert core.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32  # bf16, cast on the CPU
@@ -106,7 +106,7 @@ def test_tensor_parallel_llama_equals_transformers(llama):
 
 
 def test_kv_cache_holds_kv_heads_only(llama):
-    llm = LLM(llama, num_kv_blocks=8, block_size=16)
+    llm = LLM(llama, num_kv_blocks=8, block_size=16, dtype="float32")
     core = llm.llm_engine.engine_core.engine_core
     k, v = core.kv_caches[0]
     assert k.shape == v.shape == (8, 16, 2, 8)  # [blocks, block_size, KV heads (not 8 query heads), head_dim]
