@@ -93,3 +93,23 @@ def test_bad_speculative_configs_are_one_clear_error():
         LLM(NAME, speculative_config={"method": "ngram", "k": 3})
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         LLM(NAME, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+
+
+def test_tensor_parallel_speculation_equals_one_rank():
+    """TP=2: every rank scores the drafts and runs the rejection sampler with the same draws; the output
+    is rank 0's, and greedy tokens equal one rank's without speculation."""
+    want, _ = _greedy(num_kv_blocks=64, prompts=PROMPTS[:2])
+    llm = LLM(NAME, num_kv_blocks=64, tensor_parallel_size=2, speculative_config=NGRAM)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                            SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+        stats = llm.llm_engine.engine_core.engine_core.stats()
+        assert [o.outputs[0].token_ids for o in outs] == want and stats.spec_num_drafts > 0
+        assert stats.num_free_blocks == stats.num_total_blocks
+        sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+        one = LLM(NAME, num_kv_blocks=64, speculative_config=NGRAM)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)] == \
+            [o.outputs[0].token_ids for o in one.generate(prompts, sampled, use_tqdm=False)]  # the same draws
+    finally:
+        llm.shutdown()
