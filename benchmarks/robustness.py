@@ -46,6 +46,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.procfs import is_loopback, listening_addresses, unix_socket_paths
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The quick brown fox"
 DEADLINE = 300.0  # s: any one scenario; hitting it is a deadlock
@@ -580,26 +582,12 @@ async def slow_heads(server: Server, n: int = 200) -> Result:
                   f"still open at 30 s); a request meanwhile: {answered} in {t_answer * 1000:.0f} ms")
 
 
-def _unix_socket_paths(pid: int) -> set[str]:
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    with open("/proc/net/unix") as f:
-        next(f)
-        return {cols[7] for cols in map(str.split, f) if len(cols) == 8 and cols[6] in inodes}
-
-
 async def ipc_garbage(server: Server, frames: int = 1000) -> Result:
     """Frames that are not the engine core's, pushed into the API server's output socket."""
     import msgspec
     import zmq
 
-    path = next(p for p in _unix_socket_paths(server.proc.pid) if p.endswith("/output"))
+    path = next(p for p in unix_socket_paths(server.proc.pid) if p.endswith("/output"))
     rng = __import__("random").Random(0)
     kinds = [lambda: os.urandom(rng.randint(0, 1 << 16)), lambda: b"",
              lambda: msgspec.msgpack.encode({"a": rng.random()}),
@@ -672,31 +660,6 @@ async def frozen_core(logdir: Path, n: int = 32) -> tuple[Result, Server]:
                   f"{fmt(up)}; {finished}/{n} streams finished"), server
 
 
-def _tree_listening(pids: list[int]) -> list[tuple[int, str]]:
-    import ipaddress
-
-    owner = {}
-    for pid in pids:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                owner[target[8:-1]] = pid
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            next(f)
-            for cols in map(str.split, f):
-                if cols[3] == "0A" and cols[9] in owner:
-                    hex_addr, port = cols[1].split(":")
-                    raw = bytes.fromhex(hex_addr)
-                    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
-                    found.append((owner[cols[9]], f"{ip}:{int(port, 16)}"))
-    return found
-
-
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -706,19 +669,14 @@ def _children(pid: int) -> list[int]:
 
 
 async def tp_sockets(logdir: Path) -> tuple[Result, Server]:
-    import ipaddress
 
     server = spawn(logdir, "tp", "--tensor-parallel-size", "2")
     core = _core_pid(server)
     workers = _children(core)
     tree = [server.proc.pid, core, *workers]
-    listening = _tree_listening(tree)
-
-    def loopback(addr: str) -> bool:
-        ip = ipaddress.ip_address(addr.rsplit(":", 1)[0])
-        return ip.is_loopback or (ip.version == 6 and bool(ip.ipv4_mapped) and ip.ipv4_mapped.is_loopback)
-    beyond = [f"pid {pid}: {addr}" for pid, addr in listening if not loopback(addr)]
-    dirs = {os.path.dirname(p) for p in _unix_socket_paths(core) if "vllm-trace-workers-" in p}
+    listening = listening_addresses(tree)
+    beyond = [f"pid {pid}: {addr}:{port}" for pid, addr, port in listening if not is_loopback(addr)]
+    dirs = {os.path.dirname(p) for p in unix_socket_paths(core) if "vllm-trace-workers-" in p}
     os.kill(core, signal.SIGKILL)
     code = await asyncio.to_thread(server.proc.wait, 60)
     left = [d for d in dirs if os.path.exists(d)]

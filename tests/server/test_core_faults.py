@@ -14,8 +14,8 @@ import msgspec
 import pytest
 import zmq
 
+from benchmarks.procfs import unix_socket_paths
 from tests.server.conftest import spawn_serve
-from tests.server.procfs import unix_socket_paths
 
 DEADLINE = 60
 BODY = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}

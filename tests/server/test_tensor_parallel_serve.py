@@ -10,10 +10,10 @@ import time
 
 import httpx
 
+from benchmarks.procfs import is_loopback, listening_addresses, unix_socket_paths
 from engine import LLM, SamplingParams
 from tests.engine.test_tensor_parallel import _alive
 from tests.server.conftest import spawn_serve
-from tests.server.procfs import is_loopback, listening_addresses, unix_socket_paths
 from tracer.events import read_trace
 
 DEADLINE = 60
