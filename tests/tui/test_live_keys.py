@@ -375,19 +375,21 @@ async def test_the_tui_opens_the_overview_when_work_arrives_unless_a_panel_was_j
         await pilot.pause()
         live.app.show_pane("startup")  # where `serve` opens
         await pilot.pause()
+        body = live.app.query_one("#overview-body")
         await live.submit()
-        await live.settle(pilot)
+        # (under load the panel's first draw can come a refresh after the switch, as a person sees it)
+        await live.settle(pilot, until=lambda: "waiting 3" in body.text)
         tabs = live.app.query_one("#panes")
-        assert tabs.active == "overview"  # no key pressed
-        text = live.app.query_one("#overview-body").text
-        assert "waiting 3" in text and "running 0" in text
+        assert tabs.active == "overview", shown_state(live)  # no key pressed
+        text = body.text
+        assert "waiting 3" in text and "running 0" in text, shown_state(live)
         for rid in ("r0", "r1", "r2"):
             assert rid in text
         assert "not scheduled yet: the engine is held" in text
         await pilot.press("n")
         await live.held()
-        await live.settle(pilot)
-        text = live.app.query_one("#overview-body").text
+        await live.settle(pilot, until=lambda: "kernels of step 0" in body.text)
+        text = body.text
         assert "out 1/4" in text and "prefill 11" in text and "batch: 3 requests" in text
         assert "kernels of step 0" in text and "unified_attention_ref" in text
         line = header(live.app).splitlines()[0]
