@@ -88,7 +88,9 @@ class EngineArgs:
                                                TP_GROUP, metavar="URL")
     speculative_config: dict | None = _arg(None, "speculative decoding, as JSON: e.g. '{\"method\": \"ngram\", "
                                            "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
-                                           "\"prompt_lookup_min\": 1}' (default: off)", SPEC_GROUP,
+                                           "\"prompt_lookup_min\": 1}' or '{\"method\": \"draft_model\", \"model\": "
+                                           "\"tiny-gpt2-draft\", \"num_speculative_tokens\": 3}' (default: off)",
+                                           SPEC_GROUP,
                                            type=_json_arg, metavar="JSON")
     distributed_timeout_s: float = _arg(30.0, "seconds a collective waits for a missing rank before the step "
                                         "fails (torch's own default is 30 minutes)", TP_GROUP,

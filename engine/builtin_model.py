@@ -26,13 +26,15 @@ import tempfile
 from pathlib import Path
 
 NAME = "tiny-gpt2"
+DRAFT_NAME = "tiny-gpt2-draft"
 RANDOM_NAME = "tiny-gpt2-random"
 LLAMA_NAME = "tiny-llama"
 LLAMA_RANDOM_NAME = "tiny-llama-random"
-NAMES = (NAME, RANDOM_NAME, LLAMA_NAME, LLAMA_RANDOM_NAME)
+NAMES = (NAME, DRAFT_NAME, RANDOM_NAME, LLAMA_NAME, LLAMA_RANDOM_NAME)
 PACKAGED = Path(__file__).resolve().parent / "builtin" / NAME
-PACKAGED_MODELS = {NAME: PACKAGED, LLAMA_NAME: PACKAGED.parent / LLAMA_NAME}
-TRAINING_SCRIPTS = {NAME: "train_tiny_gpt2", LLAMA_NAME: "train_tiny_llama"}
+PACKAGED_MODELS = {NAME: PACKAGED, DRAFT_NAME: PACKAGED.parent / DRAFT_NAME, LLAMA_NAME: PACKAGED.parent / LLAMA_NAME}
+TRAINING_SCRIPTS = {NAME: "train_tiny_gpt2", DRAFT_NAME: "train_tiny_gpt2 --preset draft",
+                    LLAMA_NAME: "train_tiny_llama"}
 SEED = 1234
 CONFIG = dict(
     model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=257, n_positions=512,

@@ -99,7 +99,7 @@ class ParallelConfig:
             self.distributed_executor_backend = "uni" if tp == 1 else "mp"
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -107,11 +107,14 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config``): each step a proposer drafts up to
     num_speculative_tokens tokens per request, and the target model verifies them in the next step.
     ngram: prompt lookup over the request's own tokens, the longest matching suffix of
-    prompt_lookup_max down to prompt_lookup_min tokens."""
+    prompt_lookup_max down to prompt_lookup_min tokens. draft_model: a smaller model with the
+    target's tokenizer (``model``: a built-in name such as tiny-gpt2-draft, or a checkpoint
+    directory) proposes greedily, one token per forward pass."""
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None  # draft_model: the draft checkpoint
 
     def __post_init__(self) -> None:
         _check(self.method in SPEC_METHODS, f"speculative_config method must be one of {SPEC_METHODS}, "
@@ -121,10 +124,16 @@ class SpeculativeConfig:
         _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft_model":
+            _check(isinstance(self.model, str) and self.model != "",
+                   'speculative_config method "draft_model" needs "model": a draft checkpoint with the target\'s '
+                   'tokenizer, e.g. {"method": "draft_model", "model": "tiny-gpt2-draft", "num_speculative_tokens": 3}')
+        else:
+            _check(self.model is None, f'speculative_config "model" is for method "draft_model", not {self.method!r}')
 
     @classmethod
     def from_dict(cls, d: dict) -> SpeculativeConfig:
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
         unknown = set(d) - known
         _check(not unknown, f"speculative_config: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
         return cls(**d)

@@ -29,6 +29,7 @@ EXECUTE_MODEL, WORKER_READY = "execute_model", "ready"  # worker: the step it re
 ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"  # kernel: tensor-parallel collectives, traced as launches
 SAMPLED = "sampled"  # sampler
 VERIFIED, REJECTED = "verified", "rejected"  # spec_decode: a request's drafts checked; some were rejected
+DRAFT_PREFIX = "draft:"  # kernel events of a draft model's forward passes: "draft:unified_attention", ...
 # structured_output: a request's grammar compiled (or failed); a step's bitmask (allowed tokens per request);
 # a sampled token the grammar refused
 GRAMMAR_COMPILED, BITMASK, GRAMMAR_REJECTED = "compiled", "bitmask", "refused"

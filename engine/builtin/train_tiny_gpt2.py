@@ -3,6 +3,12 @@ documentation that ships with Python and permissively licensed packages (see ``t
 
     python -m engine.builtin.train_tiny_gpt2                 # writes engine/builtin/tiny-gpt2/
     python -m engine.builtin.train_tiny_gpt2 --steps 50 --out /tmp/t   # a quick look
+    python -m engine.builtin.train_tiny_gpt2 --preset draft  # writes engine/builtin/tiny-gpt2-draft/
+
+The ``draft`` preset trains ``tiny-gpt2-draft``, the speculative-decoding draft model for
+tiny-gpt2: 2 layers instead of 4 and batches of 4 sequences, with tiny-gpt2's tokenizer file
+copied (not retrained) so the two models read the same ids. Its model card (docs/model-card.md)
+gives its loss, its training time and its acceptance rate against tiny-gpt2.
 
 Deterministic: one seed drives the document split, the weight init, the batch order and
 dropout-free training on a fixed number of threads, so the same Python installation and
@@ -16,6 +22,7 @@ import argparse
 import hashlib
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -50,6 +57,15 @@ class TrainConfig:
     eval_batches: int = 4
     seed: int = 1234
     threads: int = 1  # one thread: under CPU contention two spent 2.4x the CPU per step (spinning)
+    tokenizer_from: str = ""  # a built-in model whose tokenizer is reused; empty: train one
+
+
+# name -> (output directory, the settings that differ from TrainConfig's defaults)
+PRESETS = {
+    builtin_model.NAME: (ARTIFACT_DIR, {}),
+    "draft": (ARTIFACT_DIR.parent / builtin_model.DRAFT_NAME,
+              dict(n_layer=2, batch_size=4, steps=1200, tokenizer_from=builtin_model.NAME)),
+}
 
 
 def split_documents(sources: list[tiny_corpus.Source], every: int) -> tuple[list[str], list[str]]:
@@ -156,11 +172,15 @@ def save(out: Path, model, tok, cfg: TrainConfig, eot: int, card: dict) -> None:
     (out / "config.json").write_text(json.dumps({k: conf.get(k) for k in keep}, indent=2) + "\n")
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tiny_corpus.EOT, "eos_token": tiny_corpus.EOT,
-        "unk_token": None, "model_max_length": cfg.n_positions, "clean_up_tokenization_spaces": False,
-    }, indent=2) + "\n")
+    if cfg.tokenizer_from:  # byte for byte the same files, so a loader comparing them finds them equal
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(builtin_model.PACKAGED_MODELS[cfg.tokenizer_from] / f, out / f)
+    else:
+        tok.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tiny_corpus.EOT, "eos_token": tiny_corpus.EOT,
+            "unk_token": None, "model_max_length": cfg.n_positions, "clean_up_tokenization_spaces": False,
+        }, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot, "eos_token_id": eot}) + "\n")
     (out / "train_config.json").write_text(json.dumps({"config": asdict(cfg), **card}, indent=2) + "\n")
     (out / CHECKSUM_FILE).write_text("".join(f"{sha256(out / f)}  {f}\n" for f in CHECKED_FILES))
@@ -188,13 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m engine.builtin.train_tiny_gpt2", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ARTIFACT_DIR, help="where to write the checkpoint")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=builtin_model.NAME,
+                    help="which built-in model to train (its output directory and settings)")
+    ap.add_argument("--out", type=Path, default=None, help="where to write the checkpoint (default: the preset's)")
     for name in ("steps", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "vocab_size", "seed", "threads",
                  "eval_every"):
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    ap.add_argument("--lr", type=float, default=d.lr)
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                        help=f"default: the preset's, else {getattr(d, name)}")
+    ap.add_argument("--lr", type=float, default=None, help=f"default: the preset's, else {d.lr}")
     args = ap.parse_args(argv)
-    cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(d) if hasattr(args, k)})
+    preset_dir, preset = PRESETS[args.preset]
+    args.out = args.out or preset_dir
+    cfg = TrainConfig(**{**asdict(d), **preset,
+                         **{k: v for k, v in vars(args).items() if k in asdict(d) and v is not None}})
     if cfg.n_embd % cfg.n_head or cfg.seq_len > cfg.n_positions or cfg.steps < 1:
         ap.error("need n_embd divisible by n_head, seq_len <= n_positions and steps >= 1")
 
@@ -212,7 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in version_drift(sources):
         print("  note: " + line, flush=True)
     train_docs, val_docs = split_documents(sources, cfg.val_every_n_docs)
-    tok = train_tokenizer(train_docs, cfg.vocab_size)
+    if cfg.tokenizer_from:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(builtin_model.PACKAGED_MODELS[cfg.tokenizer_from] / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_docs, cfg.vocab_size)
     eot = tok.token_to_id(tiny_corpus.EOT)
     train, val = encode(tok, train_docs, eot), encode(tok, val_docs, eot)
     val_bytes = sum(len(doc.encode()) for doc in val_docs) + len(val_docs) * len(tiny_corpus.EOT)

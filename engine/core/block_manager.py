@@ -105,13 +105,15 @@ class BlockManager:
         reused_free = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
         return need <= self.num_free_blocks - reused_free
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = (),
+                       num_lookahead_tokens: int = 0) -> bool:
         """Make room for num_new_tokens more tokens of req (after its computed ones and any
-        prefix-cache hits). Returns False, changing nothing, if there are not enough blocks."""
+        prefix-cache hits), and num_lookahead_tokens slots after them (where a draft model writes
+        its proposals: vLLM V1's name). Returns False, changing nothing, if there are not enough blocks."""
         bs = self.block_size
-        total = req.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
+        total = req.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens + num_lookahead_tokens
         if computed_blocks or -(-total // bs) > len(req.block_ids):  # else: fits in its blocks
-            if not self.can_allocate(req, num_new_tokens, computed_blocks):
+            if not self.can_allocate(req, num_new_tokens + num_lookahead_tokens, computed_blocks):
                 return False
             for bid in computed_blocks:  # prefix-cache hits: share the block
                 block = self.blocks[bid]

@@ -22,9 +22,12 @@ def bytes_per_block(model: ModelArchConfig, block_size: int, dtype: torch.dtype,
 
 
 def num_blocks_for(cache: CacheConfig, model: ModelArchConfig, dtype: torch.dtype, device: torch.device,
-                   tp_size: int = 1) -> tuple[int, str]:
-    """How many blocks to allocate (on each rank, from each rank's budget), and a sentence saying why."""
+                   tp_size: int = 1, draft: ModelArchConfig | None = None) -> tuple[int, str]:
+    """How many blocks to allocate (on each rank, from each rank's budget), and a sentence saying why.
+    With a draft model (speculative decoding) each block also holds the draft's keys and values."""
     per_block = bytes_per_block(model, cache.block_size, dtype, tp_size)
+    if draft is not None:
+        per_block += bytes_per_block(draft, cache.block_size, dtype)
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks, f"num_kv_blocks={cache.num_kv_blocks} set exactly"
     if cache.kv_cache_memory is not None:

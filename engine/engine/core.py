@@ -33,6 +33,7 @@ from engine.model_executor.models.registry import check_tp_size
 from engine.outputs import EngineStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.draft_model import resolve_draft_model
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import load_tokenizer
@@ -81,6 +82,12 @@ class EngineCore:
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
 
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model":  # checked here, before any worker loads it
+            with self._stage("resolve_draft_model", model=spec.model) as info:
+                draft_path, draft = resolve_draft_model(spec, self.model_config, self.tokenizer, self.max_model_len)
+                info |= dict(path=str(draft_path), architecture=draft.architecture, num_layers=draft.num_layers)
+
         self._loaded = 0  # weight bytes last reported (see _load_progress)
         tp = config.parallel.tensor_parallel_size
         check_tp_size(self.model_config, tp)
@@ -98,9 +105,12 @@ class EngineCore:
         # grammars for structured outputs: xgrammar is imported by the first one, on the compile thread
         self.structured_output_manager = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id, config.scheduler.max_num_seqs)
+        # a draft model proposes in the worker, after the step: its k drafts need k lookahead slots (V1's name)
+        lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.hooks,
-                                   self.structured_output_manager)
-        self.drafter = NgramProposer(config.speculative) if config.speculative is not None else None
+                                   self.structured_output_manager, num_lookahead_tokens=lookahead)
+        # n-gram drafts are proposed here, from the requests' tokens; a draft model's come in the model output
+        self.drafter = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self._rng = random.Random(mc.seed)
 
     def _make_executor(self) -> Executor:
@@ -247,6 +257,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if self.drafter is not None:  # speculative decoding: drafts for the next step
             self.scheduler.update_draft_token_ids(self.drafter.propose_all(self.scheduler.running, self.max_model_len))
+        elif model_output is not None and model_output.draft_token_ids:
+            self.scheduler.update_draft_token_ids(model_output.draft_token_ids)
         if self.hooks.active:
             self._trace_step_end(scheduler_output, outputs)
         return outputs

@@ -240,7 +240,7 @@ class MultiprocExecutor(Executor):
             scheduled.append(ScheduledReq(rid, delta, s.num_computed_before, s.num_tokens, list(req.block_ids),
                                           s.spec_token_ids))
         msg = WorkerStep(sched.step, new, scheduled, sorted(sched.finished_req_ids), output_rank=self.output_rank,
-                         gated=self.hooks.gated, trace=self.hooks.active)
+                         gated=self.hooks.gated, trace=self.hooks.active, admitted=list(sched.admitted))
         if sched.grammar_bitmask is not None:
             msg.structured_output_request_ids = list(sched.structured_output_request_ids)
             msg.grammar_bitmask = sched.grammar_bitmask.tobytes()

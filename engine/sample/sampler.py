@@ -27,6 +27,8 @@ class SamplerOutput:
     # speculative decoding: per request that verified drafts, the tokens kept (accepted drafts, then the
     # recovered or bonus token), else None
     spec_token_ids: list[list[int] | None] | None = None
+    # speculative decoding with a draft model: request id -> the drafts it proposes for the next step
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 def argmax(x: torch.Tensor) -> int | list[int]:

@@ -21,7 +21,7 @@ from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
 from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler, SamplerOutput
-from engine.trace_names import BATCH, KERNEL, MODEL_RUNNER
+from engine.trace_names import BATCH, DRAFT_PREFIX, KERNEL, MODEL_RUNNER
 from kernels import instrument
 
 
@@ -49,6 +49,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.rejection_sampler: RejectionSampler | None = None  # made on the first step with draft tokens
+        self.drafter = None  # speculative decoding with a draft model: a DraftModelProposer (set by the Worker)
         self.rope = getattr(model, "rope", None)  # what the positions rotate by (None: a learned position table)
         self.hooks = hooks or Hooks()
         # numpy array -> tensor on the model's device (no copy on the CPU)
@@ -157,7 +158,20 @@ class ModelRunner:
             out.spec_token_ids = self._verify(logits, drafts, sched, out.token_ids)
         if self.hooks.active:
             self._trace_sampled(sched, out)
+        if self.drafter is not None:
+            out.draft_token_ids = self._propose_draft_token_ids(sched, out)
         return out
+
+    def _propose_draft_token_ids(self, sched: SchedulerOutput, out: SamplerOutput) -> dict[str, list[int]]:
+        """The draft model's proposals for the next step (V1's propose_draft_token_ids), after this
+        step's tokens are known. Its kernel launches are tagged draft, apart from the target's."""
+        instrument.set_tags(draft=True, layer=None)  # a no-op unless observed
+        try:
+            return self.drafter.propose(sched, out.token_ids, out.spec_token_ids)
+        finally:
+            instrument.set_tags(draft=None, layer=None)
+            if self._launches:
+                self._publish_launches()
 
     def _verify(self, logits: torch.Tensor, drafts: list[list[int]], sched: SchedulerOutput, bonus: list[int]):
         """Per request with drafts: the tokens the rejection sampler keeps (None for the others)."""
@@ -263,7 +277,10 @@ class ModelRunner:
         rank = self.rank
         attrs = [{"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args,
                   "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason, "rank": rank} for r in recs]
-        self.hooks.emit_many([(KERNEL, r.name, INSTANT, None, r.tags.get("step"), a) for r, a in zip(recs, attrs)],
+        # the draft model's launches are named apart (draft:...): their own rows, history and no access
+        # map (the step's batch event describes the target's pass, not theirs)
+        names = [DRAFT_PREFIX + r.name if r.tags.get("draft") else r.name for r in recs]
+        self.hooks.emit_many([(KERNEL, n, INSTANT, None, r.tags.get("step"), a) for n, r, a in zip(names, recs, attrs)],
                              [r.end_ns for r in recs])
         recs.clear()
 

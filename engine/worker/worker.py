@@ -24,6 +24,7 @@ from engine.core.kv_cache_utils import allocate_kv_cache, bytes_per_block, num_b
 from engine.core.sched.output import ScheduledRequest, SchedulerOutput
 from engine.distributed.parallel_state import TPGroup
 from engine.hooks import Hooks
+from engine.model_executor import model_loader
 from engine.model_executor.layers.attention import AttentionBackend
 from engine.model_executor.model_loader import ModelArchConfig, load_state_dict
 from engine.model_executor.models.registry import model_class
@@ -66,6 +67,7 @@ class WorkerStep(msgspec.Struct, array_like=True, gc=False):
     # (int32 words, raw bytes); rank 0 applies it before sampling
     structured_output_request_ids: list[str] = []
     grammar_bitmask: bytes | None = None
+    admitted: list[str] = []  # new or resumed after a preemption this step (a draft model recomputes them)
 
 
 class WorkerReply(msgspec.Struct, array_like=True, gc=False):
@@ -117,6 +119,13 @@ class Worker:
         self.model = None  # the architecture's model class (models/registry.py), this rank's shard
         self.kv_caches: list | None = None
         self.model_runner: ModelRunner | None = None
+        # speculative decoding with a draft model (rank 0 only: see engine/spec_decode/draft_model.py)
+        spec = config.speculative
+        self.draft_path = None
+        if spec is not None and spec.method == "draft_model" and self.rank == 0:
+            self.draft_path = model_loader.resolve(spec.model)
+            self.draft_config = model_loader.read_config(self.draft_path)
+        self.draft_model = None
         self.requests: dict[str, CachedRequestState] = {}  # worker processes only
 
     @property
@@ -132,20 +141,36 @@ class Worker:
         params = list(self.model.parameters()) + list(self.model.buffers())
         cfg, tp = self.model_config, self.tp
         embed = self.model.wte if hasattr(self.model, "wte") else self.model.model.embed_tokens  # GPT-2's, Llama's
-        return dict(bytes=sum(p.numel() * p.element_size() for p in params),
+        info = dict(bytes=sum(p.numel() * p.element_size() for p in params),
                     params=sum(p.numel() for p in self.model.parameters()),
                     heads=list(tp.shard(cfg.num_heads)), kv_heads=list(tp.shard(cfg.num_kv_heads)),
                     mlp=list(tp.shard(cfg.intermediate_size)), vocab=list(embed.shard_range),
                     vocab_padded=embed.num_embeddings_padded, torch_threads=torch.get_num_threads())
+        if self.draft_path is not None:  # unsharded, on this rank alone
+            self.draft_model = model_class(self.draft_config.architecture)(self.draft_config, backend, TPGroup())
+            self.draft_model.load_hf_weights(load_state_dict(self.draft_path))
+            self.draft_model.to(device=self.device, dtype=self.dtype).eval()
+            info["draft_params"] = sum(p.numel() for p in self.draft_model.parameters())
+        return info
 
     def determine_num_blocks(self) -> tuple[int, str]:
-        return num_blocks_for(self.config.cache, self.model_config, self.dtype, self.device, self.tp.world_size)
+        draft = self.draft_config if self.draft_model is not None else None  # its blocks share the budget
+        return num_blocks_for(self.config.cache, self.model_config, self.dtype, self.device, self.tp.world_size,
+                              draft)
 
     def initialize_kv_cache(self, num_blocks: int) -> dict:
         cc, cfg, n = self.config.cache, self.model_config, self.tp.world_size
         self.kv_caches = allocate_kv_cache(num_blocks, cc.block_size, cfg, self.dtype, self.device, n)
         self.model_runner = ModelRunner(self.model, self.kv_caches, cc.block_size, self.device, self.hooks,
                                         rank=self.rank)
+        if self.draft_model is not None:  # the same blocks, in a cache of the draft's own layers and heads
+            from engine.spec_decode.draft_model import DraftModelProposer
+
+            draft_caches = allocate_kv_cache(num_blocks, cc.block_size, self.draft_config, self.dtype, self.device)
+            self.model_runner.drafter = DraftModelProposer(
+                self.draft_model, draft_caches, cc.block_size, self.device,
+                self.config.speculative.num_speculative_tokens,
+                self.config.model.max_model_len or self.model_config.max_position_embeddings)
         per_block = bytes_per_block(cfg, cc.block_size, self.dtype, n)
         return dict(num_blocks=num_blocks, block_size=cc.block_size, bytes=num_blocks * per_block,
                     bytes_per_block=per_block, heads=list(self.tp.shard(cfg.num_heads)),
@@ -174,7 +199,7 @@ class Worker:
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, params, new.eos_token_id,
                 torch.Generator().manual_seed(new.seed))
-        sched = SchedulerOutput(step=msg.step)
+        sched = SchedulerOutput(step=msg.step, admitted=msg.admitted, finished_req_ids=set(msg.finished_req_ids))
         if msg.grammar_bitmask is not None:
             ids = msg.structured_output_request_ids
             sched.structured_output_request_ids = {rid: i for i, rid in enumerate(ids)}

@@ -13,7 +13,8 @@ SPARK = "▁▂▃▄▅▆▇█"
 # The startup stages in words, by their trace names: serve's lines and the Startup panel say the
 # same (a learner who reads "weights" in one and model_load in the other sees two things).
 STAGE_LABELS = {"args": "arguments", "config": "config", "core_process_start": "engine core process",
-                "resolve_model": "model files", "tokenizer_load": "tokenizer", "model_load": "weights",
+                "resolve_model": "model files", "tokenizer_load": "tokenizer",
+                "resolve_draft_model": "draft model files", "model_load": "weights",
                 "kv_cache_alloc": "KV cache", "kernel_warmup": "kernel warm-up", "core_handshake": "engine core ready",
                 "http_ready": "HTTP ready"}
 STAGE_WIDTH = max(map(len, STAGE_LABELS.values()))

@@ -59,7 +59,8 @@ class Scheduler:
     ``step_count`` (steps scheduled and updated so far)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 hooks: Hooks | None = None, structured_output_manager: StructuredOutputManager | None = None):
+                 hooks: Hooks | None = None, structured_output_manager: StructuredOutputManager | None = None,
+                 num_lookahead_tokens: int = 0):
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -72,6 +73,8 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats()
         self.finished_req_ids: set[str] = set()  # handed to the next SchedulerOutput
         self.structured_output_manager = structured_output_manager  # grammars: compiles, bitmasks, matchers
+        # slots past a request's scheduled tokens, for a draft model's proposals (V1's num_lookahead_tokens)
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -108,7 +111,8 @@ class Scheduler:
             req = self.running[i]
             remaining = len(req.all_token_ids) - req.num_computed_tokens
             n = min(remaining + len(req.spec_token_ids), budget)  # draft tokens: lookahead slots to verify
-            while not self.block_manager.allocate_slots(req, n):
+            lookahead = self._lookahead(req, n)
+            while not self.block_manager.allocate_slots(req, n, num_lookahead_tokens=lookahead):
                 victim, why = self._victim()
                 self._preempt(victim, out, reason=f"{why}no free blocks for {req.request_id}")
                 if victim is req:
@@ -218,7 +222,8 @@ class Scheduler:
         if n > budget and not self.config.enable_chunked_prefill:
             return "token budget too small for the whole prompt (chunked prefill off)"
         n = min(n, budget)
-        if not self.block_manager.allocate_slots(req, n, computed):
+        lookahead = self._lookahead(req, num_cached + n)  # (a waiting request has computed nothing)
+        if not self.block_manager.allocate_slots(req, n, computed, num_lookahead_tokens=lookahead):
             return "not enough free KV-cache blocks"
         self.waiting.popleft()
         req.num_computed_tokens = req.num_cached_tokens = num_cached
@@ -227,6 +232,14 @@ class Scheduler:
         out.admitted.append(req.request_id)
         out.scheduled.append(ScheduledRequest(req, n, num_cached, req.is_prefill))
         return None
+
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Slots to reserve past the n tokens req computes this step: num_lookahead_tokens when the
+        step reaches its last token (a draft model then proposes from it), within max_model_len."""
+        end = req.num_computed_tokens + n
+        if not self.num_lookahead_tokens or end < req.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
 
     def _victim(self) -> tuple[Request, str]:
         """Who is preempted when blocks run out, taken out of `running`, and why them (under FCFS: the most
