@@ -1,11 +1,17 @@
 """The built-in offline models.
 
-``tiny-gpt2``: a small GPT-2 (4 layers, 192 wide, 3 heads, 512 positions) with a 4,096-token
+``tiny-gpt2``: a small GPT-2 (4 layers, 128 wide, 4 heads, 512 positions) with a 4,096-token
 byte-level BPE tokenizer, trained on English documentation that ships with Python and with
-permissively licensed packages (``python -m engine.builtin.train_tiny_gpt2``; model card in the
-README). Its files are package data (``engine/builtin/tiny-gpt2/``) with a SHA256SUMS file
+permissively licensed packages (``python -m engine.builtin.train_tiny_gpt2``; model card in
+docs/model-card.md). Its files are package data (``engine/builtin/tiny-gpt2/``) with a SHA256SUMS file
 that ``model_loader.check_checkpoint`` verifies, so it loads with no network through the same
 loader as any Hugging Face checkpoint.
+
+``tiny-gpt2-draft``: tiny-gpt2's draft model for speculative decoding (``speculative_config=
+{"method": "draft_model", "model": "tiny-gpt2-draft", ...}``): a GPT-2 of 2 layers, 128 wide,
+trained by the same script on the same corpus with tiny-gpt2's tokenizer file
+(``python -m engine.builtin.train_tiny_gpt2 --preset draft``), packaged the same way
+(``engine/builtin/tiny-gpt2-draft/``).
 
 ``tiny-gpt2-random``: the same architecture at 4 layers, 128 wide, with deterministic random
 weights from a fixed seed and a byte-level tokenizer without merges (token id b is the byte b,

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.builtin_model import LLAMA_NAME, NAME, PACKAGED, PACKAGED_MODELS, RANDOM_NAME, builtin_path
+from engine.builtin_model import DRAFT_NAME, LLAMA_NAME, NAME, PACKAGED, PACKAGED_MODELS, RANDOM_NAME, builtin_path
 from engine.model_executor.model_loader import CHECKSUM_FILE, ChecksumMismatchError, resolve, verify_checksums
 from engine.tokenizer import load_tokenizer
 
@@ -61,7 +61,7 @@ def test_bpe_vocabulary(tok):
         assert len(ids) == len(emoji.encode("utf-8")) and all(len(t) == 1 for t in tok.convert_ids_to_tokens(ids))
 
 
-@pytest.mark.parametrize("name", [NAME, LLAMA_NAME])
+@pytest.mark.parametrize("name", [NAME, DRAFT_NAME, LLAMA_NAME])
 def test_builtin_is_the_packaged_checkpoint_with_checksums(name):
     assert resolve(name) == PACKAGED_MODELS[name]
     assert verify_checksums(PACKAGED_MODELS[name]) == 4  # config, weights, tokenizer and its config
@@ -76,10 +76,11 @@ def test_package_data_includes_the_artifacts():
     assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
 
 
-def test_tiny_llama_shares_tiny_gpt2s_tokenizer():
+@pytest.mark.parametrize("name", [LLAMA_NAME, DRAFT_NAME])
+def test_tiny_llama_and_the_draft_share_tiny_gpt2s_tokenizer(name):
     """Trained on the same corpus with the same tokenizer: the same text is the same ids."""
-    llama = PACKAGED_MODELS[LLAMA_NAME]
-    assert (llama / "tokenizer.json").read_bytes() == (PACKAGED / "tokenizer.json").read_bytes()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (PACKAGED_MODELS[name] / f).read_bytes() == (PACKAGED / f).read_bytes()
 
 
 @pytest.fixture
