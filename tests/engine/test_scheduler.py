@@ -22,10 +22,11 @@ class Harness:
     """One scheduler over a small KV cache, and the engine's side of each step."""
 
     def __init__(self, num_blocks: int = 64, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, num_lookahead_tokens: int = 0, max_model_len: int = 1024):
         self.block_manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
-        self.scheduler = Scheduler(config, self.block_manager, max_model_len=1024)
+        self.scheduler = Scheduler(config, self.block_manager, max_model_len=max_model_len,
+                                   num_lookahead_tokens=num_lookahead_tokens)
         self.num_added = 0
 
     def add(self, num_prompt_tokens: int, max_tokens: int = 8) -> Request:
@@ -135,3 +136,27 @@ def test_every_request_finishes_and_every_block_comes_back(max_num_seqs):
         assert len(h.scheduler.running) <= max_num_seqs and out.total_num_scheduled_tokens <= 12
     assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 5 for r in reqs)
     assert h.block_manager.num_free_blocks == h.block_manager.num_usable_blocks
+
+
+def test_lookahead_slots_for_a_draft_model():
+    """With a draft model (V1's num_lookahead_tokens) a step that reaches a request's last token
+    reserves k slots past it, where the draft writes its proposals; a prefill chunk that does not
+    reach it reserves none, and none are reserved past max_model_len."""
+    h = Harness(max_num_batched_tokens=8, num_lookahead_tokens=3, max_model_len=24)
+    a = h.add(10, max_tokens=20)
+    h.step()  # a chunk of 8 of its 10 prompt tokens: 2 blocks, no lookahead
+    assert len(a.block_ids) == 2
+    h.step()  # the rest of the prompt (10 tokens) + 3 lookahead slots: 13 -> 4 blocks
+    assert len(a.block_ids) == 4 and a.num_computed_tokens == 10 and a.num_tokens == 11
+    a.spec_token_ids = [7, 7]  # drafts to verify: 1 + 2 tokens scheduled, 3 more slots past them
+    out = h.schedule()
+    assert out.scheduled[0].num_tokens == 3 and len(a.block_ids) * BLOCK_SIZE >= 10 + 3 + 3
+    h.scheduler.update_from_output(out, SamplerOutput([7], [None], [None], spec_token_ids=[[7, 7, 7]]))
+    while a.num_tokens < 23:  # near max_model_len the lookahead stops at it
+        h.step()
+    assert len(a.block_ids) * BLOCK_SIZE == 24
+    plain = Harness(max_num_batched_tokens=8)
+    b = plain.add(10, max_tokens=20)
+    plain.step()
+    plain.step()
+    assert len(b.block_ids) == 3  # no draft model: 11 slots' worth, no more

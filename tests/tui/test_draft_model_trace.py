@@ -1,0 +1,56 @@
+"""A draft model in the trace: its proposals are verified in the same spec_decode events as n-gram
+drafts, and its kernel launches are named apart (draft:...), so the Kernels panel lists them as
+their own rows, beside the target's layers, with no access map borrowed from the target's batch."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, Hooks, SamplingParams
+from tests.tui.helpers import shown
+from tracer.replay import Replay
+from tracer.session import TraceSession
+from tracer.tui.app import TraceApp
+from tracer.tui.sources.replay import ReplaySource
+from tracer.tui.widgets.kernels import KernelsPanel, ProgramGrid
+
+pytestmark = pytest.mark.asyncio
+DRAFT = {"method": "draft_model", "model": "tiny-gpt2-draft", "num_speculative_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def draft_trace(tmp_path_factory):
+    path = tmp_path_factory.mktemp("draft") / "trace.jsonl"
+    hooks = Hooks()
+    session = TraceSession(hooks, trace_file=path, control=False, model="tiny-gpt2")
+    llm = LLM("tiny-gpt2", hooks=hooks, num_kv_blocks=32, speculative_config=DRAFT)
+    llm.generate(["The list of the", "Return a new"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                 use_tqdm=False)
+    session.close()
+    return path
+
+
+async def test_draft_launches_are_their_own_rows_in_the_kernels_panel(draft_trace):
+    replay = Replay.load(draft_trace)
+    verified = [e for e in replay.events if e.layer == "spec_decode" and e.name == "verified"]
+    assert verified and all(len(e.attrs["draft"]) <= 2 for e in verified)
+    step = verified[0].step
+    state = replay.goto(step)
+    names = [k["name"] for k in state.kernels]
+    draft = [n for n in names if n.startswith("draft:")]
+    target = [n for n in names if not n.startswith("draft:")]
+    # the target's 4 layers write and read its cache; the draft's 2 layers theirs, in each of its k = 2 passes
+    assert target.count("reshape_and_cache_ref") == 4 and draft.count("draft:reshape_and_cache_ref") == 2 * 2
+    assert draft and names.index(draft[0]) > max(names.index(n) for n in target)  # after the target's pass
+    source = ReplaySource.load(draft_trace)
+    source.replay.goto(step)
+    app = TraceApp(source, initial_pane="kernels")
+    async with app.run_test(size=(140, 60)) as pilot:
+        app.tick()
+        await pilot.pause()
+        rows = shown(app.query_one(KernelsPanel).query_one("#kernels-table")).splitlines()
+        assert any("draft:unified_attention_ref" in r for r in rows)
+        assert any("unified_attention_ref" in r and "draft:" not in r for r in rows)
+        table = app.query_one("#kernels-table")
+        table.move_cursor(row=names.index("draft:unified_attention_ref"))
+        await pilot.pause()
+        assert not app.query_one(ProgramGrid).access  # the step's batch is the target's: no map for the draft's
