@@ -1,9 +1,11 @@
-"""Speculative decoding (n-gram proposals) against none, interleaved in one run.
+"""Speculative decoding (n-gram proposals, and a draft model) against none, interleaved in one run.
 
     python -m benchmarks.spec_decode [--model tiny-gpt2] [--requests 16] [--max-tokens 128] [--k 4] [--reps 3]
+                                     [--draft-model tiny-gpt2-draft] [--draft-k 3]
 
-Two workloads, each run with and without ``speculative_config={"method": "ngram", ...}`` in
-alternation (the median of --reps repetitions of each):
+Two workloads, each run without speculation, with ``speculative_config={"method": "ngram", ...}``
+and with ``{"method": "draft_model", "model": "tiny-gpt2-draft", ...}`` in alternation (the median
+of --reps repetitions of each):
   greedy loops   greedy decoding of the built-in model, which falls into loops ("of the list of the
                  list"): prompt lookup finds its drafts in the request's own output;
   sampled        temperature 1.0 on random token prompts: text rarely repeats, so drafts are rare and
@@ -15,6 +17,11 @@ not repeat propose drafts that are mostly rejected, and each costs a verified ro
 with min 1 the sampled workload ran at 0.62 of no speculation, with min 2 at 0.93; the greedy
 loops gained 1.32x and 1.54x). Torch runs single-threaded by default (--threads): small matrices
 on two shared cores measure steadier that way, and both sides get the same.
+
+The draft model costs a forward pass per draft token (a catch-up pass, then k - 1 decode passes);
+on a CPU a pass of a 2-layer model is not much cheaper than one of the 4-layer target (both are
+mostly per-layer overhead and the 4,096-wide LM head), so it pays only where a GPU makes the
+target's pass expensive and the draft's cheap (see benchmarks/RESULTS.md for what it measured).
 """
 from __future__ import annotations
 
@@ -42,12 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for all")
+    ap.add_argument("--draft-model", default="tiny-gpt2-draft", help="the draft_model rows' draft ('' for none)")
+    ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft model")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    engines = {"none": LLM(args.model, num_kv_blocks=1024), "ngram": LLM(args.model, num_kv_blocks=1024,
-                                                                          speculative_config=spec)}
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 2}}
+    if args.draft_model:
+        specs["draft_model"] = {"method": "draft_model", "model": args.draft_model,
+                                "num_speculative_tokens": args.draft_k}
+    engines = {"none": LLM(args.model, num_kv_blocks=1024)}
+    engines |= {name: LLM(args.model, num_kv_blocks=1024, speculative_config=spec) for name, spec in specs.items()}
     tok = engines["none"].get_tokenizer()
     starts = ["The list of", "Return the", "This function", "If the value is", "The default is", "A new",
               "The first argument", "When the file"]
@@ -62,32 +75,35 @@ def main(argv: list[str] | None = None) -> int:
     }
     for llm in engines.values():  # first-use costs are not the point
         llm.generate(greedy_prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    print(f"model {args.model}, {args.requests} requests x {args.max_tokens} tokens, n-gram k={args.k}, "
-          f"{args.threads} torch thread(s), median of {args.reps} interleaved repetitions")
-    print(f"{'workload':14s} {'no spec tok/s':>14s} {'ngram tok/s':>12s} {'ratio':>6s} {'accept':>7s} "
+    print(f"model {args.model}, {args.requests} requests x {args.max_tokens} tokens, n-gram k={args.k}"
+          + (f", draft model {args.draft_model} k={args.draft_k}" if args.draft_model else "")
+          + f", {args.threads} torch thread(s), median of {args.reps} interleaved repetitions")
+    print(f"{'workload':14s} {'method':12s} {'no spec tok/s':>14s} {'spec tok/s':>11s} {'ratio':>6s} {'accept':>7s} "
           f"{'mean accepted':>14s}  outputs")
     ok = True
     for name, (prompts, params) in workloads.items():
-        rates: dict[str, list[float]] = {"none": [], "ngram": []}
+        rates: dict[str, list[float]] = {mode: [] for mode in engines}
         outs = {}
-        core = engines["ngram"].llm_engine.engine_core.engine_core
-        before = core.stats()
+        cores = {mode: engines[mode].llm_engine.engine_core.engine_core for mode in specs}
+        before = {mode: core.stats() for mode, core in cores.items()}
         for _ in range(args.reps):
             for mode, llm in engines.items():
                 rate, outs[mode] = run(llm, prompts, params)
                 rates[mode].append(rate)
-        after = core.stats()
-        drafts = after.spec_num_drafts - before.spec_num_drafts
-        draft_tokens = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-        accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-        none, ngram = statistics.median(rates["none"]), statistics.median(rates["ngram"])
-        same = outs["none"] == outs["ngram"]
-        if params.temperature == 0:
-            ok &= same
-        print(f"{name:14s} {none:14,.0f} {ngram:12,.0f} {ngram / none:6.2f} "
-              f"{accepted / max(1, draft_tokens):7.0%} {accepted / max(1, drafts):14.2f}  "
-              + ("identical" if same else "differ (sampled: a draft changes which draws are used)"
-                 if params.temperature else "DIFFER"))
+        none = statistics.median(rates["none"])
+        for mode, core in cores.items():
+            after = core.stats()
+            drafts = after.spec_num_drafts - before[mode].spec_num_drafts
+            draft_tokens = after.spec_num_draft_tokens - before[mode].spec_num_draft_tokens
+            accepted = after.spec_num_accepted_tokens - before[mode].spec_num_accepted_tokens
+            spec = statistics.median(rates[mode])
+            same = outs["none"] == outs[mode]
+            if params.temperature == 0:
+                ok &= same
+            print(f"{name:14s} {mode:12s} {none:14,.0f} {spec:11,.0f} {spec / none:6.2f} "
+                  f"{accepted / max(1, draft_tokens):7.0%} {accepted / max(1, drafts):14.2f}  "
+                  + ("identical" if same else "differ (sampled: a draft changes which draws are used)"
+                     if params.temperature else "DIFFER"))
     return 0 if ok else 1
 
 

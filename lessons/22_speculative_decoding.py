@@ -35,8 +35,12 @@ def run(lesson) -> None:
         "**Speculative decoding** exploits that: a cheap **proposer** drafts k tokens, the target model "
         "scores all of them in one step (k + 1 query positions, a tiny prefill), and a **rejection "
         "sampler** keeps the drafts the target agrees with. vLLM V1 has several proposers (n-gram, EAGLE, "
-        "draft models, MTP: `vllm/v1/spec_decode/`); this engine has V1's **n-gram** proposer (prompt lookup, "
-        "`ngram_proposer.py`): the request's own text is the draft model.")
+        "draft models, MTP: `vllm/v1/spec_decode/`); this engine has two of them. This lesson uses V1's "
+        "**n-gram** proposer (prompt lookup, `ngram_proposer.py`): the request's own text is the draft model. "
+        "The other, `draft_model.py`, runs a smaller model with the same tokenizer (the built-in "
+        "`tiny-gpt2-draft`: `speculative_config={\"method\": \"draft_model\", \"model\": \"tiny-gpt2-draft\", "
+        "...}`) in the worker after each step, with its own KV cache over the target's block tables; on a CPU "
+        "its passes cost more than its accepted drafts save (`python -m benchmarks.spec_decode` measures both).")
     greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     plain, _ = lesson.engine(num_kv_blocks=512)
     spec, session = lesson.engine(num_kv_blocks=512, speculative_config=ngram(4))
