@@ -21,3 +21,37 @@ def test_serve_with_speculative_config_counts_drafts():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_serve_with_a_draft_model_answers_and_counts_drafts():
+    import httpx
+
+    from tests.server.conftest import spawn_serve
+
+    proc, _, url = spawn_serve("--no-tui", "--speculative-config",
+                               '{"method": "draft_model", "model": "tiny-gpt2-draft", "num_speculative_tokens": 2}')
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            r = client.post("/v1/completions", json={"model": "tiny-gpt2", "prompt": "The list of the",
+                                                     "max_tokens": 16, "temperature": 0})
+            assert r.status_code == 200, r.text
+            metrics = client.get("/metrics").text
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("vllm:spec_decode") and "{" in line and "_created" not in line}
+        assert values["vllm:spec_decode_num_drafts_total"] > 0
+        assert 0 < values["vllm:spec_decode_num_draft_tokens_total"] <= 2 * values["vllm:spec_decode_num_drafts_total"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_serve_with_a_draft_of_another_tokenizer_is_one_line():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "tracer.cli", "serve", "tiny-gpt2", "--no-tui", "--port", "0",
+                        "--speculative-config",
+                        '{"method": "draft_model", "model": "tiny-gpt2-random"}'],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "share the target's tokenizer" in r.stderr and "Traceback" not in r.stderr
