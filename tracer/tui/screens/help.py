@@ -37,7 +37,8 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
   query_start_loc, block table).
 - **Kernels** (5): each kernel launch of the step with its grid, meta-parameters (Triton) or
   argument shapes (PyTorch), duration and a sparkline of its time per step. It lists each layer's
-  KV-cache write and paged attention (and the collectives with tensor parallelism); the matmuls,
+  KV-cache write and paged attention (and the collectives with tensor parallelism, and a draft
+  model's launches after the target's, named `draft:…`, with speculative decoding); the matmuls,
   layer norms, MLP, LM head and sampler run but are not traced as launches. `enter` on a
   Triton attention launch goes into its program grid (one row per KV head); the arrows pick
   a program and a head and show the physical blocks it reads (`esc`: back to the list).
