@@ -30,6 +30,7 @@ from engine.model_executor.model_loader import ModelArchConfig, load_state_dict
 from engine.model_executor.models.registry import model_class
 from engine.sample.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.draft_model import DraftModelProposer
 from engine.trace_names import EXECUTE_MODEL, WORKER
 from engine.worker.model_runner import ModelRunner
 
@@ -121,7 +122,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         # speculative decoding with a draft model (rank 0 only: see engine/spec_decode/draft_model.py)
         spec = config.speculative
-        self.draft_path = None
+        self.draft_path, self.draft_config = None, None
         if spec is not None and spec.method == "draft_model" and self.rank == 0:
             self.draft_path = model_loader.resolve(spec.model)
             self.draft_config = model_loader.read_config(self.draft_path)
@@ -164,18 +165,19 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.kv_caches, cc.block_size, self.device, self.hooks,
                                         rank=self.rank)
         if self.draft_model is not None:  # the same blocks, in a cache of the draft's own layers and heads
-            from engine.spec_decode.draft_model import DraftModelProposer
-
             draft_caches = allocate_kv_cache(num_blocks, cc.block_size, self.draft_config, self.dtype, self.device)
             self.model_runner.drafter = DraftModelProposer(
                 self.draft_model, draft_caches, cc.block_size, self.device,
                 self.config.speculative.num_speculative_tokens,
                 self.config.model.max_model_len or self.model_config.max_position_embeddings)
         per_block = bytes_per_block(cfg, cc.block_size, self.dtype, n)
-        return dict(num_blocks=num_blocks, block_size=cc.block_size, bytes=num_blocks * per_block,
+        info = dict(num_blocks=num_blocks, block_size=cc.block_size, bytes=num_blocks * per_block,
                     bytes_per_block=per_block, heads=list(self.tp.shard(cfg.num_heads)),
                     kv_heads=list(self.tp.shard(cfg.num_kv_heads)), num_heads=cfg.num_heads,
                     num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_size, num_layers=cfg.num_layers)
+        if self.draft_model is not None:
+            info["draft_bytes"] = num_blocks * bytes_per_block(self.draft_config, cc.block_size, self.dtype)
+        return info
 
     def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
         return self.model_runner.execute(sched)
