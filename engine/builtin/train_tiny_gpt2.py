@@ -7,8 +7,10 @@ documentation that ships with Python and permissively licensed packages (see ``t
 
 The ``draft`` preset trains ``tiny-gpt2-draft``, the speculative-decoding draft model for
 tiny-gpt2: 2 layers instead of 4 and batches of 4 sequences, with tiny-gpt2's tokenizer file
-copied (not retrained) so the two models read the same ids. Its model card (docs/model-card.md)
-gives its loss, its training time and its acceptance rate against tiny-gpt2.
+copied (not retrained) so the two models read the same ids, starting from tiny-gpt2's embeddings,
+first two blocks and final norm. Measured on 16 greedy requests with k = 3 against tiny-gpt2, a
+draft trained the same 1,200 steps from a random start accepted 27 % of its drafts, this one 78 %.
+Its model card (docs/model-card.md) gives its loss, its training time and its acceptance rate.
 
 Deterministic: one seed drives the document split, the weight init, the batch order and
 dropout-free training on a fixed number of threads, so the same Python installation and
@@ -58,13 +60,15 @@ class TrainConfig:
     seed: int = 1234
     threads: int = 1  # one thread: under CPU contention two spent 2.4x the CPU per step (spinning)
     tokenizer_from: str = ""  # a built-in model whose tokenizer is reused; empty: train one
+    init_from: str = ""  # a built-in model whose embeddings, first n_layer blocks and final norm start the weights
 
 
 # name -> (output directory, the settings that differ from TrainConfig's defaults)
 PRESETS = {
     builtin_model.NAME: (ARTIFACT_DIR, {}),
     "draft": (ARTIFACT_DIR.parent / builtin_model.DRAFT_NAME,
-              dict(n_layer=2, batch_size=4, steps=1200, tokenizer_from=builtin_model.NAME)),
+              dict(n_layer=2, batch_size=4, steps=1200, lr=2e-3, tokenizer_from=builtin_model.NAME,
+                   init_from=builtin_model.NAME)),
 }
 
 
@@ -146,6 +150,22 @@ def unigram_loss(train: torch.Tensor, val: torch.Tensor, vocab_size: int) -> flo
     counts = torch.bincount(train.long(), minlength=vocab_size).double() + 1
     logp = (counts / counts.sum()).log()
     return -logp[val.long()].mean().item()
+
+
+def init_weights(model, path: Path) -> None:
+    """Start from another checkpoint of the same width: its embeddings, its first blocks (as many as
+    `model` has) and its final layer norm. A draft model starting from its target's lower layers
+    begins where the target's representation does, and agrees with it more once trained."""
+    from safetensors.torch import load_file
+
+    own = model.state_dict()
+    state = {k: v for k, v in load_file(str(path / "model.safetensors")).items()
+             if k in own and own[k].shape == v.shape}
+    missing = [k for k in own if k not in state and k != "lm_head.weight"]
+    if missing:
+        raise SystemExit(f"{path} cannot start this model: it lacks {missing[:3]} (another width?)")
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -250,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({val_bytes / len(val):.2f} bytes/token); {time.perf_counter() - t0:.0f} s so far", flush=True)
 
     model = GPT2LMHeadModel(model_config(cfg, eot))
+    if cfg.init_from:
+        init_weights(model, builtin_model.PACKAGED_MODELS[cfg.init_from])
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
