@@ -161,6 +161,12 @@ def test_tensor_parallel_draft_model_equals_transformers(want):
         assert [o.outputs[0].token_ids for o in outs] == want[:2]
         assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
         assert stats.num_free_blocks == stats.num_total_blocks
+        # seeded sampling: the same drafts (rank 0's draft is one rank's draft) and the same draws
+        sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+        one = LLM(NAME, num_kv_blocks=64, speculative_config=DRAFT)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)] == \
+            [o.outputs[0].token_ids for o in one.generate(prompts, sampled, use_tqdm=False)]
     finally:
         llm.shutdown()
 
