@@ -19,7 +19,10 @@ starts again from position 0. Each step is one multi-query pass that catches eve
 request up to its last token (its first draft comes from that pass's last row), then k - 1
 single-token passes, batched over the requests, for the other drafts. Drafts are greedy (the
 draft's argmax): the rejection sampler treats them as a point mass, which keeps sampled output
-distributed as the target's.
+distributed as the target's. Measured with tiny-gpt2-draft on tiny-gpt2 (``python -m
+benchmarks.spec_decode``, 16 greedy requests, k = 3, 2 CPU cores): 74 % of drafts accepted, yet
+0.70-0.73x the tokens/s of no speculation, because a draft pass (1.45 ms) costs half a whole
+decode step of the target (2.9 ms): on a CPU both are mostly per-layer overhead.
 
 With tensor parallelism the draft model runs unsharded on rank 0 only: rank 0's model output is
 the one the executor keeps (V1's output rank), so only its drafts could ever be used; the other
@@ -110,13 +113,12 @@ class DraftModelProposer:
             if count <= 0:
                 continue
             st = self.states.setdefault(req.request_id, _DraftState())
-            valid = min(st.valid, s.num_computed_before + s.num_tokens)
-            if valid == st.valid:  # the drafts written last time that turned out to be the request's tokens
-                for t in st.pending:
-                    if valid >= n - 1 or context[valid] != t:
-                        break
-                    valid += 1
-            st.valid = min(valid, n - 1)  # the last token is always run: its logits give the first draft
+            valid = st.valid
+            for t in st.pending:  # drafts written last time that turned out to be the request's own tokens
+                if valid >= n - 1 or context[valid] != t:
+                    break
+                valid += 1
+            st.valid, st.pending = min(valid, n - 1), []  # the last token is always run: its logits give a draft
             reqs.append(req)
             contexts.append(context)
             starts.append(st.valid)
