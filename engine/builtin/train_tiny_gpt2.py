@@ -225,17 +225,21 @@ def version_drift(sources: list[tiny_corpus.Source]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     d = TrainConfig()
-    ap = argparse.ArgumentParser(
-        prog="python -m engine.builtin.train_tiny_gpt2", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m engine.builtin.train_tiny_gpt2", description=__doc__.split("\n\n")[0])
+
+    def default(name: str) -> str:
+        others = "".join(f"; {p}: {o[name]}" for p, (_, o) in PRESETS.items() if name in o)
+        return f"default: {getattr(d, name)}{others}"
+
     ap.add_argument("--preset", choices=sorted(PRESETS), default=builtin_model.NAME,
-                    help="which built-in model to train (its output directory and settings)")
-    ap.add_argument("--out", type=Path, default=None, help="where to write the checkpoint (default: the preset's)")
+                    help=f"which built-in model to train: its output directory and settings "
+                         f"(default: {builtin_model.NAME})")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where to write the checkpoint (default: the preset's directory)")
     for name in ("steps", "batch_size", "seq_len", "n_layer", "n_embd", "n_head", "vocab_size", "seed", "threads",
                  "eval_every"):
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None,
-                        help=f"default: the preset's, else {getattr(d, name)}")
-    ap.add_argument("--lr", type=float, default=None, help=f"default: the preset's, else {d.lr}")
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=default(name))
+    ap.add_argument("--lr", type=float, default=None, help=default("lr"))
     args = ap.parse_args(argv)
     preset_dir, preset = PRESETS[args.preset]
     args.out = args.out or preset_dir

@@ -164,3 +164,28 @@ def test_training_says_when_an_installed_package_would_change_the_corpus():
     name, version = trained[2]["name"].rsplit(" ", 1)
     [line] = version_drift(same[:2] + [Source(f"{name} {version}.post1", "MIT", [])])
     assert f"{name} {version}.post1 is installed" in line and trained[2]["name"] in line
+
+
+def test_the_draft_preset_starts_from_tiny_gpt2s_lower_layers():
+    """train_tiny_gpt2 --preset draft: 2 of tiny-gpt2's 4 blocks, its embeddings and final norm to start
+    from, and its tokenizer; an init from a checkpoint of another width is refused."""
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
+    from engine.builtin.train_tiny_gpt2 import PRESETS, TrainConfig, init_weights, model_config
+
+    out, settings = PRESETS["draft"]
+    assert out == PACKAGED_MODELS[DRAFT_NAME]
+    cfg = TrainConfig(**settings)
+    assert cfg.n_layer == 2 and cfg.tokenizer_from == cfg.init_from == NAME
+    model = GPT2LMHeadModel(model_config(cfg, eot=0))
+    init_weights(model, PACKAGED)
+    target = load_file(str(PACKAGED / "model.safetensors"))
+    own = model.state_dict()
+    for k in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.h.1.mlp.c_fc.weight",
+              "transformer.ln_f.bias"):
+        assert own[k].equal(target[k]), k
+    assert own["lm_head.weight"].data_ptr() == own["transformer.wte.weight"].data_ptr()  # still tied
+    narrow = GPT2LMHeadModel(model_config(TrainConfig(n_layer=2, n_embd=64, n_head=2), eot=0))
+    with pytest.raises(SystemExit, match="another width"):
+        init_weights(narrow, PACKAGED)
