@@ -141,7 +141,7 @@ def test_every_request_finishes_and_every_block_comes_back(max_num_seqs):
 def test_lookahead_slots_for_a_draft_model():
     """With a draft model (V1's num_lookahead_tokens) a step that reaches a request's last token
     reserves k slots past it, where the draft writes its proposals; a prefill chunk that does not
-    reach it reserves none, and none are reserved past max_model_len."""
+    reach it reserves none, none are reserved past max_model_len, and none that do not fit."""
     h = Harness(max_num_batched_tokens=8, num_lookahead_tokens=3, max_model_len=24)
     a = h.add(10, max_tokens=20)
     h.step()  # a chunk of 8 of its 10 prompt tokens: 2 blocks, no lookahead
@@ -160,3 +160,10 @@ def test_lookahead_slots_for_a_draft_model():
     plain.step()
     plain.step()
     assert len(b.block_ids) == 3  # no draft model: 11 slots' worth, no more
+    # lookahead slots that do not fit are left out (the draft proposes fewer), never a reason to wait
+    tight = Harness(num_blocks=4, num_lookahead_tokens=3)  # 3 usable blocks: 12 slots
+    c = tight.add(10, max_tokens=2)
+    out = tight.step()
+    assert ids(out) == [c.request_id] and len(c.block_ids) == 3
+    tight.step()
+    assert c.status is RequestStatus.FINISHED_LENGTH

@@ -56,6 +56,17 @@ def test_greedy_equals_transformers(settings, want):
         assert stats.num_preemptions > 0
 
 
+def test_a_kv_cache_too_small_for_the_lookahead_slots_still_serves():
+    """3 usable blocks of 4: a 10-token prompt and 2 tokens fit, its 3 lookahead slots do not; the
+    draft proposes what the block table holds, and the output is transformers'."""
+    prompt = PROMPTS[4][:10]
+    engine = LLM(NAME, num_kv_blocks=4, block_size=4, speculative_config=DRAFT).llm_engine
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    outs = [o for _ in range(10) for o in engine.step() if o.finished]  # a bounded number of steps: no hang
+    assert len(outs) == 1, "the request never ran: it waited for lookahead slots that cannot fit"
+    assert outs[0].outputs[0].token_ids == hf_greedy(str(builtin_path(NAME)), [prompt], 2)[0]
+
+
 def test_prefix_cache_hits_recompute_the_draft_cache(want):
     """A request whose prompt hits the prefix cache computes the draft's keys of the hit blocks itself:
     here they were filled by a request that never drafted (max_tokens=1), so the draft cache there

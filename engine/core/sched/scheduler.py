@@ -111,8 +111,7 @@ class Scheduler:
             req = self.running[i]
             remaining = len(req.all_token_ids) - req.num_computed_tokens
             n = min(remaining + len(req.spec_token_ids), budget)  # draft tokens: lookahead slots to verify
-            lookahead = self._lookahead(req, n)
-            while not self.block_manager.allocate_slots(req, n, num_lookahead_tokens=lookahead):
+            while not self._allocate(req, n, req.num_computed_tokens + n):
                 victim, why = self._victim()
                 self._preempt(victim, out, reason=f"{why}no free blocks for {req.request_id}")
                 if victim is req:
@@ -222,8 +221,7 @@ class Scheduler:
         if n > budget and not self.config.enable_chunked_prefill:
             return "token budget too small for the whole prompt (chunked prefill off)"
         n = min(n, budget)
-        lookahead = self._lookahead(req, num_cached + n)  # (a waiting request has computed nothing)
-        if not self.block_manager.allocate_slots(req, n, computed, num_lookahead_tokens=lookahead):
+        if not self._allocate(req, n, num_cached + n, computed):
             return "not enough free KV-cache blocks"
         self.waiting.popleft()
         req.num_computed_tokens = req.num_cached_tokens = num_cached
@@ -233,13 +231,16 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(req, n, num_cached, req.is_prefill))
         return None
 
-    def _lookahead(self, req: Request, n: int) -> int:
-        """Slots to reserve past the n tokens req computes this step: num_lookahead_tokens when the
-        step reaches its last token (a draft model then proposes from it), within max_model_len."""
-        end = req.num_computed_tokens + n
-        if not self.num_lookahead_tokens or end < req.num_tokens:
-            return 0
-        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
+    def _allocate(self, req: Request, n: int, end: int, computed: list[int] = ()) -> bool:
+        """The block manager's allocate_slots for n more tokens of req (computed up to `end` after
+        this step), and with a draft model num_lookahead_tokens slots past them when the step reaches
+        req's last token (the draft then proposes from it), within max_model_len. Lookahead slots that
+        do not fit are left out rather than preempting anyone for them: the draft proposes fewer."""
+        bm = self.block_manager
+        lookahead = 0
+        if self.num_lookahead_tokens and end >= req.num_tokens:
+            lookahead = max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
+        return bool(lookahead) and bm.allocate_slots(req, n, computed, lookahead) or bm.allocate_slots(req, n, computed)
 
     def _victim(self) -> tuple[Request, str]:
         """Who is preempted when blocks run out, taken out of `running`, and why them (under FCFS: the most
