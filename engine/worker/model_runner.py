@@ -255,6 +255,8 @@ class ModelRunner:
             self._publish_launches()
         tags = instrument.current_tags()
         self._held = instrument.pending_launch()
+        if tags.get("draft"):  # held before a draft model's launch: named as its kernel events are
+            name = DRAFT_PREFIX + name
         try:
             self.hooks.gate(KERNEL, name=name, grid=grid, step=tags.get("step"), layer_idx=tags.get("layer"))
         finally:

@@ -1,6 +1,7 @@
 """A draft model in the trace: its proposals are verified in the same spec_decode events as n-gram
-drafts, and its kernel launches are named apart (draft:...), so the Kernels panel lists them as
-their own rows, beside the target's layers, with no access map borrowed from the target's batch."""
+drafts, and its kernel launches are named apart (draft:...), in the events and at kernel gates, so
+the Kernels panel lists them as their own rows, beside the target's layers, with no access map
+borrowed from the target's batch."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,6 @@ from tracer.tui.app import TraceApp
 from tracer.tui.sources.replay import ReplaySource
 from tracer.tui.widgets.kernels import KernelsPanel, ProgramGrid
 
-pytestmark = pytest.mark.asyncio
 DRAFT = {"method": "draft_model", "model": "tiny-gpt2-draft", "num_speculative_tokens": 2}
 
 
@@ -29,6 +29,7 @@ def draft_trace(tmp_path_factory):
     return path
 
 
+@pytest.mark.asyncio
 async def test_draft_launches_are_their_own_rows_in_the_kernels_panel(draft_trace):
     replay = Replay.load(draft_trace)
     verified = [e for e in replay.events if e.layer == "spec_decode" and e.name == "verified"]
@@ -54,3 +55,15 @@ async def test_draft_launches_are_their_own_rows_in_the_kernels_panel(draft_trac
         table.move_cursor(row=names.index("draft:unified_attention_ref"))
         await pilot.pause()
         assert not app.query_one(ProgramGrid).access  # the step's batch is the target's: no map for the draft's
+
+
+def test_a_kernel_gate_names_the_draft_models_launches():
+    """Stepping kernel by kernel (k) reaches the draft's launches after the target's, by their draft: names."""
+    hooks = Hooks()
+    held = []
+    hooks.add_gate(lambda point, info: held.append((info["step"], info["name"])) if point == "kernel" else None)
+    llm = LLM("tiny-gpt2", hooks=hooks, num_kv_blocks=16, speculative_config=DRAFT)
+    llm.generate(["The list of the"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    first = [name for step, name in held if step == 0]
+    assert first[:8] == ["reshape_and_cache_ref", "unified_attention_ref"] * 4  # the target's 4 layers
+    assert first[8:] == ["draft:reshape_and_cache_ref", "draft:unified_attention_ref"] * 4  # 2 layers, 2 passes
