@@ -1,6 +1,6 @@
 """The built-in offline models.
 
-``tiny-gpt2``: a small GPT-2 (4 layers, 192 wide, 3 heads, 512 positions) with a 4,096-token
+``tiny-gpt2``: a small GPT-2 (4 layers, 128 wide, 4 heads, 512 positions) with a 4,096-token
 byte-level BPE tokenizer, trained on English documentation that ships with Python and with
 permissively licensed packages (``python -m engine.builtin.train_tiny_gpt2``; model card in the
 README). Its files are package data (``engine/builtin/tiny-gpt2/``) with a SHA256SUMS file

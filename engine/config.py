@@ -77,7 +77,7 @@ EXECUTOR_BACKENDS = ("uni", "mp")
 @dataclass
 class ParallelConfig:
     """Tensor parallelism (vLLM's names). tensor_parallel_size ranks, each a worker process with
-    its own shard of every layer (``distributed_executor_backend="mp"``); 1 keeps today's model
+    its own shard of every layer (``distributed_executor_backend="mp"``); 1 keeps the model
     runner in the engine-core process ("uni"). distributed_init_method: where the ranks meet
     (default: a free loopback port, tcp://127.0.0.1:PORT); distributed_timeout_s: how long a
     collective waits for a missing rank before it fails (torch's default is 30 minutes)."""
