@@ -83,8 +83,8 @@ def batch_table(frame: Frame) -> Group | Text:
         table.append("\n")
         if rid in s.verified:
             table.append_text(drafts_line(s.verified[rid], w))
-        cut = s.drafts_cut.get(rid)
-        if cut and cut.get("cut") and cut.get("step") == s.step:
+        cut = s.drafts_cut.get(s.step, {}).get(rid)
+        if cut and cut.get("cut"):
             table.append_text(grammar_cut_line(cut, w))
     table.rstrip()
     used, budget = snap.get("total_num_scheduled_tokens", 0), snap.get("token_budget", 0)
