@@ -30,9 +30,9 @@ ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"  # kernel: tensor-parallel c
 SAMPLED = "sampled"  # sampler
 VERIFIED, REJECTED = "verified", "rejected"  # spec_decode: a request's drafts checked; some were rejected
 # structured_output: a request's grammar compiled (or failed); a step's bitmask (allowed tokens per request);
-# a sampled token the grammar refused; a request's drafts checked against its grammar (the prefix kept)
+# a sampled token the grammar refused
 GRAMMAR_COMPILED, BITMASK, GRAMMAR_REJECTED = "compiled", "bitmask", "refused"
-DRAFTS_VALIDATED = "drafts_validated"
+DRAFTS_VALIDATED = "drafts_validated"  # structured_output: a request's drafts checked by its grammar (prefix kept)
 EVENTS_LOST = "events_lost"  # tracer: a reader fell behind the ring and missed this many events
 # request lifecycle (engine, scheduler)
 QUEUED, SCHEDULED, PREEMPTED, FINISHED, ABORTED = "QUEUED", "SCHEDULED", "PREEMPTED", "FINISHED", "ABORTED"

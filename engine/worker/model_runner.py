@@ -19,7 +19,7 @@ import kernels
 from engine.core.sched.output import SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
-from engine.sample.rejection_sampler import RejectionSampler
+from engine.sample.rejection_sampler import RejectionSampler, requests_after_drafts, spec_logprobs
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.trace_names import BATCH, KERNEL, MODEL_RUNNER
 from kernels import instrument
@@ -150,11 +150,14 @@ class ModelRunner:
         if sched.grammar_bitmask is not None:  # every scored row: what the rejection sampler and the sampler see
             self.apply_grammar_bitmask(sched, logits)
         sample_logits = logits if last_rows is None else logits[last_rows]  # one row per request
-        out = self.sampler(sample_logits, [s.request for s in sched.scheduled])
+        requests = [s.request for s in sched.scheduled]
+        # the last row follows every draft: its token is drawn with them counted as output (penalties, min_tokens)
+        out = self.sampler(sample_logits, requests if last_rows is None else requests_after_drafts(requests, drafts))
         if rows:
             out.prompt_logprobs = _prompt_logprobs(prompt_logits, spans, sched)
         if last_rows is not None:
             out.spec_token_ids = self._verify(logits, drafts, sched, out.token_ids)
+            out.spec_logprobs = spec_logprobs(logits, drafts, requests, out.spec_token_ids)
         if self.hooks.active:
             self._trace_sampled(sched, out)
         return out

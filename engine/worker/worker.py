@@ -175,7 +175,8 @@ class Worker:
                 new.request_id, list(new.token_ids), new.num_prompt_tokens, params, new.eos_token_id,
                 torch.Generator().manual_seed(new.seed))
         sched = SchedulerOutput(step=msg.step)
-        if msg.grammar_bitmask is not None:  # a request's rows: one per position it scores (1 + its drafts)
+        if msg.grammar_bitmask is not None:
+            # a request's rows: one per position it scores (1 + its drafts)
             num_drafts = {s.request_id: len(s.spec_token_ids) for s in msg.scheduled}
             row = 0
             for rid in msg.structured_output_request_ids:

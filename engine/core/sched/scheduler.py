@@ -307,6 +307,9 @@ class Scheduler:
                 self.finish_requests((req.request_id,), status)
             lps = model_runner_output.logprobs[i]
             new_logprobs = None if lps is None else [_ranked(lps, token_id, model_runner_output.ranks[i])]
+            if s.spec_token_ids and lps is not None:  # one entry per kept token, each from its own position
+                new_logprobs = [_ranked(lp, t, rank) for (lp, rank), t in
+                                zip(model_runner_output.spec_logprobs[i], new_token_ids)]
             outputs.append(_output(req, new_token_ids, new_logprobs))
             if status is not None and self.hooks.active:
                 self._trace_finished(req, step)
