@@ -137,19 +137,36 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+        """Repetition (prompt and output tokens, as in vLLM / HF), then frequency and presence
+        penalties (output tokens), all rows at once: one count matrix from one scatter. Per row it
+        cost a few small tensors each, which with speculation (1 + k rows a request) took a fifth
+        of the step (measured: 16 greedy requests, k = 4)."""
+        vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
+        out_rows, out_ids, seen_rows, seen_ids = [], [], [], []
+        for r, i in enumerate(rows):
+            req = requests[i]
+            out_rows += [r] * len(req.output_token_ids)
+            out_ids += req.output_token_ids
+            if req.params.repetition_penalty != 1.0:
+                seen_rows += [r] * len(req.all_token_ids)
+                seen_ids += req.all_token_ids
+
+        def per_row(name: str) -> torch.Tensor:  # [rows, 1]: each row's value of a penalty
+            return torch.tensor([getattr(requests[i].params, name) for i in rows], dtype=dtype, device=device)[:, None]
+
+        sub = logits[rows]
+        counts = torch.zeros(len(rows), vocab, dtype=dtype, device=device)
+        if out_ids:
+            index = (torch.tensor(out_rows, device=device), torch.tensor(out_ids, device=device))
+            counts.index_put_(index, torch.ones(len(out_ids), dtype=dtype, device=device), accumulate=True)
+        if seen_ids:
+            seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+            seen[torch.tensor(seen_rows, device=device), torch.tensor(seen_ids, device=device)] = True
+            rep = per_row("repetition_penalty")
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - per_row("frequency_penalty") * counts - per_row("presence_penalty") * (counts > 0).to(dtype)
         logits = logits.clone()
-        vocab = logits.shape[-1]
-        for i in rows:
-            p, row = requests[i].params, logits[i]
-            out = torch.tensor(requests[i].output_token_ids, dtype=torch.long)
-            counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
-            if p.repetition_penalty != 1.0:  # prompt and output tokens, as in vLLM / HF
-                seen = torch.zeros(vocab, dtype=torch.bool)
-                seen[torch.tensor(requests[i].all_token_ids, dtype=torch.long)] = True
-                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                row = torch.where(seen, penalised, row)
-            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
-            logits[i] = row
+        logits[rows] = sub
         return logits
 
     @staticmethod
