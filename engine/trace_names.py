@@ -32,6 +32,7 @@ VERIFIED, REJECTED = "verified", "rejected"  # spec_decode: a request's drafts c
 # structured_output: a request's grammar compiled (or failed); a step's bitmask (allowed tokens per request);
 # a sampled token the grammar refused
 GRAMMAR_COMPILED, BITMASK, GRAMMAR_REJECTED = "compiled", "bitmask", "refused"
+DRAFTS_VALIDATED = "drafts_validated"  # structured_output: a request's drafts checked by its grammar (prefix kept)
 EVENTS_LOST = "events_lost"  # tracer: a reader fell behind the ring and missed this many events
 # request lifecycle (engine, scheduler)
 QUEUED, SCHEDULED, PREEMPTED, FINISHED, ABORTED = "QUEUED", "SCHEDULED", "PREEMPTED", "FINISHED", "ABORTED"

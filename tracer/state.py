@@ -38,6 +38,7 @@ from engine.trace_names import (
     CONFIG,
     CORE_DIED,
     DETOKENIZER,
+    DRAFTS_VALIDATED,
     ENCODE,
     ENGINE,
     EVENTS_LOST,
@@ -146,6 +147,9 @@ class TraceState:
     kernels: list[dict] = field(default_factory=list)  # this step's kernel launches (name, grid, rank, ...)
     sampled: dict | None = None  # this step's sampled token ids
     verified: dict = field(default_factory=dict)  # speculative decoding: request id -> this step's verification
+    # structured outputs with speculation: step -> request id -> its grammar's check of the drafts that step
+    # verifies ("draft" proposed, "kept", "cut"); made at the end of the step before, kept while it is shown
+    drafts_cut: dict = field(default_factory=dict)
     grammar_mask: dict | None = None  # this step's grammar bitmask: allowed tokens per request, vocab_size, fill_ns
     stats: dict = field(default_factory=dict)  # latest EngineStats
     num_blocks: int | None = None
@@ -207,7 +211,7 @@ class TraceState:
         c.waiting, c.running, c.finished = list(self.waiting), list(self.running), list(self.finished)
         c.kernels, c.startup, c.stats = list(self.kernels), list(self.startup), dict(self.stats)
         c.cached_free, c.kv_usage_history = set(self.cached_free), list(self.kv_usage_history)
-        c.verified = dict(self.verified)
+        c.verified, c.drafts_cut = dict(self.verified), {step: dict(cut) for step, cut in self.drafts_cut.items()}
         c.kernel_history = {k: list(v) for k, v in self.kernel_history.items()}
         c.workers = [dict(w) for w in self.workers]  # fold replaces a worker's values, never changes them
         return c
@@ -355,6 +359,8 @@ def _step(s: TraceState, ev: Event) -> None:
     if ev.kind == BEGIN:
         s.step, s.phase = ev.step, "schedule"
         s.batch, s.kernels, s.sampled, s.verified, s.grammar_mask = None, [], None, {}, None
+        if s.drafts_cut:
+            s.drafts_cut = {step: cut for step, cut in s.drafts_cut.items() if step >= ev.step}
     elif ev.kind == END:
         s.phase = "done"
         s.stats = _attrs(ev).get("stats", s.stats)
@@ -611,6 +617,10 @@ def _grammar_bitmask(s: TraceState, ev: Event) -> None:
             req.num_allowed.append(n)
 
 
+def _drafts_validated(s: TraceState, ev: Event) -> None:
+    s.drafts_cut.setdefault(ev.step, {})[ev.request_id] = _attrs(ev)
+
+
 def _core_died(s: TraceState, ev: Event) -> None:
     s.engine_dead = _attrs(ev).get("reason") or "the engine core died"
 
@@ -634,6 +644,7 @@ _HANDLERS = {
     (DETOKENIZER, NEW_TOKENS): _new_tokens,
     (STRUCTURED_OUTPUT, GRAMMAR_COMPILED): _grammar_compiled,
     (STRUCTURED_OUTPUT, BITMASK): _grammar_bitmask,
+    (STRUCTURED_OUTPUT, DRAFTS_VALIDATED): _drafts_validated,
 }
 _LAYER_HANDLERS = {
     HTTP: _http,

@@ -131,7 +131,8 @@ class WorkerProc:
         data = None
         if out is not None and self.rank == msg.output_rank:  # V1's unique_reply_rank
             data = dict(token_ids=out.token_ids, logprobs=out.logprobs, ranks=out.ranks,
-                        prompt_logprobs=out.prompt_logprobs, spec_token_ids=out.spec_token_ids)
+                        prompt_logprobs=out.prompt_logprobs, spec_token_ids=out.spec_token_ids,
+                        spec_logprobs=out.spec_logprobs)
         self._reply("step", data)
 
     def _forward_gate(self, point: str, info: dict) -> None:

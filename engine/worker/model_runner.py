@@ -19,7 +19,7 @@ import kernels
 from engine.core.sched.output import SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
-from engine.sample.rejection_sampler import RejectionSampler
+from engine.sample.rejection_sampler import RejectionSampler, requests_after_drafts, spec_logprobs
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.trace_names import BATCH, KERNEL, MODEL_RUNNER
 from kernels import instrument
@@ -147,14 +147,17 @@ class ModelRunner:
                 self._publish_launches()
         drafts = [s.spec_token_ids for s in sched.scheduled]
         last_rows = _last_rows(drafts) if any(drafts) else None
+        if sched.grammar_bitmask is not None:  # every scored row: what the rejection sampler and the sampler see
+            self.apply_grammar_bitmask(sched, logits)
         sample_logits = logits if last_rows is None else logits[last_rows]  # one row per request
-        if sched.grammar_bitmask is not None:  # (requests with a grammar get no drafts: see update_draft_token_ids)
-            self.apply_grammar_bitmask(sched, sample_logits)
-        out = self.sampler(sample_logits, [s.request for s in sched.scheduled])
+        requests = [s.request for s in sched.scheduled]
+        # the last row follows every draft: its token is drawn with them counted as output (penalties, min_tokens)
+        out = self.sampler(sample_logits, requests if last_rows is None else requests_after_drafts(requests, drafts))
         if rows:
             out.prompt_logprobs = _prompt_logprobs(prompt_logits, spans, sched)
         if last_rows is not None:
             out.spec_token_ids = self._verify(logits, drafts, sched, out.token_ids)
+            out.spec_logprobs = spec_logprobs(logits, drafts, requests, out.spec_token_ids)
         if self.hooks.active:
             self._trace_sampled(sched, out)
         return out
@@ -174,10 +177,19 @@ class ModelRunner:
 
     def apply_grammar_bitmask(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
         """Structured outputs (V1's name): the tokens each constrained request's grammar forbids get
-        -inf, in place, before any logits processor or sampling. Our Triton kernel with the triton
-        backend, its PyTorch reference with torch; both are launches the Kernels panel lists."""
-        row_of = {rid: i for i, rid in enumerate(sched.req_ids)}
-        indices = self._tensor(np.array([row_of[rid] for rid in sched.structured_output_request_ids], np.int32))
+        -inf, in place, before any logits processor, verification or sampling. `logits` has one row
+        per scored position (1 + its drafts per request); a constrained request's mask row j goes to
+        its logits row j. Our Triton kernel with the triton backend, its PyTorch reference with
+        torch; both are launches the Kernels panel lists."""
+        first_logits_row, row = {}, 0
+        for s in sched.scheduled:
+            first_logits_row[s.request.request_id] = (row, 1 + len(s.spec_token_ids))
+            row += 1 + len(s.spec_token_ids)
+        rows = np.empty(len(sched.grammar_bitmask), np.int32)
+        for rid, first_mask_row in sched.structured_output_request_ids.items():
+            start, n = first_logits_row[rid]
+            rows[first_mask_row:first_mask_row + n] = np.arange(start, start + n)
+        indices = self._tensor(rows)
         bitmask = self._tensor(np.ascontiguousarray(sched.grammar_bitmask, np.int32))
         if self.model.backend.name == "triton":
             kernels.apply_token_bitmask(logits, bitmask, indices)

@@ -176,9 +176,13 @@ class Worker:
                 torch.Generator().manual_seed(new.seed))
         sched = SchedulerOutput(step=msg.step)
         if msg.grammar_bitmask is not None:
-            ids = msg.structured_output_request_ids
-            sched.structured_output_request_ids = {rid: i for i, rid in enumerate(ids)}
-            sched.grammar_bitmask = np.frombuffer(bytearray(msg.grammar_bitmask), np.int32).reshape(len(ids), -1)
+            # a request's rows: one per position it scores (1 + its drafts)
+            num_drafts = {s.request_id: len(s.spec_token_ids) for s in msg.scheduled}
+            row = 0
+            for rid in msg.structured_output_request_ids:
+                sched.structured_output_request_ids[rid] = row
+                row += 1 + num_drafts[rid]
+            sched.grammar_bitmask = np.frombuffer(bytearray(msg.grammar_bitmask), np.int32).reshape(row, -1)
         for s in msg.scheduled:
             state = self.requests[s.request_id]
             state.all_token_ids += s.new_token_ids
