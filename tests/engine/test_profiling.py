@@ -125,16 +125,19 @@ def test_llama_and_qwen3_ops(arch, request):
     assert kinds["rotary_embedding"] == kinds["silu_and_mul"] == "elementwise"
 
 
-def test_two_ranks_each_profile_their_own_ops():
+def test_two_ranks_each_profile_their_own_ops(tmp_path):
     rec = Recorder()
-    llm = LLM("tiny-gpt2", hooks=rec.hooks, tensor_parallel_size=2)
+    llm = LLM("tiny-gpt2", hooks=rec.hooks, tensor_parallel_size=2, profiler_dir=str(tmp_path))
     try:
         started = llm.start_profile()
         assert [r["rank"] for r in started["ranks"]] == [0, 1]
         got = _tokens(llm, PROMPTS)
-        llm.stop_profile()
+        stopped = llm.stop_profile()
     finally:
         llm.shutdown()
+    files = [r["trace_file"] for r in stopped["ranks"]]  # torch.profiler: one file per rank
+    assert [f.rsplit("/", 1)[1].split(".")[0] for f in files] == ["rank0", "rank1"]
+    assert all(json.loads(open(f).read())["traceEvents"] for f in files)
     assert got == _tokens(LLM("tiny-gpt2"), PROMPTS)
     step = rec.steps()[-1]
     for rank in (0, 1):
