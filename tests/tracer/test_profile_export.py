@@ -35,3 +35,30 @@ def test_profiled_ops_nest_under_their_step(tmp_path):
         assert all(e["args"]["profiled"] and e["args"]["op"] and "flops" in e["args"] for e in inside)
     before = [e for e in track if e["cat"] == "kernel" and e["args"]["step"] < window[0]]
     assert before and not any("profiled" in e["args"] for e in before)
+
+
+def test_k_steps_through_every_profiled_op():
+    """Kernel-level stepping (the TUI's k) stops before each profiled op, in the order they run."""
+    from tracer_helpers import start_loop
+
+    hooks = Hooks()
+    session = TraceSession(hooks, start_paused=True)
+    engine = LLM("tiny-gpt2", hooks=hooks, block_size=4).llm_engine
+    engine.start_profile()
+    engine.add_request("a", "kernels", SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    ctl = session.controller
+    loop = start_loop(engine)
+    try:
+        ctl.wait_until_paused(30)
+        stops = []
+        while len(stops) < 9:
+            ctl.step(1, "kernel")
+            stop = ctl.wait_until_paused(30)
+            if stop.point == "kernel":
+                stops.append((stop.info["name"], stop.info["layer_idx"]))
+        ctl.resume()
+        loop.join(30)
+    finally:
+        session.close()
+    assert stops == [("plan_attention", None), ("wte", None), ("wpe", None), ("ln_1", 0), ("c_attn", 0),
+                     ("reshape_and_cache_ref", 0), ("unified_attention_ref", 0), ("attn.c_proj", 0), ("ln_2", 0)]
