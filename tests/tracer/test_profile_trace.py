@@ -1,9 +1,14 @@
-"""A profiled window in the Perfetto export: each profiled step's launches (every op, with op,
-flops and bytes in their args) nest under a "step N" slice on the kernels track; launches outside
-the window stay as they were, with no parent."""
+"""Profiling and the tracer: in the Perfetto export each profiled step's launches (every op, with
+op, flops and bytes in their args) nest under a "step N" slice on the kernels track, and launches
+outside the window stay as they were; kernel-level stepping stops before each profiled op; a
+profile call made while the step controller holds the engine core waits for the step's end
+without blocking the core's other calls."""
 from __future__ import annotations
 
+import threading
+
 from chrome_check import check_chrome_trace
+from tracer_helpers import CoreProcess, start_loop
 
 from engine import LLM, Hooks, SamplingParams
 from tracer.events import read_trace
@@ -39,8 +44,6 @@ def test_profiled_ops_nest_under_their_step(tmp_path):
 
 def test_k_steps_through_every_profiled_op():
     """Kernel-level stepping (the TUI's k) stops before each profiled op, in the order they run."""
-    from tracer_helpers import start_loop
-
     hooks = Hooks()
     session = TraceSession(hooks, start_paused=True)
     engine = LLM("tiny-gpt2", hooks=hooks, block_size=4).llm_engine
@@ -62,3 +65,28 @@ def test_k_steps_through_every_profiled_op():
         session.close()
     assert stops == [("plan_attention", None), ("wte", None), ("wpe", None), ("ln_1", 0), ("c_attn", 0),
                      ("reshape_and_cache_ref", 0), ("unified_attention_ref", 0), ("attn.c_proj", 0), ("ln_2", 0)]
+
+
+def test_profile_while_held_waits_for_the_step_boundary():
+    hooks = Hooks()
+    session = TraceSession(hooks, start_paused=True, remote_control=True)
+    core = CoreProcess(session, block_size=4)
+    try:
+        core.add_request("a", "kernels", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        ctl = session.controller
+        assert ctl.wait_until_paused(30).step == 0  # held before step 0
+        answer = {}
+        call = threading.Thread(target=lambda: answer.update(core.llm.client.profile(True)))
+        call.start()
+        call.join(0.5)
+        assert call.is_alive()  # not while the engine is held: at the next step boundary
+        ctl.step(1, "step")  # the core still takes the controller's calls meanwhile
+        call.join(30)
+        assert answer["profiling"] is True and answer["step"] == 1  # from the step after the held one
+        ctl.resume()
+        start_loop(core).join(30)
+    finally:
+        session.close()
+        core.close()
+    profiled = {e.step for e in session.bus.read(0)[0] if e.layer == "kernel" and (e.attrs or {}).get("profiled")}
+    assert profiled == {1, 2}
