@@ -4,7 +4,7 @@ their engines stepped in lockstep; then one op alone, plain and profiled.
     python -m benchmarks.profiling [--requests 8] [--reps 7] [--model tiny-gpt2]
 
   off       TraceSession (bus, recorder to a temp file, step controller), profiling off: what
-            tracing costs today (benchmarks.trace_overhead measures it against no tracing)
+            tracing costs with profiling off (benchmarks.trace_overhead measures it against no tracing)
   on        the same, after LLM.start_profile(): every op of the forward pass and of the sampler
             is a launch with its shapes, FLOPs and bytes
 

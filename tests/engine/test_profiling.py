@@ -1,8 +1,9 @@
 """Profiling on demand (LLM.start_profile / stop_profile, EngineCore.profile): while on, every op
 of the forward pass and of the sampler is a kernel launch with its layer, shapes, op kind, FLOPs
 and bytes, for GPT-2, Llama and Qwen3, on one rank, on two (each rank its own ops) and with the
-engine core in its own process; outputs are the same as without it; off, the launches are
-today's; the profiler events mark the window; --profiler-dir writes a torch.profiler trace."""
+engine core in its own process; outputs are the same as without it; off, the only launches are
+the attention kernels'; the profiler events mark the window; --profiler-dir writes a
+torch.profiler trace."""
 from __future__ import annotations
 
 import json
@@ -47,7 +48,7 @@ def _tokens(llm, prompts, params=GREEDY):
                                                           use_tqdm=False)]
 
 
-def test_gpt2_every_op_while_profiling_and_today_launches_otherwise():
+def test_gpt2_every_op_while_profiling_and_only_the_kernels_otherwise():
     rec = Recorder()
     llm = LLM("tiny-gpt2", hooks=rec.hooks)
     before = _tokens(llm, PROMPTS)
@@ -85,7 +86,7 @@ def test_gpt2_every_op_while_profiling_and_today_launches_otherwise():
 
     rec.events.clear()
     assert _tokens(llm, PROMPTS) == before
-    assert {e[1] for e in rec.launches()} == unprofiled  # stopped: today's launches again
+    assert {e[1] for e in rec.launches()} == unprofiled  # stopped: the kernels' launches only
     assert not any("flops" in e[5] for e in rec.launches())
     assert llm.stop_profile()["ranks"] == []
 
