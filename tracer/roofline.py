@@ -127,3 +127,24 @@ def fmt_count(n: float, unit: str = "") -> str:
         if abs(n) >= div:
             return f"{n / div:.3g} {prefix}{unit}"
     return f"{n:.3g} {unit}".rstrip()
+
+
+def chart_range(points: dict[str, OpPoint], roof: Roofline | None) -> tuple[float, float, float, float]:
+    """(x_min, x_max, y_min, y_max), whole decades around the points and the ridge point: the axes
+    of the log-log chart (FLOP/byte across, FLOP/s up)."""
+    import math
+    xs = [p.intensity for p in points.values()] + ([roof.ridge] if roof else [])
+    ys = [p.flops_per_s for p in points.values()] + ([roof.peak_flops] if roof else [])
+    xs, ys = [x for x in xs if 0 < x < float("inf")] or [1.0], [y for y in ys if y > 0] or [1e9]
+    x0, x1 = math.floor(math.log10(min(xs))), math.ceil(math.log10(max(xs)) + 1e-9)
+    y0, y1 = math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)) + 1e-9)
+    return 10.0 ** x0, 10.0 ** max(x1, x0 + 2), 10.0 ** y0, 10.0 ** max(y1, y0 + 2)
+
+
+def roof_points(roof: Roofline, x_min: float, x_max: float, n: int = 64) -> list[tuple[float, float]]:
+    """The roof (min of the two) sampled evenly in log space, the ridge point included."""
+    import math
+    lo, hi = math.log10(x_min), math.log10(x_max)
+    xs = sorted({10 ** (lo + (hi - lo) * i / (n - 1)) for i in range(n)} | (
+        {roof.ridge} if x_min < roof.ridge < x_max else set()))
+    return [(x, roof.attainable(x)) for x in xs]

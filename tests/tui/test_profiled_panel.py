@@ -1,0 +1,109 @@
+"""The Kernels panel on a profiled step (synthetic traces of the engine's profiled events): every
+op listed longest first with its share, FLOPs, bytes, intensity, achieved rate and bound against
+this machine's cached roofline; the roofline chart below it; the fold's PROFILING; and an
+unprofiled step drawn as it always was."""
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+
+import pytest
+
+from kernels import roofline
+from tests.tui.helpers import shown
+from tests.tui.profiled_events import ROOF, profiled_events, step_ops
+from tracer.replay import Replay
+from tracer.tui.app import TraceApp
+from tracer.tui.sources.replay import ReplaySource
+from tracer.tui.widgets.kernels import KernelsPanel
+from tracer.tui.widgets.roofline import RooflineChart
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """A cache whose calibration for this machine is ROOF (100 GFLOP/s, 20 GB/s): bounds are known."""
+    monkeypatch.setenv("VLLM_TRACE_CACHE", str(tmp_path))
+    path = roofline.cache_path(tmp_path, "cpu", "float32")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**ROOF.to_dict(), "fingerprint": roofline.fingerprint("cpu", "float32")}))
+    return path
+
+
+@asynccontextmanager
+async def kernels_at(events, step: int, size=(160, 60)):
+    replay = Replay({"model": "tiny-gpt2"}, events)
+    app = TraceApp(ReplaySource(replay))
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause()
+        await pilot.press("5")
+        replay.goto(step)
+        app.tick()
+        await pilot.pause()
+        yield app, pilot
+
+
+def rows(app) -> list[list[str]]:
+    """Every row of the Kernels list (scrolled out of view too), cell by cell."""
+    return [[text.strip() for text, _style in row] for row in app.query_one("#kernels-table").texts]
+
+
+async def test_a_profiled_prefill_lists_every_op_longest_first_with_its_roofline(machine):
+    async with kernels_at(profiled_events(), 0) as (app, pilot):
+        head = shown(app.query_one("#kernels-head"))
+        assert "step 0: 40 ops profiled" in head and "of the step's" in head
+        assert "ridge 5 FLOP/byte" in head and "100 GFLOP/s" in head and "20 GB/s" in head
+        lines = rows(app)
+        assert len(lines) == len(step_ops(40, 40)) == 40
+        header = shown(app.query_one("#kernels-table")).splitlines()[0].split("↕")[0].split()
+        assert header == ["#", "layer", "op", "kind", "share", "time", "FLOPs", "bytes", "FLOP/B", "achieved", "bound"]
+        first = dict(zip(header, lines[0]))
+        assert first["op"] == "lm_head" and first["kind"] == "matmul" and first["layer"] == ""  # the longest
+        assert first["bound"] == "compute" and first["share"].endswith("36%")
+        c_attn = dict(zip(header, next(row for row in lines if row[2] == "c_attn")))
+        # c_attn over 40 tokens: 2·40·128·384 FLOPs; (40·128 + 128·384 + 40·384 + 384)·4 bytes
+        assert c_attn["FLOPs"] == "3.93 M" and c_attn["bytes"] == "273.5 KiB" and c_attn["bound"] == "compute"
+        assert c_attn["FLOP/B"] == f"{2 * 40 * 128 * 384 / (4 * (40 * 128 + 128 * 384 + 40 * 384 + 384)):.3g}"
+        assert c_attn["achieved"] == "50 GFLOP/s"  # the synthetic ops run at half the roof
+        wte = dict(zip(header, next(row for row in lines if row[2] == "wte")))
+        assert wte["bound"] == "-" and wte["FLOPs"] == "-"  # no arithmetic: no place on the roofline
+        chart = app.query_one(RooflineChart)
+        assert chart.display and not app.query_one("#kernels-programs").display
+        drawn = shown(chart)
+        assert "matmul" in drawn and "ridge" in drawn and "FLOP/byte" in drawn
+
+
+async def test_a_profiled_decode_step_is_memory_bound(machine):
+    async with kernels_at(profiled_events(), 1) as (app, _):
+        lines = rows(app)
+        matmuls = [row for row in lines if row[3] == "matmul"]
+        assert len(matmuls) == 4 * 4 + 1 and all(m[-1] == "memory" for m in matmuls)
+        assert "by kind: matmul" in shown(app.query_one("#kernels-head"))
+
+
+async def test_a_step_after_profiling_stopped_is_listed_as_before(machine):
+    events = profiled_events(decode_steps=1)
+    async with kernels_at(events, 2) as (app, _):
+        head = shown(app.query_one("#kernels-head"))
+        assert "8 launches" in head and "p profiles every op" in head
+        assert not app.query_one(RooflineChart).display and app.query_one("#kernels-programs").display
+        assert not app.source.refresh().profiling
+
+
+async def test_the_header_says_profiling_while_it_is_on(machine):
+    async with kernels_at(profiled_events(), 1) as (app, _):
+        assert app.source.refresh().profiling
+        assert "PROFILING" in shown(app.query_one("#header"))
+
+
+async def test_without_a_calibration_the_panel_calibrates_once_and_then_draws_the_roofs(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_TRACE_CACHE", str(tmp_path))
+    monkeypatch.setitem(roofline.MATMUL_SIZES, "cpu", (64,))
+    monkeypatch.setitem(roofline.COPY_BYTES, "cpu", 1 << 20)
+    async with kernels_at(profiled_events(), 1) as (app, pilot):
+        panel = app.query_one(KernelsPanel)
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert panel.roof is not None and roofline.cached(tmp_path) == panel.roof
+        assert f"ridge {panel.roof.ridge:.3g} FLOP/byte" in shown(app.query_one("#kernels-head"))

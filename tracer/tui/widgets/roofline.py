@@ -1,0 +1,63 @@
+"""The roofline chart: a profiled step's ops, one point per op kind, under this machine's two roofs.
+
+Log-log, as rooflines are drawn: arithmetic intensity (FLOP per byte moved) across, achieved
+FLOP/s up. The sloped roof is the memory bandwidth (FLOP/s = intensity × bytes/s), the flat one
+the peak FLOP/s; they meet at the ridge point. A point under the slope is memory-bound: only more
+bandwidth (or fewer bytes: a bigger batch reuses each weight it reads) moves it up. Drawn with
+textual-plotext; the same geometry (tracer/roofline.py) draws ``vllm-trace export --roofline``.
+"""
+from __future__ import annotations
+
+import math
+
+from textual_plotext import PlotextPlot
+
+from kernels.roofline import OpPoint, Roofline
+from tracer.roofline import chart_range, fmt_count, plotted, roof_points
+
+
+def decade_ticks(lo: float, hi: float, unit: str) -> tuple[list[float], list[str]]:
+    ticks = [10.0 ** e for e in range(round(math.log10(lo)), round(math.log10(hi)) + 1)]
+    return ticks, [fmt_count(t, unit) for t in ticks]
+
+
+COLORS = ["red", "green", "orange", "magenta", "blue", "yellow", "white", "gray"]
+
+
+class RooflineChart(PlotextPlot):
+    """``set_points(points, roof)`` draws one point per op kind (named, with its bound, in the
+    legend) and the roofs, when this machine has been calibrated; it redraws only when what it
+    shows changed."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._drawn: tuple | None = None
+
+    def set_points(self, points: dict[str, OpPoint], roof: Roofline | None, title: str = "") -> None:
+        points = plotted(points)
+        key = (tuple(points.items()), roof, title)
+        if key == self._drawn:
+            return
+        self._drawn = key
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title(title)
+        plt.xscale("log")
+        plt.yscale("log")
+        x0, x1, y0, y1 = chart_range(points, roof)
+        plt.xlim(math.log10(x0), math.log10(x1))  # (plotext takes a log axis's limits as exponents)
+        plt.ylim(math.log10(y0), math.log10(y1))
+        plt.xticks(*decade_ticks(x0, x1, ""))
+        plt.yticks(*decade_ticks(y0, y1, "FLOP/s"))
+        plt.xlabel("arithmetic intensity (FLOP/byte)")
+        if roof is not None:
+            xy = roof_points(roof, x0, x1)
+            plt.plot([x for x, _ in xy], [y for _, y in xy], marker="braille", color="cyan",
+                     label=f"roofs: {fmt_count(roof.peak_bw, 'B/s')} · {fmt_count(roof.peak_flops, 'FLOP/s')}")
+            plt.text(f"◆ ridge {roof.ridge:.3g} FLOP/B", roof.ridge, roof.peak_flops, color="cyan", alignment="left")
+        for i, (kind, p) in enumerate(points.items()):  # a colour per kind, named in the legend
+            bound = f" ({p.bound(roof)})" if roof is not None else ""
+            plt.scatter([p.intensity], [p.flops_per_s], marker="●", color=COLORS[i % len(COLORS)],
+                        label=f"{kind}{bound}")
+        self.refresh()
