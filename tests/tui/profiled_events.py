@@ -64,6 +64,7 @@ def profiled_events(prompt_tokens: int = 40, decode_steps: int = 2, profile: boo
         tokens, context = (prompt_tokens, prompt_tokens) if step == 0 else (1, prompt_tokens + step)
         t.add("engine", "step", BEGIN, step=step)
         step_begin = t.ts
+        t.add("model_runner", "batch", step=step, input_ids=list(range(tokens)), request_ids=["a"])
         if profile and step <= decode_steps:
             for name, kind, layer, flops, nbytes in step_ops(tokens, context):
                 t.add("kernel", name, step=step, layer_idx=layer, grid=[], meta={},
