@@ -86,7 +86,7 @@ async def test_a_step_after_profiling_stopped_is_listed_as_before(machine):
     events = profiled_events(decode_steps=1)
     async with kernels_at(events, 2) as (app, _):
         head = shown(app.query_one("#kernels-head"))
-        assert "8 launches" in head and "p profiles every op" in head
+        assert "8 launches" in head and "p profiles them too" in head
         assert not app.query_one(RooflineChart).display and app.query_one("#kernels-programs").display
         assert not app.source.refresh().profiling
 

@@ -248,7 +248,7 @@ def program_text(grid: ProgramGrid) -> Text:
 
 # What the list holds, said on the panel: a learner otherwise takes it for the whole forward pass.
 SCOPE = ("listed: each layer's KV-cache write and paged attention, and any collectives",
-         "not listed: matmuls, layer norms, MLP, LM head, sampler (they run, untraced: p profiles every op)")
+         "not listed: matmuls, layer norms, MLP, LM head, sampler (p profiles them too)")
 PROFILED_SCOPE = "listed: every op of the forward pass, longest first (p stops profiling)"
 BAR = 8  # cells of the share-of-the-step bar
 
