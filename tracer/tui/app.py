@@ -268,16 +268,21 @@ class TraceApp(App):
         await self._command(self.source.travel(where))
         self.tick()
 
-    async def action_profile(self) -> None:
-        """`p`: profiling on (every op of the forward pass a launch, on the roofline) or off again."""
+    def action_profile(self) -> None:
+        """`p`: profiling on (every op of the forward pass a launch, on the roofline) or off again.
+        The engine applies it between steps (a held engine: when its step ends), so the command
+        runs as a worker: the keys that let the engine go on must keep working meanwhile."""
         self.tick()
         on = self.frame is not None and self.frame.state.profiling
-        if await self._command(self.source.stop_profile() if on else self.source.start_profile()):
-            self.notify("profiling stopped: the next steps list the usual launches" if on else
-                        "profiling: every op of the next steps is a launch (Kernels panel, 5); p stops it")
-            if not on:
-                self.show_pane("kernels", chosen=True)
-        self.tick()
+        self.notify("stopping profiling at the next step boundary…" if on else
+                    "profiling from the next step on: every op is a launch (Kernels panel, 5); p stops it")
+        if not on:
+            self.show_pane("kernels", chosen=True)
+        self.run_worker(self._profile(not on), group="profile", exclusive=True)
+
+    async def _profile(self, start: bool) -> None:
+        if await self._command(self.source.start_profile() if start else self.source.stop_profile()):
+            self.tick()
 
     def action_breakpoints(self) -> None:
         self.push_screen(BreakpointsScreen(self.source))
