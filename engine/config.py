@@ -138,6 +138,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU (measured faster)
     speculative: SpeculativeConfig | None = None
+    profiler_dir: str | None = None  # where profiling also writes torch.profiler traces (one file per rank)
 
     def __post_init__(self) -> None:
         _check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,

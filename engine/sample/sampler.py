@@ -14,6 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from kernels.instrument import op
+from kernels.op_cost import SAMPLER
+
+# each step's cost formula (kernels/op_cost.py); shared by every call: read, don't change
+_LOG_SOFTMAX, _PROCESSOR = {"cost": "log_softmax"}, {"cost": "logits_processor"}
+_ARGMAX, _SAMPLE = {"cost": "argmax"}, {"cost": "sample"}
 
 
 @dataclass
@@ -55,20 +61,24 @@ class Sampler:
                 penalised.append(i)
             if p.temperature != 0.0:
                 sampled.append(i)
-        raw_logprobs = torch.log_softmax(logits[want], dim=-1) if want else None
+        raw_logprobs = op("log_softmax", SAMPLER, _log_softmax, dict(logits=logits[want]), meta=_LOG_SOFTMAX) \
+            if want else None
         self.last_processed: dict[int, dict] = {}  # row -> what the logits processors did (for the trace)
         if masked:
-            logits = self._allow_and_ban(logits, requests, masked)
+            logits = op("allow_and_ban", SAMPLER, self._allow_and_ban,
+                        dict(logits=logits, requests=requests, rows=masked), meta=_PROCESSOR)
         if too_short:
-            logits = self._block_stop_tokens(logits, requests, too_short)
+            logits = op("block_stop_tokens", SAMPLER, self._block_stop_tokens,
+                        dict(logits=logits, requests=requests, rows=too_short), meta=_PROCESSOR)
         if masked:
-            logits = self._apply_logit_bias(logits, requests, masked)
-
+            logits = op("apply_logit_bias", SAMPLER, self._apply_logit_bias,
+                        dict(logits=logits, requests=requests, rows=masked), meta=_PROCESSOR)
         if penalised:
-            logits = self._apply_penalties(logits, requests, penalised)
-        token_ids = argmax(logits)  # the greedy answer, overwritten below if sampling
+            logits = op("apply_penalties", SAMPLER, self._apply_penalties,
+                        dict(logits=logits, requests=requests, rows=penalised), meta=_PROCESSOR)
+        token_ids = op("argmax", SAMPLER, argmax, dict(logits=logits), meta=_ARGMAX)  # greedy; sampled rows below
         for i in sampled:
-            token_ids[i] = self._sample(logits[i], requests[i])
+            token_ids[i] = op("sample", SAMPLER, self._sample, dict(logits=logits[i], req=requests[i]), meta=_SAMPLE)
 
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
         ranks: list[int | None] = [None] * len(requests)
@@ -149,6 +159,10 @@ class Sampler:
         # on a GPU as on the CPU; the draws then move to the probabilities' device.
         e = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=req.generator).to(probs.device)
         return argmax(probs / e)
+
+
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1)
 
 
 def processed_probs(row: torch.Tensor, p) -> torch.Tensor:

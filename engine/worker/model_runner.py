@@ -22,7 +22,9 @@ from engine.model_executor.layers.attention import AttentionMetadata
 from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.trace_names import BATCH, KERNEL, MODEL_RUNNER
+from engine.worker.profiler import Profiler
 from kernels import instrument
+from kernels.op_cost import ATTENTION, launch_cost
 
 
 @dataclass
@@ -41,7 +43,7 @@ class ModelRunner:
     holds no request state: the scheduler decides what runs, the engine applies the result."""
 
     def __init__(self, model: nn.Module, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None,
-                 rank: int = 0):
+                 rank: int = 0, profiler_dir: str | None = None):
         self.model = model
         self.rank = rank  # tensor-parallel rank: in every kernel event and sampler/sampled
         self.kv_caches = kv_caches
@@ -55,6 +57,9 @@ class ModelRunner:
         self._tensor = torch.from_numpy if device.type == "cpu" else lambda a: torch.from_numpy(a).to(device)
         self._launches: list[instrument.LaunchRecord] = []  # this step's, not yet published
         self._held: tuple[str, dict] | None = None  # (name, arguments) of the launch a gate holds before
+        self.profiler = Profiler(model, rank, profiler_dir)  # every op a launch, on demand (profile())
+        self._profiled_lens: tuple[list[int], list[int]] | None = None  # a profiled step's query and sequence lengths
+        self._costs: dict[tuple, tuple[str, int, int]] = {}  # (launch name, its arguments) -> (op, FLOPs, bytes)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -117,8 +122,11 @@ class ModelRunner:
         which the engine discards. Changes: writes the batch's keys and values into the KV cache
         at slot_mapping, nothing else. Hooks (when active): model_runner/batch, one kernel event
         per Triton launch (published after the forward pass, or before a gate holds the engine),
-        sampler/sampled; when gated as the step starts, a kernel gate before each launch."""
+        sampler/sampled; when gated as the step starts, a kernel gate before each launch. While
+        profiling (profile()), every op of the forward pass and of the sampler is a launch too."""
         inp = self.prepare_inputs(sched)
+        if self.profiler.active:
+            return self._run_profiled(sched, inp)
         if not self.hooks.active:
             return self._run(sched, inp)
         # A step's launches are kept as they happen and published together once its forward
@@ -128,6 +136,24 @@ class ModelRunner:
         before = self._before_launch if self.hooks.gated else None
         with instrument.observe(self._launches.append, before, access_maps=False, step=sched.step):
             return self._run(sched, inp)
+
+    def profile(self, is_start: bool = True) -> dict:
+        """Start or stop profiling this rank's steps (see engine/worker/profiler.py)."""
+        return self.profiler.start() if is_start else self.profiler.stop()
+
+    def _run_profiled(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput:
+        with self.profiler.step_annotation(sched.step):
+            if not self.hooks.active:  # only torch.profiler listens
+                return self._run(sched, inp)
+            qsl = inp.meta.query_start_loc.tolist()
+            self._profiled_lens = ([b - a for a, b in zip(qsl, qsl[1:])], inp.meta.seq_lens.tolist())
+            before = self._before_launch if self.hooks.gated else None
+            try:
+                with instrument.observe(self._launches.append, before, access_maps=False, profile=True,
+                                        step=sched.step):
+                    return self._run(sched, inp)
+            finally:
+                self._profiled_lens = None
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """The model on one batch: logits of each request's last scheduled position. (Callers
@@ -155,6 +181,8 @@ class ModelRunner:
             out.prompt_logprobs = _prompt_logprobs(prompt_logits, spans, sched)
         if last_rows is not None:
             out.spec_token_ids = self._verify(logits, drafts, sched, out.token_ids)
+        if self._launches:  # the sampler's (a grammar's mask, a verification; every step's op while profiling)
+            self._publish_launches()
         if self.hooks.active:
             self._trace_sampled(sched, out)
         return out
@@ -263,9 +291,30 @@ class ModelRunner:
         rank = self.rank
         attrs = [{"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args,
                   "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason, "rank": rank} for r in recs]
+        if self._profiled_lens is not None:
+            self._add_costs(recs, attrs)
         self.hooks.emit_many([(KERNEL, r.name, INSTANT, None, r.tags.get("step"), a) for r, a in zip(recs, attrs)],
                              [r.end_ns for r in recs])
         recs.clear()
+
+
+    def _add_costs(self, recs: list[instrument.LaunchRecord], attrs: list[dict]) -> None:
+        """A profiled step's launches get their op kind, FLOPs and bytes (kernels.op_cost), computed
+        now that the step's ops have run. Every layer repeats the same shapes: each distinct
+        (name, shapes) is computed once (attention's cost also depends on the batch's lengths)."""
+        query_lens, seq_lens = self._profiled_lens
+        costs = self._costs
+        if len(costs) > 4096:  # one entry per op per batch shape: start again
+            costs.clear()
+        for r, a in zip(recs, attrs):
+            key = (r.name, r.raw_args)
+            cost = costs.get(key)
+            if cost is None:
+                cost = launch_cost(r.name, r.op, a["args"], r.meta, query_lens, seq_lens)
+                if cost[0] != ATTENTION:
+                    costs[key] = cost
+            a["op"], a["flops"], a["bytes"] = cost
+            a["profiled"] = True
 
 
 def _prompt_logprob_rows(sched: SchedulerOutput) -> tuple[list[int], list[tuple[int, int, int]]]:

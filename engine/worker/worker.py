@@ -145,7 +145,7 @@ class Worker:
         cc, cfg, n = self.config.cache, self.model_config, self.tp.world_size
         self.kv_caches = allocate_kv_cache(num_blocks, cc.block_size, cfg, self.dtype, self.device, n)
         self.model_runner = ModelRunner(self.model, self.kv_caches, cc.block_size, self.device, self.hooks,
-                                        rank=self.rank)
+                                        rank=self.rank, profiler_dir=self.config.profiler_dir)
         per_block = bytes_per_block(cfg, cc.block_size, self.dtype, n)
         return dict(num_blocks=num_blocks, block_size=cc.block_size, bytes=num_blocks * per_block,
                     bytes_per_block=per_block, heads=list(self.tp.shard(cfg.num_heads)),
@@ -157,6 +157,10 @@ class Worker:
 
     def warm_up(self, max_model_len: int) -> dict:
         return self.model_runner.warm_up(max_model_len)
+
+    def profile(self, is_start: bool = True) -> dict:
+        """Start or stop profiling every op of this rank's forward passes (vLLM's Worker.profile)."""
+        return self.model_runner.profile(is_start)
 
     # ---- on a worker process: the wire form of a step ------------------------------------------
     def _trace_execute(self, msg: WorkerStep) -> None:
