@@ -15,7 +15,8 @@ from tracer.roofline import by_kind, fmt_count, machine_roofline, profiled_ops
 TITLE = "Where a step's time goes"
 SUMMARY = ("Every op of a prefill and a decode step profiled: FLOPs, bytes, time, the share of attention, MLP and "
            "LM head, and which roof each sits under on this machine's measured roofline.")
-PREFILL_REQUESTS, PREFILL_TOKENS = 4, 128  # one prefill step of 512 tokens
+PREFILL_REQUESTS, PREFILL_TOKENS = 1, 384  # one prefill step of 384 tokens, then decode steps of 1
+DECODE_STEPS = 5  # profiled decode steps, each op's median time kept
 BATCHES = (1, 8, 32, 64)  # decode batch sizes swept
 # which part of the model an op belongs to, by its launch name (GPT-2's and Llama's)
 GROUPS = {"attention": ("c_attn", "attn.c_proj", "reshape_and_cache", "unified_attention", "qkv_proj", "o_proj",
@@ -46,8 +47,19 @@ def profile_steps(llm, session, n: int = 1) -> list[list[dict]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def matmul_point(launches: list[dict]) -> OpPoint:
-    return by_kind(profiled_ops(launches))["matmul"]
+def median_step(steps: list[list[dict]]) -> list[dict]:
+    """Steps of the same shape as one: each op with its median duration (one op of a busy CPU's step
+    can take 50 times its usual time, when another process has the core)."""
+    out = []
+    for ops in zip(*steps):
+        ns = sorted(k["duration_ns"] for k in ops)
+        out.append({**ops[0], "duration_ns": ns[len(ns) // 2]})
+    return out
+
+
+def matmul_point(launches: list[dict], lm_head: bool = True) -> OpPoint:
+    """The step's matmuls summed (without the LM head: only the layers' matmuls)."""
+    return by_kind(profiled_ops([k for k in launches if lm_head or k["name"] != "lm_head"]))["matmul"]
 
 
 def shares(launches: list[dict]) -> dict[str, float]:
@@ -78,30 +90,33 @@ def run(lesson) -> None:
 
     for i in range(PREFILL_REQUESTS):
         prompt = [(7 * j + i) % 250 + 5 for j in range(PREFILL_TOKENS)]
-        engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, greedy(2))
-    prefill, decode = profile_steps(llm, session, 2)  # their prefill, then their first decode step
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, greedy(DECODE_STEPS + 1))
+    prefill, *decodes = profile_steps(llm, session, 1 + DECODE_STEPS)  # their prefill, then their decode steps
+    decode = median_step(decodes)
     while engine.has_unfinished_requests():
         engine.step()
     names = {k["name"] for k in decode}
     lesson.check(len(names) >= 10, f"a profiled decode step has {len(decode)} launches of {len(names)} distinct "
                                    f"ops: {', '.join(sorted(names))}")
-    pre_mm, dec_mm = matmul_point(prefill), matmul_point(decode)
+    pre_mm, dec_mm = matmul_point(prefill, lm_head=False), matmul_point(decode, lm_head=False)
     rows = []
-    for label, launches, batch in (("prefill", prefill, f"{PREFILL_REQUESTS} × {PREFILL_TOKENS} tokens"),
-                                   ("decode", decode, f"{PREFILL_REQUESTS} × 1 token")):
-        mm = matmul_point(launches)
+    for label, mm, batch in (("prefill", pre_mm, f"{PREFILL_REQUESTS} × {PREFILL_TOKENS} tokens"),
+                             ("decode", dec_mm, f"{PREFILL_REQUESTS} × 1 token")):
         rows.append([label, batch, fmt_count(mm.flops), fmt_count(mm.bytes, "B"), f"{mm.intensity:.2f}",
                      fmt_count(mm.flops_per_s, "FLOP/s"), mm.bound(roof)])
     lesson.show(table(["step", "batch", "matmul FLOPs", "matmul bytes", "FLOP/byte", "achieved", "bound"], rows,
-                      title="the step's matmuls summed (every layer's QKV, projections, MLP, and the LM head)"))
+                      title=f"the layers' matmuls summed (QKV, projections, MLP of all {cfg.n_layer} layers; decode: "
+                            f"each op's median over {DECODE_STEPS} steps)"))
     lesson.check(dec_mm.intensity < pre_mm.intensity,
                  f"decode's matmuls have a lower arithmetic intensity ({dec_mm.intensity:.2f} FLOP/byte) than "
                  f"prefill's ({pre_mm.intensity:.1f}): they read the same weights for 1 token per request instead "
                  f"of {PREFILL_TOKENS}")
     lesson.say("A matmul of M tokens through a K×N weight does 2·M·K·N FLOPs and moves at least the weight "
                "(K·N values) plus M·(K + N) activations. With M = 1 that is about 2 FLOPs per weight value, i.e. "
-               "0.5 FLOP/byte in float32: every byte of weight read buys one multiply-add. With M = 512 each weight "
-               "value read serves 512 tokens.")
+               "0.5 FLOP/byte in float32: every byte of weight read buys one multiply-add. With "
+               f"M = {PREFILL_TOKENS} each weight value read serves {PREFILL_TOKENS} tokens. (The LM head is left "
+               "out here: even in a prefill step it runs only on each request's last position, the one sampled, as "
+               "in vLLM.)")
     lesson.pause()
 
     # ---- the sweep ----
@@ -109,9 +124,9 @@ def run(lesson) -> None:
     for b in BATCHES:
         ids = [f"b{b}-{i}" for i in range(b)]
         for i, rid in enumerate(ids):
-            engine.add_request(rid, {"prompt_token_ids": [(5 * j + i) % 250 + 5 for j in range(8)]}, greedy(3))
+            engine.add_request(rid, {"prompt_token_ids": [(5 * j + i) % 250 + 5 for j in range(8)]}, greedy(4))
         engine.step()  # their prefills, unprofiled
-        (step,) = profile_steps(llm, session, 1)
+        step = median_step(profile_steps(llm, session, 2))
         mm = matmul_point(step)
         sweep[b] = mm
         per_token = sum(k["duration_ns"] for k in step) / b
@@ -126,6 +141,14 @@ def run(lesson) -> None:
                           + " < ".join(f"{sweep[b].intensity:.2f}" for b in BATCHES)
                           + f" FLOP/byte for {', '.join(map(str, BATCHES))} requests (the weights are read once "
                             "per step, whatever the batch)")
+    crossed = next((b for b in BATCHES if sweep[b].intensity >= roof.ridge), None)
+    lesson.say("Up to the ridge point, a bigger batch costs little more time per step: the weights are read once "
+               "and the extra requests ride along, so the time per request falls. "
+               + (f"From {crossed} requests on, decode's matmuls pass this machine's ridge point "
+                  f"({roof.ridge:.1f} FLOP/byte) and become compute-bound: more requests now cost arithmetic, "
+                  "and batching stops being free." if crossed else
+                  f"Even {BATCHES[-1]} requests stay under this machine's ridge point ({roof.ridge:.1f} FLOP/byte): "
+                  "decode remains memory-bound at every batch size tried."))
     lesson.pause()
 
     # ---- attention, MLP, LM head ----
@@ -133,7 +156,7 @@ def run(lesson) -> None:
     groups = [*GROUPS, "other (embedding, norms, sampler)"]
     lesson.show(table(["part of the model", "prefill", "decode"],
                       [[g, f"{share_pre.get(g, 0):.0%}", f"{share_dec.get(g, 0):.0%}"] for g in groups],
-                      title="share of the profiled time"))
+                      title=f"share of the profiled time (decode: each op's median over {DECODE_STEPS} steps)"))
     lm_bytes = sum(k["bytes"] for k in decode if k["name"] == "lm_head")
     mm_bytes = sum(k["bytes"] for k in decode if k.get("op") == "matmul")
     lm_share, d, vocab = share_dec.get("LM head", 0.0), cfg.hidden_size, cfg.vocab_size
@@ -152,8 +175,12 @@ def run(lesson) -> None:
     lesson.pause()
 
     # ---- the roofline ----
-    lesson.say("The seed notes' table had these two swapped. Measured on this machine:")
-    lesson.show(Text.from_ansi(chart(prefill, decode, roof)), title="one point per op kind: prefill (p) and decode (d)")
+    lesson.say("The seed notes' table had these two swapped. Measured on this machine (the layers' matmuls, "
+               "as above):")
+    lesson.say("Each op kind of both steps on this machine's roofline: prefill in capitals, decode in small "
+               "letters (M matmul, A attention, N norm, E elementwise, S sampler).")
+    lesson.show(Text.from_ansi(chart(prefill, decode, roof, min(100, lesson.console.width - 6))),
+                title="this machine's roofline")
     lesson.check(dec_mm.intensity < roof.ridge,
                  f"decode is memory-bound: its matmuls' {dec_mm.intensity:.2f} FLOP/byte is below the ridge point "
                  f"({roof.ridge:.1f}); at {fmt_count(dec_mm.bytes_per_s, 'B/s')} they are limited by how fast the "
@@ -176,29 +203,15 @@ def run(lesson) -> None:
         "compute-bound. `vllm-trace export TRACE --roofline roofline.html` draws the same chart for a projector.")
 
 
-def chart(prefill: list[dict], decode: list[dict], roof) -> str:
-    """The roofline with both steps' op kinds, as plotext draws it in the terminal."""
-    import math
-
+def chart(prefill: list[dict], decode: list[dict], roof, width: int) -> str:
+    """The roofline with both steps' op kinds, as the Kernels panel draws it (plotext)."""
     from textual_plotext.plot import Plot
 
-    from tracer.roofline import chart_range, plotted, roof_points
-    pre, dec = plotted(by_kind(profiled_ops(prefill))), plotted(by_kind(profiled_ops(decode)))
-    x0, x1, y0, y1 = chart_range({**{f"p{k}": p for k, p in pre.items()}, **{f"d{k}": p for k, p in dec.items()}},
-                                 roof)
+    from tracer.tui.widgets.roofline import plot_roofline
     plt = Plot()
-    plt.plotsize(100, 24)
-    plt.xscale("log")
-    plt.yscale("log")
-    plt.xlim(math.log10(x0), math.log10(x1))
-    plt.ylim(math.log10(y0), math.log10(y1))
-    xs = roof_points(roof, x0, x1)
-    plt.plot([x for x, _ in xs], [y for _, y in xs], marker="braille", label=f"roofs (ridge {roof.ridge:.1f})")
-    for tag, points, color in (("p", pre, "green"), ("d", dec, "red")):
-        for kind, p in points.items():
-            plt.text(f"{tag}:{kind}", p.intensity, p.flops_per_s, color=color, alignment="left")
-    plt.xlabel("FLOP/byte")
-    plt.ylabel("FLOP/s")
+    plot_roofline(plt, [("prefill", by_kind(profiled_ops(prefill))), ("decode", by_kind(profiled_ops(decode)))], roof,
+                  legend=False)
+    plt.plotsize(width, 22)  # (after the drawing: clearing the figure resets its size)
     plt.theme("clear")
     return plt.build()
 
