@@ -14,6 +14,7 @@ from tests.tui.helpers import shown
 from tests.tui.profiled_events import ROOF, profiled_events, step_ops
 from tracer.replay import Replay
 from tracer.tui.app import TraceApp
+from tracer.tui.fmt import fmt_ns
 from tracer.tui.sources.replay import ReplaySource
 from tracer.tui.widgets.kernels import KernelsPanel
 from tracer.tui.widgets.roofline import RooflineChart
@@ -107,3 +108,55 @@ async def test_without_a_calibration_the_panel_calibrates_once_and_then_draws_th
         await pilot.pause()
         assert panel.roof is not None and roofline.cached(tmp_path) == panel.roof
         assert f"ridge {panel.roof.ridge:.3g} FLOP/byte" in shown(app.query_one("#kernels-head"))
+
+
+@pytest.fixture(scope="module")
+def real_trace(tmp_path_factory):
+    """A real engine run recorded with profiling on for its prefill and two decode steps, then off."""
+    from engine import LLM, Hooks, SamplingParams
+    from tracer.session import TraceSession
+
+    path = tmp_path_factory.mktemp("profiled") / "trace.jsonl"
+    hooks = Hooks()
+    session = TraceSession(hooks, trace_file=path, control=False, model="tiny-gpt2")
+    llm = LLM("tiny-gpt2", hooks=hooks, device="cpu")
+    llm.llm_engine.add_request("a", {"prompt_token_ids": list(range(5, 45))},
+                               SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    llm.start_profile()
+    for _ in range(3):
+        llm.llm_engine.step()
+    llm.stop_profile()
+    while llm.llm_engine.has_unfinished_requests():
+        llm.llm_engine.step()
+    session.close()
+    return path
+
+
+async def test_a_real_recorded_profiled_run_in_the_panel_and_on_the_exported_chart(real_trace, machine, tmp_path):
+    from tracer.roofline_chart import export_roofline
+
+    source = ReplaySource.load(real_trace)
+    steps = source.replay.steps
+    app = TraceApp(source)
+    async with app.run_test(size=(160, 60)) as pilot:
+        await pilot.pause()
+        await pilot.press("5")
+        for step, profiled in ((steps[0], True), (steps[2], True), (steps[-1], False)):
+            source.replay.goto(step)
+            app.tick()
+            await pilot.pause()
+            head = shown(app.query_one("#kernels-head"))
+            assert ("ops profiled" in head) == profiled, head
+            if profiled:
+                table = rows(app)
+                header = shown(app.query_one("#kernels-table")).splitlines()[0].split("↕")[0].split()
+                cells = [dict(zip(header, r)) for r in table]
+                assert len({c["op"] for c in cells}) >= 10
+                assert all(c["FLOPs"] != "-" and c["bound"] in ("memory", "compute") for c in cells
+                           if c["kind"] == "matmul")
+                ns = [k["duration_ns"] for k in app.source.refresh().kernels if k.get("profiled")]
+                assert [c["time"] for c in cells] == [fmt_ns(n) for n in sorted(ns, reverse=True)]
+                assert app.query_one(RooflineChart).display and "matmul" in shown(app.query_one(RooflineChart))
+    drawn, roof = export_roofline(real_trace, tmp_path / "real.html")
+    assert [(s.label, s.step) for s in drawn] == [("prefill", steps[0]), ("decode", steps[2])]
+    assert roof is not None and "<svg" in (tmp_path / "real.html").read_text()
