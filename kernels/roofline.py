@@ -8,10 +8,11 @@ up), above it compute-bound.
 
 Both peaks are measured, not taken from a data sheet: the best rate of a few square matmuls
 (FLOP/s, ``2 n^3`` per product) and of a few copies of a buffer larger than the last-level cache
-(bytes/s, read plus written). On the 2-core AMD EPYC this was written on, float32: about 60-90
-GFLOP/s and 8-15 GB/s, in 0.6-1.2 s, so calibration runs once per machine and is cached, keyed by
-a fingerprint (CPU model or GPU name, torch version, threads, dtype): a copied cache directory
-or a new torch is measured again, never trusted.
+(bytes/s, read plus written). On the 2-core AMD EPYC this was written on, float32, shared with
+other programs: 67-200 GFLOP/s (the best size varies from run to run, hence several sizes) and
+17-27 GB/s, in 1.0-1.5 s; so calibration runs once per machine and is cached, keyed by a
+fingerprint (CPU model or GPU name, torch version, threads, dtype): a copied cache directory or a
+new torch is measured again, never trusted.
 """
 from __future__ import annotations
 
