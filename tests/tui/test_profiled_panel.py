@@ -160,3 +160,13 @@ async def test_a_real_recorded_profiled_run_in_the_panel_and_on_the_exported_cha
     drawn, roof = export_roofline(real_trace, tmp_path / "real.html")
     assert [(s.label, s.step) for s in drawn] == [("prefill", steps[0]), ("decode", steps[2])]
     assert roof is not None and "<svg" in (tmp_path / "real.html").read_text()
+
+
+async def test_the_overview_lists_a_profiled_steps_longest_ops(machine):
+    async with kernels_at(profiled_events(), 1) as (app, pilot):
+        await pilot.press("1")
+        app.tick()
+        await pilot.pause()
+        body = app.query_one("#overview-body").text
+        lines = body[body.index("kernels of step 1"):].splitlines()[1:5]
+        assert lines[0].split()[0] == "lm_head", body  # the longest op of a tiny model's decode step
