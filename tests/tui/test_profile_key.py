@@ -28,6 +28,8 @@ async def test_p_starts_and_stops_profiling(live):
         await live.submit(prompts=["Hello there"], params=SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
         await live.settle(pilot)
         assert footer_shows(live.app, "p", "profile")
+        palette = [c.title for c in live.app.get_system_commands(live.app.screen)]
+        assert "Profile every op (start / stop)" in palette
         assert "PROFILING" not in header(live.app)
         await pilot.press("p")
         assert live.app.panes.active == "kernels"
