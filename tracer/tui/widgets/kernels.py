@@ -249,7 +249,7 @@ def program_text(grid: ProgramGrid) -> Text:
 # What the list holds, said on the panel: a learner otherwise takes it for the whole forward pass.
 SCOPE = ("listed: each layer's KV-cache write and paged attention, and any collectives",
          "not listed: matmuls, layer norms, MLP, LM head, sampler (p profiles them too)")
-PROFILED_SCOPE = "listed: every op of the forward pass, longest first (p stops profiling)"
+PROFILED_SCOPE = "listed: every op of the forward pass, longest first (profiling: p turns it on and off)"
 BAR = 8  # cells of the share-of-the-step bar
 
 
@@ -378,9 +378,12 @@ class KernelsPanel(Panel):
             self.query_one("#kernels-programs").display = not on
             self.query_one(RooflineChart).display = on
 
-    def _set_head(self, head: Text) -> None:
+    def _set_head(self, head: Text, wrapped: bool = False) -> None:
         box = self.query_one("#kernels-head", FixedText)
         height = 1 + head.plain.count("\n")
+        if wrapped:  # lines longer than the panel take more than one row each
+            width = max(20, (self.size.width or 80) - 2)
+            height = sum(max(1, -(-len(line) // width)) for line in head.plain.split("\n"))
         if box.styles.height is None or box.styles.height.value != height:
             box.styles.height = height
         box.update(head)
@@ -434,17 +437,17 @@ class KernelsPanel(Panel):
         head.append("\nby kind: " + kind_shares(ops, total))
         if roof is not None:
             head.append(f"\nroofs (this machine, {roof.dtype}): {fmt_count(roof.peak_flops, 'FLOP/s')} · "
-                        f"{fmt_count(roof.peak_bw, 'B/s')} · ridge {roof.ridge:.3g} FLOP/byte: below it memory-bound",
+                        f"{fmt_count(roof.peak_bw, 'B/s')} · ridge {roof.ridge:.3g} FLOP/byte",
                         "cyan")
         else:
             head.append("\nroofs: " + ("calibrating this machine's roofline…" if self._calibrating else
                                         "no roofline for this device on this machine (vllm-trace roofline)"), "dim")
         head.append("\n" + PROFILED_SCOPE, "dim")
-        self._set_head(head)
+        self._set_head(head, wrapped=True)
         columns = [("#", 3), *([("rank", 4)] if ranks else []), ("layer", 5),
                    ("op", max([2] + [len(o.name) for o in ops])), ("kind", 11), ("share", BAR + 5), ("time", 9),
                    ("FLOPs", 9), ("bytes", 9), ("FLOP/B", 7), ("achieved", 12), ("bound", 7)]
-        for optional in ("kind", "bytes", "achieved"):  # a narrow terminal: the table still fits
+        for optional in ("kind", "bytes", "achieved", "FLOPs"):  # a narrow terminal: the table still fits
             if sum(w + 2 for _, w in columns) + 1 <= (self.size.width or 80):
                 break
             columns = [c for c in columns if c[0] != optional]
