@@ -73,6 +73,9 @@ async def test_a_profiled_prefill_lists_every_op_longest_first_with_its_roofline
         assert chart.display and not app.query_one("#kernels-programs").display
         drawn = shown(chart)
         assert "matmul" in drawn and "ridge" in drawn and "FLOP/byte" in drawn
+        await pilot.resize_terminal(120, 40)  # drawn again at another size (plotext's log axes)
+        await pilot.pause()
+        assert "matmul" in shown(chart) and shown(chart) != drawn
 
 
 async def test_a_profiled_decode_step_is_memory_bound(machine):

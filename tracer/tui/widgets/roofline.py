@@ -76,5 +76,12 @@ class RooflineChart(PlotextPlot):
         if key == self._drawn:
             return
         self._drawn = key
-        plot_roofline(self.plt, [("", points)], roof, title)
         self.refresh()
+
+    def render(self):
+        # Drawn afresh for every render: plotext's build scales a log axis's data in place, so a
+        # figure built twice (a resize, a layout pass) would take the log of a log.
+        if self._drawn is not None:
+            points, roof, title = self._drawn
+            plot_roofline(self.plt, [("", dict(points))], roof, title)
+        return super().render()
