@@ -330,7 +330,7 @@ class KernelsPanel(Panel):
             return  # while the engine runs, at most BUSY_HZ redraws a second
         self._frame, self._key, self._drawn_at = frame, key, now
         launches, ranks = self.launches(s), multi_rank(s)
-        if any(is_profiled(k) for k in launches):
+        if any(is_profiled(k) for k in launches) and not self._showing_rerun(frame):
             return self._show_profiled(frame, launches, ranks)
         self._set_profiled(False)
         head = Text.assemble((f"step {'-' if s.step is None else s.step}: ", "bold"),
@@ -371,6 +371,12 @@ class KernelsPanel(Panel):
                                              sparkline(s.kernel_history.get(k["name"], []), 12), detail], widths)))
         self.query_one(RowList).set_rows(cells_text([n for n, _ in columns], widths), rows)
         self._show_programs()
+
+    def _showing_rerun(self, frame: Frame) -> bool:
+        """`t` re-ran the launch the engine is held before: its grid is shown, profiled or not."""
+        held = held_launch(frame)
+        return self.rerun is not None and held is not None and self.rerun_of == (
+            held.get("step"), held.get("layer_idx"), held.get("name"))
 
     def _set_profiled(self, on: bool) -> None:
         if on != self._profiled:
@@ -485,10 +491,8 @@ class KernelsPanel(Panel):
         frame, grid = self._frame, self.query_one(ProgramGrid)
         if frame is None or self._profiled:
             return
-        held = held_launch(frame)
-        if self.rerun is not None and held is not None and self.rerun_of == (
-                held.get("step"), held.get("layer_idx"), held.get("name")):
-            return self._show_rerun(frame, held)
+        if self._showing_rerun(frame):
+            return self._show_rerun(frame, held_launch(frame))
         self._set("#kernels-rerun", Text(""))
         table, launches = self.query_one(RowList), self.launches(frame.state)
         if not launches:
