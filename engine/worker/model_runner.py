@@ -121,7 +121,8 @@ class ModelRunner:
         in ``sched.scheduled`` order; a prefill chunk that does not end its prompt gets one too,
         which the engine discards. Changes: writes the batch's keys and values into the KV cache
         at slot_mapping, nothing else. Hooks (when active): model_runner/batch, one kernel event
-        per Triton launch (published after the forward pass, or before a gate holds the engine),
+        per Triton launch (published after the forward pass and after sampling, or before a gate
+        holds the engine),
         sampler/sampled; when gated as the step starts, a kernel gate before each launch. While
         profiling (profile()), every op of the forward pass and of the sampler is a launch too."""
         inp = self.prepare_inputs(sched)
@@ -296,7 +297,6 @@ class ModelRunner:
         self.hooks.emit_many([(KERNEL, r.name, INSTANT, None, r.tags.get("step"), a) for r, a in zip(recs, attrs)],
                              [r.end_ns for r in recs])
         recs.clear()
-
 
     def _add_costs(self, recs: list[instrument.LaunchRecord], attrs: list[dict]) -> None:
         """A profiled step's launches get their op kind, FLOPs and bytes (kernels.op_cost), computed
