@@ -173,3 +173,21 @@ async def test_the_overview_lists_a_profiled_steps_longest_ops(machine):
         body = app.query_one("#overview-body").text
         lines = body[body.index("kernels of step 1"):].splitlines()[1:5]
         assert lines[0].split()[0] == "lm_head", body  # the longest op of a tiny model's decode step
+
+
+async def test_a_profiled_step_of_two_ranks_has_a_rank_column_and_r_lists_one_rank(machine):
+    from dataclasses import replace
+
+    events = profiled_events()
+    config = {**events[0].attrs["config"], "parallel": {"tensor_parallel_size": 2}}
+    events[0] = replace(events[0], attrs={**events[0].attrs, "config": config})
+    twin = [replace(e, attrs={**e.attrs, "rank": 1}) for e in events if e.layer == "kernel" and e.step == 1]
+    at = max(i for i, e in enumerate(events) if e.layer == "kernel" and e.step == 1) + 1
+    events = events[:at] + twin + events[at:]
+    async with kernels_at(events, 1) as (app, pilot):
+        header = shown(app.query_one("#kernels-table")).splitlines()[0].split("↕")[0].split()
+        assert header[:3] == ["#", "rank", "layer"] and len(rows(app)) == 80
+        await pilot.press("r")
+        await pilot.pause()
+        assert len(rows(app)) == 40 and {r[1] for r in rows(app)} == {"0"}
+        assert "rank 0 of" in shown(app.query_one("#kernels-head"))
