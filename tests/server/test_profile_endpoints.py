@@ -31,7 +31,11 @@ def test_start_and_stop_profile(http, live):
     assert {"c_attn", "ln_1", "lm_head", "argmax", "unified_attention_ref"} <= profiled
 
 
-def test_profile_endpoints_need_a_json_body(http):
+def test_profile_endpoints_take_a_bare_post_but_a_web_page_needs_json(http):
     for path in ("/start_profile", "/stop_profile"):
-        r = http.post(path)
+        r = http.post(path, headers={"Origin": "http://evil.example"})
         assert r.status_code == 415 and r.json()["error"]["code"] == "json_required"
+    r = http.post("/start_profile")  # curl -X POST, as on vLLM
+    assert r.status_code == 200 and r.json()["profiling"] is True, r.text
+    r = http.post("/stop_profile")
+    assert r.status_code == 200 and r.json()["profiling"] is False, r.text

@@ -3,7 +3,7 @@ from the next step on, then no more. Each op is a kernel launch in the trace (la
 with ``op``, ``flops``, ``bytes`` and ``profiled: true``); the window is marked by the
 ``profiler`` layer's ``start`` and ``stop`` events; with ``--profiler-dir`` torch.profiler
 captures it too, one file per rank (named in the answer to /stop_profile). Control actions,
-guarded as the trace controls are: loopback or the API key, and a JSON body ('{}')."""
+guarded as the trace controls are: loopback or the API key, and JSON from a web page (security.py)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -16,7 +16,7 @@ from engine.entrypoints.openai.state import StateDep
 
 router = APIRouter(tags=["server"], dependencies=[Depends(require_control)], responses=ERROR_RESPONSES | {
     403: {"model": ErrorResponse, "description": "not loopback and no --api-key"},
-    415: {"model": ErrorResponse, "description": "the body is not declared as JSON"},
+    415: {"model": ErrorResponse, "description": "a web page's POST whose body is not declared as JSON"},
     503: {"model": ErrorResponse, "description": "the engine loop is not running"}})
 
 
