@@ -44,15 +44,16 @@ def test_start_profile_one_request_stop_profile(model_cache, tmp_path):
     proc, _, url = spawn_serve("--no-tui", "--trace-file", str(trace))
     try:
         before = _complete(url)
-        r = httpx.post(url + "/start_profile", json={}, timeout=DEADLINE)
+        r = httpx.post(url + "/start_profile", timeout=DEADLINE)  # bare, as `curl -X POST` on vLLM
         assert r.status_code == 200, r.text
         assert r.json()["profiling"] is True
         during = _complete(url)
         r = httpx.post(url + "/stop_profile", json={}, timeout=DEADLINE)
         assert r.status_code == 200 and r.json()["profiling"] is False, r.text
         after = _complete(url)
-        # a control action: JSON only, as the trace controls
-        assert httpx.post(url + "/start_profile", content=b"", timeout=DEADLINE).status_code == 415
+        # a control action: from a web page, JSON only, as the trace controls
+        web_page = {"Origin": "http://evil.example"}
+        assert httpx.post(url + "/start_profile", content=b"", headers=web_page, timeout=DEADLINE).status_code == 415
         proc.send_signal(signal.SIGINT)
         assert proc.wait(DEADLINE) == 0
     finally:
