@@ -10,6 +10,11 @@ of --reps repetitions of each):
                  list"): prompt lookup finds its drafts in the request's own output;
   sampled        temperature 1.0 on random token prompts: text rarely repeats, so drafts are rare and
                  mostly rejected; this is speculation's cost when it does not pay.
+Two more, run the same way, on requests whose target is processed at each verified position:
+  penalties      the greedy loops with presence and frequency penalties: each draft position's row is
+                 penalised as of that position, so the loops are shorter and drafts fewer;
+  json schema    greedy under a JSON schema (structured outputs), prompts with example records: the
+                 grammar cuts the drafts it refuses, and masks every verified position.
 Prints output tokens/s for both, their ratio, the acceptance rate (accepted / draft tokens) and the
 mean accepted length per draft, and checks that greedy outputs are identical with and without.
 The proposer needs a 2-token match (prompt_lookup_min=2): single-token matches in text that does
@@ -32,7 +37,12 @@ import time
 
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer"},
+                                           "ok": {"type": "boolean"}, "tags": {"type": "array",
+                                                                              "items": {"type": "string"}}},
+          "required": ["color", "n", "ok", "tags"]}
 
 
 def run(llm: LLM, prompts, params) -> tuple[float, list[list[int]]]:
@@ -68,11 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     sampled_prompts = [{"prompt_token_ids": [rng.randrange(5, len(tok)) for _ in range(16)]}
                        for _ in range(args.requests)]
+    json_prompts = [f'Record {i}: {{"color": "red", "n": {i}, "ok": true, "tags": ["a", "b"]}} Record {i + 1}:'
+                    for i in range(args.requests)]
     workloads = {
         "greedy loops": (greedy_prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)),
+        "penalties": (greedy_prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                                                     presence_penalty=0.2, frequency_penalty=0.1)),
+        "json schema": (json_prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=
+                                                     StructuredOutputsParams(json=SCHEMA))),
         "sampled": (sampled_prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=args.max_tokens,
                                                     ignore_eos=True)),
     }
+    for llm in engines.values():  # nor is the grammar's compile (one, shared by the json schema requests)
+        llm.generate(json_prompts[:1], workloads["json schema"][1], use_tqdm=False)
     for llm in engines.values():  # first-use costs are not the point
         llm.generate(greedy_prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     print(f"model {args.model}, {args.requests} requests x {args.max_tokens} tokens, n-gram k={args.k}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass, field, fields
 
 from engine.config import (
@@ -30,6 +31,8 @@ from engine.config import (
 ENGINE_GROUP = ("engine", "model, KV cache and scheduler (vLLM's flag names)")
 SPEC_GROUP = ("speculative decoding", "propose tokens cheaply, verify them in one pass of the model "
               "(see lessons/ on speculative decoding)")
+PROFILE_GROUP = ("profiling", "POST /start_profile and /stop_profile, or LLM.start_profile() / stop_profile(): "
+                 "every op of the forward pass a kernel launch, with its FLOPs and bytes")
 TP_GROUP = ("tensor parallelism", "split every layer over N worker processes (gloo on the CPU, NCCL on CUDA); "
             "see lessons/18_tensor_parallelism.py")
 
@@ -95,6 +98,9 @@ class EngineArgs:
     distributed_timeout_s: float = _arg(30.0, "seconds a collective waits for a missing rank before the step "
                                         "fails (torch's own default is 30 minutes)", TP_GROUP,
                                         flag="--distributed-timeout", metavar="S")
+    profiler_dir: str | None = _arg(None, "also capture the profiled window with torch.profiler, one Chrome-trace "
+                                    "JSON file per rank in DIR (Perfetto opens them; default: "
+                                    "$VLLM_TORCH_PROFILER_DIR, else none)", PROFILE_GROUP, metavar="DIR")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model: bool = False) -> argparse.ArgumentParser:
@@ -143,6 +149,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             speculative=SpeculativeConfig.from_dict(_json_object(self.speculative_config))
             if self.speculative_config else None,
+            profiler_dir=self.profiler_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None,
         )
 
 

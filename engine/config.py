@@ -77,7 +77,7 @@ EXECUTOR_BACKENDS = ("uni", "mp")
 @dataclass
 class ParallelConfig:
     """Tensor parallelism (vLLM's names). tensor_parallel_size ranks, each a worker process with
-    its own shard of every layer (``distributed_executor_backend="mp"``); 1 keeps today's model
+    its own shard of every layer (``distributed_executor_backend="mp"``); 1 keeps the model
     runner in the engine-core process ("uni"). distributed_init_method: where the ranks meet
     (default: a free loopback port, tcp://127.0.0.1:PORT); distributed_timeout_s: how long a
     collective waits for a missing rank before it fails (torch's default is 30 minutes)."""
@@ -147,6 +147,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU (measured faster)
     speculative: SpeculativeConfig | None = None
+    profiler_dir: str | None = None  # where profiling also writes torch.profiler traces (one file per rank)
 
     def __post_init__(self) -> None:
         _check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,

@@ -13,8 +13,9 @@ SAMPLER, DETOKENIZER, TRACER = "sampler", "detokenizer", "tracer"
 SPEC_DECODE = "spec_decode"  # speculative decoding: drafts verified, accepted, rejected
 WORKER = "worker"  # a tensor-parallel rank's own process (its startup, the step it received)
 STRUCTURED_OUTPUT = "structured_output"  # the engine core's StructuredOutputManager: grammars and their masks
+PROFILER = "profiler"  # profiling on demand: its window (start, stop); the profiled ops are kernel launches
 LAYERS = (CLI, HTTP, API, TOKENIZER, IPC, ENGINE, SCHEDULER, STRUCTURED_OUTPUT, BLOCK_MANAGER, WORKER, MODEL_RUNNER,
-          KERNEL, SAMPLER, SPEC_DECODE, DETOKENIZER, TRACER)
+          KERNEL, SAMPLER, SPEC_DECODE, DETOKENIZER, PROFILER, TRACER)
 # where each runs with the engine core in its own process (in one process: all here)
 FRONTEND_LAYERS = frozenset({CLI, HTTP, API, TOKENIZER, DETOKENIZER})
 
@@ -28,11 +29,13 @@ BATCH = "batch"  # model_runner: the step's flattened batch
 EXECUTE_MODEL, WORKER_READY = "execute_model", "ready"  # worker: the step it received; up and serving
 ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"  # kernel: tensor-parallel collectives, traced as launches
 SAMPLED = "sampled"  # sampler
+PROFILE_START, PROFILE_STOP = "start", "stop"  # profiler: step = the first / the last profiled step
 VERIFIED, REJECTED = "verified", "rejected"  # spec_decode: a request's drafts checked; some were rejected
 DRAFT_PREFIX = "draft:"  # kernel events of a draft model's forward passes: "draft:unified_attention", ...
 # structured_output: a request's grammar compiled (or failed); a step's bitmask (allowed tokens per request);
 # a sampled token the grammar refused
 GRAMMAR_COMPILED, BITMASK, GRAMMAR_REJECTED = "compiled", "bitmask", "refused"
+DRAFTS_VALIDATED = "drafts_validated"  # structured_output: a request's drafts checked by its grammar (prefix kept)
 EVENTS_LOST = "events_lost"  # tracer: a reader fell behind the ring and missed this many events
 # request lifecycle (engine, scheduler)
 QUEUED, SCHEDULED, PREEMPTED, FINISHED, ABORTED = "QUEUED", "SCHEDULED", "PREEMPTED", "FINISHED", "ABORTED"

@@ -5,7 +5,9 @@
                                   postprocess nested inside
     thread "kernels"              one X slice per kernel launch (grid, meta in args); with tensor
                                   parallelism one thread per rank ("kernels rank R"), all_reduce
-                                  and all_gather among its launches
+                                  and all_gather among its launches; a profiled step's launches
+                                  (every op, with op / flops / bytes in args) nest under a
+                                  "step N" slice on that thread
     thread per other layer        its begin/end spans (startup stages, HTTP handlers, ...); a
                                   worker's per rank ("worker rank R")
     counters                      vllm:num_requests_waiting / _running, vllm:kv_cache_usage_perc
@@ -142,6 +144,7 @@ def _convert(b: _Builder, events: Iterable[Event]) -> None:
     step_begin: dict[int, int] = {}
     step_marks: dict[int, dict] = {}  # step -> ts of its phase boundaries, and its batch
     kernel_end: dict[int, int] = {}  # rank -> where its track's last launch ended
+    profiled: dict[int, set[int]] = {}  # step -> the ranks whose profiled launches it has
     last_ts = 0
 
     for ev in events:
@@ -168,7 +171,11 @@ def _convert(b: _Builder, events: Iterable[Event]) -> None:
                 step_begin[ev.step] = ev.ts_ns
                 step_marks[ev.step] = {}
             elif ev.kind == END and ev.step in step_begin:
-                _step_slices(b, ev.step, step_begin.pop(ev.step), ev.ts_ns, step_marks.pop(ev.step, {}))
+                begin = step_begin.pop(ev.step)
+                _step_slices(b, ev.step, begin, ev.ts_ns, step_marks.pop(ev.step, {}))
+                for r in sorted(profiled.pop(ev.step, ())):  # the parent of the step's ops on each kernels track
+                    b.x(RANK_KERNELS_TID + r if r else KERNELS_TID, f"step {ev.step}", begin, ev.ts_ns,
+                        {"profiled": True}, cat=ENGINE)
                 _counters(b, ev.ts_ns, a.get("stats", {}))
         elif ev.layer == SCHEDULER and ev.name == SCHEDULE and ev.step in step_marks:
             step_marks[ev.step][ev.kind] = ev.ts_ns
@@ -189,6 +196,8 @@ def _convert(b: _Builder, events: Iterable[Event]) -> None:
             tid = RANK_KERNELS_TID + rank if rank else KERNELS_TID
             if rank:
                 b.threads[KERNELS_TID], b.threads[tid] = "kernels rank 0", f"kernels rank {rank}"
+            if a.get("profiled") and ev.step is not None:
+                profiled.setdefault(ev.step, set()).add(rank)
             b.x(tid, ev.name, start, kernel_end[rank], json_safe(dict(a, step=ev.step)), cat=KERNEL)
         # ---- any other layer's spans (startup stages, HTTP handlers, ...)
         elif ev.kind == BEGIN:

@@ -38,6 +38,7 @@ from engine.trace_names import (
     CONFIG,
     CORE_DIED,
     DETOKENIZER,
+    DRAFTS_VALIDATED,
     ENCODE,
     ENGINE,
     EVENTS_LOST,
@@ -54,6 +55,9 @@ from engine.trace_names import (
     NEW_TOKENS,
     PAUSED,
     PREEMPTED,
+    PROFILE_START,
+    PROFILE_STOP,
+    PROFILER,
     QUEUED,
     RESUMED,
     SAMPLED,
@@ -146,6 +150,9 @@ class TraceState:
     kernels: list[dict] = field(default_factory=list)  # this step's kernel launches (name, grid, rank, ...)
     sampled: dict | None = None  # this step's sampled token ids
     verified: dict = field(default_factory=dict)  # speculative decoding: request id -> this step's verification
+    # structured outputs with speculation: step -> request id -> its grammar's check of the drafts that step
+    # verifies ("draft" proposed, "kept", "cut"); made at the end of the step before, kept while it is shown
+    drafts_cut: dict = field(default_factory=dict)
     grammar_mask: dict | None = None  # this step's grammar bitmask: allowed tokens per request, vocab_size, fill_ns
     stats: dict = field(default_factory=dict)  # latest EngineStats
     num_blocks: int | None = None
@@ -171,6 +178,11 @@ class TraceState:
     events_missed: int = 0
     last_seq: int | None = None
     engine_dead: str | None = None  # why the engine core died ("engine core died: signal 9"), once it has
+    # profiling on demand (/start_profile): every op of the forward pass is a launch while it is on
+    profiling: bool = False
+    profiler_dir: str | None = None  # where torch.profiler writes the same window, if asked
+    step_start_ns: int | None = None  # trace time the step in progress began
+    step_ns: int | None = None  # wall time of the last step that ended
 
     @property
     def kv_cache_usage(self) -> float:
@@ -207,7 +219,7 @@ class TraceState:
         c.waiting, c.running, c.finished = list(self.waiting), list(self.running), list(self.finished)
         c.kernels, c.startup, c.stats = list(self.kernels), list(self.startup), dict(self.stats)
         c.cached_free, c.kv_usage_history = set(self.cached_free), list(self.kv_usage_history)
-        c.verified = dict(self.verified)
+        c.verified, c.drafts_cut = dict(self.verified), {step: dict(cut) for step, cut in self.drafts_cut.items()}
         c.kernel_history = {k: list(v) for k, v in self.kernel_history.items()}
         c.workers = [dict(w) for w in self.workers]  # fold replaces a worker's values, never changes them
         return c
@@ -353,10 +365,14 @@ def _http(s: TraceState, ev: Event) -> None:
 
 def _step(s: TraceState, ev: Event) -> None:
     if ev.kind == BEGIN:
-        s.step, s.phase = ev.step, "schedule"
+        s.step, s.phase, s.step_start_ns, s.step_ns = ev.step, "schedule", ev.ts_ns, None
         s.batch, s.kernels, s.sampled, s.verified, s.grammar_mask = None, [], None, {}, None
+        if s.drafts_cut:
+            s.drafts_cut = {step: cut for step, cut in s.drafts_cut.items() if step >= ev.step}
     elif ev.kind == END:
         s.phase = "done"
+        if s.step_start_ns is not None:
+            s.step_ns = ev.ts_ns - s.step_start_ns
         s.stats = _attrs(ev).get("stats", s.stats)
         _append_bounded(s.kv_usage_history, s.kv_cache_usage)
         per_name: dict[str, int] = {}
@@ -611,6 +627,17 @@ def _grammar_bitmask(s: TraceState, ev: Event) -> None:
             req.num_allowed.append(n)
 
 
+def _drafts_validated(s: TraceState, ev: Event) -> None:
+    s.drafts_cut.setdefault(ev.step, {})[ev.request_id] = _attrs(ev)
+
+
+def _profiler(s: TraceState, ev: Event) -> None:
+    if ev.name == PROFILE_START:
+        s.profiling, s.profiler_dir = True, _attrs(ev).get("profiler_dir")
+    elif ev.name == PROFILE_STOP:
+        s.profiling = False
+
+
 def _core_died(s: TraceState, ev: Event) -> None:
     s.engine_dead = _attrs(ev).get("reason") or "the engine core died"
 
@@ -634,6 +661,9 @@ _HANDLERS = {
     (DETOKENIZER, NEW_TOKENS): _new_tokens,
     (STRUCTURED_OUTPUT, GRAMMAR_COMPILED): _grammar_compiled,
     (STRUCTURED_OUTPUT, BITMASK): _grammar_bitmask,
+    (STRUCTURED_OUTPUT, DRAFTS_VALIDATED): _drafts_validated,
+    (PROFILER, PROFILE_START): _profiler,
+    (PROFILER, PROFILE_STOP): _profiler,
 }
 _LAYER_HANDLERS = {
     HTTP: _http,

@@ -54,7 +54,7 @@ MAX_ID = 2 ** 63 - 1  # event sequence numbers and breakpoint ids
 router = APIRouter(prefix="/trace", tags=["trace"], dependencies=[Depends(require_trace_read)],
                    responses=ERROR_RESPONSES | {403: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
 control = [Depends(require_control)]
-JSON_ONLY = {415: {"model": ErrorResponse, "description": "the body is not declared as JSON"}}
+JSON_ONLY = {415: {"model": ErrorResponse, "description": "a web page's POST whose body is not declared as JSON"}}
 
 
 # ---- dependencies ---------------------------------------------------------------------------

@@ -88,6 +88,15 @@ class AsyncLLMEngine:
         """The launch the engine is held before, through the Triton kernel (EngineCore's)."""
         return self.engine.held_attention_on_triton()
 
+    async def start_profile(self) -> dict:
+        """Profile every op of the forward pass from the next step on (EngineCore.profile, applied by
+        the engine thread between steps)."""
+        return await asyncio.wrap_future(self.core.profile(True))
+
+    async def stop_profile(self) -> dict:
+        """End the profiled window (with a profiler_dir, each rank's trace_file)."""
+        return await asyncio.wrap_future(self.core.profile(False))
+
     @property
     def attention_backend(self) -> str:
         return self.engine.attention_backend

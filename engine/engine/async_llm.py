@@ -164,6 +164,14 @@ class AsyncLLM:
         """A utility call: empty the core's prefix cache; False while requests hold blocks."""
         return await asyncio.to_thread(self.client.call, "reset_prefix_cache")
 
+    async def start_profile(self) -> dict:
+        """A utility call: profile every op of the forward pass from the next step on (EngineCore.profile)."""
+        return await asyncio.to_thread(self.client.profile, True)
+
+    async def stop_profile(self) -> dict:
+        """A utility call: end the profiled window (with a profiler_dir, each rank's trace_file)."""
+        return await asyncio.to_thread(self.client.profile, False)
+
     # ---- lifecycle ----------------------------------------------------------------------------
     def launch(self) -> AsyncLLM:
         if not self._launched:

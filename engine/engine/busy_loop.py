@@ -24,6 +24,9 @@ Whoever holds ``_lock`` (the *engine lock*) may call it:
 * Aborts are applied between steps. While parked, only aborts of requests that are not
   running are applied: a running request may belong to the step the gate interrupted, and
   freeing its blocks mid-step would corrupt that step. The rest wait for the step boundary.
+* Profiling starts and stops between steps, by the engine thread (``profile`` returns a Future):
+  torch.profiler is started and stopped on the thread that runs the model, and with tensor
+  parallelism the ranks' answers share the executor's reply queue with the step's.
 
 Why a lock and a helper thread, where V1 has only an input queue that the engine thread
 drains between steps: V1's engine thread never stops mid-step, ours does (a gate holds it
@@ -37,7 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -77,6 +80,7 @@ class BusyLoop:
         self._cv = threading.Condition()  # guards the fields below; wakes the idle loop
         self._pending: deque[PendingAdd] = deque()
         self._aborts: list[tuple[str, RequestStatus, object]] = []
+        self._profile: list[tuple[bool, Future]] = []  # start / stop profiling, at the next step boundary
         self._parked = False
         self._stopping = False  # refuse new requests
         self._exit = False  # abort what is left and end the engine thread
@@ -145,6 +149,19 @@ class BusyLoop:
         if parked:
             self._helper.submit(self._drain_while_parked)
 
+    def profile(self, is_start: bool) -> Future:
+        """Start or stop profiling (EngineCore.profile) before the next step, or at once when idle
+        (any thread); the Future gets EngineCore.profile's answer. While a step controller holds
+        the engine inside a step, it waits for that step's end."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stopping or self._thread is None or not self._thread.is_alive():
+                fut.set_exception(EngineClosedError("the engine is not running (shutting down?)"))
+                return fut
+            self._profile.append((is_start, fut))
+            self._cv.notify()
+        return fut
+
     def reset_prefix_cache(self, timeout: float = 2.0) -> bool:
         """Empty the prefix cache (any thread). The engine lock is free only while the engine is
         idle or parked; a busy engine has requests holding blocks, so that is False either way."""
@@ -180,6 +197,9 @@ class BusyLoop:
         finally:
             with self._cv:
                 self._stopping = self._exit = True
+                profile, self._profile = self._profile, []
+            for _, fut in profile:
+                fut.set_exception(EngineClosedError("the engine stopped"))
             self._idle.set()
             self._lock.release()
 
@@ -189,7 +209,7 @@ class BusyLoop:
         self._lock.release()
         try:
             with self._cv:
-                while not (self._pending or self._aborts or self._exit):
+                while not (self._pending or self._aborts or self._profile or self._exit):
                     self._idle.set()
                     self._cv.wait()
         finally:
@@ -230,6 +250,7 @@ class BusyLoop:
             adds, self._pending = self._pending, deque()
             aborts, self._aborts = self._aborts, []
             parked = self._parked
+            profile, self._profile = ([], self._profile) if parked else (self._profile, [])
         settled = []
         for add in adds:
             try:
@@ -256,6 +277,11 @@ class BusyLoop:
             self.stats = self.engine.stats()
         for add, exc in settled:  # after the stats: a caller that sees its request queued sees it counted
             add.settle(exc)
+        for is_start, fut in profile:  # (never while parked: see the module docstring)
+            try:
+                fut.set_result(self.engine.profile(is_start))
+            except Exception as e:  # the caller gets the error; the engine keeps serving
+                fut.set_exception(e)
 
     def _drain_while_parked(self) -> None:
         # Runs on the helper thread. If the engine left the gate meanwhile, this waits for

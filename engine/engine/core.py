@@ -37,7 +37,20 @@ from engine.spec_decode.draft_model import resolve_draft_model
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import load_tokenizer
-from engine.trace_names import ABORTED, CONFIG, ENGINE, FINISHED, QUEUED, SCHEDULE, SCHEDULED, SCHEDULER, STEP
+from engine.trace_names import (
+    ABORTED,
+    CONFIG,
+    ENGINE,
+    FINISHED,
+    PROFILE_START,
+    PROFILE_STOP,
+    PROFILER,
+    QUEUED,
+    SCHEDULE,
+    SCHEDULED,
+    SCHEDULER,
+    STEP,
+)
 from engine.worker.model_runner import ModelRunner
 from engine.worker.worker import Worker
 
@@ -112,6 +125,7 @@ class EngineCore:
         # n-gram drafts are proposed here, from the requests' tokens; a draft model's come in the model output
         self.drafter = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self._rng = random.Random(mc.seed)
+        self.profiling_since: int | None = None  # the first profiled step, while profiling
 
     def _make_executor(self) -> Executor:
         args = (self.config, self.model_path, self.model_config, self.device, self.dtype, self.attention_backend)
@@ -224,6 +238,29 @@ class EngineCore:
         with self._stage("kernel_warmup", backend=self.attention_backend) as info:
             info |= self.model_executor.warm_up(self.max_model_len)
         return info
+
+    def profile(self, is_start: bool = True) -> dict:
+        """Start or stop profiling (vLLM V1's ``EngineCore.profile``): from the next step on, every
+        op of every rank's forward pass and sampler is a kernel launch with its op kind, FLOPs and
+        bytes (engine/worker/profiler.py); with ``profiler_dir`` the window is also captured by
+        torch.profiler. Call it between steps. Starting twice or stopping when stopped changes
+        nothing. Returns {"profiling", "step", "profiler_dir", "ranks": [each rank's answer]}
+        (a stopping rank's "trace_file" where torch.profiler wrote). Hooks: profiler/start (step:
+        the first profiled step) and profiler/stop (step: the last one)."""
+        if is_start == (self.profiling_since is not None):
+            return dict(profiling=is_start, step=self.profiling_since, profiler_dir=self.config.profiler_dir, ranks=[])
+        ranks = self.model_executor.profile(is_start)
+        step = self.step_count if is_start else self.step_count - 1
+        self.profiling_since = self.step_count if is_start else None
+        info = dict(profiling=is_start, step=step, profiler_dir=self.config.profiler_dir, ranks=ranks)
+        if self.hooks.active:
+            self._trace_profile(info)
+        return info
+
+    def _trace_profile(self, info: dict) -> None:
+        files = [r["trace_file"] for r in info["ranks"] if "trace_file" in r]
+        self.hooks.emit(PROFILER, PROFILE_START if info["profiling"] else PROFILE_STOP, step=info["step"],
+                        profiler_dir=info["profiler_dir"], **({"trace_files": files} if files else {}))
 
     def held_attention_on_triton(self) -> dict:
         """A utility for viewers: see ModelRunner.held_attention_on_triton."""

@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 600.0  # model load and kernel warm-up happen before the handshake (a big model on CPU)
 CALL_TIMEOUT_S = 10.0
+PROFILE_TIMEOUT_S = 300.0  # stopping writes torch.profiler's trace files, which can take a while
 POLL_MS = 100
 
 
@@ -109,6 +110,10 @@ class EngineCoreClient:
     def call(self, method: str, *args: Any) -> Any:
         raise NotImplementedError
 
+    def profile(self, is_start: bool = True) -> dict:
+        """Start or stop profiling in the engine core (EngineCore.profile); its answer."""
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         raise NotImplementedError
 
@@ -140,6 +145,9 @@ class InprocClient(EngineCoreClient):
         if method == "stats":
             return vars(self.engine_core.stats())
         return getattr(self.engine_core, method)(*args)
+
+    def profile(self, is_start: bool = True) -> dict:
+        return self.engine_core.profile(is_start)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -292,6 +300,10 @@ class MPClient(EngineCoreClient):
             return fut.result(timeout)
         finally:
             self._calls.pop(call_id, None)
+
+    def profile(self, is_start: bool = True) -> dict:
+        """A utility call, answered by the core's engine thread between steps."""
+        return self.call("profile", is_start, timeout=PROFILE_TIMEOUT_S)
 
     def start_call(self, method: str, *args: Any) -> Future:
         """A utility call whose answer (its error as RuntimeError) arrives on the returned Future;

@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import fields
 
 import msgspec
@@ -115,7 +116,8 @@ class EngineCoreProc:
         self._order = threading.Lock()  # takes the shipper's events and queues their message as one
         self.core: BusyLoop | None = None
         self.utilities = {"stats": self._stats, "snapshot": self._snapshot, "ping": os.getpid, "trace": self._trace,
-                          "reset_prefix_cache": lambda: self.core.reset_prefix_cache()}
+                          "reset_prefix_cache": lambda: self.core.reset_prefix_cache(),
+                          "profile": lambda is_start=True: self.core.profile(bool(is_start))}
         self._done = threading.Event()
         self._out_thread = threading.Thread(target=self._output_loop, name="output-io", daemon=True)
         self._out_thread.start()
@@ -210,8 +212,16 @@ class EngineCoreProc:
             result, ok = self.utilities[call.method](*call.args), True
         except Exception as e:  # the caller gets the error; the core keeps serving
             result, ok = f"{type(e).__name__}: {e}", False
-        if call.call_id:
+        if isinstance(result, Future):  # answered by the engine thread (profile): this thread goes on reading
+            result.add_done_callback(lambda fut: self._answer(call.call_id, fut))
+        elif call.call_id:
             self._send(EngineCoreOutputs(utility=(call.call_id, ok, result)))
+
+    def _answer(self, call_id: int, fut: Future) -> None:
+        exc = fut.exception()
+        result, ok = (fut.result(), True) if exc is None else (f"{type(exc).__name__}: {exc}", False)
+        if call_id:
+            self._send(EngineCoreOutputs(utility=(call_id, ok, result)))
 
     def _trace(self, on: bool) -> bool:
         """Ship trace events or not (`serve --no-trace` ships only its startup stages)."""

@@ -86,6 +86,12 @@ class LLMEngine:
         """Empty the prefix cache; False (nothing changed) while requests hold blocks."""
         return self.engine_core.call("reset_prefix_cache")
 
+    def start_profile(self) -> dict:
+        return self.engine_core.profile(True)
+
+    def stop_profile(self) -> dict:
+        return self.engine_core.profile(False)
+
     def shutdown(self) -> None:
         """Stop the engine core's process, if any, and its tensor-parallel workers. Safe to call twice."""
         self.engine_core.shutdown()

@@ -41,6 +41,16 @@ class LLM:
         no blocks with earlier ones. False while requests hold blocks (never between generate calls)."""
         return self.llm_engine.reset_prefix_cache()
 
+    def start_profile(self) -> dict:
+        """Profile every op of the forward pass from the next step on (vLLM's ``LLM.start_profile``):
+        each is a kernel launch in the trace, with its op kind, FLOPs and bytes; with
+        ``profiler_dir`` (or $VLLM_TORCH_PROFILER_DIR) torch.profiler records the window too."""
+        return self.llm_engine.start_profile()
+
+    def stop_profile(self) -> dict:
+        """End the window start_profile() opened; with a profiler_dir, each rank's "trace_file"."""
+        return self.llm_engine.stop_profile()
+
     def shutdown(self) -> None:
         """Stop the engine-core process (multiprocess=True) and the tensor-parallel workers (also at
         exit), and give back the memory of an in-process engine: its model and KV cache are freed

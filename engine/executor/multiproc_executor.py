@@ -68,7 +68,7 @@ class Executor:
     """What the engine asks of its ranks. load_model(progress) -> dict (bytes, params, ...);
     determine_num_blocks() -> (n, why), the least over the ranks; initialize_kv_cache(n) ->
     dict; warm_up(max_model_len) -> dict; execute_model(sched) -> SamplerOutput (output_rank's);
-    held_attention_on_triton() -> dict; shutdown()."""
+    profile(is_start) -> [each rank's answer]; held_attention_on_triton() -> dict; shutdown()."""
 
     tensor_parallel_size = 1
 
@@ -93,6 +93,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
         return self.worker.execute_model(sched)
+
+    def profile(self, is_start: bool) -> list[dict]:
+        return [self.worker.profile(is_start)]
 
     def held_attention_on_triton(self) -> dict:
         return self.worker.model_runner.held_attention_on_triton()
@@ -195,6 +198,10 @@ class MultiprocExecutor(Executor):
     def warm_up(self, max_model_len: int) -> dict:
         replies = self._all("warm", max_model_len, "warm", STARTUP_TIMEOUT_S)
         return replies[0].data
+
+    def profile(self, is_start: bool) -> list[dict]:
+        """Every rank starts or stops profiling (V1's ``collective_rpc("profile")``), between steps."""
+        return [dict(r.data) for r in self._all("profile", is_start, "profile", STARTUP_TIMEOUT_S)]
 
     # ---- steps ---------------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:

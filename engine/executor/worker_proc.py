@@ -9,6 +9,7 @@ each), joins the process group, then serves the executor's messages in order:
     load    build this rank's shard; reply ready (what it holds, how many KV blocks fit)
     kv      allocate the KV-cache shard for the number of blocks all ranks agreed on
     warm    the kernel warm-up forward passes (collectives included)
+    profile start or stop profiling this rank's ops (and torch.profiler, with a profiler_dir)
     step    one WorkerStep; every rank samples and replies, only the step's output_rank with
             the sampled tokens (the others with just their trace events)
     stop    leave the process group and exit
@@ -86,6 +87,8 @@ class WorkerProc:
             elif kind == "warm":
                 info = self.worker.warm_up(decode.decode(payload))
                 self._reply("warm", info)
+            elif kind == "profile":
+                self._reply("profile", self.worker.profile(decode.decode(payload)))
             elif kind == "stop":
                 destroy_distributed()
                 return
@@ -132,7 +135,7 @@ class WorkerProc:
         if out is not None and self.rank == msg.output_rank:  # V1's unique_reply_rank
             data = dict(token_ids=out.token_ids, logprobs=out.logprobs, ranks=out.ranks,
                         prompt_logprobs=out.prompt_logprobs, spec_token_ids=out.spec_token_ids,
-                        draft_token_ids=out.draft_token_ids)
+                        spec_logprobs=out.spec_logprobs, draft_token_ids=out.draft_token_ids)
         self._reply("step", data)
 
     def _forward_gate(self, point: str, info: dict) -> None:

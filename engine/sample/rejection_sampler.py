@@ -8,12 +8,52 @@ p(d) / q(d), q the proposer's (an n-gram proposal is a point mass, q = 1). The f
 draft is replaced by a draw from the normalised (p - q)+ (the argmax when greedy); after k
 accepted drafts comes the bonus token, the sampler's own draw from row k. So greedy output is the
 target's token for token, and sampled output is distributed exactly as without speculation.
+
+The target's distribution at each position is the one the sampler would use there without
+speculation (V1 processes the target logits the same way): the grammar's mask for that position
+(the model runner's, before this), then the sampler's logits processors (allowed_token_ids,
+bad_words, min_tokens, logit_bias, penalties) with the request as of that position, its output
+followed by the drafts before it. Logprobs of each kept token come from its own row, unprocessed,
+as the sampler's.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.sample.sampler import argmax, processed_probs
+from engine.sample.sampler import Sampler, argmax, logprobs_entry, processed_per_position, processed_probs
+
+
+class RequestAhead:
+    """A request as the sampler sees it at a draft position: its tokens so far followed by the
+    drafts before that position (what penalties, bad_words and min_tokens read)."""
+    __slots__ = ("params", "generator", "eos_token_id", "output_token_ids", "all_token_ids")
+
+    def __init__(self, req, drafts: list[int]):
+        self.params, self.generator, self.eos_token_id = req.params, req.generator, req.eos_token_id
+        self.output_token_ids = req.output_token_ids + drafts
+        self.all_token_ids = req.all_token_ids + drafts
+
+
+def requests_after_drafts(requests: list, drafts: list[list[int]]) -> list:
+    """Each request as of the position after its drafts (the row the sampler draws from), where its
+    logits processors read its output."""
+    return [RequestAhead(r, d) if d and processed_per_position(r.params) else r for r, d in zip(requests, drafts)]
+
+
+def spec_logprobs(logits: torch.Tensor, drafts: list[list[int]], requests: list, kept: list) -> list | None:
+    """Per request that verified drafts and asked for logprobs: (logprobs, rank) of each kept token
+    from its own row's log-softmax (before any logits processor, as the sampler's); None if none asked.
+    logits: every scored row, 1 + len(drafts[i]) per request."""
+    if not any(d and r.params.logprobs is not None for r, d in zip(requests, drafts)):
+        return None
+    out: list = [None] * len(drafts)
+    start = 0
+    for i, (req, d) in enumerate(zip(requests, drafts)):
+        if d and req.params.logprobs is not None:
+            lp = torch.log_softmax(logits[start:start + len(kept[i])].float(), dim=-1)
+            out[i] = [logprobs_entry(lp[j], t, req.params.logprobs) for j, t in enumerate(kept[i])]
+        start += len(d) + 1
+    return out
 
 
 class RejectionSampler:
@@ -21,11 +61,29 @@ class RejectionSampler:
         import kernels  # the Triton interpreter is set up before any kernel is defined
 
         self.kernels, self.backend = kernels, backend
+        self.sampler = Sampler()  # its logits processors, applied per draft position
+
+    def apply_logits_processors(self, draft_logits: torch.Tensor, drafts: list[list[int]],
+                                requests: list) -> torch.Tensor:
+        """The sampler's logits processors on each draft's row, the request as of that position
+        (V1's name). Rows of requests without processors are left as they are."""
+        rows, ahead, start = [], [], 0
+        for req, d in zip(requests, drafts):
+            if processed_per_position(req.params):
+                rows += range(start, start + len(d))
+                ahead += [RequestAhead(req, d[:j]) for j in range(len(d))]
+            start += len(d)
+        if not rows:
+            return draft_logits
+        processed = draft_logits.float().clone()
+        processed[rows] = self.sampler.apply_logits_processors(draft_logits[rows], ahead)
+        return processed
 
     def __call__(self, draft_logits: torch.Tensor, drafts: list[list[int]], requests: list,
                  bonus_token_ids: list[int]) -> list[list[int]]:
         """Per request: its accepted drafts, then the recovered or bonus token (1 to k + 1 tokens).
-        draft_logits: the rows scoring each draft, request after request."""
+        draft_logits: the rows scoring each draft, request after request (the grammar's mask applied)."""
+        draft_logits = self.apply_logits_processors(draft_logits, drafts, requests)
         flat = [t for d in drafts for t in d]
         cu = [0]
         for d in drafts:

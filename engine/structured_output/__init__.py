@@ -16,6 +16,16 @@ scheduler:
    EOS is allowed only where the grammar may end.
 4. ``accept_token`` (Scheduler.update_from_output): the matcher advances over the sampled token.
 
+With speculative decoding (V1's design) the grammar also checks the drafts. Scheduler.
+update_draft_token_ids cuts a constrained request's drafts to the longest prefix its grammar
+accepts (``validate_tokens``: the matcher advances through them and rolls back). The step's bitmask
+then has one row per position the model scores for it, draft positions and the bonus position:
+row j is the mask after the first j drafts, filled by advancing the matcher through them and
+rolling back. Every scored row is masked, so the rejection sampler verifies each draft against
+the distribution the request would have sampled from at that position without speculation; after
+verification the matcher accepts exactly the kept tokens (step 4). Greedy output is therefore the
+same token for token with and without speculation.
+
 A preempted request keeps its matcher: recomputing its KV cache changes nothing about the text
 it has written, so the next mask comes from the same state.
 """
@@ -46,7 +56,7 @@ class StructuredOutputManager:
         # compiling is CPU-bound: one thread by default, so it never takes both of 2 cores
         self.executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="grammar-compile")
         self._compiled: dict[tuple, Future] = {}  # key -> Future[CompiledGrammar]
-        self._bitmask = None  # [max_num_seqs, words] int32, allocated at first use
+        self._bitmask = None  # [rows, words] int32, allocated at first use, grown for draft positions
 
     # ---- 1. compile -------------------------------------------------------------------------
     def grammar_init(self, request) -> None:
@@ -91,25 +101,38 @@ class StructuredOutputManager:
         compile thread down (and fill the trace with empty steps)."""
         wait_futures([r.structured_output_request.compiled for r in requests], timeout, "FIRST_COMPLETED")
 
-    def grammar_bitmask(self, requests: list):
-        """The bitmask rows of `requests` (each with a ready grammar), in order, and how many
-        tokens each allows."""
-        if self._bitmask is None:
-            self._bitmask = self.backend.allocate_token_bitmask(self.max_num_seqs)
-        bitmask = self._bitmask
-        for i, req in enumerate(requests):
-            req.structured_output_request.grammar.fill_bitmask(bitmask, i)
-        rows = bitmask[:len(requests)].numpy().copy()  # the buffer is refilled next step
+    def grammar_bitmask(self, requests: list, spec_token_ids: list[list[int]]):
+        """The bitmask rows of `requests` (each with a ready grammar), in order: per request one
+        row for each of its drafts (validated) and one after them, row j the mask once the first j
+        drafts are accepted. Each matcher is advanced through its drafts to fill them and rolled
+        back after: it ends where it started. Returns the rows and how many tokens each allows."""
+        num_rows = len(requests) + sum(map(len, spec_token_ids))
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = self.backend.allocate_token_bitmask(max(num_rows, self.max_num_seqs))
+        bitmask, row = self._bitmask, 0
+        for req, drafts in zip(requests, spec_token_ids):
+            grammar = req.structured_output_request.grammar
+            start = grammar.num_processed_tokens
+            grammar.fill_bitmask(bitmask, row)
+            for token_id in drafts:
+                if not grammar.accept_token(token_id):  # update_draft_token_ids keeps only what it accepts
+                    raise ValueError(f"request {req.request_id}: draft token {token_id} was not validated")
+                row += 1
+                grammar.fill_bitmask(bitmask, row)
+            row += 1
+            grammar.rollback(grammar.num_processed_tokens - start)
+        rows = bitmask[:num_rows].numpy().copy()  # the buffer is refilled next step
         return rows, num_allowed(rows, self.vocab_size)
 
-    def preview(self, bitmask, requests: list, counts: dict[str, int], limit: int = 8) -> dict[str, list[str]]:
-        """For the trace: the text of the allowed tokens of each request the mask leaves at most
-        `limit` choices (what the grammar expects next: ',' or '}')."""
+    def preview(self, bitmask, first_rows: dict[str, int], counts: dict[str, int],
+                limit: int = 8) -> dict[str, list[str]]:
+        """For the trace: the text of the allowed tokens of each request whose mask (its first
+        row) leaves at most `limit` choices (what the grammar expects next: ',' or '}')."""
         out = {}
-        for i, req in enumerate(requests):
-            if counts[req.request_id] <= limit:
-                ids = allowed_token_ids(bitmask[i], self.vocab_size, limit)
-                out[req.request_id] = [self.tokenizer.decode([t]) for t in ids]
+        for rid, row in first_rows.items():
+            if counts[rid] <= limit:
+                ids = allowed_token_ids(bitmask[row], self.vocab_size, limit)
+                out[rid] = [self.tokenizer.decode([t]) for t in ids]
         return out
 
     # ---- 4. after sampling ----------------------------------------------------------------------

@@ -159,7 +159,9 @@ class XgrammarBackend:
 
 class XgrammarGrammar:
     """One request's matcher: where it is in its grammar. accept_token advances it; fill_bitmask
-    writes the tokens that may come next; rollback undoes accepted tokens."""
+    writes the tokens that may come next; rollback undoes accepted tokens; validate_tokens checks
+    draft tokens without moving it. num_processed_tokens counts the tokens it advanced over (none
+    past the grammar's end), so a rollback of the difference returns it exactly."""
 
     def __init__(self, compiled, vocab_size: int):
         self.matcher = xgr().GrammarMatcher(compiled, max_rollback_tokens=-1)
@@ -174,6 +176,17 @@ class XgrammarGrammar:
         self.num_processed_tokens += 1
         return True
 
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of `tokens` the grammar accepts from here (V1's name). The matcher
+        advances through them to check, then rolls back: it is left where it was."""
+        start, n = self.num_processed_tokens, 0
+        for token_id in tokens:
+            if not self.accept_token(token_id):
+                break
+            n += 1
+        self.rollback(self.num_processed_tokens - start)
+        return tokens[:n]
+
     def fill_bitmask(self, bitmask, row: int) -> None:
         if self.matcher.is_terminated():
             bitmask[row].fill_(-1)  # every token: the grammar has nothing more to say
@@ -184,7 +197,8 @@ class XgrammarGrammar:
         return self.matcher.is_terminated()
 
     def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
         self.num_processed_tokens -= num_tokens
 
     def reset(self) -> None:

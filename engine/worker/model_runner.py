@@ -19,10 +19,12 @@ import kernels
 from engine.core.sched.output import SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
-from engine.sample.rejection_sampler import RejectionSampler
+from engine.sample.rejection_sampler import RejectionSampler, requests_after_drafts, spec_logprobs
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.trace_names import BATCH, DRAFT_PREFIX, KERNEL, MODEL_RUNNER
+from engine.worker.profiler import Profiler
 from kernels import instrument
+from kernels.op_cost import ATTENTION, launch_cost
 
 
 @dataclass
@@ -41,7 +43,7 @@ class ModelRunner:
     holds no request state: the scheduler decides what runs, the engine applies the result."""
 
     def __init__(self, model: nn.Module, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None,
-                 rank: int = 0):
+                 rank: int = 0, profiler_dir: str | None = None):
         self.model = model
         self.rank = rank  # tensor-parallel rank: in every kernel event and sampler/sampled
         self.kv_caches = kv_caches
@@ -56,6 +58,9 @@ class ModelRunner:
         self._tensor = torch.from_numpy if device.type == "cpu" else lambda a: torch.from_numpy(a).to(device)
         self._launches: list[instrument.LaunchRecord] = []  # this step's, not yet published
         self._held: tuple[str, dict] | None = None  # (name, arguments) of the launch a gate holds before
+        self.profiler = Profiler(model, rank, profiler_dir)  # every op a launch, on demand (profile())
+        self._profiled_lens: tuple[list[int], list[int]] | None = None  # a profiled step's query and sequence lengths
+        self._costs: dict[tuple, tuple[str, int, int]] = {}  # (launch name, its arguments) -> (op, FLOPs, bytes)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -117,9 +122,13 @@ class ModelRunner:
         in ``sched.scheduled`` order; a prefill chunk that does not end its prompt gets one too,
         which the engine discards. Changes: writes the batch's keys and values into the KV cache
         at slot_mapping, nothing else. Hooks (when active): model_runner/batch, one kernel event
-        per Triton launch (published after the forward pass, or before a gate holds the engine),
-        sampler/sampled; when gated as the step starts, a kernel gate before each launch."""
+        per Triton launch (published after the forward pass and after sampling, or before a gate
+        holds the engine),
+        sampler/sampled; when gated as the step starts, a kernel gate before each launch. While
+        profiling (profile()), every op of the forward pass and of the sampler is a launch too."""
         inp = self.prepare_inputs(sched)
+        if self.profiler.active:
+            return self._run_profiled(sched, inp)
         if not self.hooks.active:
             return self._run(sched, inp)
         # A step's launches are kept as they happen and published together once its forward
@@ -129,6 +138,24 @@ class ModelRunner:
         before = self._before_launch if self.hooks.gated else None
         with instrument.observe(self._launches.append, before, access_maps=False, step=sched.step):
             return self._run(sched, inp)
+
+    def profile(self, is_start: bool = True) -> dict:
+        """Start or stop profiling this rank's steps (see engine/worker/profiler.py)."""
+        return self.profiler.start() if is_start else self.profiler.stop()
+
+    def _run_profiled(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput:
+        with self.profiler.step_annotation(sched.step):
+            if not self.hooks.active:  # only torch.profiler listens
+                return self._run(sched, inp)
+            qsl = inp.meta.query_start_loc.tolist()
+            self._profiled_lens = ([b - a for a, b in zip(qsl, qsl[1:])], inp.meta.seq_lens.tolist())
+            before = self._before_launch if self.hooks.gated else None
+            try:
+                with instrument.observe(self._launches.append, before, access_maps=False, profile=True,
+                                        step=sched.step):
+                    return self._run(sched, inp)
+            finally:
+                self._profiled_lens = None
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """The model on one batch: logits of each request's last scheduled position. (Callers
@@ -148,14 +175,19 @@ class ModelRunner:
                 self._publish_launches()
         drafts = [s.spec_token_ids for s in sched.scheduled]
         last_rows = _last_rows(drafts) if any(drafts) else None
+        if sched.grammar_bitmask is not None:  # every scored row: what the rejection sampler and the sampler see
+            self.apply_grammar_bitmask(sched, logits)
         sample_logits = logits if last_rows is None else logits[last_rows]  # one row per request
-        if sched.grammar_bitmask is not None:  # (requests with a grammar get no drafts: see update_draft_token_ids)
-            self.apply_grammar_bitmask(sched, sample_logits)
-        out = self.sampler(sample_logits, [s.request for s in sched.scheduled])
+        requests = [s.request for s in sched.scheduled]
+        # the last row follows every draft: its token is drawn with them counted as output (penalties, min_tokens)
+        out = self.sampler(sample_logits, requests if last_rows is None else requests_after_drafts(requests, drafts))
         if rows:
             out.prompt_logprobs = _prompt_logprobs(prompt_logits, spans, sched)
         if last_rows is not None:
             out.spec_token_ids = self._verify(logits, drafts, sched, out.token_ids)
+            out.spec_logprobs = spec_logprobs(logits, drafts, requests, out.spec_token_ids)
+        if self._launches:  # the sampler's (a grammar's mask, a verification; every step's op while profiling)
+            self._publish_launches()
         if self.hooks.active:
             self._trace_sampled(sched, out)
         if self.drafter is not None:
@@ -188,10 +220,19 @@ class ModelRunner:
 
     def apply_grammar_bitmask(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
         """Structured outputs (V1's name): the tokens each constrained request's grammar forbids get
-        -inf, in place, before any logits processor or sampling. Our Triton kernel with the triton
-        backend, its PyTorch reference with torch; both are launches the Kernels panel lists."""
-        row_of = {rid: i for i, rid in enumerate(sched.req_ids)}
-        indices = self._tensor(np.array([row_of[rid] for rid in sched.structured_output_request_ids], np.int32))
+        -inf, in place, before any logits processor, verification or sampling. `logits` has one row
+        per scored position (1 + its drafts per request); a constrained request's mask row j goes to
+        its logits row j. Our Triton kernel with the triton backend, its PyTorch reference with
+        torch; both are launches the Kernels panel lists."""
+        first_logits_row, row = {}, 0
+        for s in sched.scheduled:
+            first_logits_row[s.request.request_id] = (row, 1 + len(s.spec_token_ids))
+            row += 1 + len(s.spec_token_ids)
+        rows = np.empty(len(sched.grammar_bitmask), np.int32)
+        for rid, first_mask_row in sched.structured_output_request_ids.items():
+            start, n = first_logits_row[rid]
+            rows[first_mask_row:first_mask_row + n] = np.arange(start, start + n)
+        indices = self._tensor(rows)
         bitmask = self._tensor(np.ascontiguousarray(sched.grammar_bitmask, np.int32))
         if self.model.backend.name == "triton":
             kernels.apply_token_bitmask(logits, bitmask, indices)
@@ -279,12 +320,33 @@ class ModelRunner:
         rank = self.rank
         attrs = [{"layer_idx": r.tags.get("layer"), "grid": list(r.grid), "meta": r.meta, "args": r.args,
                   "duration_ns": r.duration_ns, "timing": r.timing, "reason": r.reason, "rank": rank} for r in recs]
+        if self._profiled_lens is not None:  # (the lengths are the target's batch's: not the draft model's launches)
+            target = [(r, a) for r, a in zip(recs, attrs) if not r.tags.get("draft")]
+            self._add_costs([r for r, _ in target], [a for _, a in target])
         # the draft model's launches are named apart (draft:...): their own rows, history and no access
         # map (the step's batch event describes the target's pass, not theirs)
         names = [DRAFT_PREFIX + r.name if r.tags.get("draft") else r.name for r in recs]
         self.hooks.emit_many([(KERNEL, n, INSTANT, None, r.tags.get("step"), a) for n, r, a in zip(names, recs, attrs)],
                              [r.end_ns for r in recs])
         recs.clear()
+
+    def _add_costs(self, recs: list[instrument.LaunchRecord], attrs: list[dict]) -> None:
+        """A profiled step's launches get their op kind, FLOPs and bytes (kernels.op_cost), computed
+        now that the step's ops have run. Every layer repeats the same shapes: each distinct
+        (name, shapes) is computed once (attention's cost also depends on the batch's lengths)."""
+        query_lens, seq_lens = self._profiled_lens
+        costs = self._costs
+        if len(costs) > 4096:  # one entry per op per batch shape: start again
+            costs.clear()
+        for r, a in zip(recs, attrs):
+            key = (r.name, r.raw_args)
+            cost = costs.get(key)
+            if cost is None:
+                cost = launch_cost(r.name, r.op, a["args"], r.meta, query_lens, seq_lens)
+                if cost[0] != ATTENTION:
+                    costs[key] = cost
+            a["op"], a["flops"], a["bytes"] = cost
+            a["profiled"] = True
 
 
 def _prompt_logprob_rows(sched: SchedulerOutput) -> tuple[list[int], list[tuple[int, int, int]]]:

@@ -163,7 +163,7 @@ class Worker:
         cc, cfg, n = self.config.cache, self.model_config, self.tp.world_size
         self.kv_caches = allocate_kv_cache(num_blocks, cc.block_size, cfg, self.dtype, self.device, n)
         self.model_runner = ModelRunner(self.model, self.kv_caches, cc.block_size, self.device, self.hooks,
-                                        rank=self.rank)
+                                        rank=self.rank, profiler_dir=self.config.profiler_dir)
         if self.draft_model is not None:  # the same blocks, in a cache of the draft's own layers and heads
             draft_caches = allocate_kv_cache(num_blocks, cc.block_size, self.draft_config, self.dtype, self.device)
             self.model_runner.drafter = DraftModelProposer(
@@ -185,6 +185,10 @@ class Worker:
     def warm_up(self, max_model_len: int) -> dict:
         return self.model_runner.warm_up(max_model_len)
 
+    def profile(self, is_start: bool = True) -> dict:
+        """Start or stop profiling every op of this rank's forward passes (vLLM's Worker.profile)."""
+        return self.model_runner.profile(is_start)
+
     # ---- on a worker process: the wire form of a step ------------------------------------------
     def _trace_execute(self, msg: WorkerStep) -> None:
         self.hooks.emit(WORKER, EXECUTE_MODEL, step=msg.step, rank=self.rank,
@@ -203,9 +207,13 @@ class Worker:
                 torch.Generator().manual_seed(new.seed))
         sched = SchedulerOutput(step=msg.step, admitted=msg.admitted, finished_req_ids=set(msg.finished_req_ids))
         if msg.grammar_bitmask is not None:
-            ids = msg.structured_output_request_ids
-            sched.structured_output_request_ids = {rid: i for i, rid in enumerate(ids)}
-            sched.grammar_bitmask = np.frombuffer(bytearray(msg.grammar_bitmask), np.int32).reshape(len(ids), -1)
+            # a request's rows: one per position it scores (1 + its drafts)
+            num_drafts = {s.request_id: len(s.spec_token_ids) for s in msg.scheduled}
+            row = 0
+            for rid in msg.structured_output_request_ids:
+                sched.structured_output_request_ids[rid] = row
+                row += 1 + num_drafts[rid]
+            sched.grammar_bitmask = np.frombuffer(bytearray(msg.grammar_bitmask), np.int32).reshape(row, -1)
         for s in msg.scheduled:
             state = self.requests[s.request_id]
             state.all_token_ids += s.new_token_ids

@@ -165,15 +165,3 @@ def test_tensor_parallel_ranks_get_the_mask():
     finally:
         two.shutdown()
 
-
-def test_with_speculative_decoding_a_grammar_request_takes_no_drafts():
-    """Drafts are proposed for the other requests only; the grammar's answer is the same as without them."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    p = _params(StructuredOutputsParams(json=SCHEMA), max_tokens=30)
-    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    prompts = [PROMPT, "the the the the the the the"]
-    base = LLM("tiny-gpt2").generate(prompts, [p, plain], use_tqdm=False)
-    llm = LLM("tiny-gpt2", speculative_config=spec)
-    got = llm.generate(prompts, [p, plain], use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in base]
-    assert _core(llm).scheduler.spec_stats.num_draft_tokens > 0  # the other request did speculate

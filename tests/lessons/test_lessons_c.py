@@ -77,3 +77,17 @@ def test_stopping_lesson_holds_when_the_model_does_produce_eos(monkeypatch, caps
     assert run_lesson("when_a_request_stops") == 0
     text = said(capsys)
     assert "ended on EOS" in text and "runs on to max_tokens" in text
+
+
+def test_where_time_goes_lesson_fails_if_matmuls_did_not_count_their_weights(monkeypatch, capsys):
+    """Break the cost model: a matmul's bytes without its weight (only the activations), as if the
+    weights came for free. Decode's intensity is then no lower than prefill's."""
+    from kernels import op_cost
+
+    def activations_only(args, meta):
+        flops, _ = op_cost.matmul(args, meta)
+        return flops, op_cost.nbytes(args["x"]) * 2
+
+    monkeypatch.setitem(op_cost.COSTS, "matmul", activations_only)
+    assert run_lesson("where_a_steps_time_goes") == 1
+    assert "claims: decode's matmuls have a lower arithmetic intensity" in said(capsys)

@@ -27,9 +27,10 @@ def test_reset_makes_the_next_prompt_miss(http, live):
     assert hits_of(http, live) > 0  # and it caches again
 
 
-def test_reset_needs_a_json_body(http):
-    r = http.post("/reset_prefix_cache")
+def test_reset_from_a_web_page_needs_a_json_body(http):
+    r = http.post("/reset_prefix_cache", headers={"Origin": "http://evil.example"})
     assert r.status_code == 415 and r.json()["error"]["code"] == "json_required"
+    assert http.post("/reset_prefix_cache").status_code == 200  # curl -X POST, as on vLLM
 
 
 def test_the_block_manager_refuses_while_a_request_holds_blocks():

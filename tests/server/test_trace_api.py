@@ -299,16 +299,22 @@ def test_trace_reads_need_the_key_when_one_is_set(bare_session):
     assert c.get("/trace/breakpoints", headers={"Authorization": "Bearer sesame"}).json() == {"breakpoints": []}
 
 
-def test_control_posts_must_be_json(bare_session):
+def test_control_posts_from_a_web_page_must_be_json(bare_session):
     """A cross-site form can POST text/plain or a urlencoded form, never JSON (that needs a
-    CORS preflight, which this server never grants): so no web page can pause the engine."""
+    CORS preflight, which this server never grants): so no web page can pause the engine. A
+    browser names the page's Origin on every POST; a program (curl) sends none."""
     c = bare_app("127.0.0.1", None, bare_session)
     for path in ("/trace/pause", "/trace/resume", "/trace/step", "/trace/run_until", "/trace/breakpoints"):
         for headers in ({}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}):
+            headers = {"Origin": "http://evil.example", **headers}
             r = c.post(path, content=b"{}", headers=headers)
             assert r.status_code == 415 and r.json()["error"]["code"] == "json_required", (path, headers)
     assert bare_session.controller.status()["pause_requested"] is False
-    r = c.post("/trace/pause", content=b"", headers={"Content-Type": "application/json; charset=utf-8"})
+    r = c.post("/trace/pause", content=b"", headers={"Content-Type": "application/json; charset=utf-8",
+                                                      "Origin": "http://evil.example"})
+    assert r.status_code == 200 and r.json()["controller"]["pause_requested"] is True
+    c.post("/trace/resume", json={})
+    r = c.post("/trace/pause")  # no Origin, no body: a program, as `curl -X POST` sends it
     assert r.status_code == 200 and r.json()["controller"]["pause_requested"] is True
 
 

@@ -4,7 +4,7 @@ import pytest
 from tracer_helpers import start_loop
 
 from engine import LLM, Hooks, SamplingParams, StructuredOutputsParams
-from engine.trace_names import BITMASK, GRAMMAR_COMPILED, STRUCTURED_OUTPUT
+from engine.trace_names import BITMASK, DRAFTS_VALIDATED, GRAMMAR_COMPILED, STRUCTURED_OUTPUT
 from tracer.conditions import parse_condition
 from tracer.session import TraceSession
 
@@ -77,6 +77,63 @@ def test_breakpoint_on_structured_output_events(text):
     try:
         stop = ctl.wait_until_paused(T)
         assert stop.reason == f"breakpoint {text}"
+        ctl.clear_breakpoints()
+        ctl.resume()
+        loop.join(T)
+    finally:
+        session.close()
+
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+# the proposer copies the prompt's JSON; the schema refuses some of it ("n": 12 where it has no "ok")
+CUT_PROMPT = 'Answers: {"color": "red", "n": 12, "ok": true} {"color": "red", "n": 1'
+CUT_SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer"}},
+              "required": ["color", "n"]}
+
+
+def test_drafts_the_grammar_cut_are_traced_folded_and_drawn():
+    """With speculation, the check of a constrained request's drafts is an event (proposed, kept, cut) that
+    folds into the state for the step that verifies them, and the Step panel strikes the cut drafts."""
+    from tracer.tui.frame import Frame
+    from tracer.tui.widgets.step import batch_table
+
+    hooks, events = Hooks(), []
+    hooks.subscribe(lambda *e: events.append(e))
+    session = TraceSession(hooks)
+    engine = LLM("tiny-gpt2", hooks=hooks, speculative_config=NGRAM).llm_engine
+    engine.add_request("g", CUT_PROMPT, SamplingParams(temperature=0, max_tokens=30, structured_outputs=
+                                                       StructuredOutputsParams(json=CUT_SCHEMA)))
+    drawn = {}
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+            session.state.update()
+            view = session.state.view()
+            if view.snapshot_step == view.step and view.snapshot.get("scheduled"):
+                drawn[view.step] = batch_table(Frame.of(view, {}, 0, None)).renderables[1].plain
+    finally:
+        session.close()
+    checked = [(e[4], e[5]) for e in events if e[:2] == (STRUCTURED_OUTPUT, DRAFTS_VALIDATED)]
+    assert all(a["draft"] == a["kept"] + a["cut"] for _, a in checked)
+    step, cut = next((s, a) for s, a in checked if a["cut"])
+    assert "the grammar cut" in drawn[step] and " ".join(map(str, cut["cut"])) in drawn[step]
+    assert not any("the grammar cut" in text for s, text in drawn.items() if s not in {s for s, a in checked
+                                                                                       if a["cut"]})
+
+
+def test_breakpoint_on_the_drafts_check():
+    hooks = Hooks()
+    session = TraceSession(hooks, start_paused=False)
+    engine = LLM("tiny-gpt2", hooks=hooks, speculative_config=NGRAM).llm_engine
+    ctl = session.controller
+    engine.add_request("g", CUT_PROMPT, SamplingParams(temperature=0, max_tokens=20, structured_outputs=
+                                                       StructuredOutputsParams(json=CUT_SCHEMA)))
+    ctl.add_breakpoint(parse_condition("event:structured_output.drafts_validated"))
+    loop = start_loop(engine)
+    try:
+        stop = ctl.wait_until_paused(T)
+        assert stop.reason == "breakpoint event:structured_output.drafts_validated"
         ctl.clear_breakpoints()
         ctl.resume()
         loop.join(T)

@@ -166,3 +166,42 @@ async def test_attach_shows_the_server_going_away_and_reconnects_when_it_is_back
 
 async def pilot_send(app) -> None:
     await app.source.send_test_request("Hello", max_tokens=2)
+
+
+async def test_p_in_an_attached_tui_profiles_the_remote_engine(served):
+    url, session = served
+    source = RemoteSource(url)
+    await source.start()
+    app = TraceApp(source, initial_pane="requests")
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.press("ctrl+p", *"send a test", "enter")
+        await until(app, lambda s: len(s.waiting) == 1, "the test request to wait in the remote engine")
+        await pilot.press("p")  # POST /start_profile: applied at the next step boundary
+        for _ in range(3):
+            await pilot.press("n")
+            await asyncio.to_thread(session.controller.wait_until_paused, 30)
+            app.tick()
+            if any(k.get("profiled") for k in source.refresh().kernels):
+                break
+        await until(app, lambda s: s.profiling and any(k.get("profiled") for k in s.kernels), "a profiled step")
+        assert app.panes.active == "kernels"
+        await pilot.press("p")  # POST /stop_profile
+        await pilot.press("n")
+        await until(app, lambda s: not s.profiling, "profiling to stop")
+
+
+async def test_serves_own_tui_profiles_through_the_servers_endpoints(served):
+    """`serve`'s TUI holds no handle on the engine: its LiveSource posts /start_profile to its own URL."""
+    from tracer.tui.sources.base import SourceInfo
+    from tracer.tui.sources.live import LiveSource
+
+    url, session = served
+    source = LiveSource(session, SourceInfo("live", "tiny-gpt2", "cpu", "torch", url=url), None)
+    try:
+        await source.start_profile()
+        assert session.state.view().profiling or any(
+            e.layer == "profiler" and e.name == "start" for e in session.bus.read(0)[0])
+        await source.stop_profile()
+        assert any(e.layer == "profiler" and e.name == "stop" for e in session.bus.read(0)[0])
+    finally:
+        await source.close()

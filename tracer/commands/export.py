@@ -1,4 +1,5 @@
-"""`vllm-trace export TRACE --format perfetto -o OUT.json`: a recorded trace for ui.perfetto.dev."""
+"""`vllm-trace export TRACE --format perfetto -o OUT.json`: a recorded trace for ui.perfetto.dev;
+`vllm-trace export TRACE --roofline OUT.html`: its profiled steps on this machine's roofline."""
 from __future__ import annotations
 
 import argparse
@@ -14,11 +15,17 @@ FORMATS = ["perfetto"]
 def register(sub) -> None:
     p = sub.add_parser("export", help="convert a recorded trace (--trace-file) for other viewers",
                        description="Convert a trace recorded with --trace-file. 'perfetto' writes Chrome "
-                                   "trace-event JSON that ui.perfetto.dev and chrome://tracing open.",
+                                   "trace-event JSON that ui.perfetto.dev and chrome://tracing open. --roofline "
+                                   "draws its profiled steps (recorded with profiling on: POST /start_profile, "
+                                   "`p` in the TUI) on this machine's roofline, as an HTML page or an SVG image.",
                        formatter_class=HelpFormatter)
     p.add_argument("trace", help="a JSON-lines trace file written by --trace-file")
     p.add_argument("--format", choices=FORMATS, default="perfetto", help="output format")
-    p.add_argument("-o", "--output", required=True, help="where to write the exported trace")
+    p.add_argument("-o", "--output", help="where to write the exported trace")
+    p.add_argument("--roofline", metavar="OUT", help="write the roofline chart of the profiled steps to OUT "
+                   "(.html: a self-contained page with a table; .svg: the chart alone)")
+    p.add_argument("--step", type=int, default=None, help="with --roofline: chart this profiled step (default: "
+                   "the last profiled prefill step and the last profiled decode step, on one chart)")
     p.set_defaults(handler=run)
 
 
@@ -33,6 +40,29 @@ def output_error(path: str, e: OSError) -> UserError:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.output and not args.roofline:
+        raise UserError("say where to write: -o OUT.json (Perfetto) and/or --roofline OUT.html")
+    if args.roofline:
+        roofline(args)
+    return perfetto(args) if args.output else 0
+
+
+def roofline(args: argparse.Namespace) -> None:
+    from tracer.roofline import cached_roofline
+    from tracer.roofline_chart import export_roofline
+
+    if cached_roofline() is None:
+        print("calibrating this machine's roofline once (a matmul and a copy, about a second)…", file=sys.stderr)
+    try:
+        steps, roof = export_roofline(args.trace, args.roofline, args.step)
+    except OSError as e:
+        raise output_error(args.roofline, e) from None
+    what = " and ".join(f"{s.label} (step {s.step})" for s in steps)
+    roofs = f"ridge {roof.ridge:.3g} FLOP/byte" if roof is not None else "no roofline for this device here"
+    print(f"wrote the roofline of {what} to {args.roofline} ({roofs})", file=sys.stderr)
+
+
+def perfetto(args: argparse.Namespace) -> int:
     from tracer.export import export_perfetto
 
     try:

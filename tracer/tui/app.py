@@ -41,7 +41,7 @@ REFRESH_HZ = 12  # the timer drops a tick when the loop is late: 12 asked, at le
 PANES = [("overview", "Overview"), ("requests", "Requests"), ("kv", "KV cache"), ("step", "Step"),
          ("kernels", "Kernels"), ("log", "Log"), ("startup", "Startup")]
 TEST_PROMPT, TEST_TOKENS = "The paged KV cache", 16  # the palette's test request: greedy, as `vllm-trace send`
-CONTROL_ACTIONS = {"toggle_pause", "step", "breakpoints", "triton"}
+CONTROL_ACTIONS = {"toggle_pause", "step", "breakpoints", "triton", "profile"}
 TRAVEL_ACTIONS = {"travel"}
 PANE_ACTIONS = {"show_pane", "cycle_pane"}  # keys that work whatever has focus (not while typing)
 FOLLOW_QUIET = 5.0  # seconds after the user chose a panel during which the app does not switch
@@ -68,6 +68,7 @@ class TraceApp(App):
         Binding("q", "quit", "quit"),
         Binding("ctrl+c", "interrupt", show=False),  # what Ctrl-C does to any command (Textual: "press ctrl+q")
         Binding("t", "triton", "on Triton"),
+        Binding("p", "profile", "profile"),
         Binding("r", "next_rank", "rank"),  # tensor parallelism only (check_action)
         Binding("slash", "filter", "filter"),
         Binding("question_mark", "help", "help"),
@@ -267,6 +268,22 @@ class TraceApp(App):
         await self._command(self.source.travel(where))
         self.tick()
 
+    def action_profile(self) -> None:
+        """`p`: profiling on (every op of the forward pass a launch, on the roofline) or off again.
+        The engine applies it between steps (a held engine: when its step ends), so the command
+        runs as a worker: the keys that let the engine go on must keep working meanwhile."""
+        self.tick()
+        on = self.frame is not None and self.frame.state.profiling
+        self.notify("stopping profiling at the next step boundary…" if on else
+                    "profiling from the next step on: every op is a launch (Kernels panel, 5); p stops it")
+        if not on:
+            self.show_pane("kernels", chosen=True)
+        self.run_worker(self._profile(not on), group="profile", exclusive=True)
+
+    async def _profile(self, start: bool) -> None:
+        if await self._command(self.source.start_profile() if start else self.source.stop_profile()):
+            self.tick()
+
     def action_breakpoints(self) -> None:
         self.push_screen(BreakpointsScreen(self.source))
 
@@ -369,6 +386,8 @@ class TraceApp(App):
                                 self.action_breakpoints)
             yield SystemCommand("Run the held attention launch on Triton", "t: its grid, programs, blocks, max |diff|",
                                 self.action_triton)
+            yield SystemCommand("Profile every op (start / stop)", "p: FLOPs, bytes and time of each op of the forward "
+                                "pass, on this machine's roofline (Kernels panel)", self.action_profile)
         if self.source.can_time_travel:
             for where, title in [("back", "Step back"), ("forward", "Step forward"), ("home", "First step"),
                                  ("end", "Last step")]:

@@ -27,11 +27,13 @@ class SchedulerOutput:
     token_budget: int = 0
     # finished or aborted since the last step (V1's name): workers drop the state they keep for them
     finished_req_ids: set[str] = field(default_factory=set)
-    # structured outputs (V1's names): request id -> its row of grammar_bitmask, the rows ([n, ceil(vocab / 32)]
-    # int32, bit j of word w allows token 32 w + j), how many tokens each row allows; grammars that failed
+    # structured outputs (V1's names): request id -> its first row of grammar_bitmask (1 + its number of drafts
+    # rows: one per position it scores), the rows ([n, ceil(vocab / 32)] int32, bit j of word w allows token
+    # 32 w + j), how many tokens its first row allows and each of its rows; grammars that failed
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
     grammar_allowed: dict[str, int] = field(default_factory=dict)
+    grammar_allowed_per_pos: dict[str, list[int]] = field(default_factory=dict)
     grammar_failed: dict[str, str] = field(default_factory=dict)  # request id -> why (finished, never ran)
 
     @property

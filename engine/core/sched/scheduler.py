@@ -34,6 +34,7 @@ from engine.sample.sampler import SamplerOutput
 from engine.structured_output import StructuredOutputManager
 from engine.trace_names import (
     BITMASK,
+    DRAFTS_VALIDATED,
     ENGINE,
     FINISHED,
     GRAMMAR_COMPILED,
@@ -177,23 +178,31 @@ class Scheduler:
             for r in self.waiting)
 
     def _grammar_bitmask(self, out: SchedulerOutput) -> None:
-        """The batch's grammar bitmask (V1's grammar_bitmask): one row per scheduled request with a
-        grammar whose step samples a token (a chunk that does not end the prefill samples none)."""
-        reqs = [s.request for s in out.scheduled if s.request.structured_output_request is not None
-                and s.num_computed_before + s.num_tokens >= s.request.num_tokens]
-        if not reqs:
+        """The batch's grammar bitmask (V1's grammar_bitmask): for each scheduled request with a
+        grammar whose step samples a token (a chunk that does not end the prefill samples none),
+        one row per position it scores: one per draft it verifies, then one more."""
+        scheduled = [s for s in out.scheduled if s.request.structured_output_request is not None
+                     and s.num_computed_before + s.num_tokens >= s.request.num_tokens]
+        if not scheduled:
             return
         t0 = time.perf_counter_ns()
-        out.grammar_bitmask, allowed = self.structured_output_manager.grammar_bitmask(reqs)
-        out.structured_output_request_ids = {r.request_id: i for i, r in enumerate(reqs)}
-        out.grammar_allowed = {r.request_id: n for r, n in zip(reqs, allowed)}
+        reqs, drafts = [s.request for s in scheduled], [s.spec_token_ids for s in scheduled]
+        out.grammar_bitmask, allowed = self.structured_output_manager.grammar_bitmask(reqs, drafts)
+        row = 0
+        for r, d in zip(reqs, drafts):
+            out.structured_output_request_ids[r.request_id] = row  # its first row; 1 + len(d) rows in all
+            out.grammar_allowed[r.request_id] = allowed[row]
+            out.grammar_allowed_per_pos[r.request_id] = allowed[row:row + 1 + len(d)]
+            row += 1 + len(d)
         if self.hooks.active:
             self._trace_grammar_bitmask(out, reqs, time.perf_counter_ns() - t0)
 
-    def _advance_grammar(self, req: Request, token_id: int, out: SchedulerOutput) -> None:
-        """After sampling: the request's matcher accepts its token (V1's accept_tokens)."""
+    def _advance_grammar(self, req: Request, token_id: int, out: SchedulerOutput, pos: int) -> None:
+        """After sampling: the request's matcher accepts its token (V1's accept_tokens), the one at
+        position `pos` of the step's (0 unless drafts were accepted before it)."""
         so = req.structured_output_request
-        so.num_allowed.append(out.grammar_allowed.get(req.request_id))
+        counts = out.grammar_allowed_per_pos.get(req.request_id)
+        so.num_allowed.append(counts[pos] if counts else None)
         if not self.structured_output_manager.accept_token(req, token_id) and self.hooks.active:
             self._trace_grammar_rejected(req, token_id, out.step)
 
@@ -208,9 +217,11 @@ class Scheduler:
 
     def _trace_grammar_bitmask(self, out: SchedulerOutput, reqs: list[Request], fill_ns: int) -> None:
         mgr = self.structured_output_manager
-        allowed = mgr.preview(out.grammar_bitmask, reqs, out.grammar_allowed)
+        allowed = mgr.preview(out.grammar_bitmask, out.structured_output_request_ids, out.grammar_allowed)
+        # draft positions: the mask of each (allowed tokens after 0, 1, ... of the drafts)
+        per_pos = {rid: n for rid, n in out.grammar_allowed_per_pos.items() if len(n) > 1}
         self.hooks.emit(STRUCTURED_OUTPUT, BITMASK, step=out.step, vocab_size=mgr.vocab_size, fill_ns=fill_ns,
-                        num_allowed=out.grammar_allowed, allowed=allowed,
+                        num_allowed=out.grammar_allowed, allowed=allowed, num_allowed_per_pos=per_pos,
                         terminated=[r.request_id for r in reqs if r.structured_output_request.grammar.is_terminated()])
 
     def _try_admit(self, req: Request, budget: int, out: SchedulerOutput) -> str | None:
@@ -296,11 +307,11 @@ class Scheduler:
             if req.num_computed_tokens < len(req.all_token_ids):
                 continue  # one chunk of a longer prefill: its sampled token is discarded
             new_token_ids = []
-            for token_id in tokens:
+            for pos, token_id in enumerate(tokens):
                 req.append_token(token_id)
                 new_token_ids.append(token_id)
                 if req.structured_output_request is not None:
-                    self._advance_grammar(req, token_id, scheduler_output)
+                    self._advance_grammar(req, token_id, scheduler_output, pos)
                 status = check_stop(req, self.max_model_len)
                 if status is not None:
                     break  # the rest (accepted drafts past a stop) is dropped
@@ -310,6 +321,9 @@ class Scheduler:
                 self.finish_requests((req.request_id,), status)
             lps = model_runner_output.logprobs[i]
             new_logprobs = None if lps is None else [_ranked(lps, token_id, model_runner_output.ranks[i])]
+            if s.spec_token_ids and lps is not None:  # one entry per kept token, each from its own position
+                new_logprobs = [_ranked(lp, t, rank) for (lp, rank), t in
+                                zip(model_runner_output.spec_logprobs[i], new_token_ids)]
             outputs.append(_output(req, new_token_ids, new_logprobs))
             if status is not None and self.hooks.active:
                 self._trace_finished(req, step)
@@ -336,13 +350,24 @@ class Scheduler:
                         num_running=len(self.running))
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
-        """The proposer's drafts for the next step (vLLM V1's name): scheduled as lookahead slots."""
+        """The proposer's drafts for the next step (vLLM V1's name): scheduled as lookahead slots.
+        A request with a grammar keeps the longest prefix its grammar accepts (its matcher checks
+        them and rolls back): a draft the grammar forbids could never be accepted, and the tokens
+        after it are not worth verifying."""
         for rid, drafts in draft_token_ids.items():
             req = self.requests.get(rid)
-            # A request with a grammar takes no drafts: its mask covers the one token it samples a step
-            # (checking drafts against the grammar, as V1 does, needs a mask per draft position).
-            if req is not None and req.status is RequestStatus.RUNNING and req.structured_output_request is None:
-                req.spec_token_ids = drafts
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            so = req.structured_output_request
+            if so is not None and drafts:
+                proposed, drafts = drafts, so.grammar.validate_tokens(drafts)
+                if self.hooks.active:
+                    self._trace_drafts_validated(req, proposed, drafts)
+            req.spec_token_ids = drafts
+
+    def _trace_drafts_validated(self, req: Request, proposed: list[int], kept: list[int]) -> None:
+        self.hooks.emit(STRUCTURED_OUTPUT, DRAFTS_VALIDATED, request_id=req.request_id, step=self.step_count,
+                        draft=proposed, kept=kept, cut=proposed[len(kept):])
 
     def _trace_verified(self, req: Request, step: int, drafts: list[int], kept: list[int]) -> None:
         accepted = len(kept) - 1  # the kept tokens: the accepted drafts, then the target's own token

@@ -21,7 +21,7 @@ from engine.entrypoints.openai.chat_template import DEFAULT_CHAT_TEMPLATE
 from engine.entrypoints.openai.errors import RefuseLargeBodies, install_error_handlers
 from engine.entrypoints.openai.input_processor import InputProcessor
 from engine.entrypoints.openai.metrics import ServerMetrics
-from engine.entrypoints.openai.routers import completions, health, metrics, models, prefix_cache, tokenize
+from engine.entrypoints.openai.routers import completions, health, metrics, models, prefix_cache, profile, tokenize
 from engine.entrypoints.openai.routers.health import package_version
 from engine.entrypoints.openai.state import ServerState
 
@@ -29,7 +29,8 @@ from engine.entrypoints.openai.state import ServerState
 # token ids, and a body is parsed whole on the event loop before anything can refuse it
 # (measured: a 3 MB JSON list of token ids takes ~100 ms to parse, 4 MiB of text ~20 ms).
 DEFAULT_MAX_BODY_SIZE = 2 ** 20
-ROUTERS = [completions.router, models.router, health.router, tokenize.router, metrics.router, prefix_cache.router]
+ROUTERS = [completions.router, models.router, health.router, tokenize.router, metrics.router, prefix_cache.router,
+           profile.router]
 
 
 def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, *,

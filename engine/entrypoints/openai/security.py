@@ -6,11 +6,14 @@
   which show every user's prompts and outputs. With a key, the key is required. Without one,
   they answer only while the server is bound to a loopback address.
 * ``require_control``: for endpoints that change what the engine does (trace pause, step,
-  breakpoints). The same rule as reads (anyone who can reach a public port could otherwise
-  freeze the engine), and a POST must say ``Content-Type: application/json``: a web page
-  open in the learner's browser can POST a form cross-site to 127.0.0.1 without asking, but
-  not JSON, which needs a CORS preflight that this server never grants (415 otherwise).
-  DELETE needs no such check: a page cannot send one cross-site without a preflight either.
+  breakpoints, profiling, the prefix-cache reset). The same rule as reads (anyone who can reach
+  a public port could otherwise freeze the engine), and a POST sent by a web page (a browser
+  names the page's ``Origin`` on every POST) must say ``Content-Type: application/json``: a page
+  open in the learner's browser can POST a form cross-site to 127.0.0.1 without asking, but not
+  JSON, which needs a CORS preflight that this server never grants (415 otherwise). A POST with
+  no Origin comes from a program (curl, a script), so a bare ``curl -X POST .../start_profile``
+  works as it does on vLLM. DELETE needs no such check: a page cannot send one cross-site
+  without a preflight either.
 """
 from __future__ import annotations
 
@@ -68,9 +71,9 @@ async def require_trace_read(request: Request, state: ServerState = Depends(get_
 
 async def require_control(request: Request, state: ServerState = Depends(get_state)) -> None:
     _key_or_loopback(request, state, "control_disabled")
-    if request.method == "POST":
+    if request.method == "POST" and "origin" in request.headers:
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json":
-            raise APIError(415, "trace control needs 'Content-Type: application/json' (send a JSON body, "
-                                "'{}' if there is nothing to say): it keeps web pages from pausing the engine",
+            raise APIError(415, "trace control from a web page needs 'Content-Type: application/json' (send a "
+                                "JSON body, '{}' if there is nothing to say): it keeps pages from pausing the engine",
                            code="json_required")

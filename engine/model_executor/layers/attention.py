@@ -36,10 +36,13 @@ class AttentionBackend:
         self.workspace = kernels.reference.Workspace()  # the torch backend's gathered K/V
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
-        """Once per step, before the layers: work every layer would otherwise repeat."""
+        """Once per step, before the layers: work every layer would otherwise repeat (while
+        profiling, an op of its own: ``plan_attention``)."""
         if self.name == "torch":
-            meta.plan = self._kernels.reference.plan_attention(meta.query_start_loc, meta.seq_lens,
-                                                               meta.block_tables, block_size)
+            meta.plan = self._kernels.instrument.op(
+                "plan_attention", "other", self._kernels.reference.plan_attention,
+                dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens, block_tables=meta.block_tables,
+                     block_size=block_size), reason="the torch backend's gather indices and masks, for every layer")
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kn = self._kernels

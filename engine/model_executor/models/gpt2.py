@@ -27,11 +27,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import TPGroup
+from engine.model_executor.layers.activation import NewGELU
 from engine.model_executor.layers.attention import AttentionBackend, AttentionMetadata
+from engine.model_executor.layers.logits_processor import LogitsProcessor
 from engine.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model_executor.model_loader import GPT2Config
 from kernels import instrument
@@ -89,10 +90,11 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPT2Config, tp: TPGroup):
         super().__init__()
         self.c_fc = Conv1D(cfg.n_embd, cfg.n_inner // tp.world_size)
+        self.act = NewGELU()
         self.c_proj = RowParallelConv1D(cfg.n_inner, cfg.n_embd, tp, "mlp.c_proj")
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.c_proj(self.act(self.c_fc(x)))
 
 
 class Block(nn.Module):
@@ -129,6 +131,7 @@ class GPT2Model(nn.Module):
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg, i, backend, tp) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.logits_processor = LogitsProcessor(cfg.vocab_size, tp)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Returns the final hidden states [num_tokens, n_embd]."""
@@ -143,10 +146,7 @@ class GPT2Model(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab_size], on every rank."""
-        logits = F.linear(hidden, self.wte.weight)  # tied LM head: this rank's slice of the vocabulary
-        if self.tp.world_size == 1:
-            return logits
-        return self.tp.all_gather(logits, "lm_head")[:, :self.cfg.vocab_size]  # the padding's columns go
+        return self.logits_processor(hidden, self.wte.weight)  # tied LM head: this rank's slice of the vocabulary
 
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face GPT-2 state dict by name (same names, same layouts), each weight

@@ -24,13 +24,14 @@ into its fused parameter through the parameter's ``weight_loader`` (vLLM's
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import TPGroup
+from engine.model_executor.layers.activation import SiluAndMul
 from engine.model_executor.layers.attention import AttentionBackend, AttentionMetadata
 from engine.model_executor.layers.layernorm import RMSNorm
 from engine.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.model_executor.layers.logits_processor import LogitsProcessor
 from engine.model_executor.layers.rotary_embedding import get_rope
 from engine.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model_executor.model_loader import LlamaConfig
@@ -43,12 +44,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
                                                        bias=cfg.mlp_bias)
+        self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, "mlp.down_proj",
                                            bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -125,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
         # the LM head: its own rows of the (padded) vocabulary on this rank, or the embedding's when tied
         self.lm_head = (self.model.embed_tokens if cfg.tie_word_embeddings else
                         VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, "lm_head"))
+        self.logits_processor = LogitsProcessor(cfg.vocab_size, tp)
 
     @property
     def rope(self) -> dict:
@@ -139,10 +141,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab_size], on every rank."""
-        logits = F.linear(hidden, self.lm_head.weight)  # this rank's slice of the vocabulary
-        if self.tp.world_size == 1:
-            return logits
-        return self.tp.all_gather(logits, "lm_head")[:, :self.cfg.vocab_size]  # the padding's columns go
+        return self.logits_processor(hidden, self.lm_head.weight)  # this rank's slice of the vocabulary
 
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face Llama-family state dict: each tensor through its parameter's

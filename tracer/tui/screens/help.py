@@ -49,6 +49,11 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
   `all_gather` with their bytes and site, a line per rank sums its time and communication; `r`
   lists one rank's launches, then the next, then all. The KV cache, Startup and Step panels
   add a line per rank (its heads, its weights, its KV shard, the scheduler output it got).
+  While profiling (`p`) every op of the forward pass is a launch: a profiled step is listed
+  longest first with its share of the step, FLOPs, bytes, arithmetic intensity (FLOP/byte),
+  achieved rate and bound (*memory* under the ridge point of this machine's roofline, *compute*
+  above it), over a log-log roofline chart, one point per op kind (`vllm-trace roofline`: the
+  peaks, measured once per machine).
 - **Log** (6): the event stream, `[TRACE] layer name key=value`; `/` filters by layer
   (`scheduler kernel`), request (`request=ID`) or words.
 - **Startup** (7): the engine's startup stages with their timings (model files, tokenizer,
@@ -64,6 +69,7 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
 | `b` | breakpoints: on arrival, finish, preemption, a layer, a kernel, a request id |
 | `t` | held before an attention launch: run it through the Triton kernel (Kernels panel) |
 | `r` | tensor parallelism: the Kernels panel lists the next rank's launches (rank 0, 1, …, all) |
+| `p` | profile every op of the forward pass (again: stop); the header shows PROFILING |
 | `enter` | open the selected request |
 | `1`–`7`, `tab` / `shift+tab` | show a panel (its list takes the arrows, `enter`, `home`/`end`) |
 | `/` | filter (Requests, Log) |
@@ -74,8 +80,9 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
 | `←` / `→`, `home` / `end` | replay: step back / forward in time, jump to the first / last step |
 
 The header shows the model, device and attention backend, the engine's state (RUNNING,
-PAUSED, STEPPING; DISCONNECTED when an attached server went away; ENGINE DEAD, with the reason
-on its second line, when the engine core died), the step and phase, the
+PAUSED, STEPPING, and PROFILING beside it while `p` is on; DISCONNECTED when an attached
+server went away; ENGINE DEAD, with the reason on its second line, when the engine core died),
+the step and phase, the
 queues (`waiting 0 · running 3 · finished 1`, or `W0 R3 F1` on a narrow terminal) and the
 URL to send requests to. Its second line says what a held engine is waiting for.
 """

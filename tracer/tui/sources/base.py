@@ -120,6 +120,14 @@ class Source:
     async def remove_breakpoint(self, condition: str) -> None:
         raise Unsupported("breakpoints need a running engine")
 
+    async def start_profile(self) -> None:
+        """`p`: every op of the forward pass a launch from the next step on (POST /start_profile)."""
+        raise Unsupported("profiling needs a running engine (vllm-trace serve, or attach to one)")
+
+    async def stop_profile(self) -> None:
+        """`p` again: back to the usual launches (POST /stop_profile)."""
+        raise Unsupported("profiling needs a running engine (vllm-trace serve, or attach to one)")
+
     async def send_test_request(self, prompt: str, max_tokens: int = 16) -> str:
         """A greedy completion of prompt (temperature 0, as `vllm-trace send`); returns where it went."""
         raise Unsupported("no server to send a request to")

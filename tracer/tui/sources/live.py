@@ -83,6 +83,31 @@ class LiveSource(Source):
             raise Unsupported("this session has no step controller")
         return self._controller
 
+    async def start_profile(self) -> None:
+        await self._profile("start")
+
+    async def stop_profile(self) -> None:
+        await self._profile("stop")
+
+    async def _profile(self, what: str) -> None:
+        """The engine's own start_profile / stop_profile when this process holds it, else the
+        server's POST /start_profile, /stop_profile (`serve`: the TUI and the server share a process
+        but not a handle on the engine)."""
+        if self.async_engine is not None:
+            await getattr(self.async_engine, f"{what}_profile")()
+        elif self.info.url:
+            import httpx
+
+            from tracer.net import trust_env
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            async with httpx.AsyncClient(timeout=30, trust_env=trust_env(self.info.url)) as client:
+                resp = await client.post(f"{self.info.url}/{what}_profile", json={}, headers=headers)
+            if resp.status_code >= 400:
+                from tracer.tui.sources.base import Unsupported
+                raise Unsupported(f"POST /{what}_profile: HTTP {resp.status_code}: {resp.text[:200]}")
+        else:
+            await getattr(super(), f"{what}_profile")()
+
     async def send_test_request(self, prompt: str, max_tokens: int = 16) -> str:
         """Through HTTP when there is a server (the whole journey: http, api, tokenizer, ...),
         else straight into the engine. Returns at once: the request may wait while paused."""

@@ -187,6 +187,12 @@ class RemoteSource(Source):
     async def step(self, n: int = 1, granularity: str = "step") -> None:
         self._status = (await self._post("/trace/step", {"n": n, "granularity": granularity}))["controller"]
 
+    async def start_profile(self) -> None:
+        await self._post("/start_profile")
+
+    async def stop_profile(self) -> None:
+        await self._post("/stop_profile")
+
     async def add_breakpoint(self, condition: str) -> None:
         await self._post("/trace/breakpoints", {"condition": condition})
         await self._take_breakpoints()

@@ -64,7 +64,7 @@ def queue_counts(frame: Frame, short: bool) -> str:
 
 
 class StatusHeader(FixedText):
-    """model · device · backend │ STATE step N (phase) │ waiting · running · finished │ URL"""
+    """model · device · backend │ STATE step N (phase) [PROFILING] │ waiting · running · finished │ URL"""
 
     def __init__(self, info: SourceInfo, **kwargs):
         super().__init__(Text(""), **kwargs)
@@ -89,6 +89,9 @@ class StatusHeader(FixedText):
             if where and url is not None:
                 t.append(f" ({where})", "dim")
             t.append(travel, "dim")
+            if s.profiling:  # every op of the forward pass is a launch (p, or POST /start_profile)
+                t.append(" ")
+                t.append(" PROFILING ", "bold black on #e5c07b")
             t.append(f"  {queue_counts(frame, short)}")
             if url and info.url:
                 t.append("  " + info.url, "underline" if info.mode != "replay" else "")

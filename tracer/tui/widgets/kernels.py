@@ -8,6 +8,11 @@ have no grid: its rows show the argument shapes instead, and when the engine is 
 an attention launch (`k`), `t` runs that very launch through our Triton kernel (interpreted
 on the CPU) and draws its grid, its programs and its difference from the PyTorch output.
 
+While profiling is on (`p`, or POST /start_profile) every op of the forward pass is a launch with
+its kind, FLOPs and bytes: a profiled step is listed longest op first, with its share of the step,
+its arithmetic intensity, achieved rate and the roof over it (memory- or compute-bound against this
+machine's measured roofline), and a roofline chart replaces the program grid below the list.
+
 With tensor parallelism every rank's launches arrive, the collectives (all_reduce, all_gather)
 among them. Then a rank column appears, `r` cycles the list through rank 0, 1, ... and all,
 and a line per rank sums its launches and the share of its time spent communicating. With
@@ -27,11 +32,23 @@ from textual.widgets import Static
 
 from engine.trace_names import ALL_GATHER, ALL_REDUCE
 from kernels.instrument import ProgramAccess
+from kernels.roofline import Roofline
+from tracer.roofline import (
+    by_kind,
+    cached_roofline,
+    fmt_count,
+    is_profiled,
+    machine_roofline,
+    profiled_ops,
+    trace_dtype,
+)
 from tracer.state import TraceState, rank_of, step_ranks
 from tracer.tui.fmt import fmt_bytes, fmt_ns, sparkline
 from tracer.tui.frame import Frame
+from tracer.tui.sources.base import engine_identity
 from tracer.tui.widgets.lines import FixedText
 from tracer.tui.widgets.panel import Panel
+from tracer.tui.widgets.roofline import RooflineChart
 from tracer.tui.widgets.rows import RowList, cells_text
 
 BUSY_HZ = 4
@@ -96,6 +113,11 @@ def rerun_access(result: dict) -> dict:
                           tuple(p["q_heads"]) if p.get("q_heads") else None)
         m[a.pid] = m.get(a.pid, ()) + (a,)
     return m
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 class ProgramGrid(Widget, can_focus=True):
@@ -226,7 +248,30 @@ def program_text(grid: ProgramGrid) -> Text:
 
 # What the list holds, said on the panel: a learner otherwise takes it for the whole forward pass.
 SCOPE = ("listed: each layer's KV-cache write and paged attention, and any collectives",
-         "not listed: matmuls, layer norms, MLP, LM head, sampler (they run, untraced)")
+         "not listed: matmuls, layer norms, MLP, LM head, sampler (p profiles them too)")
+PROFILED_SCOPE = "listed: every op of the forward pass, longest first (profiling: p turns it on and off)"
+BAR = 8  # cells of the share-of-the-step bar
+
+
+def share_bar(share: float) -> str:
+    """'███▌     27%': an op's share of the step, in eighths of a cell."""
+    eighths = round(max(0.0, min(1.0, share)) * BAR * 8)
+    full, part = divmod(eighths, 8)
+    return ("█" * full + (" ▏▎▍▌▋▊▉"[part] if part else "")).ljust(BAR) + f" {share:>4.0%}"
+
+
+def bound_cell(point, roof: Roofline | None) -> tuple[str, str | None]:
+    if roof is None or not point.flops or not point.bytes:
+        return "-", "dim"
+    bound = point.bound(roof)
+    return bound, "red" if bound == "memory" else "green"
+
+
+def kind_shares(ops, total_ns: int) -> str:
+    """'matmul 52% · attention 9% · …': where the listed time goes, by op kind."""
+    sums = by_kind(ops)
+    order = sorted(sums.items(), key=lambda kv: -kv[1].duration_ns)
+    return " · ".join(f"{k} {p.duration_ns / total_ns:.0%}" for k, p in order) if total_ns else ""
 
 
 class KernelsPanel(Panel):
@@ -237,6 +282,7 @@ class KernelsPanel(Panel):
             yield Static(id="kernels-rerun")
             yield ProgramGrid(id="program-grid")
             yield Static(id="program-access")
+        yield RooflineChart(id="kernels-roofline")
 
     def on_mount(self) -> None:
         self._key = None
@@ -246,6 +292,11 @@ class KernelsPanel(Panel):
         self.rerun: dict | None = None  # `t`: the Triton re-run of the held launch
         self.rerun_of: tuple | None = None  # (step, layer, name) of the launch it re-ran
         self.rank: int | None = None  # `r`: the rank whose launches are listed (None: all)
+        self.roof: Roofline | None = None  # this machine's roofline, for the step's device and dtype
+        self._roof_for: tuple | None = None  # the (device, dtype) it was looked up for
+        self._calibrating = False
+        self._profiled = False  # the list shows a profiled step (the chart below it)
+        self.query_one(RooflineChart).display = False
 
     def focus_list(self) -> None:
         self.query_one(RowList).focus()
@@ -279,6 +330,9 @@ class KernelsPanel(Panel):
             return  # while the engine runs, at most BUSY_HZ redraws a second
         self._frame, self._key, self._drawn_at = frame, key, now
         launches, ranks = self.launches(s), multi_rank(s)
+        if any(is_profiled(k) for k in launches) and not self._showing_rerun(frame):
+            return self._show_profiled(frame, launches, ranks)
+        self._set_profiled(False)
         head = Text.assemble((f"step {'-' if s.step is None else s.step}: ", "bold"),
                              (f"{len(launches)} launch{'' if len(launches) == 1 else 'es'}", "bold"),
                              (f" ({s.phase})" if s.phase not in ("done", "idle") else "", "dim"))
@@ -293,11 +347,7 @@ class KernelsPanel(Panel):
             for r in step_ranks(s):
                 head.append("\n" + rank_summary(s.kernels, r), "bold" if r == self.rank else "")
         head.append("\n" + "\n".join(SCOPE), "dim")
-        box = self.query_one("#kernels-head", FixedText)
-        height = 1 + head.plain.count("\n")  # a line per rank under the CSS's one
-        if box.styles.height is None or box.styles.height.value != height:
-            box.styles.height = height
-        box.update(head)
+        self._set_head(head)  # a line per rank under the CSS's one
         width = self.size.width or 80
         names = [k["name"] for k in launches]
         grids = [fmt_grid(k.get("grid")) for k in launches]
@@ -322,7 +372,110 @@ class KernelsPanel(Panel):
         self.query_one(RowList).set_rows(cells_text([n for n, _ in columns], widths), rows)
         self._show_programs()
 
+    def _showing_rerun(self, frame: Frame) -> bool:
+        """`t` re-ran the launch the engine is held before: its grid is shown, profiled or not."""
+        held = held_launch(frame)
+        return self.rerun is not None and held is not None and self.rerun_of == (
+            held.get("step"), held.get("layer_idx"), held.get("name"))
+
+    def _set_profiled(self, on: bool) -> None:
+        if on != self._profiled:
+            self._profiled = on
+            self.query_one("#kernels-programs").display = not on
+            self.query_one(RooflineChart).display = on
+
+    def _set_head(self, head: Text, wrapped: bool = False) -> None:
+        box = self.query_one("#kernels-head", FixedText)
+        height = 1 + head.plain.count("\n")
+        if wrapped:  # lines longer than the panel take more than one row each
+            width = max(20, (self.size.width or 80) - 2)
+            height = sum(max(1, -(-len(line) // width)) for line in head.plain.split("\n"))
+        if box.styles.height is None or box.styles.height.value != height:
+            box.styles.height = height
+        box.update(head)
+
+    def _roofline(self, s: TraceState, launches: list[dict]) -> Roofline | None:
+        """This machine's roofline for the step's device and dtype: from the cache, else
+        calibrated once on a thread (about a second) while the panel draws without roofs."""
+        device = engine_identity(s)[0]
+        device = "cuda" if str(device).startswith("cuda") else "cpu"
+        want = (device, trace_dtype(launches))
+        if want != self._roof_for:
+            self._roof_for, self.roof = want, cached_roofline(*want)
+            if self.roof is None and not self._calibrating and (device == "cpu" or _has_cuda()):
+                self._calibrating = True
+                self.run_worker(lambda: self._calibrate(want), thread=True, group="roofline")
+        return self.roof
+
+    def _calibrate(self, want: tuple) -> None:
+        try:
+            roof, _, _ = machine_roofline(*want)
+        except Exception:  # no such device here: the chart stays without roofs
+            roof = None
+        self.app.call_from_thread(self._calibrated, want, roof)
+
+    def _calibrated(self, want: tuple, roof: Roofline | None) -> None:
+        self._calibrating = False
+        if want == self._roof_for:
+            self.roof, self._key = roof, None
+            if self._frame is not None:
+                self.show(self._frame, force=True)
+
+    def _show_profiled(self, frame: Frame, launches: list[dict], ranks: bool) -> None:
+        """A profiled step: every op, longest first, on this machine's roofline."""
+        s = frame.state
+        self._set_profiled(True)
+        ops = profiled_ops(launches)
+        roof = self._roofline(s, launches)
+        total = sum(o.duration_ns for o in ops)
+        head = Text.assemble((f"step {'-' if s.step is None else s.step}: ", "bold"),
+                             (f"{len(ops)} ops profiled", "bold"),
+                             (f" ({s.phase})" if s.phase not in ("done", "idle") else "", "dim"),
+                             f" · {fmt_ns(total)}")
+        if s.phase == "done" and s.step_ns:
+            head.append(f" = {total / s.step_ns:.0%} of the step's {fmt_ns(s.step_ns)} wall time")
+        held = held_launch(frame)
+        if held is not None:
+            head.append(f"   held before {held.get('name', '?')} (layer {held.get('layer_idx', '?')})", "yellow")
+        if ranks:
+            head.append(f"   rank {'all' if self.rank is None else self.rank} of {s.tensor_parallel_size}", "bold")
+            head.append("  (r: next rank)", "dim")
+        head.append("\nby kind: " + kind_shares(ops, total))
+        if roof is not None:
+            head.append(f"\nroofs (this machine, {roof.dtype}): {fmt_count(roof.peak_flops, 'FLOP/s')} · "
+                        f"{fmt_count(roof.peak_bw, 'B/s')} · ridge {roof.ridge:.3g} FLOP/byte",
+                        "cyan")
+        else:
+            head.append("\nroofs: " + ("calibrating this machine's roofline…" if self._calibrating else
+                                        "no roofline for this device on this machine (vllm-trace roofline)"), "dim")
+        head.append("\n" + PROFILED_SCOPE, "dim")
+        self._set_head(head, wrapped=True)
+        columns = [("#", 3), *([("rank", 4)] if ranks else []), ("layer", 5),
+                   ("op", max([2] + [len(o.name) for o in ops])), ("kind", 11), ("share", BAR + 5), ("time", 9),
+                   ("FLOPs", 9), ("bytes", 9), ("FLOP/B", 7), ("achieved", 12), ("bound", 7)]
+        for optional in ("kind", "bytes", "achieved", "FLOPs"):  # a narrow terminal: the table still fits
+            if sum(w + 2 for _, w in columns) + 1 <= (self.size.width or 80):
+                break
+            columns = [c for c in columns if c[0] != optional]
+        names, widths = [n for n, _ in columns], [w for _, w in columns]
+        rows = []
+        for i, o in enumerate(ops):
+            p = o.point
+            cells = {"#": str(i), "rank": str(o.rank), "layer": "" if o.layer is None else str(o.layer),
+                     "op": o.name, "kind": o.kind, "share": share_bar(o.duration_ns / total if total else 0.0),
+                     "time": fmt_ns(o.duration_ns), "FLOPs": fmt_count(p.flops) if p.flops else "-",
+                     "bytes": fmt_bytes(p.bytes) if p.bytes else "-",
+                     "FLOP/B": f"{p.intensity:.3g}" if p.flops and p.bytes else "-",
+                     "achieved": fmt_count(p.flops_per_s, "FLOP/s") if p.flops else fmt_count(p.bytes_per_s, "B/s"),
+                     "bound": bound_cell(p, roof)}
+            rows.append((str(i), cells_text([cells[n] for n in names], widths)))
+        self.query_one(RowList).set_rows(cells_text(names, widths), rows)
+        title = f"step {s.step} on the roofline: one point per op kind, its FLOPs, bytes and time summed"
+        self.query_one(RooflineChart).set_points(by_kind(ops), roof, title)
+
     def on_row_list_highlighted(self, event: RowList.Highlighted) -> None:
+        if self._profiled:
+            return
         self._show_programs()
 
     def on_row_list_selected(self, event: RowList.Selected) -> None:
@@ -336,12 +489,10 @@ class KernelsPanel(Panel):
 
     def _show_programs(self) -> None:
         frame, grid = self._frame, self.query_one(ProgramGrid)
-        if frame is None:
+        if frame is None or self._profiled:
             return
-        held = held_launch(frame)
-        if self.rerun is not None and held is not None and self.rerun_of == (
-                held.get("step"), held.get("layer_idx"), held.get("name")):
-            return self._show_rerun(frame, held)
+        if self._showing_rerun(frame):
+            return self._show_rerun(frame, held_launch(frame))
         self._set("#kernels-rerun", Text(""))
         table, launches = self.query_one(RowList), self.launches(frame.state)
         if not launches:

@@ -46,6 +46,14 @@ def drafts_line(v: dict, indent: int) -> Text:
     return line
 
 
+def grammar_cut_line(v: dict, indent: int) -> Text:
+    """The drafts a request's grammar cut before verification (never sent to the model)."""
+    line = Text(" " * (indent + 2) + f" ✂ the grammar cut {plural(len(v['cut']), 'draft')}: ", "yellow")
+    line.append(" ".join(map(str, v["cut"])), "yellow strike")
+    line.append(f" (kept {len(v.get('kept', ()))} of {len(v.get('draft', ()))})\n", "dim")
+    return line
+
+
 def batch_table(frame: Frame) -> Group | Text:
     s = frame.state
     snap = s.snapshot if s.snapshot_step == s.step else None
@@ -69,9 +77,15 @@ def batch_table(frame: Frame) -> Group | Text:
                      f"{sch['num_computed_before'] + sch['num_tokens']}/{total}")
         if rid in allowed:  # a structured output: the grammar's mask decides this step's token
             table.append(f"  ◆ grammar: {allowed[rid]:,} of {vocab:,} tokens allowed", "yellow")
+            per_pos = ((s.grammar_mask or {}).get("num_allowed_per_pos") or {}).get(rid)
+            if per_pos:  # speculation: a mask per draft position too
+                table.append(f", then {', '.join(f'{n:,}' for n in per_pos[1:])} after each draft", "yellow")
         table.append("\n")
         if rid in s.verified:
             table.append_text(drafts_line(s.verified[rid], w))
+        cut = s.drafts_cut.get(s.step, {}).get(rid)
+        if cut and cut.get("cut"):
+            table.append_text(grammar_cut_line(cut, w))
     table.rstrip()
     used, budget = snap.get("total_num_scheduled_tokens", 0), snap.get("token_budget", 0)
     n = len(snap.get("scheduled", []))

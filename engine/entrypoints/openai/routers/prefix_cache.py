@@ -1,6 +1,6 @@
 """POST /reset_prefix_cache (vLLM's, there in dev mode): forget every cached block, so the next
 request computes its whole prompt again (e.g. to measure a cold prefill). A control action, so
-it is guarded as the trace controls are: loopback or the API key, and a JSON body ('{}')."""
+it is guarded as the trace controls are: loopback or the API key, and JSON from a web page (security.py)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -13,7 +13,7 @@ from engine.entrypoints.openai.state import StateDep
 router = APIRouter(tags=["server"], dependencies=[Depends(require_control)], responses=ERROR_RESPONSES | {
     403: {"model": ErrorResponse, "description": "not loopback and no --api-key"},
     409: {"model": ErrorResponse, "description": "requests hold KV blocks"},
-    415: {"model": ErrorResponse, "description": "the body is not declared as JSON"},
+    415: {"model": ErrorResponse, "description": "a web page's POST whose body is not declared as JSON"},
     503: {"model": ErrorResponse, "description": "the engine loop is not running"}})
 
 

@@ -1,0 +1,209 @@
+"""Structured outputs under speculative decoding (V1's design): a constrained request's drafts are cut
+to the prefix its grammar accepts, its bitmask has a row per scored position (the mask the matcher
+gives when really advanced through the drafts), and greedy output is the same token for token as
+without speculation (and as transformers' argmax under the grammar's mask), in every setting."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import kernels
+from engine import LLM, Hooks, SamplingParams, StructuredOutputsParams
+from engine.builtin_model import builtin_path
+from engine.structured_output.backend_xgrammar import XgrammarBackend
+from engine.trace_names import DRAFTS_VALIDATED, SPEC_DECODE, STRUCTURED_OUTPUT, VERIFIED
+from tests.engine.hf_reference import _cache_kwargs, hf_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer"},
+                                           "ok": {"type": "boolean"}, "tags": {"type": "array",
+                                                                              "items": {"type": "string"}}},
+          "required": ["color", "n", "ok", "tags"]}
+# prompts that repeat what the grammars write, so the n-gram proposer has something to propose
+JSON_PROMPT = 'Answers: {"color": "red", "n": 12, "ok": true, "tags": ["a", "b"]} {"color": "red", "n": 1'
+REGEX = r"(the |a )+(cat|dog)\.( \d+)?"
+CONSTRAINTS = {
+    "json": (StructuredOutputsParams(json=SCHEMA), [JSON_PROMPT, JSON_PROMPT + '2, "ok": false}', "JSON:"]),
+    "regex": (StructuredOutputsParams(regex=REGEX), ["the the the a the cat. the", "a dog. a dog. a", "x"]),
+    "choice": (StructuredOutputsParams(choice=["the red one", "the blue one", "none of them"]),
+               ["the red one or the blue one? the", "none of them, none of them", "Pick:"]),
+}
+
+
+def _valid(kind: str, text: str) -> bool:
+    if kind == "json":
+        obj = json.loads(text)
+        return obj["color"] in ("red", "green", "blue") and isinstance(obj["n"], int) and isinstance(obj["ok"], bool)
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    return text in CONSTRAINTS["choice"][0].choice
+
+
+def _run(kind: str, max_tokens: int = 48, **llm_kwargs):
+    """(token ids, finish reasons, texts) of the kind's prompts, greedy; the events it traced."""
+    so, prompts = CONSTRAINTS[kind]
+    hooks, events = Hooks(), []
+    hooks.subscribe(lambda *e: events.append(e))
+    llm = LLM("tiny-gpt2", hooks=hooks, **llm_kwargs)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so),
+                            use_tqdm=False)
+        core = llm.llm_engine.engine_core.engine_core if not llm_kwargs.get("multiprocess") else None
+        if core is not None:
+            stats = core.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
+    finally:
+        llm.shutdown()
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs], events, llm
+
+
+def hf_masked_greedy(llm: LLM, prompt: str, so: StructuredOutputsParams, max_tokens: int) -> list[int]:
+    """transformers' argmax under the grammar's mask, token by token (EOS, the grammar's end, included)."""
+    import xgrammar as xgr
+
+    tokenizer = llm.get_tokenizer()
+    backend = XgrammarBackend(tokenizer, 4096, tokenizer.eos_token_id)
+    matcher = xgr.GrammarMatcher(backend.compile_grammar(so))
+    bitmask = xgr.allocate_token_bitmask(1, backend.vocab_size)
+    model, out = hf_model(str(builtin_path())), []
+    with torch.inference_mode():
+        hf = model(torch.tensor([tokenizer.encode(prompt)]), use_cache=True)
+        while not matcher.is_terminated() and len(out) < max_tokens:
+            logits = hf.logits[0, -1:].clone()
+            matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            out.append(int(logits.argmax()))
+            assert matcher.accept_token(out[-1])
+            hf = model(torch.tensor([out[-1:]]), **_cache_kwargs(model, hf), use_cache=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "choice"])
+def test_greedy_with_speculation_equals_without(kind):
+    base, _, _ = _run(kind)
+    got, events, llm = _run(kind, speculative_config=NGRAM)
+    assert got == base
+    for ids, finish, text in got:
+        assert finish == "length" or _valid(kind, text), text
+    verified = [e for e in events if e[:2] == (SPEC_DECODE, VERIFIED)]
+    assert sum(len(e[5]["accepted"]) for e in verified) > 0, "no draft of a constrained request was accepted"
+    checked = [e[5] for e in events if e[:2] == (STRUCTURED_OUTPUT, DRAFTS_VALIDATED)]
+    assert checked and all(c["draft"][:len(c["kept"])] == c["kept"] and c["draft"][len(c["kept"]):] == c["cut"]
+                           for c in checked)
+    if kind == "json":  # the proposer copies the prompt's JSON, which the schema's order and values often refuse
+        assert sum(len(c["cut"]) for c in checked) > 0
+        so, prompts = CONSTRAINTS[kind]
+        ref = LLM("tiny-gpt2")
+        assert [ids for ids, _, _ in got] == [hf_masked_greedy(ref, p, so, 48) for p in prompts]
+
+
+def _engine_with(prompt: str, so: StructuredOutputsParams, **llm_kwargs):
+    llm = LLM("tiny-gpt2", speculative_config=NGRAM, **llm_kwargs)
+    engine = llm.llm_engine
+    engine.add_request("g", prompt, SamplingParams(temperature=0, max_tokens=40, structured_outputs=so))
+    core = engine.engine_core.engine_core
+    while core.requests["g"].num_output_tokens == 0:
+        engine.step()  # the grammar compiles, then the prefill samples the first token
+    core.requests["g"].spec_token_ids = []  # the proposer's: the test hands its own drafts in
+    return llm, core
+
+
+def _tokens(llm: LLM, text: str) -> list[int]:
+    return llm.get_tokenizer().encode(text)
+
+
+def test_drafts_the_grammar_refuses_are_cut_and_the_matcher_stays():
+    """update_draft_token_ids keeps the longest prefix the grammar accepts; the matcher is where it was."""
+    llm, core = _engine_with("Say:", StructuredOutputsParams(regex=r"ab+a c"))
+    req, sched = core.requests["g"], core.scheduler
+    grammar = req.structured_output_request.grammar
+    assert llm.get_tokenizer().decode(req.output_token_ids) == "a"  # the regex allows nothing else first
+    before = grammar.num_processed_tokens
+    b, a, c = _tokens(llm, "b")[0], _tokens(llm, "a")[0], _tokens(llm, " c")[0]
+    sched.update_draft_token_ids({"g": [b, b, c, a]})  # " c" may not follow "abb"
+    assert req.spec_token_ids == [b, b]
+    assert grammar.num_processed_tokens == before and grammar.validate_tokens([b, a, c]) == [b, a, c]
+    sched.update_draft_token_ids({"g": [c]})  # refused at once: no drafts at all
+    assert req.spec_token_ids == []
+    sched.update_draft_token_ids({"g": [b, a, c]})
+    out = sched.schedule()
+    [s] = out.scheduled
+    assert s.spec_token_ids == [b, a, c] and out.grammar_bitmask.shape[0] == 4
+    result = core.model_executor.execute_model(out)
+    sched.update_from_output(out, result)
+    kept = result.spec_token_ids[0]
+    assert req.output_token_ids[1:] == kept and grammar.num_processed_tokens == before + len(kept)
+    assert req.structured_output_request.num_allowed[-len(kept):] == out.grammar_allowed_per_pos["g"][:len(kept)]
+
+
+def test_bitmask_rows_for_draft_positions_are_the_advanced_matchers_masks():
+    """Each draft position's row is the mask of a matcher really advanced through the drafts before it;
+    the model runner sends each row to that position's logits (Triton kernel = PyTorch reference)."""
+    import xgrammar as xgr
+
+    so = StructuredOutputsParams(json=SCHEMA)
+    llm, core = _engine_with("JSON:", so)
+    engine, sched = llm.llm_engine, core.scheduler
+    engine.add_request("p", {"prompt_token_ids": [5, 6, 7, 8] * 3}, SamplingParams(temperature=0, max_tokens=20))
+    engine.step()
+    g, p = core.requests["g"], core.requests["p"]
+    text = llm.get_tokenizer().decode(g.output_token_ids)
+    drafts = _tokens(llm, '{"color": "blue", "n"'[len(text):])[:3]
+    sched.update_draft_token_ids({"p": [5, 6], "g": drafts})
+    assert g.spec_token_ids == drafts and p.spec_token_ids == [5, 6]
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["g", "p"]  # g first: its rows start at 0
+    first = out.structured_output_request_ids["g"]
+    rows = out.grammar_bitmask[first:first + len(drafts) + 1]
+
+    backend = core.structured_output_manager.backend
+    matcher = xgr.GrammarMatcher(backend.compile_grammar(so))
+    want = xgr.allocate_token_bitmask(len(drafts) + 1, backend.vocab_size)
+    for t in g.output_token_ids:
+        assert matcher.accept_token(t)
+    for j in range(len(drafts) + 1):
+        matcher.fill_next_token_bitmask(want, j)
+        if j < len(drafts):
+            assert matcher.accept_token(drafts[j])
+    assert np.array_equal(rows, want.numpy())
+    assert out.grammar_allowed_per_pos["g"] == [int(np.unpackbits(r.view(np.uint8)).sum()) for r in want.numpy()]
+
+    runner = core.model_executor.worker.model_runner
+    logits = torch.randn(len(drafts) + 1 + 3, backend.vocab_size)  # g's 4 rows, then p's 3
+    ref = logits.clone()
+    runner.apply_grammar_bitmask(out, ref)  # the torch backend: the PyTorch reference
+    tri = logits.clone()
+    indices = torch.arange(len(drafts) + 1, dtype=torch.int32)
+    kernels.apply_token_bitmask(tri, torch.from_numpy(np.ascontiguousarray(out.grammar_bitmask)), indices)
+    assert torch.equal(ref, tri)
+    allowed = torch.from_numpy(np.unpackbits(rows.view(np.uint8), axis=1, bitorder="little")[:, :backend.vocab_size])
+    assert torch.equal(torch.isinf(ref[:len(drafts) + 1]), allowed == 0)
+    assert torch.equal(ref[len(drafts) + 1:], logits[len(drafts) + 1:])  # p has no grammar: untouched
+    sched.update_from_output(out, core.model_executor.execute_model(out))
+
+
+@pytest.mark.parametrize("settings", ["preemption", "chunked"])
+def test_preemption_and_chunked_prefill(settings):
+    kw = {"preemption": dict(num_kv_blocks=36, block_size=4), "chunked": dict(max_num_batched_tokens=8)}[settings]
+    base, _, _ = _run("json")
+    got, events, llm = _run("json", speculative_config=NGRAM, **kw)
+    assert got == base
+    assert any(e[:2] == (SPEC_DECODE, VERIFIED) for e in events)
+    if settings == "preemption":
+        assert any(e[:2] == ("scheduler", "PREEMPTED") for e in events)
+
+
+def test_two_processes():
+    base, _, _ = _run("regex")
+    got, events, _ = _run("regex", speculative_config=NGRAM, multiprocess=True)
+    assert got == base and any(e[:2] == (SPEC_DECODE, VERIFIED) and e[5]["accepted"] for e in events)
+
+
+def test_tensor_parallel_ranks_get_a_row_per_draft_position():
+    base, _, _ = _run("json", max_tokens=24)
+    got, events, _ = _run("json", max_tokens=24, speculative_config=NGRAM, tensor_parallel_size=2)
+    assert got == base and any(e[:2] == (SPEC_DECODE, VERIFIED) and e[5]["draft"] for e in events)
