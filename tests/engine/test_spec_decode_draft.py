@@ -211,3 +211,15 @@ def test_bad_draft_model_configs_are_one_clear_error(tmp_path):
     (short / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="set max_model_len <= 64"):
         LLM(NAME, speculative_config={"method": "draft_model", "model": str(short)})
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_requests_with_a_grammar_equal_no_speculation(kind):
+    """The draft model proposes for constrained requests too; their grammar cuts what it refuses, and
+    greedy output is the same token for token as without speculation."""
+    from tests.engine.test_structured_spec_decode import _run
+
+    base, _, _ = _run(kind)
+    got, events, _ = _run(kind, speculative_config=DRAFT)
+    assert got == base
+    assert any(e[:2] == ("spec_decode", "verified") and e[5]["accepted"] for e in events)
