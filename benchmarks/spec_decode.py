@@ -3,19 +3,19 @@
     python -m benchmarks.spec_decode [--model tiny-gpt2] [--requests 16] [--max-tokens 128] [--k 4] [--reps 3]
                                      [--draft-model tiny-gpt2-draft] [--draft-k 3]
 
-Two workloads, each run without speculation, with ``speculative_config={"method": "ngram", ...}``
+Four workloads, each run without speculation, with ``speculative_config={"method": "ngram", ...}``
 and with ``{"method": "draft_model", "model": "tiny-gpt2-draft", ...}`` in alternation (the median
 of --reps repetitions of each):
   greedy loops   greedy decoding of the built-in model, which falls into loops ("of the list of the
                  list"): prompt lookup finds its drafts in the request's own output;
   sampled        temperature 1.0 on random token prompts: text rarely repeats, so drafts are rare and
                  mostly rejected; this is speculation's cost when it does not pay.
-Two more, run the same way, on requests whose target is processed at each verified position:
+The last two on requests whose target is processed at each verified position:
   penalties      the greedy loops with presence and frequency penalties: each draft position's row is
                  penalised as of that position, so the loops are shorter and drafts fewer;
   json schema    greedy under a JSON schema (structured outputs), prompts with example records: the
                  grammar cuts the drafts it refuses, and masks every verified position.
-Prints output tokens/s for both, their ratio, the acceptance rate (accepted / draft tokens) and the
+Prints output tokens/s with and without, their ratio, the acceptance rate (accepted / draft tokens) and the
 mean accepted length per draft, and checks that greedy outputs are identical with and without.
 The proposer needs a 2-token match (prompt_lookup_min=2): single-token matches in text that does
 not repeat propose drafts that are mostly rejected, and each costs a verified row (measured:

@@ -21,7 +21,7 @@ single-token passes, batched over the requests, for the other drafts. Drafts are
 draft's argmax): the rejection sampler treats them as a point mass, which keeps sampled output
 distributed as the target's. Measured with tiny-gpt2-draft on tiny-gpt2 (``python -m
 benchmarks.spec_decode``, 16 greedy requests, k = 3, 2 CPU cores): 74 % of drafts accepted, yet
-0.70-0.73x the tokens/s of no speculation, because a draft pass (1.45 ms) costs half a whole
+0.68-0.73x the tokens/s of no speculation, because a draft pass (1.45 ms) costs half a whole
 decode step of the target (2.9 ms): on a CPU both are mostly per-layer overhead.
 
 With tensor parallelism the draft model runs unsharded on rank 0 only: rank 0's model output is
