@@ -9,9 +9,9 @@ loader as any Hugging Face checkpoint.
 
 ``tiny-gpt2-draft``: tiny-gpt2's draft model for speculative decoding (``speculative_config=
 {"method": "draft_model", "model": "tiny-gpt2-draft", ...}``): a GPT-2 of 2 layers, 128 wide,
-trained by the same script on the same corpus with tiny-gpt2's tokenizer file
-(``python -m engine.builtin.train_tiny_gpt2 --preset draft``), packaged the same way
-(``engine/builtin/tiny-gpt2-draft/``).
+4 heads, started from tiny-gpt2's embeddings and first two blocks and trained by the same script on
+the same corpus with tiny-gpt2's tokenizer file (``python -m engine.builtin.train_tiny_gpt2 --preset
+draft``), packaged the same way (``engine/builtin/tiny-gpt2-draft/``).
 
 ``tiny-gpt2-random``: the same architecture at 4 layers, 128 wide, with deterministic random
 weights from a fixed seed and a byte-level tokenizer without merges (token id b is the byte b,
