@@ -39,7 +39,6 @@ from engine.config import ConfigError, SpeculativeConfig
 from engine.core.sched.output import SchedulerOutput
 from engine.model_executor import model_loader
 from engine.sample.sampler import argmax
-from engine.spec_decode.ngram_proposer import can_speculate
 from engine.worker.model_runner import ModelRunner
 
 
@@ -101,8 +100,6 @@ class DraftModelProposer:
             req = s.request
             if s.num_computed_before + s.num_tokens - len(s.spec_token_ids) < len(req.all_token_ids):
                 continue  # a chunk of a longer prefill: it samples nothing, decodes nothing next
-            if not can_speculate(req.params):
-                continue
             context = req.all_token_ids + (kept[i] if s.spec_token_ids else [sampled[i]])
             n = len(context)
             room = self.max_model_len - n

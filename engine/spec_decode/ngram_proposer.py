@@ -16,11 +16,11 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose_all(self, running: list, max_model_len: int) -> dict[str, list[int]]:
-        """Drafts for every running request that decodes next and samples in a way the rejection
-        sampler verifies exactly (can_speculate)."""
+        """Drafts for every running request that decodes next. Every sampling setting is verified
+        exactly (the rejection sampler applies the sampler's processing at each draft position)."""
         drafts = {}
         for req in running:
-            if req.num_computed_tokens != req.num_tokens - 1 or not can_speculate(req.params):
+            if req.num_computed_tokens != req.num_tokens - 1:
                 continue
             room = min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens) - 1
             proposal = self.propose(req.all_token_ids, room)
@@ -43,12 +43,3 @@ class NgramProposer:
                 if start >= 0 and token_ids[start:end + 1] == suffix:
                     return token_ids[end + 1:end + 1 + limit]
         return []
-
-
-def can_speculate(p) -> bool:
-    """Whether drafts for a request sampling with `p` are verified exactly: every setting is. The
-    rejection sampler's target at each position is what the sampler would use there without
-    speculation (the grammar's mask for it; penalties, bad_words and min_tokens with the drafts
-    before it counted as output; logit_bias and allowed_token_ids), and logprobs come from each kept
-    token's own row. Nothing is left out, so every proposer speculates on every request."""
-    return True
