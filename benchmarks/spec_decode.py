@@ -60,12 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for all")
+    ap.add_argument("--prompt-lookup-min", type=int, default=2, help="the n-gram rows' shortest match")
+    ap.add_argument("--prompt-lookup-max", type=int, default=4, help="the n-gram rows' longest match")
     ap.add_argument("--draft-model", default="tiny-gpt2-draft", help="the draft_model rows' draft ('' for none)")
     ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft model")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-                       "prompt_lookup_min": 2}}
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k,
+                       "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}}
     if args.draft_model:
         specs["draft_model"] = {"method": "draft_model", "model": args.draft_model,
                                 "num_speculative_tokens": args.draft_k}
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         llm.generate(json_prompts[:1], workloads["json schema"][1], use_tqdm=False)
     for llm in engines.values():  # first-use costs are not the point
         llm.generate(greedy_prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    print(f"model {args.model}, {args.requests} requests x {args.max_tokens} tokens, n-gram k={args.k}"
+    print(f"model {args.model}, {args.requests} requests x {args.max_tokens} tokens, n-gram k={args.k} "
+          f"(match {args.prompt_lookup_min}-{args.prompt_lookup_max} tokens)"
           + (f", draft model {args.draft_model} k={args.draft_k}" if args.draft_model else "")
           + f", {args.threads} torch thread(s), median of {args.reps} interleaved repetitions")
     print(f"{'workload':14s} {'method':12s} {'no spec tok/s':>14s} {'spec tok/s':>11s} {'ratio':>6s} {'accept':>7s} "

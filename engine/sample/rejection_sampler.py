@@ -92,16 +92,20 @@ class RejectionSampler:
         target_argmax = argmax(draft_logits) if flat else []
         target_probs, uniform, recovered = [1.0] * len(flat), [0.0] * len(flat), list(target_argmax)
         for r, req in enumerate(requests):
-            if greedy[r]:
+            a, b = cu[r], cu[r + 1]
+            if greedy[r] or a == b:
                 continue
-            for i in range(cu[r], cu[r + 1]):  # the sampler's own processing of the target's row
-                probs = processed_probs(draft_logits[i].float(), req.params)
-                target_probs[i] = float(probs[flat[i]])
-                uniform[i] = float(torch.rand(1, generator=req.generator))
-                residual = probs.clone()
-                residual[flat[i]] = 0.0  # (p - q)+ for a point-mass q on the draft
-                e = torch.empty(residual.shape, dtype=residual.dtype).exponential_(generator=req.generator)
-                recovered[i] = argmax(residual / e.to(residual.device)) if residual.sum() > 0 else flat[i]
+            # the sampler's own processing of the target's rows, all of the request's drafts at once
+            probs = processed_probs(draft_logits[a:b].float(), req.params)
+            rows, draft = torch.arange(b - a, device=probs.device), torch.tensor(flat[a:b], device=probs.device)
+            target_probs[a:b] = probs[rows, draft].tolist()
+            uniform[a:b] = torch.rand(b - a, generator=req.generator).tolist()
+            residual = probs.clone()
+            residual[rows, draft] = 0.0  # (p - q)+ for a point-mass q on the draft
+            e = torch.empty(residual.shape, dtype=residual.dtype).exponential_(generator=req.generator)
+            drawn = argmax(residual / e.to(residual.device))
+            empty = (residual.sum(-1) <= 0).tolist()  # nothing left beside the draft: it is the only choice
+            recovered[a:b] = [d if none else t for t, d, none in zip(drawn, flat[a:b], empty)]
         args = dict(draft_token_ids=torch.tensor(flat, dtype=torch.int64), cu_num_drafts=torch.tensor(cu),
                     target_argmax=torch.tensor(target_argmax, dtype=torch.int64),
                     target_probs=torch.tensor(target_probs), draft_probs=torch.ones(len(flat)),

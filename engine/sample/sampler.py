@@ -218,18 +218,19 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def processed_probs(row: torch.Tensor, p) -> torch.Tensor:
-    """The distribution a sampled request draws from: temperature, then min-p, top-k and top-p."""
+    """The distribution a sampled request draws from: temperature, then min-p, top-k and top-p.
+    row: one row of logits, or several of the same request (each processed on its own)."""
     row = row / p.temperature
     if p.min_p > 0.0:  # relative to the top token's probability, before top-k/top-p (as vLLM V1)
         probs = torch.softmax(row, dim=-1)
-        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    if p.top_k > 0 and p.top_k < row.numel():
-        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    if p.top_k > 0 and p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k, dim=-1).values[..., -1:]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
     if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
         # keep the smallest set whose mass reaches top_p (always at least the top token)
-        drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
-        probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
+        probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
     return probs
