@@ -17,10 +17,10 @@ The last two on requests whose target is processed at each verified position:
                  grammar cuts the drafts it refuses, and masks every verified position.
 Prints output tokens/s with and without, their ratio, the acceptance rate (accepted / draft tokens) and the
 mean accepted length per draft, and checks that greedy outputs are identical with and without.
-The proposer needs a 2-token match (prompt_lookup_min=2): single-token matches in text that does
-not repeat propose drafts that are mostly rejected, and each costs a verified row (measured:
-with min 1 the sampled workload ran at 0.62 of no speculation, with min 2 at 0.93; the greedy
-loops gained 1.32x and 1.54x). Torch runs single-threaded by default (--threads): small matrices
+The n-gram rows use the engine's default lookup, a 3- to 4-token match (--prompt-lookup-min/max to
+try others; SpeculativeConfig's docstring gives what each measured): short matches in text that
+does not repeat propose drafts that are mostly rejected, and each costs a verified row. Torch runs
+single-threaded by default (--threads): small matrices
 on two shared cores measure steadier that way, and both sides get the same.
 
 The draft model costs a forward pass per draft token (a catch-up pass, then k - 1 decode passes);
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for all")
-    ap.add_argument("--prompt-lookup-min", type=int, default=2, help="the n-gram rows' shortest match")
+    ap.add_argument("--prompt-lookup-min", type=int, default=3, help="the n-gram rows' shortest match")
     ap.add_argument("--prompt-lookup-max", type=int, default=4, help="the n-gram rows' longest match")
     ap.add_argument("--draft-model", default="tiny-gpt2-draft", help="the draft_model rows' draft ('' for none)")
     ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens of the draft model")

@@ -91,7 +91,7 @@ class EngineArgs:
                                                TP_GROUP, metavar="URL")
     speculative_config: dict | None = _arg(None, "speculative decoding, as JSON: e.g. '{\"method\": \"ngram\", "
                                            "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
-                                           "\"prompt_lookup_min\": 2}' or '{\"method\": \"draft_model\", \"model\": "
+                                           "\"prompt_lookup_min\": 3}' or '{\"method\": \"draft_model\", \"model\": "
                                            "\"tiny-gpt2-draft\", \"num_speculative_tokens\": 3}' (default: off)",
                                            SPEC_GROUP,
                                            type=_json_arg, metavar="JSON")

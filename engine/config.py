@@ -111,15 +111,17 @@ class SpeculativeConfig:
     target's tokenizer (``model``: a built-in name such as tiny-gpt2-draft, or a checkpoint
     directory) proposes greedily, one token per forward pass.
 
-    The lookup defaults (2 to 4 tokens; vLLM's, which it calls untuned, are 5 to 5) are the best
-    measured with ``python -m benchmarks.spec_decode``, in one run, on tiny-gpt2's greedy loops and
-    on sampled text that rarely repeats: a 1-token match gave 1.22x and 0.54x, 2 to 4 tokens 1.28x
-    and 0.85x, 5 to 5 tokens 1.19x and 0.98x (single-token matches propose drafts that are mostly
-    rejected, and every draft costs a verified row)."""
+    The lookup defaults (3 to 4 tokens; vLLM's, which it calls untuned, are 5 to 5) are the best
+    measured with ``python -m benchmarks.spec_decode --prompt-lookup-min M --prompt-lookup-max N``
+    on tiny-gpt2's greedy loops and on sampled text that rarely repeats (speed-up over no
+    speculation, one run each): 1 to 4 tokens 1.22x and 0.54x, 2 to 4 tokens 1.27-1.40x and
+    0.86-0.92x, 3 to 4 tokens 1.36x and 0.95x, 5 to 5 tokens 1.19x and 0.98x. Short matches in
+    text that does not repeat propose drafts that are mostly rejected, and each costs a verified
+    row; long ones wait longer before a loop is recognised."""
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 3
     model: str | None = None  # draft_model: the draft checkpoint
 
     def __post_init__(self) -> None:

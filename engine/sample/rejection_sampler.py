@@ -98,14 +98,16 @@ class RejectionSampler:
             # the sampler's own processing of the target's rows, all of the request's drafts at once
             probs = processed_probs(draft_logits[a:b].float(), req.params)
             rows, draft = torch.arange(b - a, device=probs.device), torch.tensor(flat[a:b], device=probs.device)
-            target_probs[a:b] = probs[rows, draft].tolist()
-            uniform[a:b] = torch.rand(b - a, generator=req.generator).tolist()
-            residual = probs.clone()
-            residual[rows, draft] = 0.0  # (p - q)+ for a point-mass q on the draft
-            e = torch.empty(residual.shape, dtype=residual.dtype).exponential_(generator=req.generator)
-            drawn = argmax(residual / e.to(residual.device))
-            empty = (residual.sum(-1) <= 0).tolist()  # nothing left beside the draft: it is the only choice
-            recovered[a:b] = [d if none else t for t, d, none in zip(drawn, flat[a:b], empty)]
+            target_probs[a:b] = p = probs[rows, draft].tolist()
+            uniform[a:b] = u = torch.rand(b - a, generator=req.generator).tolist()
+            # Only the first rejected position's recovered token is ever used (the walk stops there), so
+            # only it is drawn: a draw over the vocabulary is the verify step's largest cost on a CPU.
+            j = next((j for j in range(b - a) if not u[j] < p[j]), None)  # the walk's test, with q = 1
+            if j is not None:
+                residual = probs[j].clone()
+                residual[flat[a + j]] = 0.0  # (p - q)+ for a point-mass q on the draft
+                e = torch.empty(residual.shape, dtype=residual.dtype).exponential_(generator=req.generator)
+                recovered[a + j] = argmax(residual / e.to(residual.device)) if residual.sum() > 0 else flat[a + j]
         args = dict(draft_token_ids=torch.tensor(flat, dtype=torch.int64), cu_num_drafts=torch.tensor(cu),
                     target_argmax=torch.tensor(target_argmax, dtype=torch.int64),
                     target_probs=torch.tensor(target_probs), draft_probs=torch.ones(len(flat)),
