@@ -72,27 +72,26 @@ def profiled_ops(launches: list[dict]) -> list[ProfiledOp]:
     return sorted(ops, key=lambda o: -o.duration_ns)
 
 
-def by_kind(ops: list[ProfiledOp]) -> dict[str, OpPoint]:
-    """Each op kind's launches summed (FLOPs, bytes, time): one point per kind on the chart."""
+def _summed(ops: list[ProfiledOp], key) -> dict[str, OpPoint]:
+    """key(op) -> that group's launches summed (FLOPs, bytes, time)."""
     sums: dict[str, list[int]] = {}
     for o in ops:
-        s = sums.setdefault(o.kind, [0, 0, 0])
+        s = sums.setdefault(key(o), [0, 0, 0])
         s[0] += o.point.flops
         s[1] += o.point.bytes
         s[2] += o.point.duration_ns
+    return {k: OpPoint(*v) for k, v in sums.items()}
+
+
+def by_kind(ops: list[ProfiledOp]) -> dict[str, OpPoint]:
+    """Each op kind's launches summed (FLOPs, bytes, time): one point per kind on the chart."""
     order = {k: i for i, k in enumerate(KINDS)}
-    return {k: OpPoint(*v) for k, v in sorted(sums.items(), key=lambda kv: (order.get(kv[0], len(KINDS)), kv[0]))}
+    return dict(sorted(_summed(ops, lambda o: o.kind).items(), key=lambda kv: (order.get(kv[0], len(KINDS)), kv[0])))
 
 
 def by_name(ops: list[ProfiledOp]) -> dict[str, OpPoint]:
     """Each op name's launches summed over the layers (``c_fc`` of every layer as one)."""
-    sums: dict[str, list[int]] = {}
-    for o in ops:
-        s = sums.setdefault(o.name, [0, 0, 0])
-        s[0] += o.point.flops
-        s[1] += o.point.bytes
-        s[2] += o.point.duration_ns
-    return {k: OpPoint(*v) for k, v in sorted(sums.items(), key=lambda kv: -kv[1][2])}
+    return dict(sorted(_summed(ops, lambda o: o.name).items(), key=lambda kv: -kv[1].duration_ns))
 
 
 def plotted(points: dict[str, OpPoint]) -> dict[str, OpPoint]:
