@@ -175,10 +175,9 @@ def run(lesson) -> None:
     lesson.pause()
 
     # ---- the roofline ----
-    lesson.say("The seed notes' table had these two swapped. Measured on this machine (the layers' matmuls, "
-               "as above):")
-    lesson.say("Each op kind of both steps on this machine's roofline: prefill in capitals, decode in small "
-               "letters (M matmul, A attention, N norm, E elementwise, S sampler).")
+    lesson.say("Which phase is memory-bound is easy to get backwards (notes on LLM serving sometimes swap "
+               "them), so measure it: each op kind of both steps on this machine's roofline, prefill in "
+               "capitals, decode in small letters (M matmul, A attention, N norm, E elementwise, S sampler).")
     lesson.show(Text.from_ansi(chart(prefill, decode, roof, min(100, lesson.console.width - 6))),
                 title="this machine's roofline")
     lesson.check(dec_mm.intensity < roof.ridge,
