@@ -151,7 +151,7 @@ class DraftModelProposer:
             slots += [table[p // bs] * bs + p % bs for p in range(a, a + len(q))]
             qsl.append(qsl[-1] + len(q))
             tables.append(table)
-        inp = self.runner._model_input(input_ids, positions, slots, seq_lens, qsl, tables)
+        inp = self.runner.model_input(input_ids, positions, slots, seq_lens, qsl, tables)
         logits = self.runner.forward(inp)
         ids = argmax(logits.float())
         return [ids] if isinstance(ids, int) else ids

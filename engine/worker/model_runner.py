@@ -83,7 +83,7 @@ class ModelRunner:
         if any(s.spec_token_ids for s in sched.scheduled):  # every draft's row is scored, not only the last
             rows = [r for i, s in enumerate(sched.scheduled) for r in range(qsl[i + 1] - 1 - len(s.spec_token_ids),
                                                                              qsl[i + 1])]
-        inp = self._model_input(input_ids, positions, slots, seq_lens, qsl, tables, rows)
+        inp = self.model_input(input_ids, positions, slots, seq_lens, qsl, tables, rows)
         if self.hooks.active and self.rank == 0:  # the same on every rank: traced once
             self._trace_batch(sched, inp, input_ids, positions, slots, seq_lens, qsl)
         return inp
@@ -93,9 +93,10 @@ class ModelRunner:
                         slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl,
                         block_tables=inp.meta.block_tables.tolist(), request_ids=sched.req_ids, rope=self.rope)
 
-    def _model_input(self, input_ids, positions, slots, seq_lens, qsl, tables, logits_rows=None) -> ModelInput:
-        """Each input its own tensor, named as in vLLM V1 (numpy first: torch.from_numpy is the
-        cheapest way in from a Python list)."""
+    def model_input(self, input_ids, positions, slots, seq_lens, qsl, tables, logits_rows=None) -> ModelInput:
+        """A batch as the model takes it, from plain lists (the step's, the warm-up's, a draft
+        model's passes): each input its own tensor, named as in vLLM V1 (numpy first:
+        torch.from_numpy is the cheapest way in from a Python list)."""
         n, T = len(seq_lens), len(input_ids)
         block_tables = np.zeros((n, max(map(len, tables))), np.int32)  # padded with the null block (0)
         for i, t in enumerate(tables):
@@ -123,9 +124,9 @@ class ModelRunner:
         which the engine discards. Changes: writes the batch's keys and values into the KV cache
         at slot_mapping, nothing else. Hooks (when active): model_runner/batch, one kernel event
         per Triton launch (published after the forward pass and after sampling, or before a gate
-        holds the engine),
-        sampler/sampled; when gated as the step starts, a kernel gate before each launch. While
-        profiling (profile()), every op of the forward pass and of the sampler is a launch too."""
+        holds the engine), sampler/sampled; when gated as the step starts, a kernel gate before
+        each launch. While profiling (profile()), every op of the forward pass and of the sampler
+        is a launch too."""
         inp = self.prepare_inputs(sched)
         if self.profiler.active:
             return self._run_profiled(sched, inp)
@@ -270,8 +271,8 @@ class ModelRunner:
         def slot(p: int) -> int:
             return table[p // bs] * bs + p % bs
 
-        batches = [self._model_input([0] * n, list(range(n)), [slot(p) for p in range(n)], [n], [0, n], [table]),
-                   self._model_input([0], [n], [slot(n)], [n + 1], [0, 1], [table])]
+        batches = [self.model_input([0] * n, list(range(n)), [slot(p) for p in range(n)], [n], [0, n], [table]),
+                   self.model_input([0], [n], [slot(n)], [n + 1], [0, 1], [table])]
         launches = []
 
         def on_launch(rec: instrument.LaunchRecord) -> None:
