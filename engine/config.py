@@ -2,6 +2,7 @@
 the parameter and its allowed range."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -160,6 +161,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.profiler_dir:  # made now, so a bad one is said at start, not after a profiled window is lost
+            try:
+                os.makedirs(self.profiler_dir, exist_ok=True)
+                ok = os.access(self.profiler_dir, os.W_OK | os.X_OK)
+            except OSError as e:
+                ok, why = False, e.strerror
+            else:
+                why = "not writable"
+            _check(ok, f"profiler_dir {self.profiler_dir!r} cannot hold torch.profiler traces ({why}): "
+                       "choose a writable directory")
 
     def to_dict(self) -> dict:
         from dataclasses import asdict

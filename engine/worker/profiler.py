@@ -24,6 +24,7 @@ import inspect
 import logging
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -134,15 +135,4 @@ class Profiler:
 
     def step_annotation(self, step: int):
         """A ``step N`` range in the torch.profiler trace (a no-op context without one)."""
-        return torch.profiler.record_function(f"step {step}") if self._torch is not None else _NULL
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
-
-
-_NULL = _Null()
+        return torch.profiler.record_function(f"step {step}") if self._torch is not None else nullcontext()

@@ -180,3 +180,14 @@ def test_profiler_dir_defaults_to_vllm_torch_profiler_dir(monkeypatch, tmp_path)
     assert engine_config("tiny-gpt2", profiler_dir="elsewhere").profiler_dir == "elsewhere"
     monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR")
     assert engine_config("tiny-gpt2").profiler_dir is None
+
+
+def test_a_profiler_dir_that_cannot_be_written_is_refused_at_start(tmp_path):
+    from engine.config import ConfigError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="profiler_dir .* cannot hold torch.profiler traces"):
+        engine_config("tiny-gpt2-random", profiler_dir=str(blocker / "traces"))  # under a file: never a directory
+    made = tmp_path / "new" / "traces"
+    assert engine_config("tiny-gpt2-random", profiler_dir=str(made)).profiler_dir == str(made) and made.is_dir()
