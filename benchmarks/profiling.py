@@ -21,7 +21,6 @@ interleaved: the difference is what recording one op costs the engine thread.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.trace_overhead import Mode
+from benchmarks.trace_overhead import Mode, lockstep_args
 from benchmarks.workload import make_workload
 from engine.hooks import BEGIN, END
 from engine.trace_names import ENGINE, KERNEL, SCHEDULE, SCHEDULER, STEP
@@ -101,16 +100,7 @@ def one_op(reps: int = 20_000) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-gpt2")
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=7, help="repetitions (each runs both modes in lockstep)")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = ap.parse_args()
-    for name in ("requests", "reps", "threads"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    torch.set_num_threads(args.threads)
+    args = lockstep_args(__doc__, requests=8, reps=7)
     workload = make_workload(args.requests)
     steps: dict[str, list[list[float]]] = {m: [] for m in MODES}
     helpers: dict[str, list[float]] = {m: [] for m in MODES}

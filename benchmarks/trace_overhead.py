@@ -157,17 +157,24 @@ def check_no_loss(model: str, trace_dir: Path, num_requests: int = 64) -> str:
             f"{len(events)} recorded, {session.recorder.num_lost} lost, {finished} FINISHED")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def lockstep_args(doc: str, requests: int, reps: int) -> argparse.Namespace:
+    """The lockstep benchmarks' command line (--model, --requests, --reps, --threads), checked;
+    torch's threads set."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-gpt2")
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=11, help="repetitions (each runs every mode in lockstep)")
+    ap.add_argument("--requests", type=int, default=requests)
+    ap.add_argument("--reps", type=int, default=reps, help="repetitions (each runs every mode in lockstep)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
     for name in ("requests", "reps", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    args = lockstep_args(__doc__, requests=32, reps=11)
     workload = make_workload(args.requests)
     steps: dict[str, list[list[float]]] = {m: [] for m in MODES}
     helpers: dict[str, list[float]] = {m: [] for m in MODES}
