@@ -100,14 +100,18 @@ def run(lesson) -> None:
         ["recompute", len(recompute_sizes), f"{t_recompute:.2f}", f"{t_recompute / G * 1e3:.1f}"],
         ["KV cache", len(cached_sizes), f"{t_cached:.2f}", f"{t_cached / G * 1e3:.1f}"]],
         title="measured (CPU time of one thread)"))
-    lesson.check(t_recompute > 2 * t_cached,
-                 f"the cache makes generation {t_recompute / t_cached:.1f}× faster here")
+    # Only the direction is asserted: the size of the gap depends on the machine (seen from 1.8x on a slow,
+    # busy CPU to over 3x on a quiet one), the direction does not.
+    lesson.check(t_recompute > t_cached,
+                 f"the cache makes generation faster: {t_recompute / t_cached:.1f}× here")
     lesson.say(
-        f"The time gap ({t_recompute / t_cached:.1f}×) is smaller than the token gap "
-        f"({sum(recompute_sizes) / sum(cached_sizes):.0f}×): both ways take {G} steps, and on this CPU each "
-        "step has a fixed cost (Python, scheduling, small PyTorch calls) whatever its size. With longer "
-        "outputs the gap widens: recompute's work per token grows with the sequence, the cache's stays "
-        "flat (apart from attention, which reads every past key either way).")
+        f"The time gap ({t_recompute / t_cached:.1f}×) is far smaller than the token gap "
+        f"({sum(recompute_sizes) / sum(cached_sizes):.0f}×), and it differs from machine to machine: both "
+        f"ways take {G} steps, and at this model size each step's fixed cost (Python, scheduling, a few "
+        "dozen small PyTorch calls) outweighs the arithmetic, whatever the step's size. That fixed cost is "
+        "why serving engines batch many requests into one step. With a bigger model or longer outputs the "
+        "gap widens: recompute's work per token grows with the sequence, the cache's stays flat (apart "
+        "from attention, which reads every past key either way).")
 
     cfg = engine.engine_core.engine_core.model_config
     per_token = 2 * cfg.n_layer * cfg.n_embd * 4

@@ -3,7 +3,6 @@ and a lesson fails when the behaviour it teaches is broken on purpose."""
 import importlib
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -15,9 +14,7 @@ LESSONS = lessons.discover()
 
 @pytest.mark.parametrize("info", LESSONS, ids=[f"{i.number:02d}_{i.name}" for i in LESSONS])
 def test_lesson_runs_and_its_checks_pass(info, capsys):
-    t = time.perf_counter()
     assert main(vars(importlib.import_module(info.module)), ["--no-pause"]) == 0, capsys.readouterr().out[-3000:]
-    assert time.perf_counter() - t < 60
     assert "✓" in capsys.readouterr().out
 
 
