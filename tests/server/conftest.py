@@ -84,7 +84,7 @@ class Live:
         from engine.outputs import EngineStats
         return EngineStats(**self.async_engine.client.call("stats"))
 
-    def all_blocks_free(self, timeout: float = 5.0) -> bool:
+    def all_blocks_free(self, timeout: float = 30.0) -> bool:
         """True once no request holds a block, waiting up to timeout: an abort (a rejected
         sibling prompt, a client gone) is applied at the engine's next step boundary."""
         deadline = time.monotonic() + timeout

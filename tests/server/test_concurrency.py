@@ -26,7 +26,7 @@ class Recorder:
     def find(self, name, rid=None):
         return [e for e in self.events if e[1] == name and (rid is None or e[2] == rid)]
 
-    def wait_for(self, name, rid=None, count=1, timeout=20.0) -> bool:
+    def wait_for(self, name, rid=None, count=1, timeout=60.0) -> bool:
         with self.cv:
             return self.cv.wait_for(lambda: len(self.find(name, rid)) >= count, timeout)
 

@@ -30,7 +30,7 @@ def url():
 
 def _connect(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=10)
+    return socket.create_connection((host, int(port)), timeout=30)
 
 
 def _closed_after(sock: socket.socket) -> float:
@@ -64,7 +64,7 @@ def test_idle_and_half_sent_connections_are_closed(url):
         s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Le")
     t0 = time.monotonic()
     waits = [_closed_after(s) for s in idle + half]
-    assert time.monotonic() - t0 < TIMEOUT + 5, waits
+    assert time.monotonic() - t0 < TIMEOUT + 20, waits  # closed by the header timeout, not held (margin: a loaded CPU)
     for s in idle + half:
         s.close()
 

@@ -44,7 +44,7 @@ def poll_state(url: str, pred) -> dict:
 def test_serve_start_paused_trace_file_and_ctrl_c_while_held(model_cache, tmp_path):
     trace = tmp_path / "serve.jsonl"
     proc, startup, url = spawn_serve("--num-kv-blocks", "32", "--trace-file", str(trace), "--start-paused",
-                                     "--trace-log-layers", "cli", "--drain-timeout", "10")
+                                     "--trace-log-layers", "cli", "--drain-timeout", "90")
     try:
         for stage in ("arguments", "config", "weights", "KV cache", "kernel warm-up", "HTTP ready"):
             assert re.search(rf"^  {stage}\s+[\d.]+ ms", startup, re.M), startup
@@ -76,7 +76,8 @@ def test_serve_start_paused_trace_file_and_ctrl_c_while_held(model_cache, tmp_pa
         assert proc.wait(DEADLINE) == 0
         watcher.join(DEADLINE)
         assert ended == [True]
-        assert time.monotonic() - t_int < 8  # streams ended at once, not after --drain-timeout (10 s)
+        # streams ended with the drain, not after --drain-timeout (90 s: far from any loaded CPU's drain time)
+        assert time.monotonic() - t_int < 60
         assert "stopped cleanly" in proc.stderr.read()
     finally:
         if proc.poll() is None:

@@ -357,8 +357,8 @@ def test_a_draining_server_refuses_to_hold_its_engine(bare_session):
         time.sleep(0.5)  # it waits for a stop that will not come: the drain begins
         t0 = time.monotonic()
         bare_session.controller.close()
-        r = waiting.result(10)
-    assert time.monotonic() - t0 < 5
+        r = waiting.result(30)
+    assert time.monotonic() - t0 < 20  # answered at the close, not after its own 30-s timeout
     assert r.status_code == 503 and r.json()["error"]["code"] == "controller_closed", r.text
     assert "shutting down" in r.json()["error"]["message"]
     for path, body in [("/trace/step", {"wait": True}), ("/trace/pause", {}),

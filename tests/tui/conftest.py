@@ -55,7 +55,7 @@ class Live:
             return {r["request_id"]: r["block_table"] for r in snap["waiting"] + snap["running"]}
         return {rid: r.block_ids for rid, r in self.engine.engine.requests.items()}
 
-    async def settle(self, pilot, until=None, timeout: float = 5.0):
+    async def settle(self, pilot, until=None, timeout: float = 30.0):
         """One refresh of the TUI now (the timer would do it within 100 ms) and its redraw; with
         `until` (a function of nothing), refreshes on until it returns true or `timeout` passes
         (what a user sees within a few of the app's own refreshes: CI under load twice failed on
