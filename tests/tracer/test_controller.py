@@ -358,3 +358,19 @@ def test_the_breakpoint_dialogs_kernel_example_stops_on_this_machine(mode):
     finally:
         session.close()
 
+
+def test_both_controllers_are_one_api_behind_one_base():
+    """The in-process and the remote controller share their API's code, not a copy of it."""
+    from tracer.controller import BaseStepController
+    from tracer.remote_controller import RemoteStepController
+
+    shared = ("step", "add_breakpoint", "remove_breakpoint", "clear_breakpoints", "breakpoints", "held", "closed",
+              "wait_until_paused", "status")
+    for cls in (StepController, RemoteStepController):
+        assert issubclass(cls, BaseStepController) and not any(name in vars(cls) for name in shared), cls
+    remote = RemoteStepController(Hooks())  # not bound: commands wait in its backlog
+    with pytest.raises(ValueError, match="granularity"):
+        remote.step(1, "token")
+    remote.add_breakpoint(on_finish())
+    assert remote.status()["breakpoints"] == ["finish"] and remote.status()["pause_requested"] is False
+    remote.close()
