@@ -10,7 +10,9 @@ heavy (torch, the engine, Textual) is imported only when a subcommand runs, so
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 from tracer.errors import UserError
@@ -68,15 +70,25 @@ def main(module_globals: dict, argv: list[str] | None = None) -> int:
 
 
 # ---- vllm-trace lesson ---------------------------------------------------------------------------
-def listing(rows: list[tuple[int, str, str, str]], width: int = WIDTH) -> str:
-    """One line per lesson, at most `width` columns: number, name, title — and as much of the
-    summary as fits (cut with …)."""
+def listing(rows: list[tuple[int, str, str, str]], width: int | None = WIDTH) -> str:
+    """One entry per lesson: number, name, title and summary, wrapped to `width` columns under
+    the title (nothing cut); width None: one line each (for a pipe, where grep reads it)."""
     name_w = max(len(name) for _, name, _, _ in rows)
-    lines = ["vllm-trace lessons (run one: vllm-trace lesson NN, or by name; --no-pause, --tui)"[:width]]
+    title = "vllm-trace lessons (run one: vllm-trace lesson NN, or by name; --no-pause, --tui)"
+    lines = [title] if width is None else textwrap.wrap(title, width)
     for number, name, title, summary in rows:
         line = f"{number:02d}  {name:<{name_w}}  {title}: {summary}"
-        lines.append(line if len(line) <= width else line[:width - 1] + "…")
+        indent = " " * (6 + name_w)
+        if width is None:
+            lines.append(line)
+        else:
+            lines += textwrap.wrap(line, max(width, len(indent) + 20), subsequent_indent=indent, break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def terminal_width() -> int | None:
+    """The terminal's columns, or None when the output is not a terminal."""
+    return shutil.get_terminal_size((WIDTH, 24)).columns if sys.stdout.isatty() else None
 
 
 def run_lesson_command(args: argparse.Namespace) -> int:
@@ -85,7 +97,8 @@ def run_lesson_command(args: argparse.Namespace) -> int:
     import lessons
 
     if args.which is None:
-        print(listing([(info.number, info.name, info.title, info.summary) for info in lessons.discover()]))
+        rows = [(info.number, info.name, info.title, info.summary) for info in lessons.discover()]
+        print(listing(rows, terminal_width()))
         return 0
     info = lessons.find(args.which)
     module = importlib.import_module(info.module)

@@ -111,3 +111,48 @@ def test_help_says_each_default_once_and_never_a_key_from_the_environment(capsys
         text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
         assert "(default: None)" not in text and "sekrit" not in text, (command, text)
         assert not re.search(r"default[^()]*\) \(default", text), (command, text)  # "(default 64) (default: 64)"
+
+
+def test_version_and_help_name_every_built_in_model_and_describe_every_sampling_option(capsys):
+    import importlib.metadata
+
+    import pytest
+
+    from engine.builtin_model import NAMES
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vllm-trace {importlib.metadata.version('vllm-trace')}"
+    for command in ("serve", "generate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, also at a name's hyphens
+        assert all(name in text for name in NAMES), (command, text)
+    generate = _subcommands()["generate"]
+    sampling = next(g for g in generate._action_groups if g.title == "sampling")
+    undescribed = [a.option_strings[0] for a in sampling._group_actions if not a.help]
+    assert undescribed == [] and {"--top-p", "--min-p"} <= {a.option_strings[0] for a in sampling._group_actions}
+
+
+def test_the_lesson_list_fills_a_wide_terminal_and_wraps_a_narrow_one_without_cutting():
+    import lessons
+    from lessons.cli import listing
+
+    rows = [(i.number, i.name, i.title, i.summary) for i in lessons.discover()]
+    for width in (160, 80):
+        text = listing(rows, width)
+        assert all(len(line) <= width for line in text.splitlines())
+        flat = " ".join(text.split())
+        assert all(" ".join(f"{title}: {summary}".split()) in flat for _, _, title, summary in rows)
+    wide, narrow = listing(rows, 160).splitlines(), listing(rows, 80).splitlines()
+    assert len(wide) < len(narrow) and max(map(len, wide)) > 100  # the width is used, not a fixed 80
+
+
+def test_the_tui_imports_no_torch_so_serve_draws_before_the_engine_loads():
+    """serve starts the TUI before the engine: torch (seconds to import) belongs to the engine core's
+    process, and the TUI's import of it (through the Kernels panel) kept the terminal blank."""
+    code = ("import sys; import tracer.session, tracer.tui.serve; "
+            "print(sorted(m for m in ('torch', 'triton', 'kernels') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]

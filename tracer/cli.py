@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="A step-through tracer for LLM serving: a real paged-attention engine "
                     "(vLLM v1 semantics, GPT-2) you can watch, pause and step.",
         epilog="The built-in offline model is 'tiny-gpt2'. Run 'vllm-trace COMMAND --help' for details.")
+    parser.add_argument("--version", action="version",
+                        version=f"vllm-trace {importlib.metadata.version('vllm-trace')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"tracer.commands.{name}").register(sub)

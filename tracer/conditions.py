@@ -5,6 +5,10 @@ kernel name. The same condition is written as text in the TUI and over HTTP:
 
     arrive[:ID]   finish[:ID]   preempt[:ID]   request:ID   layer:LAYER   kernel:NAME   event:LAYER.NAME
     event:LAYER.*   (any event of that layer: event:structured_output.* stops at grammars and masks)
+
+``kernel:NAME`` names a kernel's family: it also stops at ``NAME_ref``, the PyTorch reference
+that the torch backend launches in its place (on a CPU, ``kernel:unified_attention`` stops at
+``unified_attention_ref``), so one condition works on every backend.
 """
 from __future__ import annotations
 
@@ -58,7 +62,9 @@ def on_layer(layer: str) -> Condition:
 
 
 def on_kernel(name: str | None = None) -> Condition:
-    return Condition(KERNEL, name, label=_label("kernel", name))
+    """A launch of kernel NAME or of its PyTorch reference NAME_ref (see the module docstring)."""
+    family = (f"{name}_ref",) if name and not name.endswith("_ref") else ()
+    return Condition(KERNEL, name, family, label=_label("kernel", name))
 
 
 def on_event(layer: str, name: str) -> Condition:

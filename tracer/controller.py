@@ -23,6 +23,7 @@ gated: while the engine is held, new requests still arrive and wait.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from engine.hooks import Hooks
@@ -42,44 +43,33 @@ class Stop:
     info: dict = field(default_factory=dict)
 
 
-class StepController:
-    def __init__(self, hooks: Hooks, start_paused: bool = False):
+class BaseStepController(ABC):
+    """The step controller's API, wherever the engine thread runs: ``StepController`` holds an
+    engine in this process; ``RemoteStepController`` (tracer/remote_controller.py) commands one
+    in the engine-core process. Shared here: the checks on a command's arguments, the
+    breakpoints and run-until as this side knows them, the hold a caller waits for, status()."""
+
+    def __init__(self, hooks: Hooks):
         self.hooks = hooks
         self._cond = threading.Condition()
-        self._pause = "start paused" if start_paused else None  # stop at the next step boundary
-        self._countdown, self._granularity = 0, "step"  # an active step(n) command
-        self._launched = True  # "step kernel": the step under way launched a kernel (or began before the command)
         self._breakpoints: tuple[Condition, ...] = ()
         self._until: Condition | None = None
-        self._hit: str | None = None  # a matched condition, waiting for the next control point
         self._held: Stop | None = None
-        self._release_gen = 0  # bumped on every release, so a held gate knows it may go
-        self._kernel_gates = False  # seen a kernel gate: kernel conditions are matched there
         self._closed = False
-        self._unsubscribe = None  # events are watched only while a condition is armed (_watch)
-        self._remove_gate = None  # the gate is on the engine only while it may stop there (_watch)
-        with self._cond:
-            self._watch()
 
     # ---- commands (any thread) -----------------------------------------------------------
+    @abstractmethod
     def pause(self, reason: str = "pause") -> None:
         """Stop at the next step boundary."""
-        with self._cond:
-            self._pause = reason
-            self._watch()
 
+    @abstractmethod
     def resume(self) -> None:
         """Run freely: also disarms a pending run-until (and a hit not yet stopped at), which
         would otherwise hold the engine again later. Breakpoints stay."""
-        with self._cond:
-            self._pause, self._countdown, self._until, self._hit = None, 0, None, None
-            self._release()
 
+    @abstractmethod
     def cancel_run_until(self) -> None:
         """Disarm a pending run-until without releasing a held engine."""
-        with self._cond:
-            self._until = None
-            self._watch()
 
     def step(self, n: int = 1, granularity: str = "step") -> None:
         """Run until n more control points of this granularity have been reached, then stop."""
@@ -87,30 +77,114 @@ class StepController:
             raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        self._step(n, granularity)
+
+    @abstractmethod
+    def _step(self, n: int, granularity: str) -> None:
+        """step(), its arguments checked."""
+
+    @abstractmethod
+    def run_until(self, condition: Condition) -> None:
+        """Run until an event matches the condition (once), then stop."""
+
+    def add_breakpoint(self, condition: Condition) -> None:
+        with self._cond:
+            self._breakpoints += (condition,)
+        self._breakpoints_changed("add_breakpoint", condition)
+
+    def remove_breakpoint(self, condition: Condition) -> None:
+        with self._cond:
+            self._breakpoints = tuple(b for b in self._breakpoints if b != condition)
+        self._breakpoints_changed("remove_breakpoint", condition)
+
+    def clear_breakpoints(self) -> None:
+        with self._cond:
+            self._breakpoints = ()
+        self._breakpoints_changed("clear_breakpoints")
+
+    @abstractmethod
+    def _breakpoints_changed(self, command: str, *conditions: Condition) -> None:
+        """Act on the breakpoints just changed by `command` (with its conditions)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let the engine run freely, for good (the server is stopping). Safe to call twice."""
+
+    # ---- what it holds (any thread) ------------------------------------------------------
+    @property
+    def breakpoints(self) -> tuple[Condition, ...]:
+        return self._breakpoints
+
+    @property
+    def held(self) -> Stop | None:
+        """Where the engine is held now, or None while it runs."""
+        return self._held
+
+    @property
+    def closed(self) -> bool:
+        """Detached (the server is stopping): the engine runs freely and no command holds it."""
+        return self._closed
+
+    def wait_until_paused(self, timeout: float | None = None) -> Stop | None:
+        """Block until the engine is held; returns where (None on timeout)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._held is not None or self._closed, timeout)
+            return self._held
+
+    def status(self) -> dict:
+        held = self._held
+        return {"paused": held is not None, "point": held and held.point, "step": held and held.step,
+                "reason": held and held.reason, "breakpoints": [str(b) for b in self._breakpoints],
+                "until": str(self._until) if self._until else None, "pause_requested": self._pause_requested()}
+
+    @abstractmethod
+    def _pause_requested(self) -> bool:
+        """A pause is asked for and the engine is not held yet."""
+
+
+class StepController(BaseStepController):
+    def __init__(self, hooks: Hooks, start_paused: bool = False):
+        super().__init__(hooks)
+        self._pause = "start paused" if start_paused else None  # stop at the next step boundary
+        self._countdown, self._granularity = 0, "step"  # an active step(n) command
+        self._launched = True  # "step kernel": the step under way launched a kernel (or began before the command)
+        self._hit: str | None = None  # a matched condition, waiting for the next control point
+        self._release_gen = 0  # bumped on every release, so a held gate knows it may go
+        self._kernel_gates = False  # seen a kernel gate: kernel conditions are matched there
+        self._unsubscribe = None  # events are watched only while a condition is armed (_watch)
+        self._remove_gate = None  # the gate is on the engine only while it may stop there (_watch)
+        with self._cond:
+            self._watch()
+
+    # ---- commands (any thread) -----------------------------------------------------------
+    def pause(self, reason: str = "pause") -> None:
+        with self._cond:
+            self._pause = reason
+            self._watch()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._pause, self._countdown, self._until, self._hit = None, 0, None, None
+            self._release()
+
+    def cancel_run_until(self) -> None:
+        with self._cond:
+            self._until = None
+            self._watch()
+
+    def _step(self, n: int, granularity: str) -> None:
         with self._cond:
             self._pause, self._countdown, self._granularity, self._launched = None, n, granularity, True
             self._release()  # (which gates the engine again: the countdown is armed)
 
     def run_until(self, condition: Condition) -> None:
-        """Run until an event matches the condition (once), then stop."""
         with self._cond:
             self._pause, self._countdown, self._until = None, 0, condition
             self._watch()
             self._release()
 
-    def add_breakpoint(self, condition: Condition) -> None:
+    def _breakpoints_changed(self, command: str, *conditions: Condition) -> None:
         with self._cond:
-            self._breakpoints += (condition,)
-            self._watch()
-
-    def remove_breakpoint(self, condition: Condition) -> None:
-        with self._cond:
-            self._breakpoints = tuple(b for b in self._breakpoints if b != condition)
-            self._watch()
-
-    def clear_breakpoints(self) -> None:
-        with self._cond:
-            self._breakpoints = ()
             self._watch()
 
     def hit(self, reason: str, until: Condition | None = None) -> None:
@@ -128,34 +202,10 @@ class StepController:
         """Bumped by every release: a hold reported with an older one is over."""
         return self._release_gen
 
-    @property
-    def breakpoints(self) -> tuple[Condition, ...]:
-        return self._breakpoints
-
-    @property
-    def held(self) -> Stop | None:
-        """Where the engine is held now, or None while it runs."""
-        return self._held
-
-    def wait_until_paused(self, timeout: float | None = None) -> Stop | None:
-        """Block until the engine is held; returns where (None on timeout)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._held is not None or self._closed, timeout)
-            return self._held
-
-    def status(self) -> dict:
-        held = self._held
-        return {"paused": held is not None, "point": held and held.point, "step": held and held.step,
-                "reason": held and held.reason, "breakpoints": [str(b) for b in self._breakpoints],
-                "until": str(self._until) if self._until else None, "pause_requested": self._pause is not None}
-
-    @property
-    def closed(self) -> bool:
-        """Detached (the server is stopping): the engine runs freely and no command holds it."""
-        return self._closed
+    def _pause_requested(self) -> bool:
+        return self._pause is not None
 
     def close(self) -> None:
-        """Detach from the engine and let it run freely. Safe to call twice."""
         if self._closed:
             return
         with self._cond:

@@ -3,8 +3,8 @@
 The gates that hold the engine run where the engine thread runs: in the engine-core process.
 There, ``install_in_core`` (called by EngineCoreProc at startup) puts a ``StepController`` on
 the core's hooks and offers it as the utility call "control". Here, in the API-server process,
-``RemoteStepController`` has StepController's public API (pause, resume, step, run_until,
-breakpoints, held, status, wait_until_paused, close) and forwards each command:
+``RemoteStepController`` is a ``BaseStepController`` as StepController is (pause, resume, step,
+run_until, breakpoints, held, status, wait_until_paused, close) and forwards each command:
 
 * Commands are utility calls that wait for the core's answer, so an error (a bad
   granularity) is raised here and the order of commands is kept.
@@ -18,12 +18,10 @@ breakpoints, held, status, wait_until_paused, close) and forwards each command:
 """
 from __future__ import annotations
 
-import threading
-
 from engine.hooks import Hooks
 from engine.trace_names import FRONTEND_LAYERS, PAUSED, RESUMED, TRACER
 from tracer.conditions import Condition
-from tracer.controller import GRANULARITIES, StepController, Stop
+from tracer.controller import BaseStepController, StepController, Stop
 
 CORE_INSTALL = "tracer.remote_controller:install_in_core"
 
@@ -57,23 +55,18 @@ def install_in_core(hooks: Hooks, core, options: dict) -> dict:
     return {"control": control}
 
 
-class RemoteStepController:
-    """StepController's public API for a controller in the engine-core process (see the module
-    docstring). Commands given before bind() (the TUI during startup) are sent at bind()."""
+class RemoteStepController(BaseStepController):
+    """The step controller for an engine in the engine-core process (see the module docstring).
+    Commands given before bind() (the TUI during startup) are sent at bind()."""
 
     def __init__(self, hooks: Hooks, start_paused: bool = False):
-        self.hooks = hooks
+        super().__init__(hooks)
         self.start_paused = start_paused  # passed to the core's controller at its start
         self._client = None
         self._backlog: list[tuple] = []
-        self._cond = threading.Condition()
-        self._held: Stop | None = None
         self._held_gen = -1
         self._min_gen = 0  # holds reported with an older release generation are over
-        self._breakpoints: tuple[Condition, ...] = ()
-        self._until: Condition | None = None
         self._status: dict = {"until": None, "pause_requested": start_paused}
-        self._closed = False
         self._unsubscribe = hooks.subscribe(self._on_event)
 
     def bind(self, client) -> None:
@@ -85,70 +78,28 @@ class RemoteStepController:
 
     # ---- commands (any thread) -------------------------------------------------------------
     def pause(self, reason: str = "pause") -> None:
-        """Stop at the next step boundary."""
         self._call("pause", reason)
 
     def resume(self) -> None:
-        """Run freely: also disarms a pending run-until (as StepController.resume). Breakpoints stay."""
         self._until = None
         self._call("resume")
 
     def cancel_run_until(self) -> None:
-        """Disarm a pending run-until without releasing a held engine."""
         self._until = None
         self._call("cancel_run_until")
 
-    def step(self, n: int = 1, granularity: str = "step") -> None:
-        """Run until n more control points of this granularity have been reached, then stop."""
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+    def _step(self, n: int, granularity: str) -> None:
         self._call("step", n, granularity)
 
     def run_until(self, condition: Condition) -> None:
-        """Run until an event matches the condition (once), then stop."""
         self._until = condition
         self._call("run_until", _wire(condition))
 
-    def add_breakpoint(self, condition: Condition) -> None:
-        self._breakpoints += (condition,)
-        self._call("add_breakpoint", _wire(condition))
+    def _breakpoints_changed(self, command: str, *conditions: Condition) -> None:
+        self._call(command, *map(_wire, conditions))
 
-    def remove_breakpoint(self, condition: Condition) -> None:
-        self._breakpoints = tuple(b for b in self._breakpoints if b != condition)
-        self._call("remove_breakpoint", _wire(condition))
-
-    def clear_breakpoints(self) -> None:
-        self._breakpoints = ()
-        self._call("clear_breakpoints")
-
-    @property
-    def breakpoints(self) -> tuple[Condition, ...]:
-        return self._breakpoints
-
-    @property
-    def held(self) -> Stop | None:
-        """Where the engine is held now, or None while it runs (as last reported by the core)."""
-        return self._held
-
-    def wait_until_paused(self, timeout: float | None = None) -> Stop | None:
-        """Block until the engine is held; returns where (None on timeout)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._held is not None or self._closed, timeout)
-            return self._held
-
-    def status(self) -> dict:
-        held = self._held
-        return {"paused": held is not None, "point": held and held.point, "step": held and held.step,
-                "reason": held and held.reason, "breakpoints": [str(b) for b in self._breakpoints],
-                "until": str(self._until) if self._until else None,
-                "pause_requested": bool(self._status.get("pause_requested")) and held is None}
-
-    @property
-    def closed(self) -> bool:
-        """Detached (the server is stopping): the engine runs freely and no command holds it."""
-        return self._closed
+    def _pause_requested(self) -> bool:  # (as the core last reported it)
+        return bool(self._status.get("pause_requested")) and self._held is None
 
     def close(self) -> None:
         """Let the engine run freely and stop mirroring it. Safe to call twice."""

@@ -483,7 +483,9 @@ def _schedule_span(s: TraceState, ev: Event) -> None:
     if ev.kind == SNAPSHOT:
         _snapshot(s, ev)
     elif ev.kind == BEGIN:
-        s.phase = "schedule"
+        # a new schedule: the last one's table and model inputs are not this one's (a lesson may
+        # schedule by hand twice in a step: the Step panel showed one schedule beside the other's inputs)
+        s.phase, s.snapshot_step, s.batch = "schedule", None, None
 
 
 # ---- block manager, model runner, kernels, sampler, detokenizer ---------------------------

@@ -4,6 +4,7 @@
     GET    /trace/events                server-sent events (?layer=a,b&request_id=X&since=SEQ)
     POST   /trace/pause | /trace/resume {"controller"}
     POST   /trace/step                  {"n", "granularity", "wait", "timeout"} -> {"controller", "stop"}
+                                        (with wait: "timed_out", and "idle" when no request could step)
     POST   /trace/run_until             {"condition"} -> {"controller"}
     DELETE /trace/run_until             disarm a pending run_until -> {"controller"}
     GET    /trace/breakpoints           {"breakpoints": [...]}
@@ -45,6 +46,9 @@ POLL_INTERVAL = 0.05  # s: the event stream polls the bus, so the engine never p
 KEEP_ALIVE = 15.0  # s: a comment line keeps proxies from closing an idle stream
 MAX_BATCH = 1024  # events per pull; a slow client is told what it missed rather than slowing anyone
 STEP_WAIT_TIMEOUT = 10.0  # s: default for POST /trace/step with wait
+IDLE_WAIT = 2.0  # s: a step with wait on an engine with no request answers (idle) after this, not its timeout
+IDLE_DETAIL = ("the engine is idle: no request is waiting or running, so no step runs to stop at. The step "
+               "stays armed: send a request and the engine holds at its step")
 # Every integer this API takes is bounded, so none reaches the controller, msgpack (the core's
 # controller is across a socket: it refuses integers past 64 bits with a 500) or a JSON encoder
 # unchecked. A billion control points is more than any session steps through; resume runs freely.
@@ -243,18 +247,37 @@ async def resume(controller: ControllerDep, body: EmptyBody | None = None) -> di
 
 
 @router.post("/step", dependencies=control, responses=JSON_ONLY)
-async def step(controller: OpenControllerDep, body: StepBody | None = None) -> dict:
-    """Run n steps (or phases, or kernel launches), then hold. With wait, answer once held."""
+async def step(controller: OpenControllerDep, session: SessionDep, body: StepBody | None = None) -> dict:
+    """Run n steps (or phases, or kernel launches), then hold. With wait, answer once held (or
+    once the timeout passed, or, with "idle": true and a "detail", soon when the engine has no request)."""
     body = body or StepBody()
     controller.step(body.n, body.granularity)
     out: dict = {"controller": controller.status()}
     if body.wait:
-        # wait_until_paused blocks on a threading.Condition: keep it off the event loop
-        stop = await asyncio.to_thread(controller.wait_until_paused, body.timeout)
+        stop, idle = await _wait_for_stop(controller, session, body.timeout)
         if stop is None and controller.closed:  # the wait ended because the server began to drain
             raise _closed_error()
-        out = {"controller": controller.status(), "stop": _stop_dict(stop), "timed_out": stop is None}
+        out = {"controller": controller.status(), "stop": _stop_dict(stop), "timed_out": stop is None and not idle,
+               "idle": idle}
+        if idle:
+            out["detail"] = IDLE_DETAIL
     return out
+
+
+async def _wait_for_stop(controller: StepController, session: TraceSession, timeout: float):
+    """(where the engine stopped, or None; whether it answered early because the engine is idle).
+    An engine with no request runs no step: after IDLE_WAIT seconds with none in it, the answer
+    says so rather than leave the client waiting its whole timeout for a stop that cannot come."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        # wait_until_paused blocks on a threading.Condition: keep it off the event loop
+        stop = await asyncio.to_thread(controller.wait_until_paused, max(0.0, min(left, IDLE_WAIT)))
+        if stop is not None or controller.closed or left <= IDLE_WAIT:
+            return stop, False
+        view = session.state.view()
+        if not (view.waiting or view.running):
+            return None, True
 
 
 @router.post("/run_until", dependencies=control, responses=JSON_ONLY)

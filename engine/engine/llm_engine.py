@@ -17,7 +17,7 @@ from engine.engine.parallel_sampling import fan_out
 from engine.engine.processor import Processor
 from engine.hooks import Hooks
 from engine.model_executor.model_loader import resolve
-from engine.outputs import RequestOutput
+from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 
@@ -81,6 +81,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        """The engine core's counts now: step, waiting, running, free blocks, preemptions, prefix-cache hits."""
+        return EngineStats(**self.engine_core.call("stats"))
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (nothing changed) while requests hold blocks."""

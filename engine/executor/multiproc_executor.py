@@ -177,7 +177,7 @@ class MultiprocExecutor(Executor):
         replies = self._all("load", None, "ready", STARTUP_TIMEOUT_S)
         for r in replies:
             self.ranks[r.rank] = dict(r.data)
-        return dict(bytes=sum(r.data["bytes"] for r in replies), params=sum(r.data["params"] for r in replies),
+        return dict(bytes=sum(r.data["bytes"] for r in replies), params=replies[0].data["model_params"],
                     tensor_parallel_size=self.tensor_parallel_size)
 
     def determine_num_blocks(self) -> tuple[int, str]:

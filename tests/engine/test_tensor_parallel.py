@@ -275,3 +275,21 @@ def test_triton_backend_with_two_ranks():
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+def test_the_parameter_count_is_the_models_whatever_the_ranks():
+    """Norms, position embeddings and row-parallel biases are on every rank: counted once."""
+    def model_load(llm):
+        core = llm.llm_engine.engine_core.engine_core
+        return next(details for stage, _, details in core.startup if stage == "model_load")
+
+    one = LLM(NAME)
+    llm = LLM(NAME, tensor_parallel_size=2)
+    try:
+        full, split = model_load(one), model_load(llm)
+        ranks = llm.llm_engine.engine_core.engine_core.model_executor.ranks
+    finally:
+        llm.shutdown()
+    model = one.llm_engine.engine_core.engine_core.model
+    assert split["params"] == full["params"] == sum(p.numel() for p in model.parameters())
+    assert sum(r["params"] for r in ranks) > full["params"] > 0  # each rank's shard: what is whole, on both

@@ -71,3 +71,37 @@ def test_kernel_launches_reach_the_hooks():
     access = records[1].access_map
     assert {a.request for accesses in access.values() for a in accesses} == {0, 1}
     assert [g for g in gates if g[0] == "kernel"][0][1]["name"] == "reshape_and_cache"
+
+
+TRANSFORMERS_FIRST = """
+import sys
+from engine.builtin_model import builtin_path
+from tests.engine.hf_reference import hf_greedy
+prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+expected = hf_greedy(str(builtin_path()), prompts, 4)  # transformers loads a model: triton is imported, compiled
+assert "triton" in sys.modules and "TRITON_INTERPRET" not in __import__("os").environ
+from engine import LLM, SamplingParams
+llm = LLM("tiny-gpt2", attention_backend="triton")
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=4,
+                    ignore_eos=True), use_tqdm=False)
+assert [o.outputs[0].token_ids for o in outs] == expected, ([o.outputs[0].token_ids for o in outs], expected)
+print("ok")
+"""
+
+
+def test_triton_works_after_transformers_imported_triton_first():
+    """A notebook that compares with transformers first: transformers imports triton (the
+    interpreter off) before the kernels can set TRITON_INTERPRET."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU triton compiles: the interpreter is not involved")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", TRANSFORMERS_FIRST], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).parents[2])
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -385,3 +385,14 @@ def test_a_stop_string_finish_is_finished_with_its_stop_reason_in_the_cores_trac
                    if e.request_id == rid and e.layer == "engine" and e.name in ("FINISHED", "ABORTED")]
     assert [(e.name, e.attrs.get("finish_reason"), e.attrs.get("stop_reason")) for e in engine_ends] == \
         [("FINISHED", "stop", stop)], engine_ends
+
+
+def test_a_step_with_wait_on_an_idle_engine_answers_that_it_is_idle(bare_session):
+    """No request, no step to stop at: the answer says so rather than wait out the timeout."""
+    c = bare_app("127.0.0.1", None, bare_session)
+    r = c.post("/trace/step", json={"wait": True, "timeout": 120})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["idle"] is True and body["timed_out"] is False and body["stop"] is None
+    assert "idle" in body["detail"] and "send a request" in body["detail"]
+    assert body["controller"]["paused"] is False

@@ -331,3 +331,46 @@ def test_launch_events_keep_the_time_each_launch_ended():
         assert len(kernels) == 8 and ts == sorted(set(ts))  # one launch after another, each its own time
         assert ev["model_runner", "batch"].ts_ns < ts[0] and ts[-1] <= ev["sampler", "sampled"].ts_ns
         assert [e.seq for e in kernels] == list(range(kernels[0].seq, kernels[0].seq + 8))
+
+
+def test_the_breakpoint_dialogs_kernel_example_stops_on_this_machine(mode):
+    """The dialog's example names the kernel; without a GPU the launch is its PyTorch reference."""
+    import re
+
+    from tracer.tui.screens.breakpoints import SYNTAX
+    example = re.search(r"'(kernel:\w+)'", SYNTAX).group(1)
+    assert parse_condition(example).matches("kernel", f"{example[7:]}_ref", None)
+    assert not parse_condition("kernel:unified_attention_ref").matches("kernel", "unified_attention", None)
+    session, engine = make(mode=mode)
+    ctl = session.controller
+    engine.add_request("a", "kernels", greedy(2))
+    loop = start_loop(engine)
+    try:
+        ctl.wait_until_paused(T)
+        ctl.add_breakpoint(parse_condition(example))
+        ctl.resume()
+        stop = ctl.wait_until_paused(T)
+        assert (stop.point, stop.info["name"]) == ("kernel", "unified_attention_ref")
+        assert stop.reason == f"breakpoint {example}"
+        ctl.clear_breakpoints()
+        ctl.resume()
+        loop.join(T)
+    finally:
+        session.close()
+
+
+def test_both_controllers_are_one_api_behind_one_base():
+    """The in-process and the remote controller share their API's code, not a copy of it."""
+    from tracer.controller import BaseStepController
+    from tracer.remote_controller import RemoteStepController
+
+    shared = ("step", "add_breakpoint", "remove_breakpoint", "clear_breakpoints", "breakpoints", "held", "closed",
+              "wait_until_paused", "status")
+    for cls in (StepController, RemoteStepController):
+        assert issubclass(cls, BaseStepController) and not any(name in vars(cls) for name in shared), cls
+    remote = RemoteStepController(Hooks())  # not bound: commands wait in its backlog
+    with pytest.raises(ValueError, match="granularity"):
+        remote.step(1, "token")
+    remote.add_breakpoint(on_finish())
+    assert remote.status()["breakpoints"] == ["finish"] and remote.status()["pause_requested"] is False
+    remote.close()

@@ -181,3 +181,25 @@ def test_text_survives_a_finish_that_comes_before_the_last_tokens():
     bus.publish("detokenizer", "NEW_TOKENS", request_id="b", attrs={"token_ids": [3], "text": "cut here"})
     bus.publish("engine", "FINISHED", request_id="b", attrs={"finish_reason": "stop", "text": "cut"})
     assert live.view().requests["b"].text == "cut"
+
+
+def test_a_second_schedule_in_a_step_is_not_shown_with_the_first_ones_inputs():
+    """Lesson 22 schedules by hand twice in one step: the Step panel showed the second schedule's
+    table beside the first one's flattened inputs."""
+    from tracer.tui.frame import Frame
+    from tracer.tui.widgets.step import batch_table, flattened_inputs
+
+    session, engine = run_engine(num_kv_blocks=64)
+    core = engine.engine_core.engine_core
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7, 8] * 3}, SamplingParams(temperature=0, max_tokens=8))
+    engine.step()
+    sched = core.scheduler.schedule()
+    core.scheduler.update_from_output(sched, core.model_executor.execute_model(sched))
+    state = session.state.view()
+    assert state.batch is not None and state.batch["request_ids"] == ["r"]  # the executed schedule's inputs
+    core.scheduler.schedule()  # scheduled again, not executed: neither the first table nor its inputs are this one's
+    state = session.state.view()
+    assert state.snapshot_step is None and state.batch is None
+    frame = Frame.of(state, {}, 0, None)
+    assert "has not built" in flattened_inputs(frame).plain and "has not run" in batch_table(frame).plain
+    session.close()

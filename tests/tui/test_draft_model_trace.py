@@ -67,3 +67,28 @@ def test_a_kernel_gate_names_the_draft_models_launches():
     first = [name for step, name in held if step == 0]
     assert first[:8] == ["reshape_and_cache_ref", "unified_attention_ref"] * 4  # the target's 4 layers
     assert first[8:] == ["draft:reshape_and_cache_ref", "draft:unified_attention_ref"] * 4  # 2 layers, 2 passes
+
+
+@pytest.mark.asyncio
+async def test_a_newcomer_sees_the_draft_model_everywhere_and_every_launch(draft_trace):
+    """The header and the Startup panel say the engine speculates with a draft model, and why the
+    KV cache has fewer blocks (each also holds the draft's keys and values); the Kernels table
+    fills the panel, with no `None` for the draft's layers."""
+    source = ReplaySource.load(draft_trace)
+    step = source.replay.steps[1]
+    source.replay.goto(step)
+    app = TraceApp(source, initial_pane="kernels")
+    async with app.run_test(size=(160, 48)) as pilot:
+        app.tick()
+        await pilot.pause()
+        launches = source.refresh().kernels
+        table = app.query_one("#kernels-table")
+        assert len(launches) >= 16 and table.size.height >= len(launches) + 1  # a header row, then every launch
+        assert "None" not in shown(table)
+        assert "spec tiny-gpt2-draft ×2" in app.query_one("#header").text.plain
+        await pilot.press("7")
+        app.tick()
+        await pilot.pause()
+        startup = shown(app.query_one("#startup-stages"))
+        assert "speculative decoding: draft model tiny-gpt2-draft, up to 2 draft tokens a step" in startup
+        assert "for the draft model's cache" in startup and "draft model" in startup.split("parameters", 1)[1]

@@ -99,3 +99,58 @@ async def test_a_replayed_attention_launch_shows_which_blocks_each_program_reads
         assert "program grid 2×1×1" in grid_text
         assert any("2×1×1" in line and "unified_attention" in line
                    for line in shown(app.query_one("#kernels-table")).splitlines())
+
+
+async def test_a_replay_offers_only_what_it_can_do(recorded_trace):
+    """No engine runs behind a replay: neither the Overview, the footer nor the help offers n or space."""
+    from textual.widgets import Markdown
+
+    from tracer.tui.screens.help import HelpScreen
+
+    app = TraceApp(ReplaySource.load(recorded_trace), initial_pane="overview")
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.press("right")
+        app.tick()
+        overview = app.query_one("#overview-body").text
+        assert "space" not in overview and "← / →" in overview
+        footer = {b.binding.key for b in app.screen.active_bindings.values() if b.enabled and b.binding.show}
+        assert {"left", "right", "question_mark"} <= footer and not footer & {"space", "n", "s", "k", "b", "t", "p"}
+        palette = [c.title for c in app.get_system_commands(app.screen)]
+        assert "Send a test request" not in palette and "Step over" not in palette
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        text = app.screen.query_one(Markdown).source
+        assert "| `space` |" not in text and "| `n` |" not in text and "send a test request" not in text
+        assert "| `←` / `→`, `home` / `end` |" in text and "no engine runs" in text
+
+
+class _Running(ReplaySource):
+    """A recorded trace played as a running engine under load: each refresh is the next step."""
+
+    def __init__(self, replay, path):
+        super().__init__(replay, path)
+        self.info.mode = "live"
+
+    def controller(self) -> dict:
+        return {"paused": False, "breakpoints": []}
+
+    def refresh(self):
+        r = self.replay
+        r.next() if r.step is not None and r.step < r.steps[-2] else r.goto(r.steps[0])
+        return r.state
+
+
+async def test_under_load_the_header_and_the_body_show_the_same_step(recorded_trace):
+    import re
+
+    app = TraceApp(_Running(Replay.load(recorded_trace), recorded_trace), initial_pane="overview", follow=False)
+    async with app.run_test(size=(160, 48)) as pilot:
+        seen = set()
+        for _ in range(12):  # quicker than the panels redraw under load
+            app.tick()
+            await pilot.pause()
+            header = re.search(r" step (\d+)", app.query_one("#header").text.plain).group(1)
+            body = re.search(r"^step (\d+)", app.query_one("#overview-body").text, re.M).group(1)
+            assert header == body
+            seen.add(header)
+        assert app.ticks >= 12

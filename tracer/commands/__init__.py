@@ -14,3 +14,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default is None or action.default is False:
             return text
         return super()._get_help_string(action)
+
+
+def model_help() -> str:
+    """What the MODEL argument takes, every built-in model named (they are offline)."""
+    from engine.builtin_model import DRAFT_NAME, LLAMA_NAME, LLAMA_RANDOM_NAME, NAME, RANDOM_NAME
+
+    return (f"a built-in model (offline): {NAME}, {LLAMA_NAME}, {DRAFT_NAME} (tiny-gpt2's draft model for "
+            f"speculative decoding), {RANDOM_NAME} or {LLAMA_RANDOM_NAME} (random weights, byte-level "
+            "tokenizer); a Hugging Face name such as gpt2; or a local directory")

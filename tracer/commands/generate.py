@@ -5,23 +5,24 @@ import argparse
 import sys
 
 from engine.arg_utils import EngineArgs
-from tracer.commands import HelpFormatter
+from tracer.commands import HelpFormatter, model_help
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion offline and print it",
                        description="Run the engine offline on one or more prompts and print each completion.",
                        formatter_class=HelpFormatter)
-    p.add_argument(
-        "model", help="tiny-gpt2 (built in, offline), a Hugging Face name such as gpt2, or a local directory"
-    )
+    p.add_argument("model", help=model_help())
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several run as one batch)")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: draw from the fewest most likely tokens whose probabilities sum to P "
+                        "(1 = off)")
     s.add_argument("--top-k", type=int, default=-1, help="-1 = off")
-    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--min-p", type=float, default=0.0,
+                   help="drop the tokens less likely than P times the most likely token's probability (0 = off)")
     s.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")

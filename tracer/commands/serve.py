@@ -35,6 +35,7 @@ import sys
 import time
 
 from engine.arg_utils import EngineArgs
+from tracer.commands import model_help
 from tracer.errors import UserError
 
 DRAIN_GRACE = 5.0  # s after the drain deadline: the cut responses send their error event and [DONE]
@@ -55,9 +56,7 @@ DEATH_GRACE_S = 2.0  # after the engine core died: seconds /health and new reque
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "model", help="tiny-gpt2 (built in, offline), a Hugging Face name such as gpt2, or a local directory"
-    )
+    p.add_argument("model", help=model_help())
     h = p.add_argument_group("http server")
     h.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network, where trace "
@@ -257,8 +256,10 @@ def run(args: argparse.Namespace) -> int:
         args.no_tui = True
     global _SHOW_STAGES
     _SHOW_STAGES = args.no_tui
-    if args.no_tui:
-        print(f"vllm-trace serve {args.model}", file=sys.stderr)
+    # a line at once: Textual and the TUI's widgets take a few seconds to import on a busy machine
+    # (the TUI imports no torch: that is the engine core's), and a blank terminal reads as a hang
+    print(f"vllm-trace serve {args.model}" + ("" if args.no_tui else ": opening the TUI…"), file=sys.stderr,
+          flush=True)
     layers = check_layers(args.trace_log_layers.split(",")) if args.trace_log_layers else None
     sock = _bind(args.host, args.port)  # before loading anything: a busy port fails fast
     # The engine core starts now and imports torch and the engine while this process does the same

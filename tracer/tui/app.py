@@ -1,10 +1,11 @@
 """The TUI app: a header, seven panels in tabs, the footer with the keys.
 
 A timer (REFRESH_HZ) folds what the source has received and redraws the header and the
-visible panel; panels that are not visible cost nothing. Under load a panel whose whole
-content changes at every step (64 streaming requests) redraws at most 4 times a second; it
-is redrawn in full when it is shown and when the engine goes idle, so it is never staler
-than the header. When the engine goes from idle to busy the app opens the Overview (unless
+visible panel; panels that are not visible cost nothing. Under load (requests in flight,
+the engine running) the header and the visible panel redraw together, at most BUSY_HZ times
+a second (a panel whose whole content changes at every step, 64 streaming requests, cannot
+keep up with every refresh): both always show the same step. The Log is the exception: it
+streams the events at every refresh. When the engine goes from idle to busy the app opens the Overview (unless
 the user chose a panel in the last FOLLOW_QUIET seconds), so a first request is on screen
 without a key pressed. The engine thread never waits for any of this: it only publishes
 into the tracer's ring buffer, and commands only flip the step controller's flags.
@@ -38,6 +39,7 @@ from tracer.tui.widgets.startup import StartupPanel
 from tracer.tui.widgets.step import StepPanel
 
 REFRESH_HZ = 12  # the timer drops a tick when the loop is late: 12 asked, at least 10 had under load
+BUSY_HZ = 4  # under load, the header and the visible panel redraw together at most this often
 PANES = [("overview", "Overview"), ("requests", "Requests"), ("kv", "KV cache"), ("step", "Step"),
          ("kernels", "Kernels"), ("log", "Log"), ("startup", "Startup")]
 TEST_PROMPT, TEST_TOKENS = "The paged KV cache", 16  # the palette's test request: greedy, as `vllm-trace send`
@@ -93,6 +95,7 @@ class TraceApp(App):
         self._timer = None
         self._initial_pane = initial_pane or ("overview" if source.info.mode == "replay" else "startup")
         self._busy = False  # the engine had requests at the last refresh
+        self._drawn_at = -1e9  # when the header and the visible panel were last drawn (monotonic seconds)
         self._known = 0  # requests the state had at the last refresh
         self._chosen_at = -1e9  # when the user last chose a panel (monotonic seconds)
         self._held_name: str | None = None  # the launch the engine is held before
@@ -169,7 +172,6 @@ class TraceApp(App):
             self._held_name, self._ranks = held, ranks
             self.refresh_bindings()
         self.header.connection = self.source.disconnected()
-        self.header.show(frame, self.stepping)
         self.log_panel.feed(self.source.take_events())
         busy = bool(state.waiting or state.running)
         arrived = len(state.requests) > self._known  # (a short request may come and go between two refreshes)
@@ -177,13 +179,20 @@ class TraceApp(App):
         went_busy = (busy or arrived) and not self._busy
         self._count_busy(busy)
         self._busy, self._known = busy, len(state.requests)
+        self.ticks += 1
         if went_busy and self._may_follow():
             self.show_pane("overview")
+        panel = self.active_panel()
+        under_load = busy and not controller.get("paused") and panel.throttled
+        now = time.monotonic()
+        if under_load and not went_busy and now - self._drawn_at < 1 / BUSY_HZ:
+            return  # one frame: the header and the body show the same state, so both wait
+        self._drawn_at = now
+        self.header.show(frame, self.stepping)
         if isinstance(self.screen, RequestScreen):
             self.screen.show(frame)
         else:
-            self._show(self.active_panel(), frame, went_idle)
-        self.ticks += 1
+            self._show(panel, frame, went_idle or under_load)
 
     def _count_busy(self, busy: bool) -> None:
         """Refreshes per second while requests are in flight, what `serve` reports at exit (and
@@ -227,6 +236,7 @@ class TraceApp(App):
         if event.pane.id != self.panes.active:
             return  # an older switch: the panel now active has had (or will have) its own
         if self.frame is not None:
+            self.header.show(self.frame, self.stepping)
             self._show(panel, self.frame, True)
         if len(self.screen_stack) == 1:
             panel.focus_list()
@@ -288,7 +298,7 @@ class TraceApp(App):
         self.push_screen(BreakpointsScreen(self.source))
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(self.source.can_control, self.source.can_time_travel))
 
     def action_show_pane(self, pane: str) -> None:
         self.show_pane(pane, chosen=True)
@@ -393,9 +403,9 @@ class TraceApp(App):
                                  ("end", "Last step")]:
                 yield SystemCommand(title, "replay: move through the recorded trace",
                                     lambda w=where: self.run_action(f"travel('{w}')"))
-        yield SystemCommand("Send a test request", f"complete {TEST_PROMPT!r}: {TEST_TOKENS} tokens, greedy "
-                            "(temperature 0, as `vllm-trace send`)",
-                            self.action_send_test_request)
+        if not self.source.can_time_travel:  # a replay takes no requests
+            yield SystemCommand("Send a test request", f"complete {TEST_PROMPT!r}: {TEST_TOKENS} tokens, greedy "
+                                "(temperature 0, as `vllm-trace send`)", self.action_send_test_request)
         yield SystemCommand("Export trace", "write the trace so far to a file (replay: Perfetto JSON)",
                             self.action_export)
         for i, (pane, title) in enumerate(PANES):

@@ -98,6 +98,30 @@ def status_text(status: str) -> Text:
     return Text(label, style=style)
 
 
+def speculation(engine_config: dict | None, short: bool = False) -> str:
+    """How the engine speculates ('' when it does not): 'speculative decoding: draft model
+    tiny-gpt2-draft, up to 3 draft tokens a step', or short, 'spec tiny-gpt2-draft ×3'."""
+    spec = (engine_config or {}).get("speculative")
+    if not spec:
+        return ""
+    k = spec.get("num_speculative_tokens")
+    if short:
+        return f"spec {spec.get('model') or spec.get('method')} ×{k}"
+    how = (f"draft model {spec.get('model')}" if spec.get("method") == "draft_model" else
+           f"n-gram prompt lookup ({spec.get('prompt_lookup_min')}-{spec.get('prompt_lookup_max')} tokens)")
+    return f"speculative decoding: {how}, up to {k} draft tokens a step"
+
+
+def prompt_progress(r) -> str:
+    """'computed/total' of a request's prompt tokens, as every panel counts them (Overview, Requests)."""
+    return f"{min(r.num_computed_tokens, r.num_prompt_tokens)}/{r.num_prompt_tokens}"
+
+
+def output_progress(r) -> str:
+    """'generated/max_tokens' (or the count alone when no maximum is known)."""
+    return f"{r.num_output_tokens}/{r.max_tokens}" if r.max_tokens else str(r.num_output_tokens)
+
+
 def shorten(s: str, n: int) -> str:
     return s if len(s) <= n else s[:n - 1] + "…"
 

@@ -1,16 +1,17 @@
 """Shared serving logic: OpenAI fields -> SamplingParams, submitting to the async engine,
-stop-string hold-back for streams, merging several request streams, SSE framing, and
-aborting when the client goes away."""
+stop-string hold-back for streams, merging several request streams, SSE framing, aborting
+when the client goes away, and the http layer's span of each request (HttpSpan, answer)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from typing import AsyncIterator
 
 import orjson
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
@@ -18,10 +19,11 @@ from engine.engine.async_engine import EngineClosedError, RequestStream
 from engine.entrypoints.openai.errors import APIError, bad_request
 from engine.entrypoints.openai.protocol import SamplingRequest
 from engine.entrypoints.openai.state import ServerState
+from engine.hooks import BEGIN, END
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from engine.structured_output.backend_xgrammar import validate_structured_output
-from engine.trace_names import API
+from engine.trace_names import API, HTTP
 
 
 def new_request_id(prefix: str) -> str:
@@ -77,6 +79,45 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return {int(t): b for t, b in bias.items()}
     except ValueError:
         raise APIError(400, "logit_bias keys must be token ids (integers)", param="logit_bias") from None
+
+
+class HttpSpan:
+    """The http layer's span of one OpenAI request (`POST /v1/completions`, `POST
+    /v1/chat/completions`): BEGIN as it arrives, END once with how it ended: a refusal's status
+    and message, a client that left (499), a full answer's usage, a stream's chunk count."""
+
+    def __init__(self, hooks, path: str, request_id: str, request: Request, stream: bool):
+        self.hooks, self.path, self.request_id = hooks, path, request_id
+        if hooks.active:
+            hooks.emit(HTTP, path, BEGIN, request_id=request_id, stream=stream,
+                       client=request.client and request.client.host)
+
+    def end(self, status: int, **attrs) -> None:
+        if self.hooks.active:
+            self.hooks.emit(HTTP, self.path, END, request_id=self.request_id, status=status, **attrs)
+
+    @contextlib.contextmanager
+    def refusals(self):
+        """Around the checks and the submit: an APIError ends the span with its status, then goes on up."""
+        try:
+            yield
+        except APIError as e:
+            self.end(e.status, error=e.message)
+            raise
+
+
+async def answer(span: HttpSpan, request: Request, ctx, what, streams: list[RequestStream], stream: bool) -> Response:
+    """The submitted request's answer: its SSE stream (ctx.stream(what), which ends the span), or
+    the full response once generated (ctx.collect(what), then ctx.response), 499 if the client left."""
+    if stream:
+        return event_stream(ctx.stream(what), streams)
+    final = await until_disconnected(request, ctx.collect(what))
+    if final is None:  # the client left; its requests were aborted and nobody reads this
+        span.end(499, disconnected=True)
+        return Response(status_code=499)
+    resp = ctx.response(final)
+    span.end(200, usage=resp.usage.model_dump())
+    return JSONResponse(resp.model_dump())
 
 
 def trace_request(hooks, name: str, request_id: str, params: SamplingParams, user: str | None, **attrs) -> None:

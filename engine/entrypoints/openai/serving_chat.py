@@ -5,7 +5,7 @@ import logging
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.engine.async_engine import EngineClosedError, RequestStream
 from engine.engine.exceptions import EngineDeadError
@@ -26,19 +26,18 @@ from engine.entrypoints.openai.protocol import (
 from engine.entrypoints.openai.serving import (
     SSE_DONE,
     ChunkFrames,
+    HttpSpan,
     StopHoldback,
-    event_stream,
+    answer,
     new_request_id,
     sampling_params,
     sse,
     submit,
     trace_request,
-    until_disconnected,
 )
 from engine.entrypoints.openai.state import ServerState
-from engine.hooks import BEGIN, END
 from engine.outputs import Logprob, RequestOutput
-from engine.trace_names import API, HTTP
+from engine.trace_names import API
 
 log = logging.getLogger(__name__)
 PATH = "POST /v1/chat/completions"
@@ -77,9 +76,8 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], num_t
 
 async def create_chat_completion(body: ChatCompletionRequest, state: ServerState, request: Request) -> Response:
     rid, hooks = new_request_id("chatcmpl"), state.hooks
-    if hooks.active:
-        hooks.emit(HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host)
-    try:
+    span = HttpSpan(hooks, PATH, rid, request, body.stream)
+    with span.refusals():
         state.check_model(body.model)
         num_logprobs = _num_logprobs(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -88,27 +86,13 @@ async def create_chat_completion(body: ChatCompletionRequest, state: ServerState
         if hooks.active:
             trace_request(hooks, "chat_request", rid, params, body.user, prompt=prompt, num_messages=len(body.messages))
         [stream] = await submit(state, [rid], [prompt], params, body.priority)
-    except APIError as e:
-        if hooks.active:
-            hooks.emit(HTTP, PATH, END, request_id=rid, status=e.status, error=e.message)
-        raise
-    ctx = _Ctx(state, body, rid, params.stop_strs)
-    if body.stream:
-        return event_stream(ctx.stream(stream), [stream])
-    final = await until_disconnected(request, ctx.collect(stream))
-    if final is None:  # the client left; the request was aborted
-        if hooks.active:
-            hooks.emit(HTTP, PATH, END, request_id=rid, status=499, disconnected=True)
-        return Response(status_code=499)
-    resp = ctx.response(final)
-    if hooks.active:
-        hooks.emit(HTTP, PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
-    return JSONResponse(resp.model_dump())
+    return await answer(span, request, _Ctx(state, body, span, params.stop_strs), stream, [stream], body.stream)
 
 
 class _Ctx:
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, stops: list[str]):
-        self.state, self.body, self.rid, self.stops = state, body, rid, stops
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, span: HttpSpan, stops: list[str]):
+        self.state, self.body, self.span, self.stops = state, body, span, stops
+        rid = self.rid = span.request_id
         self.created = int(time.time())
         self._frames = ChunkFrames(ChatCompletionChunk(id=rid, created=self.created, model=state.model_name,
                                                        choices=[]))
@@ -177,8 +161,7 @@ class _Ctx:
             log.exception("chat stream %s failed", self.rid)
             yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         finally:
-            if hooks.active:
-                hooks.emit(HTTP, PATH, END, request_id=self.rid, status=200, chunks=chunks, complete=final is not None)
+            self.span.end(200, chunks=chunks, complete=final is not None)
         yield SSE_DONE
 
 

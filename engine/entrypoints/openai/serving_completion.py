@@ -10,7 +10,7 @@ import time
 from contextlib import aclosing
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.engine.async_engine import EngineClosedError
 from engine.engine.exceptions import EngineDeadError
@@ -25,20 +25,19 @@ from engine.entrypoints.openai.protocol import (
 from engine.entrypoints.openai.serving import (
     SSE_DONE,
     ChunkFrames,
+    HttpSpan,
     StopHoldback,
-    event_stream,
+    answer,
     merge_streams,
     new_request_id,
     sampling_params,
     sse,
     submit,
     trace_request,
-    until_disconnected,
 )
 from engine.entrypoints.openai.state import ServerState
-from engine.hooks import BEGIN, END
 from engine.outputs import Logprob, RequestOutput
-from engine.trace_names import API, HTTP
+from engine.trace_names import API
 
 log = logging.getLogger(__name__)
 PATH = "POST /v1/completions"
@@ -82,9 +81,8 @@ def prompt_logprobs(out: RequestOutput, num_top: int, decode) -> CompletionLogpr
 
 async def create_completion(body: CompletionRequest, state: ServerState, request: Request) -> Response:
     rid, hooks = new_request_id("cmpl"), state.hooks
-    if hooks.active:
-        hooks.emit(HTTP, PATH, BEGIN, request_id=rid, stream=body.stream, client=request.client and request.client.host)
-    try:
+    span = HttpSpan(hooks, PATH, rid, request, body.stream)
+    with span.refusals():
         state.check_model(body.model)
         prompts = _prompts(body.prompt)
         if body.best_of is not None and body.best_of != body.n:
@@ -96,29 +94,15 @@ async def create_completion(body: CompletionRequest, state: ServerState, request
         if hooks.active:
             trace_request(hooks, "completion_request", rid, params, body.user, request_ids=ids, num_prompts=len(ids))
         streams = await submit(state, ids, prompts, params, body.priority)
-    except APIError as e:
-        if hooks.active:
-            hooks.emit(HTTP, PATH, END, request_id=rid, status=e.status, error=e.message)
-        raise
-    ctx = _Ctx(state, body, rid, ids, params.stop_strs)
-    if body.stream:
-        return event_stream(ctx.stream(streams), streams)
-    finals = await until_disconnected(request, ctx.collect(streams))
-    if finals is None:  # the client left; its requests were aborted and nobody reads this
-        if hooks.active:
-            hooks.emit(HTTP, PATH, END, request_id=rid, status=499, disconnected=True)
-        return Response(status_code=499)
-    resp = ctx.response(finals)
-    if hooks.active:
-        hooks.emit(HTTP, PATH, END, request_id=rid, status=200, usage=resp.usage.model_dump())
-    return JSONResponse(resp.model_dump())
+    return await answer(span, request, _Ctx(state, body, span, ids, params.stop_strs), streams, streams, body.stream)
 
 
 class _Ctx:
     """One completion request being answered."""
 
-    def __init__(self, state: ServerState, body: CompletionRequest, rid: str, ids: list[str], stops: list[str]):
-        self.state, self.body, self.rid, self.ids, self.stops = state, body, rid, ids, stops
+    def __init__(self, state: ServerState, body: CompletionRequest, span: HttpSpan, ids: list[str], stops: list[str]):
+        self.state, self.body, self.span, self.ids, self.stops = state, body, span, ids, stops
+        self.rid = span.request_id
         self.created = int(time.time())
 
     def _prompt_text(self, out: RequestOutput) -> str:
@@ -151,7 +135,7 @@ class _Ctx:
 
     async def stream(self, streams):
         """SSE events: one chunk per new text, then usage (if asked), then [DONE]."""
-        hooks, self.chunks, self.finals = self.state.hooks, 0, []
+        self.chunks, self.finals = 0, []
         try:
             async with aclosing(merge_streams(streams)) as merged:
                 async for event in self._chunks(merged, len(streams)):
@@ -169,9 +153,7 @@ class _Ctx:
             log.exception("completion stream %s failed", self.rid)
             yield sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
         finally:
-            complete = len(self.finals) == len(streams)
-            if hooks.active:
-                hooks.emit(HTTP, PATH, END, request_id=self.rid, status=200, chunks=self.chunks, complete=complete)
+            self.span.end(200, chunks=self.chunks, complete=len(self.finals) == len(streams))
         yield SSE_DONE
 
     async def _chunks(self, merged, num_prompts: int):

@@ -58,27 +58,34 @@ trace events, the same ones `--trace-file` records and `vllm-trace replay` reads
   (`scheduler kernel`), request (`request=ID`) or words.
 - **Startup** (7): the engine's startup stages with their timings (model files, tokenizer,
   weights, KV-cache allocation with blocks × bytes), then a `curl` line to send a request.
+"""
 
-## Keys
-| key | |
-|---|---|
-| `space` | pause / resume the engine (it stops at the next step boundary; requests still arrive) |
-| `n` | step over: run one engine step, then hold |
-| `s` | step into: run to the next phase (schedule → execute → postprocess) |
-| `k` | run to the next kernel launch (held *before* it) |
-| `b` | breakpoints: on arrival, finish, preemption, a layer, a kernel, a request id |
-| `t` | held before an attention launch: run it through the Triton kernel (Kernels panel) |
-| `r` | tensor parallelism: the Kernels panel lists the next rank's launches (rank 0, 1, …, all) |
-| `p` | profile every op of the forward pass (again: stop); the header shows PROFILING |
-| `enter` | open the selected request |
-| `1`–`7`, `tab` / `shift+tab` | show a panel (its list takes the arrows, `enter`, `home`/`end`) |
-| `/` | filter (Requests, Log) |
-| `ctrl+p` | command palette: every action, *send a test request*, *export trace* |
-| `?` | this help |
-| `q` | quit (asks first if requests are in flight) |
-| `ctrl+c` | stop, as Ctrl-C does (`serve`: starting, it exits; serving, it drains the requests in flight) |
-| `←` / `→`, `home` / `end` | replay: step back / forward in time, jump to the first / last step |
+REPLAY = """\
+A replay reads a recorded trace: no engine runs, so nothing can be paused, stepped or sent;
+`←` / `→` move through the recorded steps and every panel shows the trace as it was then.
+"""
 
+KEYS = [  # (key, what it does, what the source must offer: control an engine, or travel a recording)
+    ('`space`', 'pause / resume the engine (it stops at the next step boundary; requests still arrive)', 'control'),
+    ('`n`', 'step over: run one engine step, then hold', 'control'),
+    ('`s`', 'step into: run to the next phase (schedule → execute → postprocess)', 'control'),
+    ('`k`', 'run to the next kernel launch (held *before* it)', 'control'),
+    ('`b`', 'breakpoints: on arrival, finish, preemption, a layer, a kernel, a request id', 'control'),
+    ('`t`', 'held before an attention launch: run it through the Triton kernel (Kernels panel)', 'control'),
+    ('`r`', "tensor parallelism: the Kernels panel lists the next rank's launches (rank 0, 1, …, all)", None),
+    ('`p`', 'profile every op of the forward pass (again: stop); the header shows PROFILING', 'control'),
+    ('`enter`', 'open the selected request', None),
+    ('`1`–`7`, `tab` / `shift+tab`', 'show a panel (its list takes the arrows, `enter`, `home`/`end`)', None),
+    ('`/`', 'filter (Requests, Log)', None),
+    ('`ctrl+p`', 'command palette: every action, *send a test request*, *export trace*', 'control'),
+    ('`ctrl+p`', 'command palette: every action, *export trace* (Perfetto JSON)', 'travel'),
+    ('`?`', 'this help', None),
+    ('`q`', 'quit (asks first if requests are in flight)', None),
+    ('`ctrl+c`', 'stop, as Ctrl-C does (`serve`: starting, it exits; serving, it drains the requests in flight)', None),
+    ('`←` / `→`, `home` / `end`', 'replay: step back / forward in time, jump to the first / last step', 'travel'),
+]
+
+HEADER = """\
 The header shows the model, device and attention backend, the engine's state (RUNNING,
 PAUSED, STEPPING, and PROFILING beside it while `p` is on; DISCONNECTED when an attached
 server went away; ENGINE DEAD, with the reason on its second line, when the engine core died),
@@ -88,9 +95,21 @@ URL to send requests to. Its second line says what a held engine is waiting for.
 """
 
 
+def help_text(can_control: bool = True, can_time_travel: bool = False) -> str:
+    """The help for a source: only the keys it answers (a replay cannot pause or step)."""
+    offered = {None: True, "control": can_control, "travel": can_time_travel}
+    rows = "".join(f"| {key} | {what} |\n" for key, what, need in KEYS if offered[need])
+    replay = f"\n{REPLAY}" if can_time_travel else ""
+    return f"{HELP}{replay}\n## Keys\n| key | |\n|---|---|\n{rows}\n{HEADER}"
+
+
 class HelpScreen(ModalScreen):
     BINDINGS = [Binding("escape,q,question_mark", "app.pop_screen", "close")]
 
+    def __init__(self, can_control: bool = True, can_time_travel: bool = False):
+        super().__init__()
+        self.text = help_text(can_control, can_time_travel)
+
     def compose(self):
         with VerticalScroll(id="help"):
-            yield Markdown(HELP)
+            yield Markdown(self.text)

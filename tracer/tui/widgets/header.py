@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from tracer.tui.fmt import speculation
 from tracer.tui.frame import Frame
 from tracer.tui.sources.base import SourceInfo
 from tracer.tui.widgets.lines import FixedText
@@ -81,11 +82,14 @@ class StatusHeader(FixedText):
         travel = (f"/{c['first_step']}..{c['last_step']}" if info.mode == "replay" and c.get("last_step") is not None
                   else "")
         width = self.size.width or 80
+        spec = speculation(s.engine_config, short=True)
+        spec = f" · {spec}" if spec else ""
         line = None
         for title, short, url in ((True, False, True), (False, False, True), (False, True, True), (False, True, False),
                                   (False, True, None)):
             t = Text.assemble((" vllm-trace " if title else "", "bold reverse"), " ", (info.model, "bold"),
-                              f" · {info.device} · {info.backend} ", (f" {label} ", style), (f" step {step}", "bold"))
+                              f" · {info.device} · {info.backend}{spec} ", (f" {label} ", style),
+                              (f" step {step}", "bold"))
             if where and url is not None:
                 t.append(f" ({where})", "dim")
             t.append(travel, "dim")

@@ -86,6 +86,7 @@ def styled(ev: Event, line: str) -> tuple:
 
 class LogPanel(Panel):
     filterable = True
+    throttled = False  # the event stream: drawn at every refresh (a bounded number of lines each)
 
     def compose(self):
         yield Input(placeholder="filter: layers (scheduler kernel …), request=ID, words (enter: apply, esc: clear)",

@@ -17,7 +17,7 @@ import time
 from rich.text import Text
 
 from tracer.state import rank_of
-from tracer.tui.fmt import fmt_ns, plural, status_text
+from tracer.tui.fmt import fmt_ns, output_progress, plural, prompt_progress, status_text
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import LinesView
 from tracer.tui.widgets.panel import Panel
@@ -88,14 +88,14 @@ def overview(frame: Frame, width: int, height: int) -> Text:
     idw = min(24, max([10] + [len(r) for r in s.running[:n_run] + s.waiting[:n_wait] + s.finished[-3:]]))
     for rid in s.running[:n_run]:
         r = s.requests[rid]
-        out = f"{r.num_output_tokens}/{r.max_tokens}" if r.max_tokens else str(r.num_output_tokens)
+        prompt, out = prompt_progress(r), output_progress(r)  # as the Requests panel counts them
         t.append("  ■ ", frame.color(rid))
         t.append(f"{rid[:idw]:<{idw}}", "bold" if rid == frame.selected else "")
         if width >= 100:
-            t.append(f"  {r.num_computed_tokens:>5}/{r.num_tokens:<5} tokens computed  output {out:<9}")
+            t.append(f"  prompt {prompt:>11} computed  output {out:<9}")
             t.append(f"this step: {doing[rid]}\n" if rid in doing else "\n", "cyan")
         else:
-            t.append(f" {r.num_computed_tokens:>4}/{r.num_tokens:<4} computed · out {out:<7}")
+            t.append(f" prompt {prompt:>9} · out {out:<7}")
             t.append(f" {doing[rid]}\n" if rid in doing else "\n", "cyan")
     if len(s.running) > n_run:
         t.append(f"  … {len(s.running) - n_run} more (Requests, 2)\n", "dim")
@@ -151,7 +151,9 @@ def overview(frame: Frame, width: int, height: int) -> Text:
     elif s.step is not None:
         t.append("kernels", "bold")
         t.append("  no launch yet in this step\n", "dim")
-    if c.get("paused"):
+    if c.get("replay"):  # no engine behind a recording: it can only be travelled through
+        t.append("\nA recorded trace: ← / → move a step, home / end go to the first / last.", "dim")
+    elif c.get("paused"):
         t.append("\nThe engine is held: n runs one step, space lets it run.", "dim")
     t.rstrip()
     return t

@@ -3,7 +3,8 @@
 The app calls ``show(frame)`` on the visible panel at every refresh; a panel may skip a redraw
 while the engine runs (it throttles itself to a few redraws a second), but ``show(frame,
 force=True)`` must draw: the app forces it when the panel becomes visible and when the engine
-goes idle, so what a panel shows is never older than the header. ``focus_list()`` puts the
+goes idle, so what a panel shows is never older than the header. Under load the app draws
+the header and a ``throttled`` panel together, with ``force=True``, a few times a second. ``focus_list()`` puts the
 keyboard in the panel's main list when the panel opens (arrows, enter, home/end work at once);
 ``open_filter()`` exists where ``filterable`` is True.
 """
@@ -18,6 +19,7 @@ WIDE = 140  # terminal columns from which panels put things side by side (a requ
 
 class Panel(Vertical):
     filterable = False  # has a filter line (`/`)
+    throttled = True  # under load, drawn with the header at most BUSY_HZ times a second (the app's)
 
     def show(self, frame: Frame, force: bool = False) -> None:
         raise NotImplementedError

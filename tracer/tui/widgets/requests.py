@@ -11,7 +11,7 @@ from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import Input
 
-from tracer.tui.fmt import fmt_age_coarse, shorten, status_text
+from tracer.tui.fmt import fmt_age_coarse, output_progress, prompt_progress, shorten, status_text
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import FixedText
 from tracer.tui.widgets.panel import Panel
@@ -48,8 +48,7 @@ def request_rows(frame: Frame, text_filter: str = "") -> list[tuple[str, tuple]]
             continue
         if text_filter and text_filter not in rid and text_filter not in r.status.lower():
             continue
-        prompt = f"{min(r.num_computed_tokens, r.num_prompt_tokens)}/{r.num_prompt_tokens}"
-        out = f"{r.num_output_tokens}/{r.max_tokens}" if r.max_tokens else str(r.num_output_tokens)
+        prompt, out = prompt_progress(r), output_progress(r)
         why = (f"priority {r.priority} · " if r.priority else "") + waiting_why(frame, r)  # priority policy
         status = status_text(r.status)
         rows.append((rid, (cell("■ " + shorten(rid, MAX_ID), frame.color(rid)), cell(status.plain, str(status.style)),

@@ -6,15 +6,17 @@ the peak FLOP/s; they meet at the ridge point. A point under the slope is memory
 bandwidth (or fewer bytes: a bigger batch reuses each weight it reads) moves it up. Each point is
 drawn as its kind's letter (M matmul, A attention, N norm, ...), named in the legend. Drawn with
 textual-plotext; the same geometry (tracer/roofline.py) draws ``vllm-trace export --roofline``.
+tracer.roofline (torch, under kernels.roofline) is imported once a chart is drawn, not with the TUI.
 """
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from textual_plotext import PlotextPlot
 
-from kernels.roofline import OpPoint, Roofline
-from tracer.roofline import chart_range, fmt_count, plotted, roof_points
+if TYPE_CHECKING:
+    from kernels.roofline import OpPoint, Roofline
 
 MARKERS = {"matmul": "M", "attention": "A", "cache_write": "C", "norm": "N", "elementwise": "E",
            "embedding": "B", "sampler": "S", "collective": "R"}
@@ -28,6 +30,8 @@ def marker(kind: str, upper: bool = True) -> str:
 
 def decade_ticks(lo: float, hi: float, unit: str) -> tuple[list[float], list[str]]:
     ticks = [10.0 ** e for e in range(round(math.log10(lo)), round(math.log10(hi)) + 1)]
+    from tracer.roofline import fmt_count
+
     return ticks, [fmt_count(t, unit) for t in ticks]
 
 
@@ -35,6 +39,8 @@ def plot_roofline(plt, series: list[tuple[str, dict[str, OpPoint]]], roof: Roofl
                   legend: bool = True) -> None:
     """Draw on a plotext figure: the roofs, then each series' op kinds as letters (the first
     series in capitals, the next in small letters), named in the legend when ``legend``."""
+    from tracer.roofline import chart_range, fmt_count, plotted, roof_points
+
     series = [(label, plotted(points)) for label, points in series]
     every = {f"{label}:{k}": p for label, points in series for k, p in points.items()}
     plt.clear_data()
@@ -72,6 +78,8 @@ class RooflineChart(PlotextPlot):
         self._drawn: tuple | None = None
 
     def set_points(self, points: dict[str, OpPoint], roof: Roofline | None, title: str = "") -> None:
+        from tracer.roofline import plotted
+
         key = (tuple(plotted(points).items()), roof, title)
         if key == self._drawn:
             return

@@ -15,7 +15,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import ProgressBar, Static
 
 from tracer.defaults import sample_body
-from tracer.tui.fmt import fmt_bytes, shard_details, stage_label
+from tracer.tui.fmt import fmt_bytes, shard_details, speculation, stage_label
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.panel import Panel
 
@@ -23,11 +23,16 @@ from tracer.tui.widgets.panel import Panel
 def stage_details(stage: dict) -> str:
     name = stage["stage"]
     if name == "model_load" and "params" in stage:
-        return f"{stage['params']:,} parameters, {fmt_bytes(stage.get('bytes'))}"
+        draft = f" · draft model {stage['draft_params']:,} parameters" if "draft_params" in stage else ""
+        return f"{stage['params']:,} parameters, {fmt_bytes(stage.get('bytes'))}{draft}"
     if name == "kv_cache_alloc" and "num_blocks" in stage:
         per_block = fmt_bytes(stage.get("bytes_per_block"))
-        return (f"{stage['num_blocks']} blocks × {stage['block_size']} tokens × {per_block}"
+        text = (f"{stage['num_blocks']} blocks × {stage['block_size']} tokens × {per_block}"
                 f" = {fmt_bytes(stage.get('bytes'))}")
+        if stage.get("draft_bytes"):  # speculative decoding with a draft model: the same budget, fewer blocks
+            text += (f", + {fmt_bytes(stage['draft_bytes'])} for the draft model's cache: each block also holds "
+                     "the draft's keys and values, so the same memory holds fewer blocks")
+        return text
     if name == "tokenizer_load" and "vocab_size" in stage:
         return f"vocab {stage['vocab_size']}"
     if name == "resolve_model":  # the architecture is named where it is not the default GPT-2
@@ -100,6 +105,9 @@ class StartupPanel(Panel):
             if cur["stage"] in RANK_STAGES and s.workers:
                 for row in rank_rows(s.workers, cur["stage"]):
                     table.add_row(*row)
+        spec = speculation(s.engine_config)
+        if spec:  # (vLLM logs its speculative config at startup too)
+            table.add_row(Text("·", "cyan"), "speculation", "", Text(spec, "cyan"))
         self.query_one("#startup-stages", Static).update(table)
         bar = self.query_one("#startup-progress", ProgressBar)
         # The weights report bytes read; other stages only begin and end (an indeterminate bar).
