@@ -270,10 +270,14 @@ def gumbel_sample_ref(logits: torch.Tensor, seeds: torch.Tensor, positions: torc
     """One token per row of logits [num_rows, vocab]: argmax(logits + Gumbel noise), the noise of
     row i keyed by (seeds[i], positions[i]) (see kernels/gumbel_sample.py), so a draw from
     softmax(row) that depends on nothing else."""
-    num_rows, vocab = logits.shape
-    if num_rows == 0:
+    if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     key = philox_ref(seeds.cpu(), positions.cpu())[stream]  # [rows]: each row's key
-    u = uint32_to_uniform_ref(philox_ref(key[:, None], torch.arange(vocab)[None, :])[0]).numpy().astype(np.float64)
+    # noise only where a token can win (a -inf logit stays -inf): top-k / top-p rows cost a few tokens
+    rows, tokens = torch.isfinite(logits).cpu().nonzero(as_tuple=True)
+    u = uint32_to_uniform_ref(philox_ref(key[rows], tokens)[0]).numpy().astype(np.float64)
     noise = torch.from_numpy((-np.log(-np.log(u + 1e-20) + 1e-20)).astype(np.float32)).to(logits.device)
-    return (logits.float() + noise).argmax(-1)
+    scores = torch.full(logits.shape, float("-inf"), device=logits.device)
+    rows, tokens = rows.to(logits.device), tokens.to(logits.device)
+    scores[rows, tokens] = logits[rows, tokens].float() + noise
+    return scores.argmax(-1)
