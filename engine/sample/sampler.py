@@ -263,8 +263,8 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torc
         row = row.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     vocab = row.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    if bool((k < vocab).any()):
-        kth = torch.sort(row, dim=-1, descending=True).values.gather(-1, k - 1)
+    if bool((k < vocab).any()):  # the k-th largest of each row: one topk as deep as the largest k
+        kth = torch.topk(row, int(k.max()), dim=-1).values.gather(-1, k - 1)
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
     if bool((top_p < 1.0).any()):
