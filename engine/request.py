@@ -52,8 +52,7 @@ class Request:
         self.num_preemptions = 0
         self.prompt_logprobs: list[list] = []  # with params.prompt_logprobs: for prompt positions 1.. so far
         self.spec_token_ids: list[int] = []  # speculative decoding: drafts to verify in the next step
-        self.sampling_seed: int | None = None  # set by the engine: seeds generator (and every rank's copy of it)
-        self.generator = None
+        self.sampling_seed: int | None = None  # set by the engine: params.seed, else a random one
         self.structured_output_request = None  # a StructuredOutputRequest when params.structured_outputs
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None

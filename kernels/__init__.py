@@ -10,8 +10,11 @@ from kernels import instrument
 from kernels.access import access_map
 from kernels.apply_token_bitmask import apply_token_bitmask
 from kernels.config import AttentionConfig, CacheConfig, choose_cache_config, choose_config
+from kernels.gumbel_sample import gumbel_sample
 from kernels.reference import (
     apply_token_bitmask_ref,
+    gumbel_sample_ref,
+    rand_ref,
     rejection_sample_ref,
     reshape_and_cache_ref,
     unified_attention_ref,
@@ -24,12 +27,15 @@ __all__ = [
     "access_map",
     "apply_token_bitmask",
     "apply_token_bitmask_ref",
+    "gumbel_sample",
+    "gumbel_sample_ref",
     "INTERPRETED",
     "AttentionConfig",
     "CacheConfig",
     "choose_cache_config",
     "choose_config",
     "instrument",
+    "rand_ref",
     "rejection_sample",
     "rejection_sample_ref",
     "reshape_and_cache",

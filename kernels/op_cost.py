@@ -186,6 +186,13 @@ def sample(args: Args, meta: dict) -> tuple[int, int]:
     return 8 * numel(row[0]), 5 * nbytes(row)
 
 
+def gumbel(args: Args, meta: dict) -> tuple[int, int]:
+    """Gumbel-max over [R, V]: per logit the noise (two logs, two additions), its addition and the
+    max: 6 FLOPs (Philox's integer rounds not counted); bytes: the logits read, R tokens written."""
+    lg = args["logits"]
+    return 6 * numel(lg[0]), nbytes(lg) + 8 * numel(lg[0][:-1])
+
+
 COSTS: dict[str, Callable[[Args, dict], tuple[int, int]]] = {
     "matmul": matmul, "layer_norm": layer_norm, "rms_norm": rms_norm, "embedding": embedding,
     "gelu_new": gelu_new, "silu_and_mul": silu_and_mul, "argmax": argmax, "log_softmax": log_softmax,
@@ -199,6 +206,7 @@ KERNELS: dict[str, tuple[str, Callable[[Args, dict], tuple[int, int]] | None]] =
     "unified_attention_ref": (ATTENTION, None), "rotary_embedding": (ELEMENTWISE, rotary_embedding),
     "all_reduce": (COLLECTIVE, all_reduce), "all_gather": (COLLECTIVE, all_gather),
     "apply_token_bitmask": (SAMPLER, token_bitmask), "apply_token_bitmask_ref": (SAMPLER, token_bitmask),
+    "gumbel_sample": (SAMPLER, gumbel), "gumbel_sample_ref": (SAMPLER, gumbel),
 }
 
 

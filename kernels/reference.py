@@ -224,3 +224,60 @@ def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, indices
     allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :vocab].bool()
     rows = indices.long()
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+# Philox 4x32-10 as Triton's ``tl.randint4x`` computes it (triton/language/random.py), in numpy uint64
+# holding uint32 values (a product of two uint32 fits 64 bits: its high word is umulhi); numpy's integer
+# ops measured 4x faster than torch's here.
+_MASK32 = np.uint64(0xFFFFFFFF)
+_PHILOX_KEY_A, _PHILOX_KEY_B = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_32 = np.uint64(32)
+
+
+def philox_ref(seed: torch.Tensor, offset: torch.Tensor, n_rounds: int = 10) -> tuple[torch.Tensor, ...]:
+    """The four uint32 words (as int64) of Triton's ``tl.randint4x(seed, offset)``, elementwise:
+    seed int64 (its 64 bits are the key), offset int64 >= 0 (the counter's low and high words)."""
+    seed, offset = torch.broadcast_tensors(seed.to(torch.int64).cpu(), offset.to(torch.int64).cpu())
+    seed = np.ascontiguousarray(seed.numpy()).view(np.uint64)
+    offset = np.ascontiguousarray(offset.numpy()).view(np.uint64)
+    k0, k1 = seed & _MASK32, (seed >> _32) & _MASK32
+    c0, c1 = offset & _MASK32, (offset >> _32) & _MASK32
+    c2, c3 = np.zeros_like(c0), np.zeros_like(c0)
+    for _ in range(n_rounds):
+        prod_b, prod_a = _PHILOX_ROUND_B * c2, _PHILOX_ROUND_A * c0
+        c0, c2 = (prod_b >> _32) ^ c1 ^ k0, (prod_a >> _32) ^ c3 ^ k1
+        c1, c3 = prod_b & _MASK32, prod_a & _MASK32
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _MASK32, (k1 + _PHILOX_KEY_B) & _MASK32
+    return tuple(torch.from_numpy(c.astype(np.int64)) for c in (c0, c1, c2, c3))
+
+
+def uint32_to_uniform_ref(x: torch.Tensor) -> torch.Tensor:
+    """Triton's ``uint_to_uniform_float`` for uint32 words: a float32 in [0, 1)."""
+    x = torch.where(x >= 2 ** 31, x - 2 ** 32, x)  # bitcast to int32
+    x = torch.where(x < 0, -x - 1, x)
+    return x.to(torch.float32) * 4.6566127342e-10
+
+
+def rand_ref(seeds: torch.Tensor, positions: torch.Tensor, stream: int = 1) -> torch.Tensor:
+    """One uniform in [0, 1) per (seed, position): word ``stream`` of Philox(seed, position)
+    (speculative decoding's acceptance draws use stream 1)."""
+    return uint32_to_uniform_ref(philox_ref(seeds, positions)[stream])
+
+
+def gumbel_sample_ref(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                      stream: int = 0) -> torch.Tensor:
+    """One token per row of logits [num_rows, vocab]: argmax(logits + Gumbel noise), the noise of
+    row i keyed by (seeds[i], positions[i]) (see kernels/gumbel_sample.py), so a draw from
+    softmax(row) that depends on nothing else."""
+    if logits.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    key = philox_ref(seeds.cpu(), positions.cpu())[stream]  # [rows]: each row's key
+    # noise only where a token can win (a -inf logit stays -inf): top-k / top-p rows cost a few tokens
+    rows, tokens = torch.isfinite(logits).cpu().nonzero(as_tuple=True)
+    u = uint32_to_uniform_ref(philox_ref(key[rows], tokens)[0]).numpy().astype(np.float64)
+    noise = torch.from_numpy((-np.log(-np.log(u + 1e-20) + 1e-20)).astype(np.float32)).to(logits.device)
+    scores = torch.full(logits.shape, float("-inf"), device=logits.device)
+    rows, tokens = rows.to(logits.device), tokens.to(logits.device)
+    scores[rows, tokens] = logits[rows, tokens].float() + noise
+    return scores.argmax(-1)

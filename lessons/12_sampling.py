@@ -26,13 +26,21 @@ T = 0.7  # the temperature the filters are shown at (sharpens this broad distrib
 
 
 def engine_draws(logits: torch.Tensor, n: int, **params) -> list[int]:
-    """n draws by the engine's own Sampler from one row of logits, each with its own seeded generator."""
+    """n draws by the engine's own Sampler from one row of logits: n requests, each with its own seed (a
+    request's draw at one position is fixed by its seed)."""
     reqs = []
     for i in range(n):
         r = Request(f"draw-{i}", None, [0], SamplingParams(seed=i, **params), None, 1)
-        r.generator = torch.Generator().manual_seed(i)
+        r.sampling_seed = i
         reqs.append(r)
     return Sampler()(logits.expand(n, -1).clone(), reqs).token_ids
+
+
+def draw_at_position(logits: torch.Tensor, seed: int, position: int) -> int:
+    """The engine's Sampler's draw for a request with this seed whose next token is at `position`."""
+    r = Request("at-position", None, [0] * position, SamplingParams(temperature=1.0), None, 1)
+    r.sampling_seed = seed
+    return Sampler()(logits[None].clone(), [r]).token_ids[0]
 
 
 def run(lesson) -> None:
@@ -50,11 +58,15 @@ def run(lesson) -> None:
     captured = []
     real_sampler = engine.engine_core.engine_core.model_runner.sampler
 
-    def capture(logits, requests):  # see the logits the model runner hands to the sampler
-        captured.append(logits[0].detach().float().clone())
-        return real_sampler(logits, requests)
+    class Capture:  # sees the logits the model runner hands to the sampler; the rest is the sampler's
+        def __call__(self, logits, requests):
+            captured.append(logits[0].detach().float().clone())
+            return real_sampler(logits, requests)
 
-    engine.engine_core.engine_core.model_runner.sampler = capture
+        def __getattr__(self, name):
+            return getattr(real_sampler, name)
+
+    engine.engine_core.engine_core.model_runner.sampler = Capture()
     engine.add_request("probe", PROMPT, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -224,14 +236,18 @@ def run(lesson) -> None:
     lesson.pause()
 
     # ---- seeds ----
-    lesson.say("**Seeds.** In our engine each request draws from its own random generator: started from its "
-               "`seed` when it has one, else from a seed the engine picks. With `seed` set, the request gets the "
-               "same tokens whatever else is in the batch. vLLM V1 differs for requests without a seed: only a "
-               "seeded request gets its own `torch.Generator` (`GPUModelRunner._update_states` in "
-               "`vllm/v1/worker/gpu_model_runner.py`), and `random_sample` in "
-               "`vllm/v1/sample/ops/topk_topp_sampler.py` fills the whole batch's noise from torch's global "
-               "generator, then redraws the seeded rows from their own. (Ours gives every request a generator so "
-               "that a tensor-parallel rank can hold a copy of each and draw exactly what the others draw.)")
+    lesson.say("**Seeds.** Every request has a seed: its own `seed`, or one the engine picks when it has none "
+               "(the trace's QUEUED event and the request detail show it). The sampler keeps each live request's "
+               "settings by **slot** (`SamplingStates`, vLLM 0.33's `worker/gpu/sample/states.py`) and draws by "
+               "**Gumbel-max keyed by (seed, position)** (`worker/gpu/sample/gumbel.py`; ours: "
+               "`kernels/gumbel_sample.py` and its reference): token = argmax(logits + g), where the noise g of "
+               "each vocabulary entry comes from Philox, a counter-based generator, at counter (seed, position). "
+               "No generator state moves between draws, so a request's token at position t depends on nothing but "
+               "its seed, t and its logits: not its batch-mates, not the step, not a preemption. The runner before "
+               "it (V1's `GPUModelRunner`) kept a `torch.Generator` only for seeded requests and filled the rest "
+               "of the batch's noise from torch's global generator (`random_sample` in "
+               "`vllm/v1/sample/ops/topk_topp_sampler.py`): an unseeded request's draw then depended on who else "
+               "was in the batch, and a seeded one's on how many draws its generator had made.")
     seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
     alone = queue_request(engine, "alone", PROMPT, seeded)
     while engine.has_unfinished_requests():
@@ -243,11 +259,14 @@ def run(lesson) -> None:
     crowded = queue_request(engine, "crowded", PROMPT, seeded)
     unseeded.append(queue_request(engine, "other-2", others[2], SamplingParams(temperature=1.0, max_tokens=12,
                                                                                ignore_eos=True)))
-    lesson.check(all(r.generator is not None for r in unseeded) and crowded.sampling_seed == 1234 and
-                 len({id(r.generator) for r in [*unseeded, crowded]}) == 4 and
+    lesson.check(crowded.sampling_seed == 1234 and all(r.sampling_seed is not None for r in unseeded) and
                  len({r.sampling_seed for r in unseeded}) == 3,
-                 "here every request has a generator of its own, the unseeded ones too (each from a seed the "
-                 "engine drew); in vLLM V1 only the seeded one would")
+                 "every request has a seed: the seeded one its own, each unseeded one a seed the engine drew")
+    logits = captured[0]
+    same = {engine_draws(logits[None], 1, temperature=1.0)[0] for _ in range(5)}
+    draw_at = [draw_at_position(logits, 1234, pos) for pos in range(8)]
+    lesson.check(len(same) == 1 and len(set(draw_at)) > 1,
+                 "one (seed, position) always draws the same token; the same seed at other positions draws others")
     reseeded = queue_request(engine, "seed-99", PROMPT, SamplingParams(temperature=1.0, max_tokens=12, seed=99,
                                                                     ignore_eos=True))
     engine.step()
@@ -269,8 +288,8 @@ def run(lesson) -> None:
     lesson.done("Temperature reshapes the whole distribution (0 means greedy). Top-k keeps the k most likely "
                 "tokens, top-p the smallest set whose mass reaches p, min-p those within a factor of the top "
                 "token; the rest get probability 0. Greedy decoding falls into loops; penalties push down what "
-                "a request has already said. A seed gives a request its own reproducible random stream, "
-                "independent of its neighbours in the batch.")
+                "a request has already said. Every request has a seed, and each draw is keyed by (seed, position): "
+                "reproducible, and independent of its neighbours in the batch.")
 
 
 if __name__ == "__main__":

@@ -115,6 +115,7 @@ class RequestView:
     timeline: list[dict] = field(default_factory=list)
     cache_hit_blocks: list[int] = field(default_factory=list)  # prefix-cache hits, physical ids
     priority: int = 0  # with scheduling_policy "priority": lower first
+    seed: int | None = None  # its sampling seed (the user's, else the engine's pick): draws keyed by (seed, position)
     spec_history: list[tuple[int, int, int]] = field(default_factory=list)  # (step, drafts, accepted), recent
     parent_id: str | None = None  # n > 1: the request this one is a child of
     sibling_ids: list[str] = field(default_factory=list)  # n > 1: all the children, in index order
@@ -295,6 +296,7 @@ def _queued(s: TraceState, ev: Event) -> None:
     req.num_prompt_tokens = req.num_tokens = a.get("num_prompt_tokens", 0)
     req.max_tokens = a.get("max_tokens")
     req.priority = a.get("priority", 0)
+    req.seed = a.get("seed")
     req.arrival_step, req.arrival_ns = ev.step, ev.ts_ns
     req.timeline.append({"event": QUEUED, "step": ev.step, "ts_ns": ev.ts_ns})
     if ev.request_id not in s.waiting:

@@ -185,8 +185,8 @@ class EngineCore:
         max_tokens = self._check_lengths(ids, params)
         req = Request(rid, request.prompt, ids, params, self.eos_token_id, max_tokens,
                       arrival_time=request.arrival_time or time.monotonic(), priority=request.priority)
+        # every request has a seed (MRv2's): its draws are keyed by (seed, position)
         req.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req.generator = torch.Generator().manual_seed(req.sampling_seed)
         if params.structured_outputs is not None:  # waits in the queue until its grammar compiles
             req.status = RequestStatus.WAITING_FOR_FSM
             self.structured_output_manager.grammar_init(req)
@@ -372,7 +372,7 @@ class EngineCore:
     def _trace_queued(self, req: Request) -> None:
         self.hooks.emit(ENGINE, QUEUED, request_id=req.request_id, step=self.step_count,
                         num_prompt_tokens=req.num_prompt_tokens, max_tokens=req.max_tokens, params=vars(req.params),
-                        priority=req.priority)
+                        priority=req.priority, seed=req.sampling_seed)
 
     def _trace_aborted(self, req: Request, status: RequestStatus) -> None:
         if status is RequestStatus.FINISHED_ABORTED:

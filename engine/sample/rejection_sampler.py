@@ -9,6 +9,12 @@ draft is replaced by a draw from the normalised (p - q)+ (the argmax when greedy
 accepted drafts comes the bonus token, the sampler's own draw from row k. So greedy output is the
 target's token for token, and sampled output is distributed exactly as without speculation.
 
+Every random number is keyed by the request's seed and the position it decides, as the sampler's
+own draw (Model Runner V2): the acceptance uniform of the draft at position t is word 1 of
+Philox(seed, t) (kernels.rand_ref), its recovered token a Gumbel-max draw with word 2, the
+sampler's token at t word 0. A request's output then depends on nothing but its seed, its
+drafts and the model.
+
 The target's distribution at each position is the one the sampler would use there without
 speculation (V1 processes the target logits the same way): the grammar's mask for that position
 (the model runner's, before this), then the sampler's logits processors (allowed_token_ids,
@@ -18,20 +24,42 @@ as the sampler's.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from engine.sample.sampler import Sampler, argmax, logprobs_entry, processed_per_position, processed_probs
+from engine.sample.sampler import Sampler, argmax, gumbel_sample, logprobs_entry, processed_per_position
 
 
 class RequestAhead:
     """A request as the sampler sees it at a draft position: its tokens so far followed by the
-    drafts before that position (what penalties, bad_words and min_tokens read)."""
-    __slots__ = ("params", "generator", "eos_token_id", "output_token_ids", "all_token_ids")
+    drafts before that position (what penalties, bad_words and min_tokens read, and the position
+    its draw is keyed by)."""
+    __slots__ = ("request_id", "params", "sampling_seed", "eos_token_id", "output_token_ids", "all_token_ids")
 
     def __init__(self, req, drafts: list[int]):
-        self.params, self.generator, self.eos_token_id = req.params, req.generator, req.eos_token_id
+        self.request_id, self.params, self.eos_token_id = req.request_id, req.params, req.eos_token_id
+        self.sampling_seed = req.sampling_seed
         self.output_token_ids = req.output_token_ids + drafts
         self.all_token_ids = req.all_token_ids + drafts
+
+
+def sample_recovered_tokens(probs: torch.Tensor, draft_token_ids: list[int], seeds: np.ndarray, positions: list[int],
+                            draft_probs: torch.Tensor | None = None, backend: str = "torch") -> list[int]:
+    """The token that replaces a rejected draft, one per row: a draw from the normalised residual
+    (p - q)+, p the target's row, q the proposer's (a point mass on the draft when draft_probs is
+    None, as n-gram and greedy draft-model drafts are: the draft's own probability removed). Gumbel-max
+    keyed by (seed, position), stream 2: independent of the acceptance draw and of the token
+    sampled at that position. A residual with no mass left keeps the draft."""
+    rows = torch.arange(len(draft_token_ids), device=probs.device)
+    draft = torch.tensor(draft_token_ids, device=probs.device)
+    if draft_probs is None:
+        residual = probs.clone()
+        residual[rows, draft] = 0.0
+    else:
+        residual = (probs - draft_probs).clamp_min(0.0)
+    drawn = gumbel_sample(torch.log(residual), seeds, positions, 2, backend)
+    empty = (residual.sum(-1) <= 0).tolist()
+    return [d if e else t for t, d, e in zip(drawn, draft_token_ids, empty)]
 
 
 def requests_after_drafts(requests: list, drafts: list[list[int]]) -> list:
@@ -57,11 +85,13 @@ def spec_logprobs(logits: torch.Tensor, drafts: list[list[int]], requests: list,
 
 
 class RejectionSampler:
-    def __init__(self, backend: str = "torch"):
+    def __init__(self, backend: str = "torch", sampler: Sampler | None = None):
         import kernels  # the Triton interpreter is set up before any kernel is defined
 
         self.kernels, self.backend = kernels, backend
-        self.sampler = Sampler()  # its logits processors, applied per draft position
+        # the model runner's sampler (V1 hands it over): its states by slot and its logits processors,
+        # applied per draft position
+        self.sampler = sampler if sampler is not None else Sampler(backend)
 
     def apply_logits_processors(self, draft_logits: torch.Tensor, drafts: list[list[int]],
                                 requests: list) -> torch.Tensor:
@@ -88,26 +118,14 @@ class RejectionSampler:
         cu = [0]
         for d in drafts:
             cu.append(cu[-1] + len(d))
-        greedy = [r.params.temperature == 0.0 for r in requests]
+        states = self.sampler.states
+        slots = states.idx_mapping(requests)
+        greedy = (states.temperature[slots] == 0.0).tolist()
         target_argmax = argmax(draft_logits) if flat else []
         target_probs, uniform, recovered = [1.0] * len(flat), [0.0] * len(flat), list(target_argmax)
-        for r, req in enumerate(requests):
-            a, b = cu[r], cu[r + 1]
-            if greedy[r] or a == b:
-                continue
-            # the sampler's own processing of the target's rows, all of the request's drafts at once
-            probs = processed_probs(draft_logits[a:b].float(), req.params)
-            rows, draft = torch.arange(b - a, device=probs.device), torch.tensor(flat[a:b], device=probs.device)
-            target_probs[a:b] = p = probs[rows, draft].tolist()
-            uniform[a:b] = u = torch.rand(b - a, generator=req.generator).tolist()
-            # Only the first rejected position's recovered token is ever used (the walk stops there), so
-            # only it is drawn: a draw over the vocabulary is the verify step's largest cost on a CPU.
-            j = next((j for j in range(b - a) if not u[j] < p[j]), None)  # the walk's test, with q = 1
-            if j is not None:
-                residual = probs[j].clone()
-                residual[flat[a + j]] = 0.0  # (p - q)+ for a point-mass q on the draft
-                e = torch.empty(residual.shape, dtype=residual.dtype).exponential_(generator=req.generator)
-                recovered[a + j] = argmax(residual / e.to(residual.device)) if residual.sum() > 0 else flat[a + j]
+        rows = [i for r in range(len(requests)) if not greedy[r] for i in range(cu[r], cu[r + 1])]
+        if rows:
+            self._draw(draft_logits, rows, flat, cu, slots, requests, target_probs, uniform, recovered)
         args = dict(draft_token_ids=torch.tensor(flat, dtype=torch.int64), cu_num_drafts=torch.tensor(cu),
                     target_argmax=torch.tensor(target_argmax, dtype=torch.int64),
                     target_probs=torch.tensor(target_probs), draft_probs=torch.ones(len(flat)),
@@ -122,3 +140,29 @@ class RejectionSampler:
             out = self.kernels.instrument.call("rejection_sample_ref", self.kernels.rejection_sample_ref, args,
                                                reason="attention_backend=torch: PyTorch reference")
         return [[t for t in row if t >= 0] for row in out.tolist()]
+
+    def _draw(self, draft_logits: torch.Tensor, rows: list[int], flat: list[int], cu: list[int], slots: np.ndarray,
+              requests: list, target_probs: list, uniform: list, recovered: list) -> None:
+        """For the sampled requests' draft rows: the target's probability of each draft (the sampler's
+        own processing of the row), the acceptance uniform keyed by (seed, position) (stream 1), and
+        the recovered token of each request's first rejected position (the walk stops there and
+        never reads the others: a draw over the vocabulary is the verify step's largest cost on a CPU)."""
+        req_of = np.searchsorted(np.array(cu), np.array(rows), side="right") - 1
+        row_slots = slots[req_of]
+        positions = [len(requests[r].all_token_ids) + i - cu[r] for r, i in zip(req_of.tolist(), rows)]
+        probs = self.sampler.processed_probs(draft_logits[rows], row_slots)
+        p = probs[torch.arange(len(rows), device=probs.device), torch.tensor([flat[i] for i in rows],
+                                                                                device=probs.device)].tolist()
+        u = self.kernels.rand_ref(torch.from_numpy(self.sampler.states.seeds[row_slots]),
+                                  torch.tensor(positions), stream=1).tolist()
+        first, seen = [], set()
+        for k, (r, i) in enumerate(zip(req_of.tolist(), rows)):
+            target_probs[i], uniform[i] = p[k], u[k]
+            if r not in seen and not u[k] < p[k]:  # the walk's test, with q = 1
+                seen.add(r)
+                first.append(k)
+        if first:
+            tokens = sample_recovered_tokens(probs[first], [flat[rows[k]] for k in first], row_slots[first],
+                                             [positions[k] for k in first], backend=self.backend)
+            for k, t in zip(first, tokens):
+                recovered[rows[k]] = t

@@ -4,16 +4,21 @@ Order, as in vLLM V1 (``v1/sample/sampler.py``): logprobs of the raw model outpu
 allowed_token_ids (every other token -inf) → bad_words (a word's last token -inf once its other
 tokens were just generated) → min_tokens (EOS and stop_token_ids get -inf until a request has
 min_tokens outputs) → logit_bias → penalties (repetition, presence, frequency) → greedy argmax
-when temperature is 0, otherwise temperature → min-p → top-k → top-p → draw. Each request draws
-from its own seeded generator, so its tokens do not depend on what else is in the batch.
+when temperature is 0, otherwise temperature → min-p → top-k → top-p → draw, as vLLM 0.33's Model
+Runner V2 (``worker/gpu/sample/``): every request's settings sit in ``SamplingStates`` by slot,
+and the draw is Gumbel-max keyed by (the request's seed, the position of the token drawn)
+(kernels/gumbel_sample.py), so a request's tokens depend on nothing else: not its batch-mates,
+not the step its token lands in, not a preemption. Greedy is exactly the argmax.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.request import Request
+import kernels
+from engine.sample.states import NO_LOGPROBS, SamplingStates
 from kernels.instrument import op
 from kernels.op_cost import SAMPLER
 
@@ -50,75 +55,105 @@ def argmax(x: torch.Tensor) -> int | list[int]:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    """Per-request settings live in ``states`` by slot; ``__call__(logits, requests)`` takes one row of
+    logits per request row (a request, or a request as of a draft position: request_id, params,
+    sampling_seed, eos_token_id, output_token_ids, all_token_ids). backend: "triton" draws with the
+    Gumbel kernel, else with its PyTorch reference (as attention)."""
+
+    def __init__(self, backend: str = "torch"):
+        self.backend = backend
+        self.states = SamplingStates()
+        self.last_processed: dict[int, dict] = {}  # row -> what the logits processors did (for the trace)
+
+    def finish_requests(self, req_ids) -> None:
+        """Free the slots of finished requests."""
+        for rid in req_ids:
+            self.states.remove_request(rid)
+
+    def __call__(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         logits = logits.float()
-        want, penalised, sampled, too_short = [], [], [], []  # one pass sorts the batch: it runs every step
-        masked = []  # allowed_token_ids, bad_words, logit_bias
-        for i, r in enumerate(requests):
-            p = r.params
-            if p.logprobs is not None:
-                want.append(i)
-            if p.allowed_token_ids is not None or p.bad_words_token_ids or p.logit_bias:
-                masked.append(i)
-            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
-                too_short.append(i)
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                penalised.append(i)
-            if p.temperature != 0.0:
-                sampled.append(i)
+        st = self.states
+        idx = st.idx_mapping(requests)
+        want = np.flatnonzero(st.num_logprobs[idx] != NO_LOGPROBS).tolist()
+        sampled = np.flatnonzero(st.temperature[idx] != 0.0).tolist()
         raw_logprobs = op("log_softmax", SAMPLER, _log_softmax, dict(logits=logits[want]), meta=_LOG_SOFTMAX) \
             if want else None
-        logits = self._process(logits, requests, masked, too_short, penalised)
+        logits = self._process(logits, requests, idx)
         token_ids = op("argmax", SAMPLER, argmax, dict(logits=logits), meta=_ARGMAX)  # greedy; sampled rows below
-        for i in sampled:
-            token_ids[i] = op("sample", SAMPLER, self._sample, dict(logits=logits[i], req=requests[i]), meta=_SAMPLE)
+        if sampled:
+            positions = [len(requests[i].all_token_ids) for i in sampled]  # the position of the token drawn
+            for i, t in zip(sampled, self.sample(logits[sampled], idx[sampled], positions)):
+                token_ids[i] = t
 
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
         ranks: list[int | None] = [None] * len(requests)
         for row, i in enumerate(want):
-            logprobs[i], ranks[i] = logprobs_entry(raw_logprobs[row], token_ids[i], requests[i].params.logprobs)
+            logprobs[i], ranks[i] = logprobs_entry(raw_logprobs[row], token_ids[i], int(st.num_logprobs[idx[i]]))
         return SamplerOutput(token_ids, logprobs, ranks)
+
+    def sample(self, logits: torch.Tensor, slots: np.ndarray, positions: list[int], stream: int = 0) -> list[int]:
+        """One draw per row of processed logits, each from its request's distribution (temperature,
+        min-p, top-k, top-p of its slot) by Gumbel-max keyed by (its seed, positions[i])."""
+        probs = op("sample", SAMPLER, self.processed_probs, dict(logits=logits, slots=slots), meta=_SAMPLE)
+        return self.gumbel(torch.log(probs), slots, positions, stream)
+
+    def processed_probs(self, logits: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+        """The distribution each row draws from, its slot's settings applied (see processed_probs)."""
+        st, dev = self.states, logits.device
+
+        def col(arr: np.ndarray) -> torch.Tensor:  # [rows, 1]: each row's value of a setting
+            return torch.from_numpy(arr[slots]).to(dev)[:, None]
+
+        return processed_probs(logits, col(st.temperature), col(st.min_p), col(st.top_k), col(st.top_p))
+
+    def gumbel(self, logits: torch.Tensor, slots: np.ndarray, positions: list[int], stream: int = 0) -> list[int]:
+        """Each row's Gumbel-max draw keyed by (its slot's seed, positions[i]) (see gumbel_sample)."""
+        return gumbel_sample(logits, self.states.seeds[slots], positions, stream, self.backend)
 
     def apply_logits_processors(self, logits: torch.Tensor, requests: list) -> torch.Tensor:
         """allowed_token_ids, bad_words, min_tokens, logit_bias and penalties (everything before the
         draw), row i as requests[i] is now. The rejection sampler's input: each draft position's
         row, its request as of that position."""
-        masked = [i for i, r in enumerate(requests) if r.params.allowed_token_ids is not None
-                  or r.params.bad_words_token_ids or r.params.logit_bias]
-        too_short = [i for i, r in enumerate(requests) if r.params.min_tokens
-                     and len(r.output_token_ids) < r.params.min_tokens]
-        penalised = [i for i, r in enumerate(requests) if has_penalties(r.params)]
-        return self._process(logits.float(), requests, masked, too_short, penalised)
+        return self._process(logits.float(), requests, self.states.idx_mapping(requests))
 
-    def _process(self, logits: torch.Tensor, requests: list, masked: list[int], too_short: list[int],
-                 penalised: list[int]) -> torch.Tensor:
-        self.last_processed: dict[int, dict] = {}  # row -> what the logits processors did (for the trace)
+    def _process(self, logits: torch.Tensor, requests: list, idx: np.ndarray) -> torch.Tensor:
+        """The logits processors, each on the rows whose slot asks for it."""
+        st = self.states
+        self.last_processed = {}
+        masked = [i for i, s in enumerate(idx.tolist()) if st.allowed_token_ids[s] is not None
+                  or st.bad_words_token_ids[s] or st.logit_bias[s]]
+        min_tokens = st.min_tokens[idx]
+        too_short = [i for i in np.flatnonzero(min_tokens).tolist()
+                     if len(requests[i].output_token_ids) < min_tokens[i]]
+        penalised = np.flatnonzero((st.repetition_penalty[idx] != 1.0) | (st.presence_penalty[idx] != 0.0)
+                                   | (st.frequency_penalty[idx] != 0.0)).tolist()
         if masked:
             logits = op("allow_and_ban", SAMPLER, self._allow_and_ban,
-                        dict(logits=logits, requests=requests, rows=masked), meta=_PROCESSOR)
+                        dict(logits=logits, requests=requests, rows=masked, idx=idx), meta=_PROCESSOR)
         if too_short:
             logits = op("block_stop_tokens", SAMPLER, self._block_stop_tokens,
-                        dict(logits=logits, requests=requests, rows=too_short), meta=_PROCESSOR)
+                        dict(logits=logits, rows=too_short, idx=idx), meta=_PROCESSOR)
         if masked:
             logits = op("apply_logit_bias", SAMPLER, self._apply_logit_bias,
-                        dict(logits=logits, requests=requests, rows=masked), meta=_PROCESSOR)
+                        dict(logits=logits, rows=masked, idx=idx), meta=_PROCESSOR)
         if penalised:
             logits = op("apply_penalties", SAMPLER, self._apply_penalties,
-                        dict(logits=logits, requests=requests, rows=penalised), meta=_PROCESSOR)
+                        dict(logits=logits, requests=requests, rows=penalised, idx=idx), meta=_PROCESSOR)
         return logits
 
-    def _allow_and_ban(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+    def _allow_and_ban(self, logits: torch.Tensor, requests: list, rows: list[int], idx: np.ndarray) -> torch.Tensor:
         """allowed_token_ids, then bad_words (vLLM V1's order: both before min_tokens and logit_bias)."""
-        logits = logits.clone()
+        st, logits = self.states, logits.clone()
         for i in rows:
-            p, done = requests[i].params, {}
-            if p.allowed_token_ids is not None:
+            slot, done = idx[i], {}
+            allowed = st.allowed_token_ids[slot]
+            if allowed is not None:
                 keep = torch.full_like(logits[i], float("-inf"))
-                keep[p.allowed_token_ids] = 0.0
+                keep[allowed] = 0.0
                 logits[i] += keep
-                done["allowed"] = len(p.allowed_token_ids)
+                done["allowed"] = len(allowed)
             past = requests[i].output_token_ids
-            banned = [seq[-1] for seq in p.bad_words_token_ids or ()
+            banned = [seq[-1] for seq in st.bad_words_token_ids[slot] or ()
                       if len(seq) <= len(past) + 1 and (len(seq) == 1 or past[len(past) - len(seq) + 1:] == seq[:-1])]
             if banned:
                 logits[i, banned] = float("-inf")
@@ -126,46 +161,43 @@ class Sampler:
             self.last_processed[i] = done
         return logits
 
-    def _apply_logit_bias(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+    def _apply_logit_bias(self, logits: torch.Tensor, rows: list[int], idx: np.ndarray) -> torch.Tensor:
         for i in rows:
-            bias = requests[i].params.logit_bias
+            bias = self.states.logit_bias[idx[i]]
             if bias:
                 logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
                 self.last_processed[i]["biased"] = bias
         return logits
 
-    @staticmethod
-    def _block_stop_tokens(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+    def _block_stop_tokens(self, logits: torch.Tensor, rows: list[int], idx: np.ndarray) -> torch.Tensor:
         """vLLM V1's min-tokens logits processor: a request that has fewer than min_tokens outputs
         cannot produce its stop tokens (EOS unless ignore_eos, and stop_token_ids)."""
         logits = logits.clone()
         for i in rows:
-            r = requests[i]
-            stops = list(r.params.stop_token_ids)
-            if not r.params.ignore_eos and r.eos_token_id is not None:
-                stops.append(r.eos_token_id)
+            stops = self.states.stop_token_ids[idx[i]]
             if stops:
                 logits[i, stops] = float("-inf")
         return logits
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, requests: list, rows: list[int],
+                         idx: np.ndarray) -> torch.Tensor:
         """Repetition (prompt and output tokens, as in vLLM / HF), then frequency and presence
         penalties (output tokens), all rows at once: one count matrix from one scatter. Per row it
         cost a few small tensors each, which with speculation (1 + k rows a request) took a fifth
         of the step (measured: 16 greedy requests, k = 4)."""
+        st, slots = self.states, idx[rows]
         vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
         out_rows, out_ids, seen_rows, seen_ids = [], [], [], []
         for r, i in enumerate(rows):
             req = requests[i]
             out_rows += [r] * len(req.output_token_ids)
             out_ids += req.output_token_ids
-            if req.params.repetition_penalty != 1.0:
+            if st.repetition_penalty[slots[r]] != 1.0:
                 seen_rows += [r] * len(req.all_token_ids)
                 seen_ids += req.all_token_ids
 
-        def per_row(name: str) -> torch.Tensor:  # [rows, 1]: each row's value of a penalty
-            return torch.tensor([getattr(requests[i].params, name) for i in rows], dtype=dtype, device=device)[:, None]
+        def per_row(arr: np.ndarray) -> torch.Tensor:  # [rows, 1]: each row's value of a penalty
+            return torch.from_numpy(arr[slots]).to(device=device, dtype=dtype)[:, None]
 
         sub = logits[rows]
         counts = torch.zeros(len(rows), vocab, dtype=dtype, device=device)
@@ -175,22 +207,26 @@ class Sampler:
         if seen_ids:
             seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
             seen[torch.tensor(seen_rows, device=device), torch.tensor(seen_ids, device=device)] = True
-            rep = per_row("repetition_penalty")
+            rep = per_row(st.repetition_penalty)
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - per_row("frequency_penalty") * counts - per_row("presence_penalty") * (counts > 0).to(dtype)
+        sub = sub - per_row(st.frequency_penalty) * counts - per_row(st.presence_penalty) * (counts > 0).to(dtype)
         logits = logits.clone()
         logits[rows] = sub
         return logits
 
-    @staticmethod
-    def _sample(row: torch.Tensor, req: Request) -> int:
-        probs = processed_probs(row, req.params)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) is a draw from p, and
-        # it uses exactly one draw of the request's own generator per token.
-        # The generator lives on the CPU whatever the device, so a seed draws the same numbers
-        # on a GPU as on the CPU; the draws then move to the probabilities' device.
-        e = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=req.generator).to(probs.device)
-        return argmax(probs / e)
+
+def gumbel_sample(logits: torch.Tensor, seeds: np.ndarray, positions: list[int], stream: int = 0,
+                  backend: str = "torch") -> list[int]:
+    """argmax(logits + Gumbel noise of (seeds[i], positions[i])) per row, a draw from softmax(row):
+    the Triton kernel with the triton backend, its PyTorch reference otherwise; either is a launch
+    the Kernels panel lists. stream: 0 a sampled token, 2 a recovered one (kernels/gumbel_sample.py)."""
+    seeds_t = torch.from_numpy(np.ascontiguousarray(seeds, np.int64)).to(logits.device)
+    pos = torch.tensor(positions, dtype=torch.int64, device=logits.device)
+    args = dict(logits=logits.contiguous(), seeds=seeds_t, positions=pos, stream=stream)
+    if backend == "triton":
+        return kernels.gumbel_sample(**args).tolist()
+    return kernels.instrument.call("gumbel_sample_ref", kernels.gumbel_sample_ref, args,
+                                   reason="attention_backend=torch: PyTorch reference").tolist()
 
 
 def has_penalties(p) -> bool:
@@ -217,20 +253,24 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def processed_probs(row: torch.Tensor, p) -> torch.Tensor:
-    """The distribution a sampled request draws from: temperature, then min-p, top-k and top-p.
-    row: one row of logits, or several of the same request (each processed on its own)."""
-    row = row / p.temperature
-    if p.min_p > 0.0:  # relative to the top token's probability, before top-k/top-p (as vLLM V1)
+def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """The distributions sampled rows draw from: temperature, then min-p, top-k and top-p (vLLM V1's
+    order). logits [rows, V]; each setting [rows, 1], one value per row (top_k 0: off)."""
+    row = logits / temperature
+    if bool((min_p > 0.0).any()):  # relative to the top token's probability, before top-k/top-p (as vLLM V1)
         probs = torch.softmax(row, dim=-1)
-        row = row.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    if p.top_k > 0 and p.top_k < row.shape[-1]:
-        kth = torch.topk(row, p.top_k, dim=-1).values[..., -1:]
+        row = row.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    vocab = row.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    if bool((k < vocab).any()):  # the k-th largest of each row: one topk as deep as the largest k
+        kth = torch.topk(row, int(k.max()), dim=-1).values.gather(-1, k - 1)
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
+    if bool((top_p < 1.0).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
         # keep the smallest set whose mass reaches top_p (always at least the top token)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
-        probs = probs.scatter(-1, idx, sorted_p.masked_fill(drop, 0.0))
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)  # a distribution again: speculation reads p(draft) from it
     return probs

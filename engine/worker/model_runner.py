@@ -49,7 +49,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.backend.name)  # every live request's sampling settings, by slot
         self.rejection_sampler: RejectionSampler | None = None  # made on the first step with draft tokens
         self.drafter = None  # speculative decoding with a draft model: a DraftModelProposer (set by the Worker)
         self.rope = getattr(model, "rope", None)  # what the positions rotate by (None: a learned position table)
@@ -127,6 +127,7 @@ class ModelRunner:
         holds the engine), sampler/sampled; when gated as the step starts, a kernel gate before
         each launch. While profiling (profile()), every op of the forward pass and of the sampler
         is a launch too."""
+        self.sampler.finish_requests(sched.finished_req_ids)  # their slots are free again
         inp = self.prepare_inputs(sched)
         if self.profiler.active:
             return self._run_profiled(sched, inp)
@@ -209,7 +210,7 @@ class ModelRunner:
     def _verify(self, logits: torch.Tensor, drafts: list[list[int]], sched: SchedulerOutput, bonus: list[int]):
         """Per request with drafts: the tokens the rejection sampler keeps (None for the others)."""
         if self.rejection_sampler is None:
-            self.rejection_sampler = RejectionSampler(self.model.backend.name)
+            self.rejection_sampler = RejectionSampler(self.model.backend.name, self.sampler)
         spec = [i for i, d in enumerate(drafts) if d]
         draft_rows = [r for i, d in enumerate(drafts) for r in _draft_rows(drafts, i)]
         kept = self.rejection_sampler(logits[draft_rows], [drafts[i] for i in spec],

@@ -5,11 +5,11 @@ With one rank the ``UniProcExecutor`` holds a Worker in the engine-core process 
 the scheduler's own objects. With N ranks each Worker lives in its own process
 (``engine.executor.worker_proc``, started by ``MultiprocExecutor``) and keeps, as V1's model runner does, a
 ``CachedRequestState`` per live request: the token ids it has been sent, the sampling
-parameters and a copy of the request's seeded generator. Every step it receives the same
+parameters and the request's seed. Every step it receives the same
 ``WorkerStep`` (the scheduler output as plain data: new requests whole, known ones as the
 tokens added since) and runs the same forward pass over its shard; the all-reduces and the
 logits all-gather inside the model tie the ranks together. Every rank then samples, as in V1:
-the same logits and the same generators give the same tokens; the executor keeps rank 0's.
+the same logits and the same seeds give the same tokens; the executor keeps rank 0's.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     num_prompt_tokens: int
     sampling_params: dict
     eos_token_id: int | None
-    seed: int  # the request's generator seed: every rank draws the same numbers the engine's own would
+    seed: int  # the request's sampling seed: every rank draws the same tokens the engine's own would
 
 
 class ScheduledReq(msgspec.Struct, array_like=True, gc=False):
@@ -86,7 +86,7 @@ class CachedRequestState:
     num_prompt_tokens: int
     params: SamplingParams
     eos_token_id: int | None
-    generator: torch.Generator
+    sampling_seed: int  # the request's seed: every rank draws the same tokens
     block_ids: list[int] = field(default_factory=list)
 
     @property
@@ -213,8 +213,7 @@ class Worker:
         for new in msg.new_reqs:
             params = SamplingParams(**new.sampling_params)
             self.requests[new.request_id] = CachedRequestState(
-                new.request_id, list(new.token_ids), new.num_prompt_tokens, params, new.eos_token_id,
-                torch.Generator().manual_seed(new.seed))
+                new.request_id, list(new.token_ids), new.num_prompt_tokens, params, new.eos_token_id, new.seed)
         sched = SchedulerOutput(step=msg.step, admitted=msg.admitted, finished_req_ids=set(msg.finished_req_ids))
         if msg.grammar_bitmask is not None:
             # a request's rows: one per position it scores (1 + its drafts)

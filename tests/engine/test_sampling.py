@@ -20,17 +20,18 @@ def test_seeded_request_same_alone_and_in_batch_of_8(llm):
     assert other[0].outputs[0].token_ids != alone
 
 
-def _req(params, prompt=(1, 2, 3), outputs=()):
-    r = Request("r", None, list(prompt), params, None, 10)
+def _req(params, prompt=(1, 2, 3), outputs=(), rid="r", seed=0):
+    r = Request(rid, None, list(prompt), params, None, 10)
     for t in outputs:
         r.append_token(t)
-    r.generator = torch.Generator().manual_seed(0)
+    r.sampling_seed = seed
     return r
 
 
 def _draws(params, logits, n=400):
-    sampler, r = Sampler(), _req(params)
-    return {sampler(logits[None], [r]).token_ids[0] for _ in range(n)}
+    """n requests with their own seeds, one draw each (a request's draw at one position is fixed by its seed)."""
+    reqs = [_req(params, rid=f"r{i}", seed=i) for i in range(n)]
+    return set(Sampler()(logits.expand(n, -1), reqs).token_ids)
 
 
 def test_top_k_top_p_min_p_filter_the_distribution():
@@ -55,9 +56,9 @@ def test_argmax_matches_torch_first_index_on_ties():
 def test_one_batch_mixes_greedy_penalised_and_sampled_requests():
     """Each request is sorted into greedy / penalised / sampled independently of its neighbours."""
     logits = torch.tensor([[2.0, 1.9, -1.0, 0.5]] * 3)
-    reqs = [_req(SamplingParams(temperature=0)),
-            _req(SamplingParams(temperature=0, presence_penalty=0.2), outputs=[0]),
-            _req(SamplingParams(temperature=1.0, top_k=1, seed=3))]
+    reqs = [_req(SamplingParams(temperature=0), rid="a"),
+            _req(SamplingParams(temperature=0, presence_penalty=0.2), outputs=[0], rid="b"),
+            _req(SamplingParams(temperature=1.0, top_k=1, seed=3), rid="c")]
     assert Sampler()(logits, reqs).token_ids == [0, 1, 0]
 
 

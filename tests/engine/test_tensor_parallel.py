@@ -63,7 +63,7 @@ def test_tp2_equals_tp1_and_transformers(path, setting):
 
 
 def test_seeded_sampling_and_logprobs_equal_tp1():
-    """Every rank samples with a copy of each request's seeded generator: the same draws as TP=1."""
+    """Every rank samples with each request's seed, keyed by position: the same draws as TP=1."""
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=12, logprobs=2) for s in range(4)]
     prompts = ["Once upon a time", "The cat", "A list of", "In the morning"]
     tp1 = LLM(NAME).generate(prompts, params, use_tqdm=False)

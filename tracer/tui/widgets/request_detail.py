@@ -136,7 +136,8 @@ class RequestDetail(LinesView):
                               f"  prompt {r.num_prompt_tokens} tokens · generated {r.num_output_tokens}"
                               + (f"/{r.max_tokens}" if r.max_tokens else "")
                               + (f" · preempted {r.num_preemptions}×" if r.num_preemptions else "")
-                              + (f" · priority {r.priority}" if r.priority else ""))
+                              + (f" · priority {r.priority}" if r.priority else "")
+                              + (f" · seed {r.seed}" if r.seed is not None else ""))
         if r.spec_history:  # speculative decoding: accepted of proposed, its latest verifications
             recent = " ".join(f"{a}/{d}" for _, d, a in r.spec_history[-12:])
             accepted = sum(a for _, _, a in r.spec_history)

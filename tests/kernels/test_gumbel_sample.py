@@ -1,0 +1,56 @@
+"""The Gumbel-max kernel against its reference: the same token for the same (seed, position), any stream;
+and the reference's Philox is Triton's, word for word."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels import gumbel_sample, gumbel_sample_ref, rand_ref
+from kernels.reference import philox_ref, uint32_to_uniform_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled there, interpreted here
+
+
+@triton.jit
+def _philox_kernel(out_ptr, rand_ptr, seed, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    w0, w1, w2, w3 = tl.randint4x(seed, offsets)
+    tl.store(out_ptr + offsets, w0.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(out_ptr + N + offsets, w1.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(out_ptr + 2 * N + offsets, w2.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(out_ptr + 3 * N + offsets, w3.to(tl.int64) & 0xFFFFFFFF)
+    tl.store(rand_ptr + offsets, tl.rand(seed, offsets))
+
+
+@pytest.mark.parametrize("seed", [0, 1234, -7, 2 ** 63 - 1, -2 ** 63])
+def test_philox_reference_is_tritons(seed):
+    words = torch.empty(4, 32, dtype=torch.int64, device=DEVICE)
+    uniform = torch.empty(32, dtype=torch.float32, device=DEVICE)
+    _philox_kernel[(1,)](words, uniform, seed, 32)
+    ref = philox_ref(torch.tensor(seed), torch.arange(32))
+    assert torch.equal(words.cpu(), torch.stack(ref))
+    assert torch.equal(uniform.cpu(), uint32_to_uniform_ref(ref[0]))
+    assert torch.equal(rand_ref(torch.tensor(seed), torch.arange(32), stream=0), uniform.cpu())
+
+
+@pytest.mark.parametrize("stream", [0, 2])
+def test_kernel_equals_reference(stream):
+    g = torch.Generator().manual_seed(stream)
+    logits = torch.randn(6, 300, generator=g) * 3
+    logits[2, 100:] = float("-inf")  # top-k / top-p: most tokens cut
+    logits[4] = float("-inf")  # nothing allowed: token 0, as the reference
+    seeds = torch.tensor([0, 1, -5, 2 ** 62, 12345, -2 ** 63])
+    positions = torch.tensor([0, 7, 100, 3, 2 ** 31 + 5, 9])
+    got = gumbel_sample(logits.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE), stream).cpu()
+    assert torch.equal(got, gumbel_sample_ref(logits, seeds, positions, stream))
+    assert int(got[2]) < 100 and int(got[4]) == 0
+
+
+def test_streams_and_positions_are_independent_draws():
+    logits = torch.zeros(64, 50)  # uniform: every token equally likely
+    seeds = torch.full((64,), 99)
+    positions = torch.arange(64)
+    by_position = gumbel_sample_ref(logits, seeds, positions)
+    assert len(set(by_position.tolist())) > 20  # another position, another draw
+    assert not torch.equal(by_position, gumbel_sample_ref(logits, seeds, positions, stream=2))
+    assert torch.equal(by_position, gumbel_sample_ref(logits, seeds, positions))  # and nothing else matters
