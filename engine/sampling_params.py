@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 OUTPUT_KINDS = ("cumulative", "final_only")
 KINDS = ("json", "json_object", "regex", "choice", "grammar")  # StructuredOutputsParams' constraints
+
+
+def max_n_sequences() -> int:
+    """The most choices one request may ask for: ``n`` fans out into that many engine requests
+    (vLLM's ``VLLM_MAX_N_SEQUENCES``, default 16384, read from the environment as vLLM does)."""
+    return int(os.environ.get("VLLM_MAX_N_SEQUENCES", "16384"))
 
 
 class SamplingParamsError(ValueError):
@@ -122,6 +129,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n}")
+        if self.n > max_n_sequences():
+            bad("n", f"must be at most {max_n_sequences()}, got {self.n}. To increase this limit, set the "
+                     f"VLLM_MAX_N_SEQUENCES environment variable")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -14,6 +14,8 @@ BAD = [
     (C, {"prompt": "x", "top_k": -5}, 400, "top_k"),
     (C, {"prompt": "x", "min_p": 2}, 400, "min_p"),
     (C, {"prompt": "x", "n": 0}, 400, "n"),
+    (C, {"prompt": "x", "n": 16385}, 400, "n"),  # vLLM's VLLM_MAX_N_SEQUENCES
+    (C, {"prompt": [[1]] * 1025}, 400, "prompt"),  # vLLM's VLLM_MAX_COMPLETION_PROMPTS
     (C, {"prompt": "x", "n": 1, "best_of": 3}, 400, "best_of"),
     (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     (C, {"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty"),

@@ -6,6 +6,7 @@ Several prompts in one request become several engine requests, ``cmpl-X-0``, ``c
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import aclosing
 
@@ -49,6 +50,10 @@ def _prompts(prompt) -> list:
         return [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
+    limit = int(os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "1024"))  # vLLM's name and default
+    if len(prompt) > limit:
+        raise APIError(400, f"prompt is a list of {len(prompt)} prompts, more than the {limit} one request may "
+                            f"hold (VLLM_MAX_COMPLETION_PROMPTS): send them in several requests", param="prompt")
     return list(prompt)
 
 
