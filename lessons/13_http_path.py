@@ -45,10 +45,10 @@ def run(lesson) -> None:
         "calls the `OnlineRenderer`, whose `BaseRenderer.render_cmpl_async` (`vllm/renderers/base.py`) stamps "
         "the request's `arrival_time` and tokenizes the prompt; `AsyncLLM.add_request` then hands the rendered "
         "input to `InputProcessor.process_inputs` (`vllm/v1/engine/input_processor.py`), which validates it "
-        "and builds the `EngineCoreRequest`. Ours has the same two steps under older names: "
-        "`engine/entrypoints/openai/input_processor.py` tokenizes (the renderer's part), and "
-        "`Processor.process_inputs` (`engine/engine/processor.py`; `InputProcessor` in vLLM 0.33) builds the "
-        "request.")
+        "and builds the `EngineCoreRequest`. Ours has the same two steps under other names: `InputProcessor` "
+        "in `engine/entrypoints/openai/input_processor.py` tokenizes (the renderer's part), and "
+        "`Processor.process_inputs` (`engine/engine/processor.py`; `Processor` is the name vLLM's "
+        "`InputProcessor` had before) builds the request.")
     hooks = Hooks()
     session = TraceSession(hooks, control=False, model=lesson.model)
     lesson.sessions.append(session)
