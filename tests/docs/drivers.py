@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -87,11 +88,17 @@ class Tmux:
 
     def quit(self, name: str, rc: Path, command: str) -> None:
         """Wait for the TUI's screen, press q, and expect exit status 0."""
-        wait_for(lambda: rc.exists() or len(self.screen(name).split()) > 20, 120, f"{command} to draw")
-        assert not rc.exists(), f"{command} exited at once:\n{self.screen(name)}"
-        self("send-keys", "-t", f"{name}:0", "q")
-        wait_for(rc.exists, 60, f"{command} to quit on q:\n{self.screen(name)}")
-        assert rc.read_text().strip() == "0", f"{command} exited {rc.read_text().strip()}:\n{self.screen(name)}"
+        def status() -> str:  # the exit status, once the shell has written it
+            return rc.read_text().strip() if rc.exists() else ""
+
+        wait_for(lambda: status() or len(self.screen(name).split()) > 20, 120, f"{command} to draw")
+        assert not status(), f"{command} exited at once:\n{self.screen(name)}"
+        for _ in range(12):  # q again every 5 s: one pressed while the app was still starting can be lost
+            self("send-keys", "-t", f"{name}:0", "q")
+            with contextlib.suppress(AssertionError):
+                wait_for(status, 5, "")
+                break
+        assert status() == "0", f"{command} did not quit on q with status 0 ({status()!r}):\n{self.screen(name)}"
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True)
