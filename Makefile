@@ -1,7 +1,10 @@
 # Set-up is idempotent: the first target that needs the virtual environment builds it.
 # torch is installed first and pinned: an unpinned `torch` can pull a multi-GB CUDA build.
-# pip shows what it fetches and installs (the set-up takes a minute or two): a silent minute
-# reads as a hang. Only its "already satisfied" lines are left out.
+# uv installs (pip installs only uv itself): the same pinned packages from the same index (PyPI),
+# measured from a fresh clone in the README. Each step prints a line, and uv's progress bars show
+# in a terminal: a silent minute reads as a hang. pip's "already satisfied" lines are left out.
+# uv reads UV_* settings, not pip's: pip's PIP_FIND_LINKS (local wheels, e.g. a CPU torch) is
+# passed on, so both installers see the same wheels.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -9,17 +12,24 @@ TORCH  ?= torch==2.13.0
 SHELL  := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PIP    := $(BIN)/pip install --disable-pip-version-check --progress-bar on
+UV     := $(BIN)/uv pip install --python $(BIN)/python $(foreach d,$(PIP_FIND_LINKS),--find-links $(d))
 SHOW   := { grep --line-buffered -v '^Requirement already satisfied' || true; }
+# runs a command that prints nothing for a while (venv's pip bootstrap: 5-40 s), with a line every 3 s
+TICKING := start=$$SECONDS; (while sleep 3; do echo "    ... $$((SECONDS - start)) s"; done) & tick=$$!; \
+           trap 'kill $$tick 2>/dev/null' EXIT;
 
 .PHONY: setup demo lint test bench screenshot clean
 
 $(BIN)/vllm-trace: pyproject.toml
-	@echo "==> setting up $(VENV), once (a minute or two): $(TORCH), then vllm-trace and its test tools"
-	$(PYTHON) -m venv $(VENV)
-	@echo "==> [1/2] $(TORCH) (pinned and first: a plain torch can pull a multi-GB CUDA build)"
-	@$(PIP) $(TORCH) | $(SHOW)
-	@echo "==> [2/2] vllm-trace (editable) with its test extras"
-	@$(PIP) -e '.[dev]' | $(SHOW)
+	@echo "==> setting up $(VENV), once (about two minutes): $(TORCH), then vllm-trace and its test tools"
+	@echo "$(PYTHON) -m venv $(VENV)"
+	@$(TICKING) $(PYTHON) -m venv $(VENV)
+	@echo "==> [1/3] uv, the installer (seconds where pip takes minutes)"
+	@$(PIP) 'uv>=0.13.9' | $(SHOW)
+	@echo "==> [2/3] $(TORCH) (pinned and first: a plain torch can pull a multi-GB CUDA build)"
+	@$(UV) $(TORCH)
+	@echo "==> [3/3] vllm-trace (editable) with its test extras"
+	@$(UV) -e '.[dev]'
 	touch $@
 	@echo "==> $(VENV) is ready"
 

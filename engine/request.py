@@ -10,7 +10,8 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "WAITING"
-    WAITING_FOR_FSM = "WAITING_FOR_FSM"  # in waiting, its grammar still compiling: the scheduler passes over it
+    # in waiting, its grammar still compiling: the scheduler passes over it
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
     RUNNING = "RUNNING"
     PREEMPTED = "PREEMPTED"  # back in waiting; its blocks were freed, it will be recomputed
     FINISHED_STOPPED = "FINISHED_STOPPED"

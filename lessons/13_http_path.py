@@ -31,14 +31,24 @@ def run(lesson) -> None:
         "Here the real OpenAI-compatible app runs on a local port, as `vllm-trace serve` runs it, in **two "
         "processes**. In the API-server process (this one) **FastAPI** parses the request (`http`), the "
         "**serving layer** turns it into sampling parameters and submits it (`api`), and the prompt is "
-        "**tokenized** (`tokenizer`, V1's `Processor`); `AsyncLLM` hands the token ids to its `AsyncMPClient`, "
+        "**tokenized** (`tokenizer`); `AsyncLLM` hands the token ids to its `AsyncMPClient`, "
         "and they cross to the **engine-core process** (`ipc`), where `EngineCoreProc`'s busy loop calls "
         "`EngineCore.step()`: `scheduler.schedule()`, `model_executor.execute_model()` (block manager, model "
         "runner, kernels, sampler), `scheduler.update_from_output()`. Each step's new token ids come back "
         "(`ipc`), are **detokenized** here by the `OutputProcessor` (`detokenizer`), and the HTTP handler "
         "sends the text as a **server-sent event**. The class names are vLLM V1's (`vllm/v1/engine/`), "
-        "in the same files under `engine/engine/`. You will stream one completion, then read its path "
-        "through the layers, and the two processes, from the trace.")
+        "in the same files under `engine/engine/`, with one difference in the tokenizing, below. You will "
+        "stream one completion, then read its path through the layers, and the two processes, from the trace.")
+    lesson.say(
+        "**Who tokenizes.** In vLLM 0.33 the serving layer's renderer does: "
+        "`OpenAIServingCompletion.render_completion_request` (`vllm/entrypoints/openai/completion/serving.py`) "
+        "calls the `OnlineRenderer`, whose `BaseRenderer.render_cmpl_async` (`vllm/renderers/base.py`) stamps "
+        "the request's `arrival_time` and tokenizes the prompt; `AsyncLLM.add_request` then hands the rendered "
+        "input to `InputProcessor.process_inputs` (`vllm/v1/engine/input_processor.py`), which validates it "
+        "and builds the `EngineCoreRequest`. Ours has the same two steps under other names: `InputProcessor` "
+        "in `engine/entrypoints/openai/input_processor.py` tokenizes (the renderer's part), and "
+        "`Processor.process_inputs` (`engine/engine/processor.py`; `Processor` is the name vLLM's "
+        "`InputProcessor` had before) builds the request.")
     hooks = Hooks()
     session = TraceSession(hooks, control=False, model=lesson.model)
     lesson.sessions.append(session)
@@ -114,12 +124,13 @@ def _lesson_body(lesson, session, url: str, core_pid: int) -> None:
     lesson.check({"engine", "scheduler", "detokenizer"} <= named and not any(
         e.request_id.startswith(rid + "-") for e in all_events if e.request_id),
                  f"our engine and trace know the request by that same id, {rid} (one prompt: no suffix)")
-    lesson.say("vLLM's engine does not: `OpenAIServingCompletion.create_completion` "
-               "(`vllm/entrypoints/openai/serving_completion.py`) names prompt *i* of a request `<id>-<i>`, even "
-               "when there is only one, and recent versions' `InputProcessor.assign_request_id` "
-               "(`vllm/v1/engine/input_processor.py`) appends 8 random characters to that, keeping the id the "
-               "client knows as `external_req_id` for the outputs. Ours adds `-<i>` only when a request has "
-               "several prompts, so that one id can be followed from the SSE chunk down to the kernels.")
+    lesson.say("vLLM 0.33's engine does not: `OpenAIServingCompletion._create_completion` "
+               "(`vllm/entrypoints/openai/completion/serving.py`) names prompt *i* of a request `<id>-<i>`, even "
+               "when there is only one, and `InputProcessor.assign_request_id` "
+               "(`vllm/v1/engine/input_processor.py`, called by `AsyncLLM.add_request`) appends 8 random "
+               "characters to that, keeping the id the client knows as `external_req_id` for the outputs. Ours "
+               "adds `-<i>` only when a request has several prompts, so that one id can be followed from the SSE "
+               "chunk down to the kernels.")
     by_layer = Counter(e.layer for e in mine)
     firsts: dict[str, object] = {}
     for e in mine:

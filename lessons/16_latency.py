@@ -90,14 +90,23 @@ def served(lesson) -> None:
     lesson.say(f"`vllm-trace bench`: {n} streamed requests of {prompt_len} prompt and {out_len} output tokens, "
                "all sent at once to a server on a local port. The client times each stream; the server's "
                "`/metrics` histograms time the same requests from inside. As in vLLM, TTFT and E2E run from the "
-               "request's `arrival_time`, stamped when it reaches the engine's front end (vLLM: "
-               "`InputProcessor.process_inputs`, `vllm/v1/engine/input_processor.py`), and TPOT is exported per "
+               "request's `arrival_time`. vLLM 0.33 stamps it in the serving layer's renderer, just before it "
+               "tokenizes the prompt (`BaseRenderer.render_cmpl_async`, `vllm/renderers/base.py`); "
+               "`InputProcessor.process_inputs` (`vllm/v1/engine/input_processor.py`) only stamps a request that "
+               "comes without one. Ours stamps it later, after tokenizing, when the request reaches the engine's "
+               "front end (`Processor.process_inputs`, `engine/engine/processor.py`), so our TTFT leaves out the "
+               "tokenizing that vLLM 0.33's counts. TPOT is exported per "
                "request as `vllm:request_time_per_output_token_seconds` (first to last token over the tokens "
                "after the first; the older `vllm:time_per_output_token_seconds` was per token, what ITL is now). "
                "One difference: vLLM's queue time runs from the core's QUEUED event to its first SCHEDULED "
                "(`IterationStats.update_from_finished_request`, `vllm/v1/metrics/stats.py`); ours runs from "
                "`arrival_time` to the first SCHEDULED, so it also counts the way from the front end into the "
                "scheduler's queue.")
+    before = time.monotonic()
+    request = llm.llm_engine.processor.process_inputs("stamped", "The list type", greedy(1))
+    lesson.check(before <= request.arrival_time <= time.monotonic() and request.prompt_token_ids,
+                 "our arrival_time is stamped in Processor.process_inputs, the call that takes the prompt (its "
+                 "token ids) into the front end")
     rows = [["TTFT", "vllm:time_to_first_token_seconds", summary["ttft"]["mean_ms"],
              server_ms["vllm:time_to_first_token_seconds"]],
             ["ITL", "vllm:inter_token_latency_seconds", summary["itl"]["mean_ms"],
@@ -273,12 +282,14 @@ def gpu_only(lesson) -> None:
     lesson.say(
         "**What only a GPU shows.** (1) *CUDA graphs*: vLLM captures graphs per **number of tokens** in a "
         "step, by default `[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)` with max = "
-        "min(2 × max_num_seqs, 512) (`VllmConfig._set_cudagraph_sizes` in `vllm/config/vllm.py`), and "
+        "min(2 × max_num_seqs, 512) without speculative decoding (`VllmConfig._set_cudagraph_sizes` in "
+        "`vllm/config/vllm.py`), and "
         "replays them, replacing hundreds of launches from Python with a few. The default `cudagraph_mode`, "
         "FULL_AND_PIECEWISE (`CompilationConfig` in `vllm/config/compilation.py`), replays one *full* graph, "
         "attention included, for a decode-only step, and *piecewise* graphs (everything between the "
         "attention calls, which run eagerly) for mixed and prefill steps of at most max tokens "
-        "(`CudagraphDispatcher.dispatch` in `vllm/v1/cudagraph_dispatcher.py`); larger steps run eagerly. "
+        "(`CudaGraphManager.dispatch` in `vllm/v1/worker/gpu/cudagraph_utils.py`, the default model runner's); "
+        "larger steps run eagerly. "
         "A decode step of 5 tokens is padded to the next captured size, 8, and the padding rows' outputs "
         "are dropped. (2) *Memory profiling*: at startup vLLM runs a dummy "
         "forward pass of `max_num_batched_tokens` tokens, measures the peak activation memory, and gives "

@@ -29,15 +29,16 @@ def show_token(piece: str) -> str:
 
 def run(lesson) -> None:
     lesson.intro(
-        "Ask the built-in 1.4 M-parameter model for JSON and it writes prose: it learned Python's documentation, "
-        "not JSON. With `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))` (OpenAI's "
-        "`response_format`) the engine core's **StructuredOutputManager** (`engine/structured_output/`, vLLM "
-        "V1's `v1/structured_output/`) compiles the schema into a grammar over the model's vocabulary with "
-        "**xgrammar**, on a thread beside the engine (the request waits as `WAITING_FOR_FSM`). Every step the "
-        "scheduler asks each request's grammar matcher which tokens may come next, as a **bitmask** of one bit "
-        "per token; the model runner sets every other logit to -inf (`kernels/apply_token_bitmask.py`) before "
-        "the sampler runs; after sampling the matcher accepts the token. EOS is allowed only where the grammar "
-        "may end.")
+        "Ask the built-in 1.4 M-parameter model for JSON and it writes prose: it learned Python's documentation, not "
+        "JSON. With `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))` (OpenAI's "
+        "`response_format`) the engine core's **StructuredOutputManager** (`engine/structured_output/`, vLLM V1's "
+        "`v1/structured_output/`) compiles the schema into a grammar over the model's vocabulary with **xgrammar**, on "
+        "a thread beside the engine. Meanwhile the request waits with the status "
+        "`WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR` (vLLM 0.33's `RequestStatus` in `vllm/v1/request.py`), and "
+        "`Scheduler.schedule` passes over it until its grammar is ready. Every step the scheduler asks each request's "
+        "grammar matcher which tokens may come next, as a **bitmask** of one bit per token; the model runner sets "
+        "every other logit to -inf (`kernels/apply_token_bitmask.py`) before the sampler runs; after sampling the "
+        "matcher accepts the token. EOS is allowed only where the grammar may end.")
     llm, session = lesson.engine()
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
@@ -67,8 +68,9 @@ def run(lesson) -> None:
                  and len(obj["name"]) <= 12,
                  "with it, the answer parses and follows the schema: every key, the enum, an integer in 0..120, "
                  "a boolean, a name of at most 12 characters")
-    lesson.check(statuses[0] == "WAITING_FOR_FSM",
-                 f"its first step found it WAITING_FOR_FSM (the grammar compiling), then {statuses[-1]}")
+    lesson.check(statuses[0] == "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR",
+                 f"its first step found it WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR (the grammar compiling), "
+                 f"then {statuses[-1]}")
     lesson.pause()
 
     so = req.structured_output_request
@@ -153,11 +155,11 @@ def run(lesson) -> None:
                  f"its least likely token {show_token(tok.decode([forced_ids[worst]]))!r} had probability "
                  f"{math.exp(forced_lp[worst]):.1e}")
     lesson.done(
-        "A structured output is a grammar compiled against the vocabulary (off the engine thread; the request "
-        "waits as WAITING_FOR_FSM), a bitmask of allowed tokens per request and step, -inf for the rest before "
-        "sampling, and a matcher that accepts each sampled token. It makes any model's output parse, at a small "
-        "cost per step; it cannot make a forced answer likely, and a model pushed off its path writes what the "
-        "schema allows, not what it knows.")
+        "A structured output is a grammar compiled against the vocabulary (off the engine thread; the request waits as "
+        "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR), a bitmask of allowed tokens per request and step, -inf for the rest "
+        "before sampling, and a matcher that accepts each sampled token. It makes any model's output parse, at a small "
+        "cost per step; it cannot make a forced answer likely, and a model pushed off its path writes what the schema "
+        "allows, not what it knows.")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """`make setup` (what `make demo` and `make test` run first) on a fresh clone, with a stand-in for
-Python whose pip prints what a real one prints: no network, no real install. It shows progress
-(it printed nothing for the minute and a half pip took), installs torch first, stops at a failed
-install, and does nothing the second time."""
+Python whose pip and uv print what real ones print: no network, no real install. It shows progress
+(a silent minute reads as a hang), installs uv with pip and then torch first with uv, passes pip's
+find-links on to uv, stops at a failed install, and does nothing the second time."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,19 +13,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_PYTHON = """#!/bin/bash
-# "python -m venv DIR": DIR/bin/pip, which prints what pip prints (nothing with --quiet) and exits $PIP_STATUS
+# "python -m venv DIR": DIR/bin/pip and DIR/bin/uv, which print what they print (nothing with --quiet),
+# log their arguments and exit $PIP_STATUS
 [ "$1 $2" = "-m venv" ] || exit 3
+sleep "${VENV_SECONDS:-0}"  # as ensurepip is, silent
 mkdir -p "$3/bin"
-cat > "$3/bin/pip" <<'PIP'
+for tool in pip uv; do
+cat > "$3/bin/$tool" <<'PIP'
 #!/bin/bash
-echo "$*" >> "$(dirname "$0")/pip.log"
+echo "$(basename "$0") $*" >> "$(dirname "$0")/pip.log"
 for a in "$@"; do [ "$a" = "--quiet" ] && exit "${PIP_STATUS:-0}"; done
-echo "Requirement already satisfied: setuptools"
-echo "Collecting ${@: -1}"
-echo "Successfully installed ${@: -1}"
+if [ "$(basename "$0")" = pip ]; then
+  echo "Requirement already satisfied: setuptools"; echo "Collecting ${@: -1}"; echo "Successfully installed ${@: -1}"
+else
+  echo "Resolved 1 package in 5ms" >&2; echo " + ${@: -1}" >&2
+fi
 exit "${PIP_STATUS:-0}"
 PIP
-chmod +x "$3/bin/pip"
+chmod +x "$3/bin/$tool"
+done
 """
 pytestmark = pytest.mark.skipif(shutil.which("make") is None or shutil.which("bash") is None,
                                 reason="needs make and bash")
@@ -42,20 +49,31 @@ def make_setup(tmp_path: Path, **env) -> subprocess.CompletedProcess:
 
 
 def test_setup_shows_progress_torch_first_and_is_idempotent(tmp_path):
-    first = make_setup(tmp_path)
+    first = make_setup(tmp_path, PIP_FIND_LINKS="/opt/wheels")
     assert first.returncode == 0, first.stderr
     out = first.stdout
-    assert "==> setting up .venv" in out and "[1/2] torch==2.13.0" in out and "[2/2] vllm-trace" in out
-    assert "Collecting torch==2.13.0" in out and "Collecting .[dev]" in out  # pip's own progress, not hidden
-    assert "Requirement already satisfied: setuptools" not in out
+    assert "==> setting up .venv" in out and "[1/3] uv" in out and "[2/3] torch==2.13.0" in out
+    assert "[3/3] vllm-trace" in out
+    assert "Collecting uv>=0.13.9" in out and "Requirement already satisfied: setuptools" not in out  # pip's progress
+    assert " + torch==2.13.0" in first.stderr and " + .[dev]" in first.stderr  # uv's, not hidden
     installs = (tmp_path / ".venv/bin/pip.log").read_text().splitlines()
-    assert installs[0].endswith("torch==2.13.0") and installs[1].endswith("-e .[dev]")
+    assert installs[0].startswith("pip install") and installs[0].endswith(" uv>=0.13.9")
+    uv = "uv pip install --python .venv/bin/python --find-links /opt/wheels"  # pip's find-links, passed on
+    assert installs[1] == f"{uv} torch==2.13.0" and installs[2] == f"{uv} -e .[dev]"
     again = make_setup(tmp_path)
     assert again.returncode == 0 and "==>" not in again.stdout
-    assert len((tmp_path / ".venv/bin/pip.log").read_text().splitlines()) == 2  # nothing installed again
+    assert len((tmp_path / ".venv/bin/pip.log").read_text().splitlines()) == 3  # nothing installed again
 
 
 def test_setup_stops_when_an_install_fails(tmp_path):
     failed = make_setup(tmp_path, PIP_STATUS="1")
-    assert failed.returncode != 0 and "[2/2]" not in failed.stdout
+    assert failed.returncode != 0 and "[2/3]" not in failed.stdout
     assert not (tmp_path / ".venv/bin/vllm-trace").exists()  # so the next make tries again
+
+
+def test_a_silent_step_still_prints_a_line_every_few_seconds(tmp_path):
+    """`python -m venv` installs pip without a word (40 s on a busy 2-core machine)."""
+    slow = make_setup(tmp_path, VENV_SECONDS="7")
+    assert slow.returncode == 0, slow.stderr
+    venv_part = slow.stdout.split("-m venv .venv", 1)[1].split("==> [1/3]", 1)[0]
+    assert re.search(r"^    \.\.\. \d+ s$", venv_part, re.M)  # a tick every 3 s until the venv is made

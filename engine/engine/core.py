@@ -188,7 +188,7 @@ class EngineCore:
         # every request has a seed (MRv2's): its draws are keyed by (seed, position)
         req.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         if params.structured_outputs is not None:  # waits in the queue until its grammar compiles
-            req.status = RequestStatus.WAITING_FOR_FSM
+            req.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
             self.structured_output_manager.grammar_init(req)
         self.scheduler.add_request(req)
         if self.hooks.active:

@@ -1,4 +1,5 @@
-"""Processor: a prompt becomes an EngineCoreRequest (vLLM V1's ``v1/engine/processor.py``).
+"""Processor: a prompt becomes an EngineCoreRequest (vLLM 0.33's ``InputProcessor.process_inputs``
+in ``v1/engine/input_processor.py``, under the name it had before).
 
 Every front end tokenizes here, before the engine core sees the request: the core takes
 token ids only. The API server tokenizes a text prompt earlier still, off the event loop

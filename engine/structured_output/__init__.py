@@ -6,7 +6,8 @@ scheduler:
 
 1. ``grammar_init`` (EngineCore.add_request): the grammar is compiled against the model's
    vocabulary on a thread pool, off the engine thread; identical grammars share one compile.
-   Meanwhile the request waits as ``WAITING_FOR_FSM`` and the scheduler passes over it.
+   Meanwhile the request waits as ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` and the scheduler passes over
+   it.
 2. ``grammar_bitmask`` (end of Scheduler.schedule): for each scheduled request whose step samples a
    token, its matcher writes which tokens may come next as a bitmask, one bit per token, 32 per
    int32 word: the batch's ``[num_structured, ceil(vocab / 32)]`` array travels with the

@@ -3,8 +3,8 @@ against the model's vocabulary, one matcher per request, a bitmask of allowed to
 
 xgrammar is imported on first use, never at import time: it costs ~2 s on 2 cores, which neither
 ``serve``'s start nor a request without a grammar should pay. The engine core imports it on its
-compile thread (the request waits as WAITING_FOR_FSM meanwhile); the front end on its first
-structured request, to check the grammar before queueing it.
+compile thread (the request waits as WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR meanwhile); the front end
+on its first structured request, to check the grammar before queueing it.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Structured outputs in the engine core: requests wait as WAITING_FOR_FSM while their grammar
-compiles; the mask decides every token (greedy = transformers' argmax under the same mask); a
-matcher survives preemption and chunked prefill; bad grammars are refused before they are queued."""
+"""Structured outputs in the engine core: requests wait as WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+while their grammar compiles; the mask decides every token (greedy = transformers' argmax under the
+same mask); a matcher survives preemption and chunked prefill; bad grammars are refused before they
+are queued."""
 from __future__ import annotations
 
 import json
@@ -86,8 +87,8 @@ def test_waits_as_waiting_for_fsm_while_compiling(monkeypatch):
     for _ in range(2):
         core.step()
         snap = core.snapshot()
-        assert [r["status"] for r in snap["waiting"]] == ["WAITING_FOR_FSM"]
-        assert core.requests["g"].status is RequestStatus.WAITING_FOR_FSM
+        assert [r["status"] for r in snap["waiting"]] == ["WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"]
+        assert core.requests["g"].status is RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
     sched = core.scheduler.schedule()  # the plain request runs meanwhile; the other waits, and says why
     assert sched.req_ids == ["plain"] and "grammar" in sched.waiting_reasons["g"]
     core.scheduler.update_from_output(sched, core.model_executor.execute_model(sched))

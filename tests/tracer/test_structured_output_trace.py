@@ -56,7 +56,7 @@ def test_waiting_for_fsm_in_the_snapshot_and_the_step_mark():
             if view.snapshot and view.snapshot.get("grammar_allowed"):
                 text = batch_table(Frame.of(view, {}, 0, None)).renderables[1].plain
                 assert "◆ grammar:" in text and "of 4,096 tokens allowed" in text
-        assert statuses[0] == "WAITING_FOR_FSM" or "RUNNING" in statuses
+        assert statuses[0] == "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR" or "RUNNING" in statuses
     finally:
         session.close()
 

@@ -86,7 +86,7 @@ def sparkline(values, width: int = 16, top: float | None = None) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in values)
 
 
-STATUS_STYLES = {"WAITING": "yellow", "WAITING_FOR_FSM": "yellow",  # (for its grammar to compile)
+STATUS_STYLES = {"WAITING": "yellow", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": "yellow",  # (its grammar compiling)
                  "RUNNING": "green", "PREEMPTED": "bold red", "FINISHED_ABORTED": "red"}
 
 

@@ -134,7 +134,8 @@ class Scheduler:
                 reason = "token budget used up"
             elif len(self.running) >= self.config.max_num_seqs:
                 reason = "max_num_seqs reached"
-            elif self.waiting[0].status is RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(out, skipped):
+            elif (self.waiting[0].status is RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                  and not self._grammar_ready(out, skipped)):
                 continue  # passed over (its grammar is compiling) or finished (its grammar failed)
             else:
                 reason = self._try_admit(self.waiting[0], budget, out)
@@ -144,16 +145,17 @@ class Scheduler:
             out.waiting_reasons = {r.request_id: reason for r in self.waiting}
         if skipped:
             self.waiting.extendleft(reversed(skipped))
-            out.waiting_reasons |= {r.request_id: "its grammar is compiling (WAITING_FOR_FSM)" for r in skipped}
+            out.waiting_reasons |= {r.request_id: "its grammar is compiling (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)"
+                                    for r in skipped}
         if self.structured_output_manager is not None:
             self._grammar_bitmask(out)
         return out
 
     # ---- structured outputs (engine/structured_output) ----------------------------------------
     def _grammar_ready(self, out: SchedulerOutput, skipped: list[Request]) -> bool:
-        """For the head of `waiting`, WAITING_FOR_FSM: whether its grammar has compiled (it is
-        then WAITING, admitted as any other). If not, it leaves `waiting`: into `skipped` while
-        its grammar compiles, finished if its grammar failed."""
+        """For the head of `waiting`, WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR: whether its grammar has
+        compiled (it is then WAITING, admitted as any other). If not, it leaves `waiting`: into
+        `skipped` while its grammar compiles, finished if its grammar failed."""
         req = self.waiting[0]
         if not self.structured_output_manager.check_ready(req):
             skipped.append(self.waiting.popleft())
@@ -174,7 +176,8 @@ class Scheduler:
         """Nothing can run until a grammar compiles: nothing is running, and every waiting request
         waits for its grammar."""
         return not self.running and bool(self.waiting) and all(
-            r.status is RequestStatus.WAITING_FOR_FSM and not r.structured_output_request.compiled.done()
+            r.status is RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            and not r.structured_output_request.compiled.done()
             for r in self.waiting)
 
     def _grammar_bitmask(self, out: SchedulerOutput) -> None:

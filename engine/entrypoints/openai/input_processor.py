@@ -1,5 +1,6 @@
-"""The API server's input processing, as vLLM V1's ``Processor``: prompts become token ids
-here, off the engine's path, and the engine gets ``{"prompt_token_ids": ids, "prompt": text}``.
+"""The API server's input processing, as vLLM 0.33's renderer (``vllm/renderers/``): prompts
+become token ids here, off the engine's path, and the engine gets ``{"prompt_token_ids": ids,
+"prompt": text}``.
 
 Why not let the engine tokenize: it did, on the engine thread, before its length check, so
 one 10 MiB prompt held every other request for 35 s only to be refused (measured on the

@@ -24,7 +24,7 @@ def waiting_why(frame: Frame, r) -> str:
     s = frame.state
     if r.status == "PREEMPTED" or (r.status == "WAITING" and r.num_preemptions):
         return f"preempted: {r.preempt_reason or '?'}"
-    if r.status == "WAITING_FOR_FSM":
+    if r.status == "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR":
         return r.waiting_reason or "its grammar is compiling"
     if r.status == "WAITING":
         if r.waiting_reason:
