@@ -23,7 +23,8 @@ from tracer.tui.widgets.panel import Panel
 def stage_details(stage: dict) -> str:
     name = stage["stage"]
     if name == "model_load" and "params" in stage:
-        return f"{stage['params']:,} parameters, {fmt_bytes(stage.get('bytes'))}"
+        threads = f" · {stage['threads']}" if stage.get("threads") else ""
+        return f"{stage['params']:,} parameters, {fmt_bytes(stage.get('bytes'))}{threads}"
     if name == "kv_cache_alloc" and "num_blocks" in stage:
         per_block = fmt_bytes(stage.get("bytes_per_block"))
         return (f"{stage['num_blocks']} blocks × {stage['block_size']} tokens × {per_block}"
