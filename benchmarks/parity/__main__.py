@@ -29,9 +29,9 @@ from benchmarks.parity.servers import Server, chat_template_file
 OFFLINE = ("tiny-gpt2", "tiny-llama-hd32")
 
 
-def part_tokens(vllm_python: str, workdir: Path) -> tuple[list[str], dict]:
+def part_tokens(vllm_python: str, workdir: Path, models: list[str] | None = None) -> tuple[list[str], dict]:
     problems, table, offline = [], {}, {}
-    for name, path in checkpoints(workdir / "models").items():
+    for name, path in checkpoints(workdir / "models", models).items():
         job = tokens.job(path)
         if name in OFFLINE:
             job["throughput"] = {"prompts": vs_vllm.workload(64), "max_tokens": 64, "reps": 1}
@@ -69,6 +69,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     ap.add_argument("--parts", nargs="+", default=["tokens", "api", "serving"], choices=["tokens", "api", "serving"])
+    ap.add_argument("--models", nargs="+", default=None, metavar="NAME",
+                    help="the tokens part on these checkpoints only (default: all of benchmarks/parity/models.py)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
     a = ap.parse_args()
     vllm_python = str(Path(a.vllm_python).absolute())
@@ -78,7 +80,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vllm-trace-parity-") as d:
         workdir = Path(d)
         if "tokens" in a.parts:
-            p, r = part_tokens(vllm_python, workdir)
+            p, r = part_tokens(vllm_python, workdir, a.models)
             problems += p
             results |= r
         if "api" in a.parts or "serving" in a.parts:

@@ -85,9 +85,19 @@ class Server:
         self.log.close()
 
     def pids(self) -> list[int]:
-        """The server's process and its children (engine core, workers)."""
-        out = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
+        """The server's process and its descendants (engine core, workers), whatever their process group."""
+        parents = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    parents[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    pass
+        found, frontier = [self.proc.pid], [self.proc.pid]
+        while frontier:
+            frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
+            found += frontier
+        return found
 
 
 def get(url: str, timeout: float = 10.0) -> tuple[int, str]:
