@@ -31,10 +31,11 @@ from pathlib import Path
 from benchmarks.parity.servers import Server, chat_template_file
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = {"vllm": ("vllm", {}), "ours": ("ours", {}),
+VARIANTS = {"vllm": ("vllm", {}), "ours": ("ours", {}), "ours-bound": ("ours", {"VLLM_CPU_OMP_THREADS_BIND": "auto"}),
             "ours-2threads": ("ours", {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})}
 THREADS = {"vllm": "vLLM's defaults: worker bound to cpu 0 (VLLM_CPU_OMP_THREADS_BIND=auto, 1 core reserved)",
-           "ours": "ours by default: engine core 1 thread bound to cpu 0, 1 core left to the API server",
+           "ours": "ours by default: engine core 1 torch thread, unbound, 1 core left to the API server",
+           "ours-bound": "engine core 1 torch thread bound to cpu 0 (VLLM_CPU_OMP_THREADS_BIND=auto)",
            "ours-2threads": "OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=nobind (an offline engine's)"}
 FIELDS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms",
           "completed")

@@ -87,9 +87,9 @@ class EngineArgs:
                                      "(1: no workers, the model runs in the engine core)", TP_GROUP,
                                      aliases=("-tp",), metavar="N")
     cpu_threads: int | None = _arg(None, "CPU: torch threads of the engine core (of each rank under tensor "
-                                   "parallelism). Default: serving keeps one core per rank for the API server "
-                                   "and pins each rank to its cores, as vLLM's CPU build does "
-                                   "(VLLM_CPU_OMP_THREADS_BIND=auto|nobind|0-3|4-7, VLLM_CPU_NUM_OF_RESERVED_CPU); "
+                                   "parallelism). Default: serving keeps one core per rank for the API server, as "
+                                   "vLLM's CPU build does (VLLM_CPU_NUM_OF_RESERVED_CPU); "
+                                   "VLLM_CPU_OMP_THREADS_BIND=auto|0-3|4-7 also pins each rank to its cores; "
                                    "the offline LLM uses every core; OMP_NUM_THREADS also sets it",
                                    metavar="N")
     distributed_init_method: str | None = _arg(None, "where the ranks meet: tcp://HOST:PORT, or env:// with "

@@ -9,11 +9,13 @@ from the last ranks' tails) are left out, unless that would leave a rank none. O
 goes to the ranks (one rank: torch's default threads). ``VLLM_CPU_NUM_OF_RESERVED_CPU`` sets the number
 kept (vLLM's variable), ``--cpu-threads`` or ``OMP_NUM_THREADS`` the threads outright.
 
-Binding (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): ``auto`` pins each rank's process to its cores, so that its
-OpenMP threads and the API server's event loop stop migrating onto each other's core; ``nobind`` leaves the
-kernel to place them; ``0-3|4-7`` gives each rank its cores. Measured on a 2-core VM with `vllm bench serve`
-(64 prompts x 64 tokens, concurrency 32, tiny-gpt2): 2 threads unbound 1,031-1,272 output tok/s, 1 thread
-about 1,490; see benchmarks/RESULTS.md for the binding's share.
+Binding (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``): ``auto`` pins each rank's process to its cores, ``0-3|4-7``
+gives each rank its cores, ``nobind`` (our default) leaves the kernel to place them. vLLM binds by default, but
+only its worker, which runs the forward; our engine core with one rank also runs the scheduler and two socket
+threads, and pinning them all to one core made serving slower on a loaded 2-core VM (`vllm bench serve`,
+concurrency 32: 229 output tok/s pinned against vLLM's 713 in the same minutes), while the fewer threads
+are the lever that counts: 2 threads unbound 1,031-1,272 tok/s, 1 thread about 1,490 (idle machine; see
+benchmarks/RESULTS.md). Offline, one thread is the default only if OMP_NUM_THREADS or --cpu-threads says so.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
-DEFAULT_BIND = "auto"
+DEFAULT_BIND = "nobind"
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,9 @@ class CpuPlacement:
     reason: str            # where the numbers come from, in a few words
 
     def describe(self) -> str:
-        """`1 thread on cpu 1 (bound; serving: 1 of 2 cores left to the API server)`."""
-        cpus = ",".join(map(str, self.cpus))
-        where = f"on cpu {cpus}" + (" (bound)" if self.bound else "")
-        return f"{self.threads} torch thread{'s' * (self.threads != 1)} {where}; {self.reason}"
+        """`1 torch thread; serving: 1 of 2 cores left to the API server` (`, bound to cpu 0` when pinned)."""
+        where = f", bound to cpu {','.join(map(str, self.cpus))}" if self.bound else ""
+        return f"{self.threads} torch thread{'s' * (self.threads != 1)}{where}; {self.reason}"
 
 
 def allowed_cpus() -> list[int]:

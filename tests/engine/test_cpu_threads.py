@@ -25,12 +25,14 @@ def test_rank_cpu_lists_keep_cores_from_the_last_ranks_first():
     assert parse_cpu_list("5,2-4") == [2, 3, 4, 5]
 
 
-def test_serving_leaves_a_core_per_rank_to_the_api_server_and_binds(four_cores):
+def test_serving_leaves_a_core_per_rank_to_the_api_server(four_cores):
     p = cpu_placement(ParallelConfig(api_process_count=1), env={})
-    assert (p.cpus, p.threads, p.bound) == ((0, 1, 2), 3, True)
-    assert "1 of 4 cores left to the API server" in p.describe()
+    assert (p.cpus, p.threads, p.bound) == ((0, 1, 2), 3, False)
+    assert p.describe() == "3 torch threads; serving: 1 of 4 cores left to the API server"
     r1 = cpu_placement(ParallelConfig(tensor_parallel_size=2, api_process_count=1), rank=1, env={})
-    assert (r1.cpus, r1.threads, r1.bound) == ((2,), 1, True)
+    assert (r1.cpus, r1.threads, r1.bound) == ((2,), 1, False)
+    bound = cpu_placement(ParallelConfig(api_process_count=1), env={"VLLM_CPU_OMP_THREADS_BIND": "auto"})
+    assert bound.bound and "bound to cpu 0,1,2" in bound.describe()
 
 
 def test_offline_uses_every_core_unbound(four_cores):
@@ -46,6 +48,7 @@ def test_overrides(four_cores):
     flag = cpu_placement(ParallelConfig(api_process_count=1, cpu_threads=1), env={"OMP_NUM_THREADS": "2"})
     assert flag.threads == 1 and "--cpu-threads 1" in flag.describe()
     assert not cpu_placement(serving, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}).bound
+    assert not cpu_placement(ParallelConfig(), env={"VLLM_CPU_OMP_THREADS_BIND": "auto"}).bound  # offline
     assert cpu_placement(serving, env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}).cpus == (0, 1)
     given = cpu_placement(ParallelConfig(), env={"VLLM_CPU_OMP_THREADS_BIND": "1-2"})
     assert (given.cpus, given.threads, given.bound) == ((1, 2), 2, True)
