@@ -8,8 +8,9 @@ api       both servers on tiny-gpt2, started the same way: the same requests, fi
 serving   `vllm bench serve` against both servers at concurrency 32, once (benchmarks/serving.py repeats it
           over concurrencies 1 to 64 for RESULTS.md)
 
-Exits 1 when a difference is not explained; prints what differs by design, and the tables. It takes some
-15 minutes on 2 cores, most of it vLLM compiling each checkpoint with torch.compile at start.
+Exits 1 when a difference is not explained; prints what differs by design, and the tables. It takes 20 to 40
+minutes on 2 cores, most of it vLLM's start (torch.compile of each checkpoint: 2.5 minutes measured on a busy
+machine, up to 9 on a very busy one), five checkpoints and one server.
 """
 from __future__ import annotations
 
