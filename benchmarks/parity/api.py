@@ -111,7 +111,8 @@ def explained(path: str) -> str | None:
     parts = path.split(".")
     for i in range(len(parts), 0, -1):
         prefix = ".".join(parts[:i])
-        why = EXPLAINED.get(prefix) or EXPLAINED.get(parts[i - 1].removeprefix("[]").removesuffix("[]"))
+        why = (EXPLAINED.get(prefix) or EXPLAINED.get(prefix.removesuffix("[]"))
+               or EXPLAINED.get(parts[i - 1].removesuffix("[]")))
         if why:
             return why
     return None
