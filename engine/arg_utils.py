@@ -86,6 +86,12 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "ranks, one worker process each; must divide the model's attention heads "
                                      "(1: no workers, the model runs in the engine core)", TP_GROUP,
                                      aliases=("-tp",), metavar="N")
+    cpu_threads: int | None = _arg(None, "CPU: torch threads of the engine core (of each rank under tensor "
+                                   "parallelism). Default: serving keeps one core per rank for the API server, as "
+                                   "vLLM's CPU build does (VLLM_CPU_NUM_OF_RESERVED_CPU); "
+                                   "VLLM_CPU_OMP_THREADS_BIND=auto|0-3|4-7 also pins each rank to its cores; "
+                                   "the offline LLM uses every core; OMP_NUM_THREADS also sets it",
+                                   metavar="N")
     distributed_init_method: str | None = _arg(None, "where the ranks meet: tcp://HOST:PORT, or env:// with "
                                                "MASTER_ADDR and MASTER_PORT set (default: a free loopback port)",
                                                TP_GROUP, metavar="URL")
@@ -145,7 +151,8 @@ class EngineArgs:
                                       policy=self.scheduling_policy),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_init_method=self.distributed_init_method,
-                                    distributed_timeout_s=self.distributed_timeout_s),
+                                    distributed_timeout_s=self.distributed_timeout_s,
+                                    cpu_threads=self.cpu_threads),
             attention_backend=self.attention_backend,
             speculative=SpeculativeConfig.from_dict(_json_object(self.speculative_config))
             if self.speculative_config else None,

@@ -81,11 +81,16 @@ class ParallelConfig:
     its own shard of every layer (``distributed_executor_backend="mp"``); 1 keeps the model
     runner in the engine-core process ("uni"). distributed_init_method: where the ranks meet
     (default: a free loopback port, tcp://127.0.0.1:PORT); distributed_timeout_s: how long a
-    collective waits for a missing rank before it fails (torch's default is 30 minutes)."""
+    collective waits for a missing rank before it fails (torch's default is 30 minutes). On the CPU
+    each rank's threads and cores follow engine.cpu_threads: cpu_threads overrides its thread count;
+    api_process_count (vLLM's ``_api_process_count``) is the API servers sharing the machine, set by
+    AsyncLLM: > 0 keeps cores for them."""
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: "uni" for one rank, "mp" for more
     distributed_init_method: str | None = None
     distributed_timeout_s: float = 30.0
+    cpu_threads: int | None = None
+    api_process_count: int = 0
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -96,6 +101,8 @@ class ParallelConfig:
         _check(not (tp > 1 and self.distributed_executor_backend == "uni"),
                f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={tp} needs 'mp'")
         _check(self.distributed_timeout_s > 0, f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        _check(self.cpu_threads is None or isinstance(self.cpu_threads, int) and self.cpu_threads >= 1,
+               f"cpu_threads must be an integer >= 1, got {self.cpu_threads!r}")
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if tp == 1 else "mp"
 

@@ -41,6 +41,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import AsyncIterator, Callable
 
 from engine.config import EngineConfig
@@ -89,6 +90,8 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, hooks: Hooks | None = None, drain_timeout: float = 5.0,
                  core_options: dict | None = None, on_dead: Callable[[str], None] | None = None,
                  core_proc: subprocess.Popen | None = None):
+        # this process is the API server: the core's ranks leave it cores (engine.cpu_threads)
+        config = replace(config, parallel=replace(config.parallel, api_process_count=1))
         self.config = config
         self.hooks = hooks or Hooks()
         self.drain_timeout = drain_timeout

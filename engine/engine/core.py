@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.sched.output import SchedulerOutput
 from engine.core.sched.scheduler import Scheduler
+from engine.cpu_threads import place_threads
 from engine.engine.core_types import EngineCoreOutputs, EngineCoreRequest
 from engine.executor.multiproc_executor import Executor, MultiprocExecutor, UniProcExecutor
 from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT, Hooks
@@ -106,6 +107,8 @@ class EngineCore:
         check_tp_size(self.model_config, tp)
         with self._stage("model_load", path=str(self.model_path), device=str(self.device),
                          attention_backend=self.attention_backend) as info:
+            if self.device.type == "cpu" and tp == 1:  # (each worker places its own under tensor parallelism)
+                info["threads"] = place_threads(config.parallel).describe()
             self.model_executor = self._make_executor()
             info |= self.model_executor.load_model(self._load_progress)
 

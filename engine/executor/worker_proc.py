@@ -2,9 +2,10 @@
 its arguments pickled on stdin, as the engine-core process is started).
 
 It dies with its parent (the engine-core process, or the offline LLM's): PR_SET_PDEATHSIG and
-a watcher thread, as the core does. It sets its own torch thread count (the machine's cores
-shared out between the ranks: 2 ranks × 2 threads on 2 cores measured 5× slower than 1 thread
-each), joins the process group, then serves the executor's messages in order:
+a watcher thread, as the core does. It sets its own torch threads and cores (engine.cpu_threads:
+the machine's cores shared out between the ranks, fewer while an API server shares them; 2 ranks ×
+2 threads on 2 cores measured 5× slower than 1 thread each), joins the process group, then serves
+the executor's messages in order:
 
     load    build this rank's shard; reply ready (what it holds, how many KV blocks fit)
     kv      allocate the KV-cache shard for the number of blocks all ranks agreed on
@@ -33,6 +34,7 @@ import msgspec
 import torch
 import zmq
 
+from engine.cpu_threads import place_threads
 from engine.distributed.parallel_state import destroy_distributed, init_distributed
 from engine.engine.core_proc import die_with_parent
 from engine.hooks import BEGIN, END, Hooks
@@ -97,9 +99,7 @@ class WorkerProc:
     # ---- startup ------------------------------------------------------------------------------
     def _load(self) -> None:
         a = self.args
-        threads = max(1, len(os.sched_getaffinity(0)) // self.world_size) if a["device"] == "cpu" else None
-        if threads is not None:
-            torch.set_num_threads(threads)
+        threads = place_threads(a["config"].parallel, self.rank).describe() if a["device"] == "cpu" else None
         device = torch.device(a["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -108,6 +108,8 @@ class WorkerProc:
             self.worker = Worker(a["config"], a["model_path"], a["model_config"], device, a["dtype"],
                                  a["attention_backend"], tp, self.hooks)
             info |= self.worker.load_model()
+            if threads is not None:
+                info["threads"] = threads
         num_blocks, why = self.worker.determine_num_blocks()
         self._reply("ready", dict(info, num_blocks=num_blocks, reason=why, pid=os.getpid()))
 

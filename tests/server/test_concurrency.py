@@ -130,8 +130,8 @@ async def test_requests_wait_while_the_engine_is_paused(live, recorder):
                                                             "max_tokens": 4}))
             assert await asyncio.to_thread(recorder.wait_for, "QUEUED", None, 2)
             metrics = (await c.get("/metrics")).text
-            assert 'vllm:num_requests_waiting{model_name="tiny-gpt2"} 2.0' in metrics
-            assert 'vllm:num_requests_running{model_name="tiny-gpt2"} 0.0' in metrics
+            assert 'vllm:num_requests_waiting{engine="0",model_name="tiny-gpt2"} 2.0' in metrics
+            assert 'vllm:num_requests_running{engine="0",model_name="tiny-gpt2"} 0.0' in metrics
             assert [r.request_id[:4] for r in eng.scheduler.waiting] == ["cmpl", "chat"]
             assert eng.step_count == steps and not recorder.find("NEW_TOKENS")
             remove()

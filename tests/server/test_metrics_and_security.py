@@ -20,7 +20,7 @@ NAMES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cach
 
 
 def sample(text: str, name: str, **labels) -> float:
-    want = {"model_name": "tiny-gpt2", **labels}
+    want = {"model_name": "tiny-gpt2", "engine": "0", **labels}
     for line in text.splitlines():
         m = re.match(r"([\w:]+)\{(.*)\} (\S+)$", line)
         if m and m[1] == name and dict(re.findall(r'(\w+)="([^"]*)"', m[2])) == want:

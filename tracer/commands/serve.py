@@ -120,7 +120,8 @@ def port_number(text: str) -> int:
 
 def _fmt_details(stage: str, d: dict) -> str:
     if stage == "model_load" and "params" in d:
-        return f"{d['params']:,} parameters, {d['bytes'] / 2**20:.1f} MiB"
+        threads = f"; {d['threads']}" if d.get("threads") else ""
+        return f"{d['params']:,} parameters, {d['bytes'] / 2**20:.1f} MiB{threads}"
     if stage == "kv_cache_alloc" and "num_blocks" in d:
         return f"{d['num_blocks']} blocks x {d['block_size']} tokens, {d['bytes'] / 2**20:.1f} MiB ({d['reason']})"
     if stage == "tokenizer_load" and "vocab_size" in d:

@@ -137,6 +137,6 @@ def shard_details(stage: str, info: dict) -> str:
     if stage == "model_load":
         return (f"{info.get('params', 0):,} parameters, {fmt_bytes(info.get('bytes'))} · heads "
                 f"{fmt_span(info.get('heads'))} · mlp cols {fmt_span(info.get('mlp'))} · vocab "
-                f"{fmt_span(info.get('vocab'))}")
+                f"{fmt_span(info.get('vocab'))}" + (f" · {info['threads']}" if info.get("threads") else ""))
     return (f"{info.get('num_blocks')} blocks × {fmt_bytes(info.get('bytes_per_block'))} = "
             f"{fmt_bytes(info.get('bytes'))} · heads {fmt_span(info.get('heads'))}")

@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM V1's names, labelled with ``model_name``.
+"""Prometheus metrics with vLLM V1's names, labelled as vLLM labels them: ``model_name`` and ``engine``
+(the engine core's index, "0": one core per server here).
 
 Counters and histograms are fed from the engine thread after every step (a step listener on
 the AsyncLLMEngine), with vLLM V1's accounting: a request's prompt tokens count in the step
@@ -29,6 +30,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+ENGINE_INDEX = "0"  # vLLM's `engine` label: the engine core's index (data parallelism has several)
 ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
@@ -37,45 +39,41 @@ class ServerMetrics:
         prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside each counter
         self.engine = engine
         self.registry = r = CollectorRegistry()
-        m = ["model_name"]
+        m = ["model_name", "engine"]
+        ids = (model_name, ENGINE_INDEX)
 
         def counter(name, doc, labels=m):
             return Counter(name, doc, labels, registry=r)
 
         def histogram(name, doc, buckets):
-            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(*ids)
 
-        self._running = Gauge("vllm:num_requests_running", "Requests in the running queue.", m, registry=r).labels(
-            model_name
-        )
-        self._waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", m, registry=r).labels(
-            model_name
-        )
+        self._running = Gauge("vllm:num_requests_running", "Requests in the running queue.", m, registry=r).labels(*ids)
+        self._waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", m,
+                              registry=r).labels(*ids)
         self._kv_usage = Gauge(
             "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = 100%).", m, registry=r
-        ).labels(model_name)
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.").labels(
-            model_name
-        )
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.").labels(model_name)
-        self.preemptions = counter("vllm:num_preemptions", "Preemptions.").labels(model_name)
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(model_name)
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(model_name)
+        ).labels(*ids)
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.").labels(*ids)
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.").labels(*ids)
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions.").labels(*ids)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(*ids)
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(*ids)
         self.request_success = counter("vllm:request_success", "Finished requests, by finish reason.",
                                        m + ["finished_reason"])
         self.request_abort = counter("vllm_trace:request_abort",
-                                     "Aborted requests (ours: vLLM does not count them).").labels(model_name)
+                                     "Aborted requests (ours: vLLM does not count them).").labels(*ids)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
         self.tpot = histogram("vllm:request_time_per_output_token_seconds",
                               "Per request: first to last token, divided by the tokens after the first.", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
-        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative drafts verified.").labels(model_name)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative drafts verified.").labels(*ids)
         self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
-                                         "Speculative draft tokens verified.").labels(model_name)
+                                         "Speculative draft tokens verified.").labels(*ids)
         self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
-                                     "Speculative draft tokens accepted.").labels(model_name)
+                                     "Speculative draft tokens accepted.").labels(*ids)
         self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted draft tokens, by position in the draft.", [*m, "position"])
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_BUCKETS)
@@ -103,7 +101,7 @@ class ServerMetrics:
                     self.itl.observe((now - last_time) / new)
             if out.finished:
                 self._seen.pop(out.request_id, None)
-                self.request_success.labels(self.model_name, out.outputs[0].finish_reason).inc()
+                self.request_success.labels(self.model_name, ENGINE_INDEX, out.outputs[0].finish_reason).inc()
                 self.e2e.observe(now - m["arrival_time"])
                 # as vLLM's IterationStats.update_from_finished_request: 0 for a one-token answer
                 first = m["first_token_time"]
@@ -129,7 +127,7 @@ class ServerMetrics:
         before = last.spec_num_accepted_tokens_per_pos
         for pos, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
             gained = n - (before[pos] if pos < len(before) else 0)
-            self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(gained)
+            self.spec_accepted_per_pos.labels(self.model_name, ENGINE_INDEX, str(pos)).inc(gained)
 
     def render(self) -> bytes:
         stats = self.engine.stats

@@ -1,0 +1,1 @@
+"""vLLM's CPU build beside ours: `make parity` (see __main__.py)."""

@@ -1,0 +1,161 @@
+"""Serving: vLLM's own client, `vllm bench serve`, against our server and against vLLM's CPU build.
+
+    python -m benchmarks.serving [--model DIR] [--concurrency 1 8 32 64] [--reps 3] [--servers vllm ours]
+
+Both servers are started the same way (benchmarks/parity/servers.py) on the same checkpoint, one after the
+other, and stay up; one is driven at a time while the other sits idle (both idle servers wait on their
+sockets), and their order alternates from one run to the next, so that a drift of the machine (other jobs)
+spreads over both. Restarting a server per run would cost vLLM's torch.compile start each time.
+The client is `vllm bench serve --backend openai --dataset-name random
+--random-input-len 64 --random-output-len 64 --ignore-eos --seed 0`, 16 prompts at concurrency 1 and
+2 x concurrency above. Medians over the repetitions; the spread is printed too.
+
+Each row also gives every server process's CPU time per output token (/proc utime + stime over the run):
+the API server's (HTTP, detokenizing, SSE) and the engine core's (scheduling, the forward pass, sampling),
+which is where a served token's time goes. Server variants: `ours-2threads` is our server with the
+placement of an offline engine (OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=nobind), for comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.parity.servers import Server, chat_template_file
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {"vllm": ("vllm", {}), "ours": ("ours", {}), "ours-bound": ("ours", {"VLLM_CPU_OMP_THREADS_BIND": "auto"}),
+            "ours-2threads": ("ours", {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})}
+THREADS = {"vllm": "vLLM's defaults: worker bound to cpu 0 (VLLM_CPU_OMP_THREADS_BIND=auto, 1 core reserved)",
+           "ours": "ours by default: engine core 1 torch thread, unbound, 1 core left to the API server",
+           "ours-bound": "engine core 1 torch thread bound to cpu 0 (VLLM_CPU_OMP_THREADS_BIND=auto)",
+           "ours-2threads": "OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=nobind (an offline engine's)"}
+FIELDS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms",
+          "completed")
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            out[pid] = (int(fields[11]) + int(fields[12])) / tick
+        except OSError:
+            pass
+    return out
+
+
+def process_names(pids: list[int]) -> dict[int, str]:
+    names = {}
+    for pid in pids:
+        try:
+            cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+        except OSError:
+            continue
+        text = " ".join(cmd)
+        names[pid] = ("engine core" if "core_proc" in text or "EngineCore" in text else
+                      "worker" if "worker_proc" in text else "API server" if " serve " in text else cmd[0])
+    return names
+
+
+def bench(vllm_bin: str, server: Server, model: str, concurrency: int, workdir: Path) -> dict:
+    num = 16 if concurrency == 1 else 2 * concurrency
+    name = f"{server.kind}-{concurrency}-{time.time_ns()}.json"
+    cmd = [os.path.join(vllm_bin, "vllm"), "bench", "serve", "--backend", "openai", "--base-url", server.url,
+           "--model", model, "--tokenizer", model, "--dataset-name", "random", "--random-input-len", "64",
+           "--random-output-len", "64", "--num-prompts", str(num), "--max-concurrency", str(concurrency),
+           "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(workdir), "--result-filename", name]
+    pids = server.pids()
+    before = cpu_seconds(pids)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    after = cpu_seconds(pids)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed against {server.kind}: {done.stderr[-2000:]}")
+    result = json.loads((workdir / name).read_text())
+    row = {k: result[k] for k in FIELDS if k in result}
+    tokens = result.get("total_output_tokens") or 1
+    names = process_names(pids)
+    per_proc: dict[str, float] = {}
+    for pid, t in after.items():
+        label = names.get(pid, str(pid))
+        per_proc[label] = per_proc.get(label, 0.0) + (t - before.get(pid, t)) * 1000 / tokens
+    row["cpu_ms_per_token"] = {k: round(v, 3) for k, v in per_proc.items() if v > 0}
+    return row
+
+
+def run(vllm_bin: str, model: str, concurrencies: list[int], reps: int, servers: list[str],
+        workdir: Path) -> dict:
+    template = chat_template_file(workdir)
+    results: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in concurrencies} for s in servers}
+    with contextlib.ExitStack() as stack:
+        up = {}
+        for i, variant in enumerate(servers):  # one at a time: vLLM compiles while nothing else runs
+            kind, env = VARIANTS[variant]
+            bin_dir = vllm_bin if kind == "vllm" else os.path.dirname(sys.executable)
+            up[variant] = stack.enter_context(Server(kind, bin_dir, model, 8701 + i, template,
+                                                     workdir / f"{variant}.log", env))
+        for rep in range(reps):
+            for c in concurrencies:
+                order = servers if (rep + concurrencies.index(c)) % 2 == 0 else servers[::-1]
+                for variant in order:
+                    row = bench(vllm_bin, up[variant], model, c, workdir)
+                    results[variant][c].append(row)
+                    print(f"  rep {rep + 1} {variant:>13} c={c:<3} {row['output_throughput']:8.1f} tok/s  "
+                          f"TTFT {row['mean_ttft_ms']:7.1f} ms  TPOT {row['mean_tpot_ms']:6.2f} ms  "
+                          f"CPU ms/token {row['cpu_ms_per_token']}", file=sys.stderr, flush=True)
+    return results
+
+
+def median_row(rows: list[dict]) -> dict:
+    out = {k: statistics.median(r[k] for r in rows) for k in FIELDS if k in rows[0]}
+    out["output_throughput_all"] = [round(r["output_throughput"], 1) for r in rows]
+    procs = {p for r in rows for p in r["cpu_ms_per_token"]}
+    out["cpu_ms_per_token"] = {p: round(statistics.median(r["cpu_ms_per_token"].get(p, 0.0) for r in rows), 3)
+                               for p in sorted(procs)}
+    return out
+
+
+def table(results: dict, reference: str = "vllm") -> str:
+    """Markdown: per concurrency and server, medians, every run's tok/s, and ours ÷ vLLM."""
+    lines = ["| concurrency | server | output tok/s (median) | runs | ÷ vLLM | mean TTFT ms | mean TPOT ms | "
+             "CPU ms/token by process |", "|---:|---|---:|---|---:|---:|---:|---|"]
+    for c in next(iter(results.values())):
+        ref = median_row(results[reference][c])["output_throughput"] if reference in results else None
+        for server, by_c in results.items():
+            m = median_row(by_c[c])
+            ratio = f"{m['output_throughput'] / ref:.2f}" if ref else "-"
+            cpu = ", ".join(f"{k} {v:.2f}" for k, v in m["cpu_ms_per_token"].items())
+            lines.append(f"| {c} | {server} | {m['output_throughput']:,.0f} | "
+                         f"{' / '.join(f'{x:,.0f}' for x in m['output_throughput_all'])} | {ratio} | "
+                         f"{m['mean_ttft_ms']:.0f} | {m['mean_tpot_ms']:.1f} | {cpu} |")
+    lines += ["", "Thread settings:"] + [f"- {s}: {THREADS[s]}" for s in results]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm-bin", default=str(ROOT / ".venv-vllm" / "bin"), help="where `vllm` is (make parity)")
+    ap.add_argument("--model", default=str(ROOT / "engine" / "builtin" / "tiny-gpt2"), help="checkpoint directory")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--servers", nargs="+", default=["vllm", "ours"], choices=list(VARIANTS))
+    ap.add_argument("--json", metavar="PATH", help="also write every run's numbers here")
+    a = ap.parse_args()
+    if not os.path.exists(os.path.join(a.vllm_bin, "vllm")):
+        sys.exit(f"no vllm in {a.vllm_bin}: run `make parity-setup` first")
+    with tempfile.TemporaryDirectory(prefix="vllm-trace-serving-") as d:
+        results = run(a.vllm_bin, a.model, a.concurrency, a.reps, a.servers, Path(d))
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
