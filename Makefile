@@ -18,7 +18,7 @@ SHOW   := { grep --line-buffered -v '^Requirement already satisfied' || true; }
 TICKING := start=$$SECONDS; (while sleep 3; do echo "    ... $$((SECONDS - start)) s"; done) & tick=$$!; \
            trap 'kill $$tick 2>/dev/null' EXIT;
 
-.PHONY: setup demo lint test bench screenshot parity parity-setup clean
+.PHONY: setup demo lint test test-docs bench screenshot parity parity-setup clean
 
 $(BIN)/vllm-trace: pyproject.toml
 	@echo "==> setting up $(VENV), once (about two minutes): $(TORCH), then vllm-trace and its test tools"
@@ -76,8 +76,11 @@ demo: setup  ## the TUI on the built-in offline model (send requests from a seco
 lint: setup  ## ruff: line length, pyflakes, import order (configured in pyproject.toml)
 	$(BIN)/ruff check .
 
-test: setup  ## the whole test suite
-	$(BIN)/python -m pytest
+test: setup  ## the test suite (the documents' commands: make test-docs)
+	$(BIN)/python -m pytest --ignore=tests/docs
+
+test-docs: setup  ## every command and Python block of README.md and docs/ run as written (slow: a process each)
+	$(BIN)/python -m pytest tests/docs
 
 screenshot: setup  ## the README's picture of the TUI (docs/images/tui.svg), drawn again by Textual
 	$(BIN)/python -m tests.tui.test_readme_screenshot
