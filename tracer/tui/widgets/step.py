@@ -64,7 +64,8 @@ def batch_table(frame: Frame) -> Group | Text:
     # render, taken from the engine thread (same interpreter lock) several times a second.
     rows = snap.get("scheduled", [])
     w = max([7] + [len(sch["request_id"]) for sch in rows]) + 2
-    allowed, vocab = snap.get("grammar_allowed") or {}, (s.grammar_mask or {}).get("vocab_size") or 0
+    mask = s.grammar_mask if (s.grammar_mask or {}).get("step") == s.step else {}  # filled after the schedule
+    allowed, vocab = mask.get("num_allowed") or {}, mask.get("vocab_size") or 0
     table = Text(f"{'request':<{w + 2}} {'kind':<8}{'tokens':>6} {'from':>6}  computed/total\n", "bold dim")
     for sch in rows:
         rid = sch["request_id"]
