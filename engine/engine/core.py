@@ -1,6 +1,8 @@
-"""EngineCore: the inner loop of vLLM V1 (``v1/engine/core.py``).
+"""EngineCore: the inner loop of vLLM V1 (``v1/engine/core.py``), its step cut as vLLM 0.33's:
 
-    step() = scheduler.schedule() -> model_executor.execute_model() -> scheduler.update_from_output()
+    step() = scheduler.schedule() -> model_executor.execute_model(scheduler_output)  (forward; None)
+             -> scheduler.get_grammar_bitmask() -> model_executor.sample_tokens(grammar_output)
+             -> scheduler.update_from_output() -> take_draft_token_ids() -> update_draft_token_ids()
 
 It owns the scheduler (with its block manager) and the executor (the workers, their model
 runners, models and KV caches), takes requests as token ids and returns token ids: no
@@ -9,8 +11,9 @@ those). Who drives it: ``InprocClient`` calls step() directly (the offline ``LLM
 ``BusyLoop`` runs it in a thread, in the engine-core process (``EngineCoreProc``) or in the
 API server with ``serve --no-multiprocessing``.
 
-The step controller's gates sit around the three calls: "step" before scheduling, "execute"
-after the schedule's snapshot, "postprocess" before update_from_output and "step_end" after it.
+The step controller's gates sit between the calls: "step" before scheduling, "execute" after
+the schedule's snapshot, "grammar_bitmask" and "sample_tokens" before those calls, "postprocess"
+before update_from_output and "step_end" after it.
 """
 from __future__ import annotations
 
