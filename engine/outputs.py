@@ -53,3 +53,26 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+
+# ---- worker -> engine core (vLLM V1's ``v1/outputs.py``) -----------------------------------------
+@dataclass
+class ModelRunnerOutput:
+    """One step's result, from the worker (output_rank's) to the scheduler (V1's fields)."""
+    req_ids: list[str]  # in batch order
+    req_id_to_index: dict[str, int]
+    # per request: the tokens it gained (one; with drafts the accepted ones then one more); empty for a
+    # chunk that does not end its prefill
+    sampled_token_ids: list[list[int]]
+    # per request that asked for logprobs, else None: per sampled token ([token id, logprob], ...), its rank
+    logprobs: list[list[tuple[dict[int, float], int]] | None] | None = None
+    # request id -> (first position, [[[prompt token at position + 1, logprob, rank], [top id, logprob, rank],
+    # ...], ...]) for requests that asked for prompt logprobs and computed prompt tokens this step
+    prompt_logprobs_dict: dict[str, tuple[int, list]] = field(default_factory=dict)
+
+
+@dataclass
+class DraftTokenIds:
+    """Drafts for the next step (V1's name), from the worker's proposer (take_draft_token_ids)."""
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]

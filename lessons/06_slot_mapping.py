@@ -19,7 +19,7 @@ BUDGET = 64  # max_num_batched_tokens: small, so prompts are chunked
 
 
 def capture_inputs(engine) -> list:
-    """Keep each step's ModelInput (the real tensors the model receives)."""
+    """Keep each step's InputBatch (the real arrays the model's tensors are made of)."""
     seen = []
     prepare = engine.engine_core.engine_core.model_runner.prepare_inputs
 
@@ -59,7 +59,6 @@ def run(lesson) -> None:
 
     engine.step()  # step 2: the mixed step
     sched, inp = inputs[-1]
-    meta = inp.meta
     ev = [e for e in events_of(session) if e.layer == "model_runner" and e.name == "batch"][-1]
     snap = [e for e in events_of(session)
             if e.layer == "scheduler" and e.name == "schedule" and e.kind == SNAPSHOT and e.step == ev.step][-1]
@@ -74,9 +73,11 @@ def run(lesson) -> None:
     lesson.check(sum(k[3] for k in kinds) == BUDGET, f"the three fill the budget of {BUDGET} tokens exactly")
 
     ids, pos = inp.input_ids.tolist(), inp.positions.tolist()
-    slots, qsl = meta.slot_mapping.tolist(), meta.query_start_loc.tolist()
-    seq_lens, tables = meta.seq_lens.tolist(), meta.block_tables.tolist()
-    reqs = [s.request for s in sched.scheduled]
+    slots, qsl = inp.slot_mapping.tolist(), inp.query_start_loc.tolist()
+    seq_lens, tables = inp.seq_lens.tolist(), inp.block_tables.tolist()
+    reqs = [engine.engine_core.engine_core.requests[rid] for rid in sched.req_ids]
+    starts = sched.num_computed_before()  # the SchedulerOutput says where each request's tokens start
+    scheduled = [(r, starts[r.request_id], sched.num_scheduled_tokens[r.request_id]) for r in reqs]
     lesson.show(table(["request", "rows (query_start_loc)", "positions", "seq_len", "block_tables row", "slots"], [
         [r.request_id, f"{qsl[i]} … {qsl[i + 1] - 1}", f"{pos[qsl[i]]} … {pos[qsl[i + 1] - 1]}", seq_lens[i],
          tables[i], f"{slots[qsl[i]]} … {slots[qsl[i + 1] - 1]}"] for i, r in enumerate(reqs)],
@@ -88,13 +89,11 @@ def run(lesson) -> None:
 
     lesson.check(qsl == [0] + list(itertools.accumulate(k[3] for k in kinds)),
                  f"query_start_loc {qsl} is the running sum of tokens scheduled per request")
-    lesson.check(pos == [p for s in sched.scheduled for p in range(s.num_computed_before,
-                                                                 s.num_computed_before + s.num_tokens)],
+    lesson.check(pos == [p for _, start, n in scheduled for p in range(start, start + n)],
                  "positions continue where each request left off (A at its decode position, B at 63, C at 0)")
-    lesson.check(seq_lens == [s.num_computed_before + s.num_tokens for s in sched.scheduled],
+    lesson.check(seq_lens == [start + n for _, start, n in scheduled],
                  "seq_lens = tokens already cached + tokens this step: how far each request's attention reaches")
-    lesson.check(ids == [t for s in sched.scheduled for t in
-                         s.request.all_token_ids[s.num_computed_before:s.num_computed_before + s.num_tokens]],
+    lesson.check(ids == [t for r, start, n in scheduled for t in r.all_token_ids[start:start + n]],
                  "input_ids are those positions' tokens (A's is the token it sampled last step)")
     width = max(len(r.block_ids) for r in reqs)
     lesson.check(all(row == r.block_ids + [NULL_BLOCK_ID] * (width - len(r.block_ids)) for row, r in zip(tables, reqs)),
@@ -125,7 +124,7 @@ def run(lesson) -> None:
                  "the traced batch event shows exactly the tensors the model received")
 
     # Where did the keys really go? Layer 0's key cache has data in exactly the slots mapped so far.
-    written = {s for _, i in inputs for s in i.meta.slot_mapping.tolist()}
+    written = {s for _, i in inputs for s in i.slot_mapping.tolist()}
     k0 = engine.engine_core.engine_core.kv_caches[0][0]
     filled = set(k0.reshape(-1, k0.shape[2] * k0.shape[3]).abs().sum(1).nonzero().flatten().tolist())
     lesson.check(filled == written,

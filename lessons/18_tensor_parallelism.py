@@ -113,7 +113,8 @@ def run(lesson) -> None:
                      len({tuple(e.attrs["token_ids"]) for e in sampled if e.step == s}) == 1 for s in (0, 1)),
                  "every rank ran the sampler on the same all-gathered logits and drew the same tokens "
                  "(trace: sampler/sampled, one per rank)")
-    lesson.say("As in V1, the executor takes the sampled tokens from rank 0 only: `MultiprocExecutor.execute_model` "
+    lesson.say("As in V1, `execute_model` runs the forward pass on every rank and `sample_tokens` samples; the "
+               "executor takes the `ModelRunnerOutput` from rank 0 only: `MultiprocExecutor.sample_tokens` "
                "calls `collective_rpc(..., unique_reply_rank=self.output_rank)`. V1's other ranks send nothing "
                "back; ours reply with no tokens but with their trace events, which is how you see rank 1 here.")
     kernels = [e for e in step_events if e.layer == "kernel" and e.step is not None]

@@ -8,6 +8,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 import torch
 
 from engine import SamplingParams
+from engine.outputs import DraftTokenIds
 from lessons.cli import main
 from lessons.framework import events_of, table
 
@@ -117,17 +118,17 @@ def run(lesson) -> None:
     engine.step()
     req = core.requests["r"]
     n = req.num_tokens
-    core.scheduler.update_draft_token_ids({"r": [9999 % vocab, 1, 2]})  # drafts the target will surely reject
+    core.scheduler.update_draft_token_ids(DraftTokenIds(["r"], [[9999 % vocab, 1, 2]]))  # surely rejected
     sched = core.scheduler.schedule()
     slots = [req.block_ids[p // 4] * 4 + p % 4 for p in range(n - 1, n + 3)]
-    out = core.model_executor.execute_model(sched)
-    core.scheduler.update_from_output(sched, out)
+    core.model_executor.execute_model(sched)  # the forward pass, then sample_tokens: the step as EngineCore runs it
+    core.scheduler.update_from_output(sched, core.model_executor.sample_tokens(None))
     lesson.check(req.num_computed_tokens == req.num_tokens - 1 == n,
                  f"three drafts rejected: the step computed 4 positions ({n - 1}..{n + 2}), but num_computed_tokens "
                  f"moved by one, to {req.num_computed_tokens}: the rejected drafts' K/V count for nothing")
     nxt = core.scheduler.schedule()
-    lesson.check(nxt.scheduled[0].num_computed_before == n and slots[1] in
-                 [req.block_ids[p // 4] * 4 + p % 4 for p in range(n, n + nxt.scheduled[0].num_tokens)],
+    lesson.check(nxt.num_computed_before()["r"] == n and slots[1] in
+                 [req.block_ids[p // 4] * 4 + p % 4 for p in range(n, n + nxt.num_scheduled_tokens["r"])],
                  f"the next step writes position {n} into slot {slots[1]}, where a rejected draft's K/V was: "
                  "nothing is freed or copied, the slot is simply overwritten")
     lesson.done(

@@ -624,7 +624,7 @@ def _grammar_compiled(s: TraceState, ev: Event) -> None:
 
 
 def _grammar_bitmask(s: TraceState, ev: Event) -> None:
-    s.grammar_mask = _attrs(ev)
+    s.grammar_mask = _attrs(ev) | {"step": ev.step}
     for rid, n in (s.grammar_mask.get("num_allowed") or {}).items():
         req = s.requests.get(rid)
         if req is not None:

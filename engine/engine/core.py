@@ -1,6 +1,8 @@
-"""EngineCore: the inner loop of vLLM V1 (``v1/engine/core.py``).
+"""EngineCore: the inner loop of vLLM V1 (``v1/engine/core.py``), its step cut as vLLM 0.33's:
 
-    step() = scheduler.schedule() -> model_executor.execute_model() -> scheduler.update_from_output()
+    step() = scheduler.schedule() -> model_executor.execute_model(scheduler_output)  (forward; None)
+             -> scheduler.get_grammar_bitmask() -> model_executor.sample_tokens(grammar_output)
+             -> scheduler.update_from_output() -> take_draft_token_ids() -> update_draft_token_ids()
 
 It owns the scheduler (with its block manager) and the executor (the workers, their model
 runners, models and KV caches), takes requests as token ids and returns token ids: no
@@ -9,8 +11,9 @@ those). Who drives it: ``InprocClient`` calls step() directly (the offline ``LLM
 ``BusyLoop`` runs it in a thread, in the engine-core process (``EngineCoreProc``) or in the
 API server with ``serve --no-multiprocessing``.
 
-The step controller's gates sit around the three calls: "step" before scheduling, "execute"
-after the schedule's snapshot, "postprocess" before update_from_output and "step_end" after it.
+The step controller's gates sit between the calls: "step" before scheduling, "execute" after
+the schedule's snapshot, "grammar_bitmask" and "sample_tokens" before those calls, "postprocess"
+before update_from_output and "step_end" after it.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
-from engine.core.sched.output import SchedulerOutput
+from engine.core.sched.output import SchedulerOutput, diff_summary
 from engine.core.sched.scheduler import Scheduler
 from engine.cpu_threads import place_threads
 from engine.engine.core_types import EngineCoreOutputs, EngineCoreRequest
@@ -35,7 +38,6 @@ from engine.outputs import EngineStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_model import resolve_draft_model
-from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import load_tokenizer
 from engine.trace_names import (
@@ -125,8 +127,6 @@ class EngineCore:
         lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.hooks,
                                    self.structured_output_manager, num_lookahead_tokens=lookahead)
-        # n-gram drafts are proposed here, from the requests' tokens; a draft model's come in the model output
-        self.drafter = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self._rng = random.Random(mc.seed)
         self.profiling_since: int | None = None  # the first profiled step, while profiling
 
@@ -274,14 +274,16 @@ class EngineCore:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        """One engine step: schedule, execute (unless nothing was scheduled), update.
+        """One engine step, as vLLM 0.33's: schedule -> execute_model (the forward pass) ->
+        get_grammar_bitmask -> sample_tokens -> update_from_output, then the worker's drafts
+        (take_draft_token_ids) -> update_draft_token_ids.
 
         Returns an EngineCoreOutput per request that got a token. Changes: the scheduler's
         queues and block tables, the KV cache, each scheduled request's num_computed_tokens and
         tokens; finished requests are removed and their blocks freed; step_count + 1. Hooks:
         engine/step begin and end (with stats), SCHEDULED per admitted request, the schedule
-        snapshot and end, all that schedule(), execute_model() and update_from_output() emit;
-        when gated, the step, execute, postprocess and step_end gates."""
+        snapshot and end, all that the calls emit; when gated, the step, execute, grammar_bitmask,
+        sample_tokens, postprocess and step_end gates."""
         if self.scheduler.waiting_for_grammars():  # nothing could run: let the compile thread have the CPU
             self.structured_output_manager.wait_for_compile(self.scheduler.waiting, GRAMMAR_WAIT_S)
         if self.hooks.gated:
@@ -291,14 +293,22 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if self.hooks.active:
             self._trace_schedule(scheduler_output)
-        model_output = self.model_executor.execute_model(scheduler_output) if not scheduler_output.is_empty else None
+        model_output = None
+        if not scheduler_output.is_empty or scheduler_output.finished_req_ids:  # the workers free finished slots
+            self.model_executor.execute_model(scheduler_output)
+        if not scheduler_output.is_empty:
+            if self.hooks.gated:
+                self.hooks.gate("grammar_bitmask", step=scheduler_output.step)
+            grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+            if self.hooks.gated:
+                self.hooks.gate("sample_tokens", step=scheduler_output.step)
+            model_output = self.model_executor.sample_tokens(grammar_output)
         if self.hooks.gated:
             self.hooks.gate("postprocess", step=scheduler_output.step)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        if self.drafter is not None:  # speculative decoding: drafts for the next step
-            self.scheduler.update_draft_token_ids(self.drafter.propose_all(self.scheduler.running, self.max_model_len))
-        elif model_output is not None and model_output.draft_token_ids:
-            self.scheduler.update_draft_token_ids(model_output.draft_token_ids)
+        draft_token_ids = self.model_executor.take_draft_token_ids() if model_output is not None else None
+        if draft_token_ids is not None:  # speculative decoding: drafts for the next step
+            self.scheduler.update_draft_token_ids(draft_token_ids)
         if self.hooks.active:
             self._trace_step_end(scheduler_output, outputs)
         return outputs
@@ -348,12 +358,21 @@ class EngineCore:
                 "step": sched.step, "token_budget": sched.token_budget,
                 "num_scheduled_tokens": sched.num_scheduled_tokens,
                 "total_num_scheduled_tokens": sched.total_num_scheduled_tokens,
-                "scheduled": [{"request_id": s.request.request_id, "num_tokens": s.num_tokens,
-                               "num_computed_before": s.num_computed_before,
-                               "kind": "prefill" if s.is_prefill else "decode"} for s in sched.scheduled],
+                "scheduled": self._scheduled_rows(sched),
                 "admitted": sched.admitted, "preempted": sched.preempted, "waiting_reasons": sched.waiting_reasons,
-                "grammar_allowed": sched.grammar_allowed}
+                "scheduler_output": diff_summary(sched)}
         return snap
+
+    def _scheduled_rows(self, sched: SchedulerOutput) -> list[dict]:
+        """Per scheduled request: its tokens this step, where they start, prefill or decode."""
+        starts, requests = sched.num_computed_before(), self.scheduler.requests
+        rows = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            req, start = requests[rid], starts[rid]
+            prefill = len(req.all_token_ids) - start > 1 or not req.output_token_ids
+            rows.append({"request_id": rid, "num_tokens": n, "num_computed_before": start,
+                         "kind": "prefill" if prefill else "decode"})
+        return rows
 
     def _trace_schedule(self, sched: SchedulerOutput) -> None:
         h = self.hooks

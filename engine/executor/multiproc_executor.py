@@ -3,16 +3,18 @@
 ``UniProcExecutor``: one rank, a ``Worker`` in this process, handed the scheduler's own objects.
 
 ``MultiprocExecutor``: N ranks, one worker process each (``engine.executor.worker_proc``). Every step
-the scheduler output is turned into one ``WorkerStep`` (plain data), encoded once and sent to
-every rank. Every rank samples (the logits are all-gathered), and only ``output_rank`` (0)
-sends its sampled tokens back, as V1's ``MultiprocExecutor.execute_model`` asks for them with
-``collective_rpc(..., unique_reply_rank=self.output_rank)``. In V1 the other ranks send nothing;
-here every rank still replies when its step is done, with no tokens: the reply carries that
-rank's trace events, and the step ends (and the trace shows it) when every rank has finished.
+the scheduler's own ``SchedulerOutput`` (already a diff: new requests whole, known ones as their
+new blocks) is encoded once and sent to every rank (``execute``: the forward pass), then the
+step's grammar bitmask (``sample``). Every rank samples (the logits are all-gathered), and only
+``output_rank`` (0) sends its ``ModelRunnerOutput`` and drafts back, as V1's
+``MultiprocExecutor`` asks for them with ``collective_rpc(..., unique_reply_rank=self.output_rank)``.
+In V1 the other ranks send nothing; here every rank still replies to each message, with no
+output: the reply carries that rank's trace events, and a phase ends (and the trace shows it)
+when every rank has finished it.
 
 Transport: ZMQ over ipc:// sockets, as between the front end and the engine core, not a
 shared-memory ring like vLLM's ``shm_broadcast``. A step message here is a few hundred bytes to a
-few KB (new requests whole, known ones as their new tokens), and a zmq ipc round trip costs tens
+few KB (new requests whole, known ones as their new blocks), and a zmq ipc round trip costs tens
 of microseconds against a step of milliseconds; a shared-memory ring pays off when 8 GPUs take
 steps of a millisecond. One PUSH socket per worker carries the broadcast; one PULL socket
 collects every rank's replies, read by a thread that routes them (step replies and kernel
@@ -41,19 +43,19 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from dataclasses import asdict
 from typing import Callable
 
 import msgspec
+import numpy as np
 import zmq
 
-from engine.core.sched.output import SchedulerOutput
+from engine.core.sched.output import GrammarOutput, SchedulerOutput
 from engine.engine.exceptions import EngineDeadError
 from engine.hooks import Hooks
-from engine.sample.sampler import SamplerOutput
+from engine.outputs import DraftTokenIds, ModelRunnerOutput
 from engine.serial_utils import encoder, send_while_alive
 from engine.utils import child_pythonpath, runtime_dir
-from engine.worker.worker import NewRequestData, ScheduledReq, Worker, WorkerReply, WorkerStep
+from engine.worker.worker import ExecuteModel, SampleTokens, Worker, WorkerReply
 
 STARTUP_TIMEOUT_S = 600.0  # loading a big model's shard on the CPU
 STOP_TIMEOUT_S = 3.0
@@ -67,14 +69,15 @@ class WorkerDiedError(EngineDeadError):
 class Executor:
     """What the engine asks of its ranks. load_model(progress) -> dict (bytes, params, ...);
     determine_num_blocks() -> (n, why), the least over the ranks; initialize_kv_cache(n) ->
-    dict; warm_up(max_model_len) -> dict; execute_model(sched) -> SamplerOutput (output_rank's);
+    dict; warm_up(max_model_len) -> dict; execute_model(scheduler_output) -> None;
+    sample_tokens(grammar_output) -> ModelRunnerOutput (output_rank's); take_draft_token_ids();
     profile(is_start) -> [each rank's answer]; held_attention_on_triton() -> dict; shutdown()."""
 
     tensor_parallel_size = 1
 
 
 class UniProcExecutor(Executor):
-    """One rank in this process: the worker gets the scheduler's Request objects directly."""
+    """One rank in this process: the worker gets the scheduler's own SchedulerOutput."""
 
     def __init__(self, worker: Worker):
         self.worker = worker
@@ -91,8 +94,14 @@ class UniProcExecutor(Executor):
     def warm_up(self, max_model_len: int) -> dict:
         return self.worker.warm_up(max_model_len)
 
-    def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
-        return self.worker.execute_model(sched)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        return self.worker.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
+        return self.worker.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return self.worker.take_draft_token_ids()
 
     def profile(self, is_start: bool) -> list[dict]:
         return [self.worker.profile(is_start)]
@@ -134,7 +143,7 @@ class MultiprocExecutor(Executor):
         self._reruns: dict[int, Future] = {}
         self._rerun_ids = itertools.count(1)
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
-        self._sent: dict[str, int] = {}  # request id -> token ids the workers have
+        self._draft_token_ids: DraftTokenIds | None = None  # output_rank's, from the last sample_tokens
         self._dir = tempfile.mkdtemp(prefix="vllm-trace-workers-", dir=runtime_dir())
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
@@ -204,11 +213,38 @@ class MultiprocExecutor(Executor):
         return [dict(r.data) for r in self._all("profile", is_start, "profile", STARTUP_TIMEOUT_S)]
 
     # ---- steps ---------------------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
-        """Broadcast the step, consult forwarded kernel gates (on this, the engine thread), wait
-        for every rank; output_rank's sampled tokens. Raises WorkerDiedError if a rank fails."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Broadcast the scheduler output (encoded once, the same bytes to every rank), consult
+        forwarded kernel gates (on this, the engine thread), wait for every rank's forward pass.
+        Raises WorkerDiedError if a rank fails."""
         self._check()
-        self._broadcast(b"step", self._step_message(sched))
+        msg = ExecuteModel(scheduler_output, self.output_rank, gated=self.hooks.gated, trace=self.hooks.active)
+        self._round(b"execute", encoder().encode(msg), "execute")
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
+        """Every rank samples (the same tokens); output_rank's ModelRunnerOutput, and its drafts
+        for take_draft_token_ids."""
+        self._check()
+        msg = SampleTokens(output_rank=self.output_rank, trace=self.hooks.active)
+        if grammar_output is not None:
+            msg.structured_output_request_ids = grammar_output.structured_output_request_ids
+            msg.grammar_bitmask = np.ascontiguousarray(grammar_output.grammar_bitmask, np.int32).tobytes()
+            msg.num_rows = len(grammar_output.grammar_bitmask)
+        data = self._round(b"sample", encoder().encode(msg), "sample")
+        if data is None:
+            return None
+        output, drafts = data
+        self._draft_token_ids = msgspec.convert(drafts, DraftTokenIds) if drafts is not None else None
+        return msgspec.convert(output, ModelRunnerOutput) if output is not None else None
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        drafts, self._draft_token_ids = self._draft_token_ids, None
+        return drafts
+
+    def _round(self, kind: bytes, payload: bytes, reply_kind: str):
+        """Send one step message to every rank; forward kernel gates until every rank replied;
+        output_rank's data."""
+        self._broadcast(kind, payload)
         pending, result, events = set(range(self.tensor_parallel_size)), None, []
         while pending:
             reply = self._next(None)
@@ -218,40 +254,15 @@ class MultiprocExecutor(Executor):
                 self.hooks.gate(info.pop("point"), **info)
                 self._send(0, b"go", b"")
                 continue
-            if reply.kind != "step":
+            if reply.kind != reply_kind:
                 self._fail(f"worker rank {reply.rank} sent {reply.kind!r} during a step")
             events += reply.events
             pending.discard(reply.rank)
             if reply.rank == self.output_rank:
-                result = SamplerOutput(**reply.data) if reply.data is not None else None
+                result = reply.data
         events.sort(key=lambda e: e[6])  # the ranks' launches, interleaved in time (one clock on Linux)
         self._emit(events)
         return result
-
-    def _step_message(self, sched: SchedulerOutput) -> bytes:
-        new, scheduled, sent = [], [], self._sent
-        for rid in sched.finished_req_ids:
-            sent.pop(rid, None)
-        for s in sched.scheduled:
-            req, rid = s.request, s.request.request_id
-            have = sent.get(rid)
-            if have is None:
-                params = {k: v for k, v in asdict(req.params).items() if k != "stop_strs"}
-                new.append(NewRequestData(rid, list(req.all_token_ids), len(req.prompt_token_ids), params,
-                                          req.eos_token_id, req.sampling_seed))
-                have = len(req.all_token_ids)
-                delta = []
-            else:
-                delta = req.all_token_ids[have:]
-            sent[rid] = have + len(delta)
-            scheduled.append(ScheduledReq(rid, delta, s.num_computed_before, s.num_tokens, list(req.block_ids),
-                                          s.spec_token_ids))
-        msg = WorkerStep(sched.step, new, scheduled, sorted(sched.finished_req_ids), output_rank=self.output_rank,
-                         gated=self.hooks.gated, trace=self.hooks.active, admitted=list(sched.admitted))
-        if sched.grammar_bitmask is not None:
-            msg.structured_output_request_ids = list(sched.structured_output_request_ids)
-            msg.grammar_bitmask = sched.grammar_bitmask.tobytes()
-        return encoder().encode(msg)
 
     def held_attention_on_triton(self) -> dict:
         """Rank 0's held attention launch, rerun on Triton there (called from another thread

@@ -11,8 +11,9 @@ the executor's messages in order:
     kv      allocate the KV-cache shard for the number of blocks all ranks agreed on
     warm    the kernel warm-up forward passes (collectives included)
     profile start or stop profiling this rank's ops (and torch.profiler, with a profiler_dir)
-    step    one WorkerStep; every rank samples and replies, only the step's output_rank with
-            the sampled tokens (the others with just their trace events)
+    execute one step's SchedulerOutput (ExecuteModel): update the request state, run the forward pass
+    sample  the step's grammar bitmask (SampleTokens): every rank samples and replies, only the
+            step's output_rank with its ModelRunnerOutput and drafts (the others with their trace events)
     stop    leave the process group and exit
 
 Inside a gated step rank 0 forwards each kernel gate to the executor (a ``gate`` reply) and
@@ -31,16 +32,18 @@ import time
 import traceback
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
+from engine.core.sched.output import GrammarOutput
 from engine.cpu_threads import place_threads
 from engine.distributed.parallel_state import destroy_distributed, init_distributed
 from engine.engine.core_proc import die_with_parent
 from engine.hooks import BEGIN, END, Hooks
 from engine.serial_utils import EventShipper, encoder
 from engine.trace_names import WORKER, WORKER_READY
-from engine.worker.worker import Worker, WorkerReply, WorkerStep
+from engine.worker.worker import ExecuteModel, SampleTokens, Worker, WorkerReply
 
 
 class WorkerProc:
@@ -57,6 +60,7 @@ class WorkerProc:
         self.output.connect(args["output_addr"])
         self.encode = encoder().encode
         self.hooks = Hooks()
+        self._gated = False  # this step may be held at kernel gates (rank 0 forwards them)
         self.shipper: EventShipper | None = EventShipper(self.hooks) if args.get("trace") else None
         self.worker: Worker | None = None
 
@@ -76,12 +80,14 @@ class WorkerProc:
 
     def _serve(self) -> None:
         decode = msgspec.msgpack.Decoder()
-        decode_step = msgspec.msgpack.Decoder(WorkerStep)
+        decode_execute, decode_sample = msgspec.msgpack.Decoder(ExecuteModel), msgspec.msgpack.Decoder(SampleTokens)
         while True:
             kind, payload = self.input.recv_multipart()
             kind = kind.decode()
-            if kind == "step":
-                self._step(decode_step.decode(payload))
+            if kind == "execute":
+                self._execute(decode_execute.decode(payload))
+            elif kind == "sample":
+                self._sample(decode_sample.decode(payload))
             elif kind == "load":
                 self._load()
             elif kind == "kv":
@@ -124,21 +130,32 @@ class WorkerProc:
         return _Stage(self, name)
 
     # ---- steps --------------------------------------------------------------------------------
-    def _step(self, msg: WorkerStep) -> None:
+    def _execute(self, msg: ExecuteModel) -> None:
         self._trace(msg.trace)
-        gated = msg.gated and self.rank == 0
-        remove = self.hooks.add_gate(self._forward_gate) if gated else None
+        self._gated = msg.gated and self.rank == 0
+        self.worker.tp.active = "stepping" if msg.gated else "fast"
+        self._gated_call(self.worker.execute_model, msg.scheduler_output)
+        self._reply("execute")
+
+    def _sample(self, msg: SampleTokens) -> None:
+        self._trace(msg.trace)
+        grammar = None
+        if msg.grammar_bitmask is not None:
+            bitmask = np.frombuffer(bytearray(msg.grammar_bitmask), np.int32).reshape(msg.num_rows, -1)
+            grammar = GrammarOutput(msg.structured_output_request_ids, bitmask)
+        out = self._gated_call(self.worker.sample_tokens, grammar)
+        data = None
+        if self.rank == msg.output_rank:  # V1's unique_reply_rank
+            data = (out, self.worker.take_draft_token_ids()) if out is not None else None
+        self._reply("sample", data)
+
+    def _gated_call(self, fn, arg):
+        remove = self.hooks.add_gate(self._forward_gate) if self._gated else None
         try:
-            out = self.worker.execute_step(msg)
+            return fn(arg)
         finally:
             if remove is not None:
                 remove()
-        data = None
-        if out is not None and self.rank == msg.output_rank:  # V1's unique_reply_rank
-            data = dict(token_ids=out.token_ids, logprobs=out.logprobs, ranks=out.ranks,
-                        prompt_logprobs=out.prompt_logprobs, spec_token_ids=out.spec_token_ids,
-                        spec_logprobs=out.spec_logprobs, draft_token_ids=out.draft_token_ids)
-        self._reply("step", data)
 
     def _forward_gate(self, point: str, info: dict) -> None:
         """Rank 0 at a kernel gate: the executor consults the engine's controller; wait for go."""

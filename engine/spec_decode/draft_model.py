@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 from engine.config import ConfigError, SpeculativeConfig
-from engine.core.sched.output import SchedulerOutput
 from engine.model_executor import model_loader
 from engine.sample.sampler import argmax
 from engine.worker.model_runner import ModelRunner
@@ -77,8 +76,8 @@ class _DraftState:
 
 class DraftModelProposer:
     """Proposes up to k greedy draft tokens per request that decodes next (see the module
-    docstring). propose(sched, sampled, kept) -> {request id: drafts}, called by the model runner
-    after the target's step; it writes the draft model's KV cache and nothing else."""
+    docstring). propose(requests, tables, reset, finished) -> {request id: drafts}, called by the
+    model runner after the target's step; it writes the draft model's KV cache and nothing else."""
 
     def __init__(self, model: torch.nn.Module, kv_caches, block_size: int, device: torch.device, k: int,
                  max_model_len: int):
@@ -87,26 +86,23 @@ class DraftModelProposer:
         self.states: dict[str, _DraftState] = {}
 
     @torch.inference_mode()
-    def propose(self, sched: SchedulerOutput, sampled: list[int],
-                kept: list[list[int] | None] | None) -> dict[str, list[int]]:
-        for rid in sched.finished_req_ids:
-            self.states.pop(rid, None)
-        for rid in sched.admitted:  # new, or resumed after a preemption: its draft cache is unknown
+    def propose(self, requests: list, tables: list[list[int]], reset: set[str],
+                finished: set[str]) -> dict[str, list[int]]:
+        """requests: those that sampled this step (their tokens include it), with their block tables;
+        reset: new or resumed after a preemption (their draft cache is unknown); finished: forgotten."""
+        for rid in finished | reset:
             self.states.pop(rid, None)
         # 1. who proposes, and each one's catch-up query (its tokens from the first invalid position)
         reqs, contexts, starts, counts = [], [], [], []
         bs = self.block_size
-        for i, s in enumerate(sched.scheduled):
-            req = s.request
-            if s.num_computed_before + s.num_tokens - len(s.spec_token_ids) < len(req.all_token_ids):
-                continue  # a chunk of a longer prefill: it samples nothing, decodes nothing next
-            context = req.all_token_ids + (kept[i] if s.spec_token_ids else [sampled[i]])
+        for req, table in zip(requests, tables):
+            context = req.all_token_ids
             n = len(context)
             room = self.max_model_len - n
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - (n - req.num_prompt_tokens))
             # the last draft is never written; the others need slots (the scheduler's lookahead)
-            count = min(self.k, room - 1, len(req.block_ids) * bs - n + 1)
+            count = min(self.k, room - 1, len(table) * bs - n + 1)
             if count <= 0:
                 continue
             st = self.states.setdefault(req.request_id, _DraftState())
@@ -116,7 +112,7 @@ class DraftModelProposer:
                     break
                 valid += 1
             st.valid, st.pending = min(valid, n - 1), []  # the last token is always run: its logits give a draft
-            reqs.append(req)
+            reqs.append((req, table))
             contexts.append(context)
             starts.append(st.valid)
             counts.append(count)
@@ -133,7 +129,7 @@ class DraftModelProposer:
             for r, d in zip(idx, nxt):
                 drafts[r].append(d)
         out = {}
-        for req, context, d in zip(reqs, contexts, drafts):
+        for (req, _), context, d in zip(reqs, contexts, drafts):
             st = self.states[req.request_id]
             st.valid, st.pending = len(context), d[:-1]  # d[:-1] were written at positions len(context)...
             out[req.request_id] = d
@@ -144,8 +140,7 @@ class DraftModelProposer:
         seq_len-1 (their keys and values written to the draft cache); the argmax of each last row."""
         bs = self.block_size
         input_ids, positions, slots, qsl, tables = [], [], [], [0], []
-        for q, a, req in zip(queries, starts, reqs):
-            table = req.block_ids
+        for q, a, (_, table) in zip(queries, starts, reqs):
             input_ids += q
             positions += range(a, a + len(q))
             slots += [table[p // bs] * bs + p % bs for p in range(a, a + len(q))]

@@ -1,4 +1,5 @@
-"""NgramProposer: prompt-lookup drafts (vLLM V1's ``v1/spec_decode/ngram_proposer.py``).
+"""NgramProposer: prompt-lookup drafts (vLLM V1's ``v1/spec_decode/ngram_proposer.py``), run in
+the worker after sampling, from the tokens it keeps for each request.
 
 The request's own tokens (prompt and output) are the draft model: find the longest suffix of
 prompt_lookup_max down to prompt_lookup_min tokens that occurred earlier, and propose the tokens
@@ -15,14 +16,15 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose_all(self, running: list, max_model_len: int) -> dict[str, list[int]]:
-        """Drafts for every running request that decodes next. Every sampling setting is verified
-        exactly (the rejection sampler applies the sampler's processing at each draft position)."""
+    def propose_requests(self, requests: list, max_model_len: int) -> dict[str, list[int]]:
+        """Drafts for each of the worker's requests that sampled this step (it decodes next), from
+        its tokens. Every sampling setting is verified exactly (the rejection sampler applies the
+        sampler's processing at each draft position)."""
         drafts = {}
-        for req in running:
-            if req.num_computed_tokens != req.num_tokens - 1:
-                continue
-            room = min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens) - 1
+        for req in requests:
+            n, num_prompt = len(req.all_token_ids), req.num_prompt_tokens
+            max_tokens = req.params.max_tokens if req.params.max_tokens is not None else max_model_len - num_prompt
+            room = min(max_tokens - (n - num_prompt), max_model_len - n) - 1
             proposal = self.propose(req.all_token_ids, room)
             if proposal:
                 drafts[req.request_id] = proposal

@@ -1,11 +1,20 @@
-"""The model runner: one flattened batch per step -> one forward pass -> sampled tokens.
+"""The model runner (vLLM 0.33's Model Runner V2, ``v1/worker/gpu/model_runner.py``): the
+scheduler's diff in, one flattened batch, one forward pass, sampled tokens out.
 
-All scheduled tokens of all requests are concatenated (no padding). For each token we
-know its position and its slot in the paged cache (slot = physical block * block_size +
-offset, looked up in the request's block table). Only each request's last position is
-projected to logits. The positions feed GPT-2's learned position table or, for a RoPE model
-(Llama, Qwen3), the rotation of q and k; the batch event then says so (``rope``), and each
-layer's ``rotary_embedding`` launch precedes its cache write.
+It keeps every live request by slot (``RequestState``, ``BlockTables``: engine/worker/states.py,
+block_table.py), filled from each ``SchedulerOutput`` by finish_requests, add_requests and
+update_requests: the requests' tokens (it appends what it samples), where their computed tokens
+end, their block tables and sampling settings. ``execute_model`` builds the step's ``InputBatch``
+from those buffers by slot and runs the forward pass; ``sample_tokens(grammar_output)`` applies the
+grammar bitmask, samples (verifying drafts), records the new tokens and returns the
+``ModelRunnerOutput``; a proposer then drafts for the next step (``take_draft_token_ids``).
+
+All scheduled tokens of all requests are concatenated (no padding). For each token we know its
+position and its slot in the paged cache (slot = physical block * block_size + offset, looked up
+in the request's block table). Only each request's last position is projected to logits. The
+positions feed GPT-2's learned position table or, for a RoPE model (Llama, Qwen3), the rotation
+of q and k; the batch event then says so (``rope``), and each layer's ``rotary_embedding`` launch
+precedes its cache write.
 """
 from __future__ import annotations
 
@@ -16,13 +25,18 @@ import torch
 from torch import nn
 
 import kernels
-from engine.core.sched.output import SchedulerOutput
+from engine.core.sched.output import GrammarOutput, SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
+from engine.outputs import DraftTokenIds, ModelRunnerOutput
 from engine.sample.rejection_sampler import RejectionSampler, requests_after_drafts, spec_logprobs
-from engine.sample.sampler import Sampler, SamplerOutput
+from engine.sample.sampler import Sampler
+from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.trace_names import BATCH, DRAFT_PREFIX, KERNEL, MODEL_RUNNER
+from engine.worker.block_table import BlockTables
+from engine.worker.input_batch import InputBatch, make_input_batch
 from engine.worker.profiler import Profiler
+from engine.worker.states import RequestState
 from kernels import instrument
 from kernels.op_cost import ATTENTION, launch_cost
 
@@ -36,22 +50,35 @@ class ModelInput:
     all_last: bool = False  # every row is some request's last (all decodes): no rows to pick
 
 
+@dataclass
+class _Pending:
+    """A step between execute_model and sample_tokens: its batch and logits."""
+    sched: SchedulerOutput
+    batch: InputBatch
+    inp: ModelInput
+    requests: list  # their CachedRequestStates, in batch order
+    logits: torch.Tensor
+    prompt_logits: torch.Tensor | None
+    spans: list[tuple[int, int, int]]
+
+
 class ModelRunner:
-    """Runs a scheduled batch through the model: flattens it into one token list with its
-    paged-attention metadata (positions, slot_mapping, seq_lens, query_start_loc, block_tables),
-    runs the forward pass over the KV caches it was given and samples one token per request. It
-    holds no request state: the scheduler decides what runs, the engine applies the result."""
+    """Runs the scheduled batch through the model (see the module docstring). execute_model(sched)
+    returns None; sample_tokens(grammar_output) the step's ModelRunnerOutput."""
 
     def __init__(self, model: nn.Module, kv_caches, block_size: int, device: torch.device, hooks: Hooks | None = None,
-                 rank: int = 0, profiler_dir: str | None = None):
+                 rank: int = 0, profiler_dir: str | None = None, max_num_reqs: int = 64, max_model_len: int = 2048):
         self.model = model
         self.rank = rank  # tensor-parallel rank: in every kernel event and sampler/sampled
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.max_model_len = max_model_len
+        self.req_states = RequestState(max_num_reqs, max_model_len)
+        self.block_tables = BlockTables(max_num_reqs, -(-max_model_len // block_size))
         self.sampler = Sampler(model.backend.name)  # every live request's sampling settings, by slot
         self.rejection_sampler: RejectionSampler | None = None  # made on the first step with draft tokens
-        self.drafter = None  # speculative decoding with a draft model: a DraftModelProposer (set by the Worker)
+        self.drafter = None  # a DraftModelProposer (set by the Worker) or an NgramProposer: runs after sampling
         self.rope = getattr(model, "rope", None)  # what the positions rotate by (None: a learned position table)
         self.hooks = hooks or Hooks()
         # numpy array -> tensor on the model's device (no copy on the CPU)
@@ -61,101 +88,139 @@ class ModelRunner:
         self.profiler = Profiler(model, rank, profiler_dir)  # every op a launch, on demand (profile())
         self._profiled_lens: tuple[list[int], list[int]] | None = None  # a profiled step's query and sequence lengths
         self._costs: dict[tuple, tuple[str, int, int]] = {}  # (launch name, its arguments) -> (op, FLOPs, bytes)
+        self._pending: _Pending | None = None  # between execute_model and sample_tokens
+        self._draft_token_ids: DraftTokenIds | None = None  # the last step's proposals, until taken
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
-        bs = self.block_size
-        input_ids, positions, slots, seq_lens, qsl, tables = [], [], [], [], [0], []
-        for s in sched.scheduled:
-            start, end = s.num_computed_before, s.num_computed_before + s.num_tokens
-            table = s.request.block_ids
-            if s.num_tokens == 1:  # a decode, the common case: no slices or ranges to build
-                input_ids.append(s.request.all_token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:  # a prefill chunk, or a decode with draft tokens to verify after its last token
-                input_ids += s.request.all_token_ids[start:end] + s.spec_token_ids
-                positions += range(start, end)
-                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            seq_lens.append(end)
-            qsl.append(qsl[-1] + s.num_tokens)
-            tables.append(table)
-        rows = None
-        if any(s.spec_token_ids for s in sched.scheduled):  # every draft's row is scored, not only the last
-            rows = [r for i, s in enumerate(sched.scheduled) for r in range(qsl[i + 1] - 1 - len(s.spec_token_ids),
-                                                                             qsl[i + 1])]
-        inp = self.model_input(input_ids, positions, slots, seq_lens, qsl, tables, rows)
+    # ---- the persistent state (Model Runner V2's add_requests / update_requests / finish_requests) ----
+    def finish_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """Free the slots of the requests that finished since the last step."""
+        for rid in scheduler_output.finished_req_ids:
+            self.req_states.remove_request(rid)
+        self.sampler.finish_requests(scheduler_output.finished_req_ids)  # their sampling slots are free again
+
+    def add_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """Each NewRequestData takes a slot: its tokens, block table and sampling settings."""
+        for new in scheduler_output.scheduled_new_reqs:
+            self.req_states.remove_request(new.req_id)  # (sent again whole: nothing of the old state is kept)
+            slot = self.req_states.add_request(new.req_id, len(new.prompt_token_ids), new.prefill_token_ids,
+                                               new.num_computed_tokens, new.sampling_params, new.eos_token_id,
+                                               new.seed)
+            self.block_tables.append_block_ids(slot, new.block_ids, overwrite=True)
+            self.sampler.finish_requests((new.req_id,))  # its settings and seed as sent now, not an old request's
+            self.sampler.states.add_request(new.req_id, new.sampling_params, new.seed, new.eos_token_id)
+
+    def update_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """CachedRequestData: where each request's tokens start, its new blocks (a resumed one's whole table)."""
+        c, states = scheduler_output.scheduled_cached_reqs, self.req_states
+        for rid, blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+            slot = states.req_id_to_index[rid]
+            states.num_computed_tokens[slot] = computed
+            if blocks is not None or rid in c.resumed_req_ids:
+                self.block_tables.append_block_ids(slot, blocks, overwrite=rid in c.resumed_req_ids)
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> InputBatch:
+        """The step's InputBatch, gathered from the persistent buffers by slot."""
+        batch = make_input_batch(scheduler_output, self.req_states, self.block_tables, self.block_size)
         if self.hooks.active and self.rank == 0:  # the same on every rank: traced once
-            self._trace_batch(sched, inp, input_ids, positions, slots, seq_lens, qsl)
-        return inp
+            self._trace_batch(scheduler_output.step, batch)
+        return batch
 
-    def _trace_batch(self, sched: SchedulerOutput, inp: ModelInput, input_ids, positions, slots, seq_lens, qsl):
-        self.hooks.emit(MODEL_RUNNER, BATCH, step=sched.step, input_ids=input_ids, positions=positions,
-                        slot_mapping=slots, seq_lens=seq_lens, query_start_loc=qsl,
-                        block_tables=inp.meta.block_tables.tolist(), request_ids=sched.req_ids, rope=self.rope)
+    def _trace_batch(self, step: int, batch: InputBatch) -> None:
+        self.hooks.emit(MODEL_RUNNER, BATCH, step=step, input_ids=batch.input_ids.tolist(),
+                        positions=batch.positions.tolist(), slot_mapping=batch.slot_mapping.tolist(),
+                        seq_lens=batch.seq_lens.tolist(), query_start_loc=batch.query_start_loc.tolist(),
+                        block_tables=batch.block_tables.tolist(), request_ids=batch.req_ids, rope=self.rope,
+                        slots=batch.idx_mapping.tolist())
 
     def model_input(self, input_ids, positions, slots, seq_lens, qsl, tables, logits_rows=None) -> ModelInput:
-        """A batch as the model takes it, from plain lists (the step's, the warm-up's, a draft
-        model's passes): each input its own tensor, named as in vLLM V1 (numpy first:
-        torch.from_numpy is the cheapest way in from a Python list)."""
-        n, T = len(seq_lens), len(input_ids)
+        """A batch as the model takes it, from plain lists (the warm-up's, a draft model's passes):
+        each input its own tensor, named as in vLLM V1."""
+        n = len(seq_lens)
         block_tables = np.zeros((n, max(map(len, tables))), np.int32)  # padded with the null block (0)
         for i, t in enumerate(tables):
             block_tables[i, :len(t)] = t
+        last = np.array(qsl[1:], np.int64) - 1 if logits_rows is None else np.array(logits_rows, np.int64)
+        return self._model_input(np.array(input_ids, np.int64), np.array(positions, np.int64),
+                                 np.array(slots, np.int64), np.array(seq_lens, np.int32), np.array(qsl, np.int32),
+                                 block_tables, last)
+
+    def model_input_of(self, batch: InputBatch) -> ModelInput:
+        """The step's batch as the model takes it (tensors; no copy on the CPU)."""
+        return self._model_input(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+                                 batch.query_start_loc, batch.block_tables, batch.logits_indices)
+
+    def _model_input(self, input_ids, positions, slots, seq_lens, qsl, block_tables, logits_indices) -> ModelInput:
         tensor = self._tensor
         meta = AttentionMetadata(
-            slot_mapping=tensor(np.array(slots, np.int64)),
-            query_start_loc=tensor(np.array(qsl, np.int32)),
-            seq_lens=tensor(np.array(seq_lens, np.int32)),
-            block_tables=tensor(block_tables),
-            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
-            max_seq_len=max(seq_lens),
-        )
-        last = np.array(qsl[1:], np.int64) - 1 if logits_rows is None else np.array(logits_rows, np.int64)
-        return ModelInput(input_ids=tensor(np.array(input_ids, np.int64)),
-                          positions=tensor(np.array(positions, np.int64)), meta=meta,
-                          logits_indices=tensor(last), all_last=T == n)
+            slot_mapping=tensor(slots), query_start_loc=tensor(qsl), seq_lens=tensor(seq_lens),
+            block_tables=tensor(block_tables), max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            max_seq_len=int(seq_lens.max()))
+        return ModelInput(input_ids=tensor(input_ids), positions=tensor(positions), meta=meta,
+                          logits_indices=tensor(logits_indices), all_last=len(input_ids) == len(seq_lens))
 
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
-        """One forward pass and sampling for a non-empty SchedulerOutput (on every
-        tensor-parallel rank: each has the whole logits after the all-gather).
+    # ---- the step -------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the diff, then (unless nothing was scheduled) the forward pass over the batch
+        (on every tensor-parallel rank: each has the whole logits after the all-gather). Writes
+        the batch's keys and values into the KV cache at slot_mapping; the logits wait for
+        sample_tokens. Hooks (when active): model_runner/batch, one kernel event per Triton launch
+        (published after the forward pass, or before a gate holds the engine); when gated as the
+        step starts, a kernel gate before each launch. While profiling (profile()), every op is a
+        launch too."""
+        self.finish_requests(scheduler_output)
+        self.add_requests(scheduler_output)
+        self.update_requests(scheduler_output)
+        self._pending = None
+        if scheduler_output.is_empty:
+            return None
+        batch = self.prepare_inputs(scheduler_output)
+        inp = self.model_input_of(batch)
+        self._observed(scheduler_output.step, inp, self._forward_step, scheduler_output, batch, inp)
+        return None
 
-        Returns one sampled token (with logprobs and ranks when asked for) per scheduled request,
-        in ``sched.scheduled`` order; a prefill chunk that does not end its prompt gets one too,
-        which the engine discards. Changes: writes the batch's keys and values into the KV cache
-        at slot_mapping, nothing else. Hooks (when active): model_runner/batch, one kernel event
-        per Triton launch (published after the forward pass and after sampling, or before a gate
-        holds the engine), sampler/sampled; when gated as the step starts, a kernel gate before
-        each launch. While profiling (profile()), every op of the forward pass and of the sampler
-        is a launch too."""
-        self.sampler.finish_requests(sched.finished_req_ids)  # their slots are free again
-        inp = self.prepare_inputs(sched)
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
+        """Sample the pending step's logits (after the grammar bitmask), verify its drafts, record
+        each request's new tokens and propose the next drafts. Returns one entry per scheduled
+        request, in batch order (none for a chunk that does not end its prefill). Hooks: the
+        sampler's launches, sampler/sampled."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        return self._observed(pending.sched.step, pending.inp, self._sample_step, pending, grammar_output)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last step (V1's name), once."""
+        drafts, self._draft_token_ids = self._draft_token_ids, None
+        return drafts
+
+    def _observed(self, step: int, inp: ModelInput, fn, *args):
+        """fn(*args), its launches observed when traced or profiled."""
         if self.profiler.active:
-            return self._run_profiled(sched, inp)
+            return self._run_profiled(step, inp, fn, *args)
         if not self.hooks.active:
-            return self._run(sched, inp)
+            return fn(*args)
         # A step's launches are kept as they happen and published together once its forward
         # pass is done, each with its own time (or sooner, before a gate may hold the engine).
         # Kernel gates are consulted only if a gate is on as the step starts: a stop at kernels
         # asked for in the middle of a forward pass takes effect from the next step's launches.
         before = self._before_launch if self.hooks.gated else None
-        with instrument.observe(self._launches.append, before, access_maps=False, step=sched.step):
-            return self._run(sched, inp)
+        with instrument.observe(self._launches.append, before, access_maps=False, step=step):
+            return fn(*args)
 
     def profile(self, is_start: bool = True) -> dict:
         """Start or stop profiling this rank's steps (see engine/worker/profiler.py)."""
         return self.profiler.start() if is_start else self.profiler.stop()
 
-    def _run_profiled(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput:
-        with self.profiler.step_annotation(sched.step):
+    def _run_profiled(self, step: int, inp: ModelInput, fn, *args):
+        with self.profiler.step_annotation(step):
             if not self.hooks.active:  # only torch.profiler listens
-                return self._run(sched, inp)
+                return fn(*args)
             qsl = inp.meta.query_start_loc.tolist()
             self._profiled_lens = ([b - a for a, b in zip(qsl, qsl[1:])], inp.meta.seq_lens.tolist())
             before = self._before_launch if self.hooks.gated else None
             try:
-                with instrument.observe(self._launches.append, before, access_maps=False, profile=True,
-                                        step=sched.step):
-                    return self._run(sched, inp)
+                with instrument.observe(self._launches.append, before, access_maps=False, profile=True, step=step):
+                    return fn(*args)
             finally:
                 self._profiled_lens = None
 
@@ -166,8 +231,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden if inp.all_last else hidden[inp.logits_indices])
 
     @torch.inference_mode()
-    def _run(self, sched: SchedulerOutput, inp: ModelInput) -> SamplerOutput:
-        rows, spans = _prompt_logprob_rows(sched)
+    def _forward_step(self, sched: SchedulerOutput, batch: InputBatch, inp: ModelInput) -> None:
+        requests = [self.req_states.requests[rid] for rid in batch.req_ids]
+        rows, spans = _prompt_logprob_rows(batch, requests)
         try:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)
             logits = self.model.compute_logits(hidden if inp.all_last else hidden[inp.logits_indices])
@@ -175,67 +241,101 @@ class ModelRunner:
         finally:
             if self._launches:
                 self._publish_launches()
-        drafts = [s.spec_token_ids for s in sched.scheduled]
+        self._pending = _Pending(sched, batch, inp, requests, logits, prompt_logits, spans)
+
+    @torch.inference_mode()
+    def _sample_step(self, p: _Pending, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        batch, requests, logits = p.batch, p.requests, p.logits
+        drafts = batch.draft_token_ids
         last_rows = _last_rows(drafts) if any(drafts) else None
-        if sched.grammar_bitmask is not None:  # every scored row: what the rejection sampler and the sampler see
-            self.apply_grammar_bitmask(sched, logits)
+        if grammar_output is not None:  # every scored row: what the rejection sampler and the sampler see
+            self.apply_grammar_bitmask(grammar_output, logits, batch.req_ids, drafts)
         sample_logits = logits if last_rows is None else logits[last_rows]  # one row per request
-        requests = [s.request for s in sched.scheduled]
         # the last row follows every draft: its token is drawn with them counted as output (penalties, min_tokens)
         out = self.sampler(sample_logits, requests if last_rows is None else requests_after_drafts(requests, drafts))
-        if rows:
-            out.prompt_logprobs = _prompt_logprobs(prompt_logits, spans, sched)
-        if last_rows is not None:
-            out.spec_token_ids = self._verify(logits, drafts, sched, out.token_ids)
-            out.spec_logprobs = spec_logprobs(logits, drafts, requests, out.spec_token_ids)
+        kept = self._verify(logits, drafts, requests, out.token_ids) if last_rows is not None else None
+        spec_lps = spec_logprobs(logits, drafts, requests, kept) if kept is not None else None
         if self._launches:  # the sampler's (a grammar's mask, a verification; every step's op while profiling)
             self._publish_launches()
         if self.hooks.active:
-            self._trace_sampled(sched, out)
-        if self.drafter is not None:
-            out.draft_token_ids = self._propose_draft_token_ids(sched, out)
-        return out
+            self._trace_sampled(p.sched.step, batch.req_ids, out.token_ids)
+        result = self._postprocess(batch, requests, out, kept, spec_lps)
+        if p.prompt_logits is not None:
+            result.prompt_logprobs_dict = _prompt_logprobs(p.prompt_logits, p.spans, requests)
+        if self.drafter is not None and self.rank == 0:
+            self._draft_token_ids = self._propose_draft_token_ids(p.sched, batch, requests, result)
+        return result
 
-    def _propose_draft_token_ids(self, sched: SchedulerOutput, out: SamplerOutput) -> dict[str, list[int]]:
-        """The draft model's proposals for the next step (V1's propose_draft_token_ids), after this
-        step's tokens are known. Its kernel launches are tagged draft, apart from the target's."""
-        instrument.set_tags(draft=True, layer=None)  # a no-op unless observed
-        try:
-            return self.drafter.propose(sched, out.token_ids, out.spec_token_ids)
-        finally:
-            instrument.set_tags(draft=None, layer=None)
-            if self._launches:
-                self._publish_launches()
+    def _postprocess(self, batch: InputBatch, requests: list, out, kept, spec_lps) -> ModelRunnerOutput:
+        """Each request's new tokens, recorded in its state (none for a chunk that does not end its
+        prefill: its token is discarded)."""
+        sampled, logprobs, states = [], None, self.req_states
+        ends = batch.seq_lens.tolist()
+        for i, req in enumerate(requests):
+            d = batch.draft_token_ids[i]
+            if ends[i] - len(d) < req.num_tokens:
+                sampled.append([])
+                continue
+            tokens = kept[i] if d else [out.token_ids[i]]
+            sampled.append(tokens)
+            req.all_token_ids += tokens
+            states.append_token_ids(req.slot, tokens)
+            if out.logprobs[i] is not None:
+                logprobs = logprobs or [None] * len(requests)
+                logprobs[i] = spec_lps[i] if d else [(out.logprobs[i], out.ranks[i])]
+        return ModelRunnerOutput(batch.req_ids, {rid: i for i, rid in enumerate(batch.req_ids)}, sampled, logprobs)
 
-    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], sched: SchedulerOutput, bonus: list[int]):
+    def _propose_draft_token_ids(self, sched: SchedulerOutput, batch: InputBatch, requests: list,
+                                 result: ModelRunnerOutput) -> DraftTokenIds:
+        """The proposer's drafts for the next step (V1's propose_draft_token_ids), after this
+        step's tokens are recorded. A draft model's launches are tagged draft, apart from the target's."""
+        decoding = [(i, r) for i, r in enumerate(requests) if result.sampled_token_ids[i]]
+        if isinstance(self.drafter, NgramProposer):
+            proposals = self.drafter.propose_requests([r for _, r in decoding], self.max_model_len)
+        else:
+            tables = [self.block_tables.block_tables[r.slot, :self.block_tables.num_blocks[r.slot]].tolist()
+                      for _, r in decoding]
+            reset = {n.req_id for n in sched.scheduled_new_reqs} | sched.scheduled_cached_reqs.resumed_req_ids
+            instrument.set_tags(draft=True, layer=None)  # a no-op unless observed
+            try:
+                proposals = self.drafter.propose([r for _, r in decoding], tables, reset, sched.finished_req_ids)
+            finally:
+                instrument.set_tags(draft=None, layer=None)
+                if self._launches:
+                    self._publish_launches()
+        return DraftTokenIds(list(proposals), list(proposals.values()))
+
+    def _verify(self, logits: torch.Tensor, drafts: list[list[int]], requests: list, bonus: list[int]):
         """Per request with drafts: the tokens the rejection sampler keeps (None for the others)."""
         if self.rejection_sampler is None:
             self.rejection_sampler = RejectionSampler(self.model.backend.name, self.sampler)
         spec = [i for i, d in enumerate(drafts) if d]
         draft_rows = [r for i, d in enumerate(drafts) for r in _draft_rows(drafts, i)]
-        kept = self.rejection_sampler(logits[draft_rows], [drafts[i] for i in spec],
-                                      [sched.scheduled[i].request for i in spec], [bonus[i] for i in spec])
+        kept = self.rejection_sampler(logits[draft_rows], [drafts[i] for i in spec], [requests[i] for i in spec],
+                                      [bonus[i] for i in spec])
         out: list = [None] * len(drafts)
         for i, tokens in zip(spec, kept):
             out[i] = tokens
         return out
 
-    def apply_grammar_bitmask(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
+    def apply_grammar_bitmask(self, grammar_output: GrammarOutput, logits: torch.Tensor, req_ids: list[str],
+                              draft_token_ids: list[list[int]]) -> None:
         """Structured outputs (V1's name): the tokens each constrained request's grammar forbids get
         -inf, in place, before any logits processor, verification or sampling. `logits` has one row
-        per scored position (1 + its drafts per request); a constrained request's mask row j goes to
-        its logits row j. Our Triton kernel with the triton backend, its PyTorch reference with
-        torch; both are launches the Kernels panel lists."""
+        per scored position (1 + its drafts per request); a constrained request's mask rows follow
+        grammar_output's order, one per position it scores. Our Triton kernel with the triton
+        backend, its PyTorch reference with torch; both are launches the Kernels panel lists."""
         first_logits_row, row = {}, 0
-        for s in sched.scheduled:
-            first_logits_row[s.request.request_id] = (row, 1 + len(s.spec_token_ids))
-            row += 1 + len(s.spec_token_ids)
-        rows = np.empty(len(sched.grammar_bitmask), np.int32)
-        for rid, first_mask_row in sched.structured_output_request_ids.items():
+        for rid, d in zip(req_ids, draft_token_ids):
+            first_logits_row[rid] = (row, 1 + len(d))
+            row += 1 + len(d)
+        rows, mask_row = np.empty(len(grammar_output.grammar_bitmask), np.int32), 0
+        for rid in grammar_output.structured_output_request_ids:
             start, n = first_logits_row[rid]
-            rows[first_mask_row:first_mask_row + n] = np.arange(start, start + n)
+            rows[mask_row:mask_row + n] = np.arange(start, start + n)
+            mask_row += n
         indices = self._tensor(rows)
-        bitmask = self._tensor(np.ascontiguousarray(sched.grammar_bitmask, np.int32))
+        bitmask = self._tensor(np.ascontiguousarray(grammar_output.grammar_bitmask, np.int32))
         if self.model.backend.name == "triton":
             kernels.apply_token_bitmask(logits, bitmask, indices)
         else:
@@ -243,14 +343,14 @@ class ModelRunner:
                             dict(logits=logits, bitmask=bitmask, indices=indices),
                             reason="attention_backend=torch: PyTorch reference")
 
-    def _trace_sampled(self, sched: SchedulerOutput, out: SamplerOutput) -> None:
+    def _trace_sampled(self, step: int, req_ids: list[str], token_ids: list[int]) -> None:
         # what allowed_token_ids, bad_words and logit_bias did, per request that asked
         done_by_row = getattr(self.sampler, "last_processed", {})  # (a lesson may wrap the sampler)
         extra = {}
         if done_by_row:
-            extra["logits_processors"] = {sched.req_ids[i]: done for i, done in done_by_row.items()}
+            extra["logits_processors"] = {req_ids[i]: done for i, done in done_by_row.items()}
         # on every rank, with the rank: the trace shows that the ranks drew the same tokens
-        self.hooks.emit("sampler", "sampled", step=sched.step, token_ids=out.token_ids, request_ids=sched.req_ids,
+        self.hooks.emit("sampler", "sampled", step=step, token_ids=token_ids, request_ids=req_ids,
                         rank=self.rank, **extra)
 
     def _trace_warmup_launch(self, rec: instrument.LaunchRecord) -> None:
@@ -351,31 +451,30 @@ class ModelRunner:
             a["profiled"] = True
 
 
-def _prompt_logprob_rows(sched: SchedulerOutput) -> tuple[list[int], list[tuple[int, int, int]]]:
+def _prompt_logprob_rows(batch: InputBatch, requests: list) -> tuple[list[int], list[tuple[int, int, int]]]:
     """The rows whose logits score the next prompt token, for requests that asked for prompt
     logprobs (the row at position j scores prompt token j + 1), and per such request its
     (index in the batch, first position, number of rows)."""
     rows, spans, row = [], [], 0
-    for i, s in enumerate(sched.scheduled):
-        req = s.request
+    for i, (req, n, end) in enumerate(zip(requests, batch.num_scheduled_tokens.tolist(), batch.seq_lens.tolist())):
         if req.params.prompt_logprobs is not None:
-            first = s.num_computed_before
-            count = min(first + s.num_tokens, req.num_prompt_tokens - 1) - first
+            first = end - n
+            count = min(end, req.num_prompt_tokens - 1) - first
             if count > 0:
                 rows += range(row, row + count)
                 spans.append((i, first, count))
-        row += s.num_tokens
+        row += n
     return rows, spans
 
 
-def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[int, int, int]], sched: SchedulerOutput) -> list:
-    """Per scheduled request: None, or (first position, one entry per row: the next prompt token's
-    [token id, logprob, rank], then the top-k [token id, logprob, rank])."""
+def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[int, int, int]], requests: list) -> dict:
+    """Request id -> (first position, one entry per row: the next prompt token's [token id,
+    logprob, rank], then the top-k [token id, logprob, rank])."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    out: list = [None] * len(sched.scheduled)
+    out = {}
     r = 0
     for i, first, count in spans:
-        req, block = sched.scheduled[i].request, lp[r:r + count]
+        req, block = requests[i], lp[r:r + count]
         r += count
         targets = req.all_token_ids[first + 1:first + 1 + count]
         own = block.gather(1, torch.tensor(targets, device=block.device)[:, None])[:, 0]
@@ -384,8 +483,8 @@ def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[int, int, int]], sc
         top = block.topk(k, dim=-1) if k else None
         top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if k else ([[]] * count, [[]] * count)
         own = own.tolist()
-        out[i] = (first, [[[t, own[j], ranks[j]], *([u, v, n + 1] for n, (u, v) in enumerate(zip(ids, lps)))]
-                          for j, (t, ids, lps) in enumerate(zip(targets, top_ids, top_lps))])
+        out[req.req_id] = (first, [[[t, own[j], ranks[j]], *([u, v, n + 1] for n, (u, v) in enumerate(zip(ids, lps)))]
+                                   for j, (t, ids, lps) in enumerate(zip(targets, top_ids, top_lps))])
     return out
 
 

@@ -1,104 +1,68 @@
 """A worker: one tensor-parallel rank's model shard, KV-cache shard and model runner (vLLM V1's
 ``Worker`` / ``GPUModelRunner`` pair).
 
-With one rank the ``UniProcExecutor`` holds a Worker in the engine-core process and hands it
-the scheduler's own objects. With N ranks each Worker lives in its own process
-(``engine.executor.worker_proc``, started by ``MultiprocExecutor``) and keeps, as V1's model runner does, a
-``CachedRequestState`` per live request: the token ids it has been sent, the sampling
-parameters and the request's seed. Every step it receives the same
-``WorkerStep`` (the scheduler output as plain data: new requests whole, known ones as the
-tokens added since) and runs the same forward pass over its shard; the all-reduces and the
+With one rank the ``UniProcExecutor`` holds a Worker in the engine-core process and hands it the
+scheduler's own ``SchedulerOutput``. With N ranks each Worker lives in its own process
+(``engine.executor.worker_proc``, started by ``MultiprocExecutor``) and receives the same object,
+msgpack-encoded once for all ranks (``ExecuteModel``), then the step's grammar bitmask
+(``SampleTokens``). Either way its model runner keeps every live request's state by slot
+(engine/worker/states.py) and runs the same forward pass over its shard; the all-reduces and the
 logits all-gather inside the model tie the ranks together. Every rank then samples, as in V1:
 the same logits and the same seeds give the same tokens; the executor keeps rank 0's.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 
 import msgspec
-import numpy as np
 import torch
 
 from engine.core.kv_cache_utils import allocate_kv_cache, bytes_per_block, num_blocks_for
-from engine.core.sched.output import ScheduledRequest, SchedulerOutput
+from engine.core.sched.output import GrammarOutput, SchedulerOutput
 from engine.distributed.parallel_state import TPGroup
 from engine.hooks import Hooks
 from engine.model_executor import model_loader
 from engine.model_executor.layers.attention import AttentionBackend
 from engine.model_executor.model_loader import ModelArchConfig, load_state_dict
 from engine.model_executor.models.registry import model_class
-from engine.sample.sampler import SamplerOutput
-from engine.sampling_params import SamplingParams
+from engine.outputs import DraftTokenIds, ModelRunnerOutput
 from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.trace_names import EXECUTE_MODEL, WORKER
 from engine.worker.model_runner import ModelRunner
 
 
 # ---- what the executor sends each worker ------------------------------------------------------
-class NewRequestData(msgspec.Struct, array_like=True, gc=False):
-    """A request the workers have not seen (V1's name): everything sampling needs."""
-    request_id: str
-    token_ids: list[int]  # prompt and any tokens generated so far
-    num_prompt_tokens: int
-    sampling_params: dict
-    eos_token_id: int | None
-    seed: int  # the request's sampling seed: every rank draws the same tokens the engine's own would
-
-
-class ScheduledReq(msgspec.Struct, array_like=True, gc=False):
-    request_id: str
-    new_token_ids: list[int]  # tokens appended since the workers last heard of it
-    num_computed_before: int
-    num_tokens: int
-    block_ids: list[int]
-    spec_token_ids: list[int] = []  # speculative decoding: drafts to verify after its last token
-
-
-class WorkerStep(msgspec.Struct, array_like=True, gc=False):
-    """One engine step, the same for every rank (the scheduler output as plain data)."""
-    step: int
-    new_reqs: list[NewRequestData]
-    scheduled: list[ScheduledReq]
-    finished_req_ids: list[str]
-    output_rank: int = 0  # the rank whose sampled tokens go back (V1's unique_reply_rank)
+class ExecuteModel(msgspec.Struct, array_like=True, gc=False):
+    """One step's scheduler output for every rank, and how to run it."""
+    scheduler_output: SchedulerOutput
+    output_rank: int = 0  # the rank whose model output goes back (V1's unique_reply_rank)
     gated: bool = False  # a step controller may hold the engine in this step (rank 0 forwards kernel gates)
     trace: bool = False  # ship trace events
-    # structured outputs: the constrained requests (in the mask's row order) and their grammar bitmask
-    # (int32 words, raw bytes); rank 0 applies it before sampling
+
+
+class SampleTokens(msgspec.Struct, array_like=True, gc=False):
+    """The step's grammar bitmask, if any: the constrained requests and their rows (int32 words, raw bytes)."""
     structured_output_request_ids: list[str] = []
     grammar_bitmask: bytes | None = None
-    admitted: list[str] = []  # new or resumed after a preemption this step (a draft model recomputes them)
+    num_rows: int = 0
+    output_rank: int = 0
+    trace: bool = False
 
 
 class WorkerReply(msgspec.Struct, array_like=True, gc=False):
     rank: int
-    kind: str  # ready | kv | warm | step | gate | rerun | error
+    kind: str  # ready | kv | warm | step | sample | gate | rerun | error
     data: object = None
     events: list[tuple] = []  # (layer, name, kind, request_id, step, attrs, perf_counter_ns)
 
 
-@dataclass
-class CachedRequestState:
-    """A worker's view of a live request (V1's name): what prepare_inputs and the sampler read."""
-    request_id: str
-    all_token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    eos_token_id: int | None
-    sampling_seed: int  # the request's seed: every rank draws the same tokens
-    block_ids: list[int] = field(default_factory=list)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
-
-
-def step_digest(step: WorkerStep) -> str:
+def step_digest(sched: SchedulerOutput) -> str:
     """A short hash of a step's scheduled work: equal on every rank that received the same."""
     h = hashlib.blake2b(digest_size=6)
-    for s in step.scheduled:
-        h.update(f"{s.request_id}:{s.num_computed_before}:{s.num_tokens}:{s.block_ids}".encode())
+    starts = sched.num_computed_before()
+    for rid, n in sched.num_scheduled_tokens.items():
+        h.update(f"{rid}:{starts[rid]}:{n}".encode())
     return h.hexdigest()
 
 
@@ -127,7 +91,6 @@ class Worker:
             self.draft_path = model_loader.resolve(spec.model)
             self.draft_config = model_loader.read_config(self.draft_path)
         self.draft_model = None
-        self.requests: dict[str, CachedRequestState] = {}  # worker processes only
 
     @property
     def rank(self) -> int:
@@ -143,7 +106,7 @@ class Worker:
         cfg, tp = self.model_config, self.tp
         embed = self.model.wte if hasattr(self.model, "wte") else self.model.model.embed_tokens  # GPT-2's, Llama's
         info = dict(bytes=sum(p.numel() * p.element_size() for p in params),
-                    params=sum(p.numel() for p in self.model.parameters()), model_params=self._model_params(backend),
+                    params=sum(p.numel() for p in self.model.parameters()),
                     heads=list(tp.shard(cfg.num_heads)), kv_heads=list(tp.shard(cfg.num_kv_heads)),
                     mlp=list(tp.shard(cfg.intermediate_size)), vocab=list(embed.shard_range),
                     vocab_padded=embed.num_embeddings_padded, torch_threads=torch.get_num_threads())
@@ -154,16 +117,6 @@ class Worker:
             info["draft_params"] = sum(p.numel() for p in self.draft_model.parameters())
         return info
 
-    def _model_params(self, backend) -> int:
-        """The whole model's parameter count: the ranks' shards add up to more (norms, position
-        embeddings and row-parallel biases are on every rank), so it is counted on a model
-        built unsharded on the meta device (no memory)."""
-        if self.tp.world_size == 1:
-            return sum(p.numel() for p in self.model.parameters())
-        with torch.device("meta"):
-            whole = model_class(self.model_config.architecture)(self.model_config, backend, TPGroup())
-        return sum(p.numel() for p in whole.parameters())
-
     def determine_num_blocks(self) -> tuple[int, str]:
         draft = self.draft_config if self.draft_model is not None else None  # its blocks share the budget
         return num_blocks_for(self.config.cache, self.model_config, self.dtype, self.device, self.tp.world_size,
@@ -172,8 +125,13 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> dict:
         cc, cfg, n = self.config.cache, self.model_config, self.tp.world_size
         self.kv_caches = allocate_kv_cache(num_blocks, cc.block_size, cfg, self.dtype, self.device, n)
+        max_model_len = self.config.model.max_model_len or self.model_config.max_position_embeddings
         self.model_runner = ModelRunner(self.model, self.kv_caches, cc.block_size, self.device, self.hooks,
-                                        rank=self.rank, profiler_dir=self.config.profiler_dir)
+                                        rank=self.rank, profiler_dir=self.config.profiler_dir,
+                                        max_num_reqs=self.config.scheduler.max_num_seqs, max_model_len=max_model_len)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "ngram" and self.rank == 0:  # output_rank's drafts are the ones used
+            self.model_runner.drafter = NgramProposer(spec)
         if self.draft_model is not None:  # the same blocks, in a cache of the draft's own layers and heads
             draft_caches = allocate_kv_cache(num_blocks, cc.block_size, self.draft_config, self.dtype, self.device)
             self.model_runner.drafter = DraftModelProposer(
@@ -189,8 +147,16 @@ class Worker:
             info["draft_bytes"] = num_blocks * bytes_per_block(self.draft_config, cc.block_size, self.dtype)
         return info
 
-    def execute_model(self, sched: SchedulerOutput) -> SamplerOutput:
-        return self.model_runner.execute(sched)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self.hooks.active and self.tp.world_size > 1:
+            self._trace_execute(scheduler_output)
+        self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return self.model_runner.take_draft_token_ids()
 
     def warm_up(self, max_model_len: int) -> dict:
         return self.model_runner.warm_up(max_model_len)
@@ -199,39 +165,8 @@ class Worker:
         """Start or stop profiling every op of this rank's forward passes (vLLM's Worker.profile)."""
         return self.model_runner.profile(is_start)
 
-    # ---- on a worker process: the wire form of a step ------------------------------------------
-    def _trace_execute(self, msg: WorkerStep) -> None:
-        self.hooks.emit(WORKER, EXECUTE_MODEL, step=msg.step, rank=self.rank,
-                        num_scheduled_tokens={s.request_id: s.num_tokens for s in msg.scheduled},
-                        total_num_scheduled_tokens=sum(s.num_tokens for s in msg.scheduled),
-                        finished_req_ids=sorted(msg.finished_req_ids), digest=step_digest(msg))
-
-    def execute_step(self, msg: WorkerStep) -> SamplerOutput | None:
-        """Update the cached request states from msg, then run the step."""
-        for rid in msg.finished_req_ids:
-            self.requests.pop(rid, None)
-        for new in msg.new_reqs:
-            params = SamplingParams(**new.sampling_params)
-            self.requests[new.request_id] = CachedRequestState(
-                new.request_id, list(new.token_ids), new.num_prompt_tokens, params, new.eos_token_id, new.seed)
-        sched = SchedulerOutput(step=msg.step, admitted=msg.admitted, finished_req_ids=set(msg.finished_req_ids))
-        if msg.grammar_bitmask is not None:
-            # a request's rows: one per position it scores (1 + its drafts)
-            num_drafts = {s.request_id: len(s.spec_token_ids) for s in msg.scheduled}
-            row = 0
-            for rid in msg.structured_output_request_ids:
-                sched.structured_output_request_ids[rid] = row
-                row += 1 + num_drafts[rid]
-            sched.grammar_bitmask = np.frombuffer(bytearray(msg.grammar_bitmask), np.int32).reshape(row, -1)
-        for s in msg.scheduled:
-            state = self.requests[s.request_id]
-            state.all_token_ids += s.new_token_ids
-            state.block_ids = s.block_ids
-            remaining = len(state.all_token_ids) - s.num_computed_before
-            is_prefill = remaining > 1 or not state.output_token_ids
-            sched.scheduled.append(ScheduledRequest(state, s.num_tokens, s.num_computed_before, is_prefill,
-                                                    s.spec_token_ids))
-        self.tp.active = "stepping" if msg.gated else "fast"
-        if self.hooks.active:
-            self._trace_execute(msg)
-        return self.execute_model(sched) if sched.scheduled else None
+    def _trace_execute(self, sched: SchedulerOutput) -> None:
+        self.hooks.emit(WORKER, EXECUTE_MODEL, step=sched.step, rank=self.rank,
+                        num_scheduled_tokens=sched.num_scheduled_tokens,
+                        total_num_scheduled_tokens=sched.total_num_scheduled_tokens,
+                        finished_req_ids=sorted(sched.finished_req_ids), digest=step_digest(sched))

@@ -6,7 +6,7 @@ keys through the block tables) only gives the right answer if those slots are ri
 """
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from engine import LLM
 from lessons.exercises import Grader, greedy, learner_call, run_to_end
@@ -94,12 +94,12 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
 
     def prepare_with_learner_slots(sched):
         inp = prepare(sched)
-        tables = [list(s.request.block_ids) for s in sched.scheduled]
-        starts = [s.num_computed_before for s in sched.scheduled]
-        counts = [s.num_tokens for s in sched.scheduled]
+        tables = [list(core.requests[rid].block_ids) for rid in sched.req_ids]
+        starts = [sched.num_computed_before()[rid] for rid in sched.req_ids]
+        counts = list(sched.num_scheduled_tokens.values())
         slots = call(fn, tables, starts, counts, BLOCK)
         steps.append((sched.step, tables, starts, counts, slots))
-        inp.meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=inp.meta.slot_mapping.device)
+        inp.slot_mapping = np.array(slots, np.int64)
         return inp
 
     runner.prepare_inputs = prepare_with_learner_slots

@@ -2,7 +2,8 @@
 limit, the token budget bounds a step, long prompts are chunked, waiting requests are admitted
 first come first served, and on a block shortage the newest running request is the one
 preempted. ``Harness.step`` is EngineCore.step without a model: schedule(), then
-update_from_output() with token 7 sampled for every scheduled request."""
+update_from_output() with token 7 sampled for every scheduled request that ends its prefill
+(the worker's rule: a chunk that does not samples nothing)."""
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,8 @@ from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.sched.output import SchedulerOutput
 from engine.core.sched.scheduler import Scheduler
+from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
-from engine.sample.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -42,13 +43,25 @@ class Harness:
     def step(self) -> SchedulerOutput:
         """One engine step with no model: every scheduled request samples token 7."""
         out = self.schedule()
-        n = len(out.scheduled)
-        self.scheduler.update_from_output(out, SamplerOutput([7] * n, [None] * n, [None] * n) if n else None)
+        self.scheduler.update_from_output(out, self.runner_output(out) if not out.is_empty else None)
         return out
+
+    def runner_output(self, out: SchedulerOutput, kept: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """Token 7 for each request whose computed tokens reach its last (kept: a verification's tokens)."""
+        reqs = [self.scheduler.requests[rid] for rid in out.num_scheduled_tokens]
+        sampled = [(kept or {}).get(r.request_id, [7]) if r.num_computed_tokens >= r.num_tokens else [] for r in reqs]
+        return ModelRunnerOutput(out.req_ids, {rid: i for i, rid in enumerate(out.req_ids)}, sampled)
 
 
 def ids(out: SchedulerOutput) -> list[str]:
-    return [s.request.request_id for s in out.scheduled]
+    return out.req_ids
+
+
+def only(out: SchedulerOutput) -> tuple[int, int]:
+    """The one scheduled request: (where its tokens start, how many)."""
+    (row,) = [(rid, n) for rid, n in out.num_scheduled_tokens.items()]
+    start = out.num_computed_before()[row[0]]
+    return start, row[1]
 
 
 def test_max_num_seqs_is_a_hard_limit():
@@ -60,7 +73,7 @@ def test_max_num_seqs_is_a_hard_limit():
     assert list(h.scheduler.waiting) == [c] and c.status is RequestStatus.WAITING
     for _ in range(3):  # decoding: still two, while both run
         out = h.step()
-        assert len(out.scheduled) == 2 and out.waiting_reasons == {c.request_id: "max_num_seqs reached"}
+        assert len(out.req_ids) == 2 and out.waiting_reasons == {c.request_id: "max_num_seqs reached"}
 
 
 def test_the_token_budget_bounds_a_step():
@@ -87,12 +100,13 @@ def test_a_long_prompt_is_chunked_across_steps():
     chunks = []
     while req.num_output_tokens == 0:
         out = h.step()
-        (s,) = out.scheduled
-        assert s.is_prefill and s.num_computed_before == sum(chunks)
-        chunks.append(s.num_tokens)
+        start, n = only(out)
+        assert start == sum(chunks) and (req.num_output_tokens == 0) == (start + n < 21)
+        chunks.append(n)
     assert chunks == [8, 8, 5]
-    (s,) = h.step().scheduled
-    assert not s.is_prefill and s.num_tokens == 1 and s.num_computed_before == 21
+    out = h.step()
+    assert only(out) == (21, 1) and [n.req_id for n in out.scheduled_new_reqs] == []
+    assert out.scheduled_cached_reqs.req_ids == [req.request_id] and req.num_computed_tokens == 22
 
 
 def test_waiting_requests_are_admitted_first_come_first_served():
@@ -107,6 +121,45 @@ def test_waiting_requests_are_admitted_first_come_first_served():
     assert list(h.scheduler.waiting) == [second, third]
     assert out.waiting_reasons == {second.request_id: "not enough free KV-cache blocks",
                                    third.request_id: "not enough free KV-cache blocks"}
+
+
+def test_the_scheduler_output_is_a_diff():
+    """A request comes whole the first time (NewRequestData), then as its new blocks and where its
+    tokens start (CachedRequestData); a preempted one is named, and comes back as resumed with its
+    whole new block table; a finished one is named once. num_computed_tokens advances at schedule."""
+    h = Harness(num_blocks=1 + 4, max_num_seqs=2, max_num_batched_tokens=64)
+    old, new = h.add(7, max_tokens=16), h.add(7, max_tokens=16)
+    out = h.step()
+    prompt = list(range(1, 8))
+    assert [(n.req_id, n.num_computed_tokens, n.block_ids, n.prefill_token_ids) for n in out.scheduled_new_reqs] == [
+        (old.request_id, 0, (old.block_ids,), prompt), (new.request_id, 0, (new.block_ids,), prompt)]
+    out = h.schedule()
+    c = out.scheduled_cached_reqs
+    assert not out.scheduled_new_reqs and c.req_ids == [old.request_id, new.request_id]
+    assert c.num_computed_tokens == [7, 7] and c.new_block_ids == [None, None]  # position 7 fits their 2nd block
+    assert old.num_computed_tokens == 8 and out.total_num_scheduled_tokens == 2  # _update_after_schedule
+    h.scheduler.update_from_output(out, h.runner_output(out))
+    while not out.preempted_req_ids:
+        out = h.step()
+    assert out.preempted_req_ids == {new.request_id}
+    while new.request_id not in out.num_scheduled_tokens:
+        h.scheduler.finish_requests([old.request_id], RequestStatus.FINISHED_ABORTED)
+        out = h.step()
+    c = out.scheduled_cached_reqs
+    assert out.finished_req_ids == {old.request_id} and c.resumed_req_ids == {new.request_id}
+    assert c.num_computed_tokens == [0] and c.new_block_ids == [(new.block_ids,)]
+
+
+def test_update_from_output_takes_back_rejected_drafts():
+    h = Harness()
+    a = h.add(5, max_tokens=20)
+    h.step()
+    a.spec_token_ids = [3, 4, 5]
+    out = h.schedule()
+    assert a.num_computed_tokens == 6 + 3  # the last token and 3 drafts, counted at schedule time
+    h.scheduler.update_from_output(out, h.runner_output(out, kept={a.request_id: [3, 9]}))  # 1 accepted
+    assert a.num_computed_tokens == 7 and a.all_token_ids[-3:] == [7, 3, 9]
+    assert h.scheduler.spec_stats.num_accepted_tokens == 1
 
 
 def test_on_a_block_shortage_the_newest_running_request_is_preempted():
@@ -150,8 +203,9 @@ def test_lookahead_slots_for_a_draft_model():
     assert len(a.block_ids) == 4 and a.num_computed_tokens == 10 and a.num_tokens == 11
     a.spec_token_ids = [7, 7]  # drafts to verify: 1 + 2 tokens scheduled, 3 more slots past them
     out = h.schedule()
-    assert out.scheduled[0].num_tokens == 3 and len(a.block_ids) * BLOCK_SIZE >= 10 + 3 + 3
-    h.scheduler.update_from_output(out, SamplerOutput([7], [None], [None], spec_token_ids=[[7, 7, 7]]))
+    assert out.num_scheduled_tokens[a.request_id] == 3 and len(a.block_ids) * BLOCK_SIZE >= 10 + 3 + 3
+    assert out.scheduled_spec_decode_tokens == {a.request_id: [7, 7]}
+    h.scheduler.update_from_output(out, h.runner_output(out, kept={a.request_id: [7, 7, 7]}))
     while a.num_tokens < 23:  # near max_model_len the lookahead stops at it
         h.step()
     assert len(a.block_ids) * BLOCK_SIZE == 24

@@ -6,6 +6,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.builtin_model import NAME, RANDOM_NAME, builtin_path
 from engine.config import ConfigError
+from engine.outputs import DraftTokenIds
 from tests.engine.hf_reference import hf_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
@@ -49,16 +50,16 @@ def test_drafts_are_verified_in_one_step_with_lookahead_slots():
     engine.step()  # the prefill
     req = core.requests["r"]
     drafts = [5, 6, 7]
-    core.scheduler.update_draft_token_ids({"r": drafts})  # as the proposer would, after the step
+    core.scheduler.update_draft_token_ids(DraftTokenIds(["r"], [drafts]))  # as the worker's proposer would
     sched = core.scheduler.schedule()
-    [s] = sched.scheduled
-    assert s.spec_token_ids == drafts and s.num_tokens == 4  # the last token + 3 drafts
+    assert sched.num_scheduled_tokens == {"r": 4}  # the last token + 3 drafts
     assert sched.scheduled_spec_decode_tokens == {"r": drafts}
-    assert len(req.block_ids) * 4 >= req.num_computed_tokens + 4  # slots for the drafts, allocated ahead
-    out = core.model_executor.execute_model(sched)
+    assert len(req.block_ids) * 4 >= req.num_computed_tokens  # slots for the drafts, allocated ahead
+    assert core.model_executor.execute_model(sched) is None  # the forward pass; sampling is the next call
+    out = core.model_executor.sample_tokens(core.scheduler.get_grammar_bitmask(sched))
     before = req.num_tokens
     core.scheduler.update_from_output(sched, out)
-    kept = out.spec_token_ids[0]
+    kept = out.sampled_token_ids[out.req_id_to_index["r"]]
     assert req.num_tokens == before + len(kept)
     assert req.num_computed_tokens == req.num_tokens - 1  # rejected drafts' slots are simply rewritten later
 

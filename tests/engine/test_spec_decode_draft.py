@@ -92,21 +92,24 @@ def test_lookahead_slots_and_the_draft_cache_after_a_rejection():
     req = core.requests["r"]
     sched = core.scheduler.schedule()  # the prefill: its last token is reached, so k slots past it are reserved
     assert len(req.block_ids) * 4 >= len(prompt) + K
-    out = core.model_executor.execute_model(sched)
-    drafts = out.draft_token_ids["r"]
+    core.model_executor.execute_model(sched)
+    out = core.model_executor.sample_tokens(None)
+    proposed = core.model_executor.take_draft_token_ids()  # the worker's proposer ran after sampling
+    assert proposed.req_ids == ["r"] and core.model_executor.take_draft_token_ids() is None  # taken once
+    drafts = proposed.draft_token_ids[0]
     assert len(drafts) == K
     state = core.model_runner.drafter.states["r"]
     assert state.valid == len(prompt) + 1 and state.pending == drafts[:-1]  # 1 sampled token; k - 1 drafts written
     core.scheduler.update_from_output(sched, out)
-    core.scheduler.update_draft_token_ids(out.draft_token_ids)
+    core.scheduler.update_draft_token_ids(proposed)
     sched = core.scheduler.schedule()
-    [s] = sched.scheduled
-    assert s.spec_token_ids == drafts and s.num_tokens == 1 + K
+    assert sched.scheduled_spec_decode_tokens == {"r": drafts} and sched.num_scheduled_tokens == {"r": 1 + K}
     assert len(req.block_ids) * 4 >= req.num_tokens + K + K  # the drafts' slots and the next drafts'
     # force a rejection: the first draft is replaced by a token the target never picks
-    s.spec_token_ids = [(drafts[0] + 1) % 4096] + drafts[1:]
-    out = core.model_executor.execute_model(sched)
-    kept = out.spec_token_ids[0]
+    sched.scheduled_spec_decode_tokens["r"] = [(drafts[0] + 1) % 4096] + drafts[1:]
+    core.model_executor.execute_model(sched)
+    out = core.model_executor.sample_tokens(None)
+    kept = out.sampled_token_ids[0]
     assert len(kept) == 1  # the target's own token: every draft rejected
     assert state.valid == req.num_tokens + 1  # nothing of the rejected drafts counted as the request's tokens
     core.scheduler.update_from_output(sched, out)
@@ -128,13 +131,14 @@ def test_draft_proposals_match_running_the_draft_model_alone():
             core.scheduler.running.remove(req)
             core.scheduler._preempt(req, SchedulerOutput(step=-1), reason="a test preempts it")
         sched = core.scheduler.schedule()
-        out = core.model_executor.execute_model(sched)
-        core.scheduler.update_from_output(sched, out)
-        if out.draft_token_ids:
-            drafts = out.draft_token_ids["r"]
+        core.model_executor.execute_model(sched)
+        core.scheduler.update_from_output(sched, core.model_executor.sample_tokens(None))
+        proposed = core.model_executor.take_draft_token_ids()
+        if proposed is not None and proposed.req_ids:
+            drafts = proposed.draft_token_ids[0]
             assert drafts == hf_greedy(str(builtin_path(DRAFT_NAME)), [list(req.all_token_ids)], len(drafts))[0]
             checked += 1
-            core.scheduler.update_draft_token_ids(out.draft_token_ids)
+            core.scheduler.update_draft_token_ids(proposed)
     assert checked >= 4 and req.num_preemptions == 1
 
 

@@ -91,7 +91,9 @@ def test_waits_as_waiting_for_fsm_while_compiling(monkeypatch):
         assert core.requests["g"].status is RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
     sched = core.scheduler.schedule()  # the plain request runs meanwhile; the other waits, and says why
     assert sched.req_ids == ["plain"] and "grammar" in sched.waiting_reasons["g"]
-    core.scheduler.update_from_output(sched, core.model_executor.execute_model(sched))
+    core.model_executor.execute_model(sched)
+    grammar_output = core.scheduler.get_grammar_bitmask(sched)
+    core.scheduler.update_from_output(sched, core.model_executor.sample_tokens(grammar_output))
     release.set()
     text = []
     while core.has_unfinished_requests():

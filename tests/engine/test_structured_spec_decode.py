@@ -14,6 +14,7 @@ import torch
 import kernels
 from engine import LLM, Hooks, SamplingParams, StructuredOutputsParams
 from engine.builtin_model import builtin_path
+from engine.outputs import DraftTokenIds
 from engine.structured_output.backend_xgrammar import XgrammarBackend
 from engine.trace_names import DRAFTS_VALIDATED, SPEC_DECODE, STRUCTURED_OUTPUT, VERIFIED
 from tests.engine.hf_reference import _cache_kwargs, hf_model
@@ -124,20 +125,23 @@ def test_drafts_the_grammar_refuses_are_cut_and_the_matcher_stays():
     assert llm.get_tokenizer().decode(req.output_token_ids) == "a"  # the regex allows nothing else first
     before = grammar.num_processed_tokens
     b, a, c = _tokens(llm, "b")[0], _tokens(llm, "a")[0], _tokens(llm, " c")[0]
-    sched.update_draft_token_ids({"g": [b, b, c, a]})  # " c" may not follow "abb"
+    sched.update_draft_token_ids(DraftTokenIds(["g"], [[b, b, c, a]]))  # " c" may not follow "abb"
     assert req.spec_token_ids == [b, b]
     assert grammar.num_processed_tokens == before and grammar.validate_tokens([b, a, c]) == [b, a, c]
-    sched.update_draft_token_ids({"g": [c]})  # refused at once: no drafts at all
+    sched.update_draft_token_ids(DraftTokenIds(["g"], [[c]]))  # refused at once: no drafts at all
     assert req.spec_token_ids == []
-    sched.update_draft_token_ids({"g": [b, a, c]})
+    sched.update_draft_token_ids(DraftTokenIds(["g"], [[b, a, c]]))
     out = sched.schedule()
-    [s] = out.scheduled
-    assert s.spec_token_ids == [b, a, c] and out.grammar_bitmask.shape[0] == 4
-    result = core.model_executor.execute_model(out)
+    assert out.scheduled_spec_decode_tokens == {"g": [b, a, c]}
+    core.model_executor.execute_model(out)
+    grammar_output = sched.get_grammar_bitmask(out)
+    assert grammar_output.grammar_bitmask.shape[0] == 4
+    result = core.model_executor.sample_tokens(grammar_output)
+    allowed = sched.grammar_allowed_per_pos["g"]
     sched.update_from_output(out, result)
-    kept = result.spec_token_ids[0]
+    kept = result.sampled_token_ids[0]
     assert req.output_token_ids[1:] == kept and grammar.num_processed_tokens == before + len(kept)
-    assert req.structured_output_request.num_allowed[-len(kept):] == out.grammar_allowed_per_pos["g"][:len(kept)]
+    assert req.structured_output_request.num_allowed[-len(kept):] == allowed[:len(kept)]
 
 
 def test_bitmask_rows_for_draft_positions_are_the_advanced_matchers_masks():
@@ -153,12 +157,14 @@ def test_bitmask_rows_for_draft_positions_are_the_advanced_matchers_masks():
     g, p = core.requests["g"], core.requests["p"]
     text = llm.get_tokenizer().decode(g.output_token_ids)
     drafts = _tokens(llm, '{"color": "blue", "n"'[len(text):])[:3]
-    sched.update_draft_token_ids({"p": [5, 6], "g": drafts})
+    sched.update_draft_token_ids(DraftTokenIds(["p", "g"], [[5, 6], drafts]))
     assert g.spec_token_ids == drafts and p.spec_token_ids == [5, 6]
     out = sched.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["g", "p"]  # g first: its rows start at 0
-    first = out.structured_output_request_ids["g"]
-    rows = out.grammar_bitmask[first:first + len(drafts) + 1]
+    assert out.req_ids == ["g", "p"]
+    core.model_executor.execute_model(out)
+    grammar_output = sched.get_grammar_bitmask(out)
+    assert grammar_output.structured_output_request_ids == ["g"]  # its rows start at 0
+    rows = grammar_output.grammar_bitmask[:len(drafts) + 1]
 
     backend = core.structured_output_manager.backend
     matcher = xgr.GrammarMatcher(backend.compile_grammar(so))
@@ -170,20 +176,20 @@ def test_bitmask_rows_for_draft_positions_are_the_advanced_matchers_masks():
         if j < len(drafts):
             assert matcher.accept_token(drafts[j])
     assert np.array_equal(rows, want.numpy())
-    assert out.grammar_allowed_per_pos["g"] == [int(np.unpackbits(r.view(np.uint8)).sum()) for r in want.numpy()]
+    assert sched.grammar_allowed_per_pos["g"] == [int(np.unpackbits(r.view(np.uint8)).sum()) for r in want.numpy()]
 
     runner = core.model_executor.worker.model_runner
     logits = torch.randn(len(drafts) + 1 + 3, backend.vocab_size)  # g's 4 rows, then p's 3
     ref = logits.clone()
-    runner.apply_grammar_bitmask(out, ref)  # the torch backend: the PyTorch reference
+    runner.apply_grammar_bitmask(grammar_output, ref, out.req_ids, [drafts, [5, 6]])  # torch: the reference
     tri = logits.clone()
     indices = torch.arange(len(drafts) + 1, dtype=torch.int32)
-    kernels.apply_token_bitmask(tri, torch.from_numpy(np.ascontiguousarray(out.grammar_bitmask)), indices)
+    kernels.apply_token_bitmask(tri, torch.from_numpy(np.ascontiguousarray(grammar_output.grammar_bitmask)), indices)
     assert torch.equal(ref, tri)
     allowed = torch.from_numpy(np.unpackbits(rows.view(np.uint8), axis=1, bitorder="little")[:, :backend.vocab_size])
     assert torch.equal(torch.isinf(ref[:len(drafts) + 1]), allowed == 0)
     assert torch.equal(ref[len(drafts) + 1:], logits[len(drafts) + 1:])  # p has no grammar: untouched
-    sched.update_from_output(out, core.model_executor.execute_model(out))
+    sched.update_from_output(out, core.model_executor.sample_tokens(grammar_output))
 
 
 @pytest.mark.parametrize("settings", ["preemption", "chunked"])

@@ -47,15 +47,17 @@ def test_waiting_for_fsm_in_the_snapshot_and_the_step_mark():
     try:
         engine.add_request("g", "Pick:", SamplingParams(temperature=0, max_tokens=8, structured_outputs=
                                                        StructuredOutputsParams(regex="[ab]{4}")))
-        statuses = []
+        statuses, shown = [], 0
         while engine.has_unfinished_requests():
             engine.step()
             session.state.update()
             view = session.state.view()
             statuses.append(view.requests["g"].status)
-            if view.snapshot and view.snapshot.get("grammar_allowed"):
+            if view.snapshot and (view.grammar_mask or {}).get("step") == view.step:
                 text = batch_table(Frame.of(view, {}, 0, None)).renderables[1].plain
                 assert "◆ grammar:" in text and "of 4,096 tokens allowed" in text
+                shown += 1
+        assert shown  # the grammar's mask was in the Step panel
         assert statuses[0] == "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR" or "RUNNING" in statuses
     finally:
         session.close()

@@ -1,59 +1,98 @@
-"""What the scheduler decided for one step (vLLM V1's ``v1/core/sched/output.py``)."""
+"""What the scheduler sends the workers for one step (vLLM V1's ``v1/core/sched/output.py``).
+
+A diff, not live requests: a request the workers have not seen (new, or resumed after a
+preemption, which made them drop it) comes whole as a ``NewRequestData``; afterwards it is one
+entry of ``CachedRequestData`` (its new blocks and where its tokens start). The workers keep
+everything else (engine/worker/states.py). The same object goes to the in-process worker and,
+msgpack-encoded once, to every tensor-parallel rank. ``GrammarOutput`` is the step's grammar
+bitmask, computed after the forward pass was launched (``Scheduler.get_grammar_bitmask``).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.request import Request
+from engine.sampling_params import SamplingParams
 
 
 @dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens computed for it this step
-    num_computed_before: int  # where this step's tokens start
-    is_prefill: bool
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify (their slots are in num_tokens)
+class NewRequestData:
+    """A request the workers do not hold (V1's fields; prefill_token_ids as Model Runner V2's)."""
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]  # one list per KV-cache group (one group here)
+    num_computed_tokens: int  # where this step's tokens start (prefix-cache hits are already computed)
+    prefill_token_ids: list[int]  # every token to compute: the prompt, and after a preemption what it generated
+    eos_token_id: int | None = None
+    seed: int = 0  # the request's sampling seed: every rank draws what the engine's own sampler would
+
+
+@dataclass
+class CachedRequestData:
+    """The requests the workers already hold, as parallel lists (V1's fields)."""
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)  # their new_block_ids replace the table
+    new_token_ids: list[list[int]] = field(default_factory=list)  # empty lists: the workers keep their tokens
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)  # appended to the table
+    num_computed_tokens: list[int] = field(default_factory=list)  # where this step's tokens start
+    num_output_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass
 class SchedulerOutput:
-    step: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
+    """One step's schedule (V1's fields), then what the trace shows about it (ours)."""
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # in batch order
+    total_num_scheduled_tokens: int = 0
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
+    finished_req_ids: set[str] = field(default_factory=set)  # finished or aborted since the last step
+    preempted_req_ids: set[str] = field(default_factory=set)  # the workers drop them (Model Runner V2)
+    # ours: the step, and for the trace who was admitted and why the others wait
+    step: int = 0
     admitted: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # preempted_req_ids in preemption order
     waiting_reasons: dict[str, str] = field(default_factory=dict)  # request id -> why not admitted
     token_budget: int = 0
-    # finished or aborted since the last step (V1's name): workers drop the state they keep for them
-    finished_req_ids: set[str] = field(default_factory=set)
-    # structured outputs (V1's names): request id -> its first row of grammar_bitmask (1 + its number of drafts
-    # rows: one per position it scores), the rows ([n, ceil(vocab / 32)] int32, bit j of word w allows token
-    # 32 w + j), how many tokens its first row allows and each of its rows; grammars that failed
-    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
-    grammar_bitmask: np.ndarray | None = None
-    grammar_allowed: dict[str, int] = field(default_factory=dict)
-    grammar_allowed_per_pos: dict[str, list[int]] = field(default_factory=dict)
     grammar_failed: dict[str, str] = field(default_factory=dict)  # request id -> why (finished, never ran)
 
     @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        """Request id -> tokens computed for it this step (vLLM V1's name and shape)."""
-        return {s.request.request_id: s.num_tokens for s in self.scheduled}
-
-    @property
-    def scheduled_spec_decode_tokens(self) -> dict[str, list[int]]:
-        """Request id -> the draft tokens it verifies this step (vLLM V1's name)."""
-        return {s.request.request_id: s.spec_token_ids for s in self.scheduled if s.spec_token_ids}
-
-    @property
     def req_ids(self) -> list[str]:
-        return [s.request.request_id for s in self.scheduled]
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return list(self.num_scheduled_tokens)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.num_scheduled_tokens
+
+    def num_computed_before(self) -> dict[str, int]:
+        """Request id -> where its tokens start this step."""
+        out = {n.req_id: n.num_computed_tokens for n in self.scheduled_new_reqs}
+        c = self.scheduled_cached_reqs
+        out.update(zip(c.req_ids, c.num_computed_tokens))
+        return out
+
+
+@dataclass
+class GrammarOutput:
+    """The step's grammar bitmask (V1's fields): one row per position a constrained request scores
+    (1 + its drafts), in structured_output_request_ids order; bit j of word w allows token 32 w + j."""
+    structured_output_request_ids: list[str]
+    grammar_bitmask: np.ndarray  # [rows, ceil(vocab / 32)] int32
+
+
+def diff_summary(sched: SchedulerOutput) -> dict:
+    """What the step's SchedulerOutput tells the workers, for the trace: who comes whole, who as a
+    diff, and the size of the message every tensor-parallel rank receives (msgpack bytes)."""
+    from engine.serial_utils import encoder  # (the wire format is the serving layer's)
+
+    c = sched.scheduled_cached_reqs
+    return {"new": [n.req_id for n in sched.scheduled_new_reqs], "cached": list(c.req_ids),
+            "resumed": sorted(c.resumed_req_ids), "preempted": sorted(sched.preempted_req_ids),
+            "finished": sorted(sched.finished_req_ids), "num_bytes": len(encoder().encode(sched))}

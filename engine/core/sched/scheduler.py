@@ -12,9 +12,12 @@ With ``policy="priority"`` (vLLM V1's other policy) ``waiting`` is kept ordered 
 (priority, arrival time), lower first, and the preemption victim is the running request with
 the largest (priority, arrival time): the least important, and of those the newest.
 
-After the model ran, ``update_from_output`` applies what it sampled: it advances each
-request, appends its token, checks EOS / stop_token_ids / min_tokens / max_tokens, frees
-what finished and returns one ``EngineCoreOutput`` per request that got a token.
+``schedule`` returns the step as the diff the workers need (``SchedulerOutput``) and counts the
+scheduled tokens as computed (``_update_after_schedule``); ``get_grammar_bitmask`` fills the
+grammar bitmask while the forward pass runs. After sampling, ``update_from_output`` takes back
+the drafts the model rejected, appends each request's tokens, checks EOS / stop_token_ids /
+min_tokens / max_tokens, frees what finished and returns one ``EngineCoreOutput`` per request
+that got a token.
 """
 from __future__ import annotations
 
@@ -25,12 +28,12 @@ from typing import Iterable
 
 from engine.config import SchedulerConfig
 from engine.core.block_manager import BlockManager
-from engine.core.sched.output import ScheduledRequest, SchedulerOutput
+from engine.core.sched.output import GrammarOutput, NewRequestData, SchedulerOutput
 from engine.core.sched.utils import check_stop
 from engine.engine.core_types import EngineCoreOutput, EngineCoreOutputs
 from engine.hooks import BEGIN, Hooks
+from engine.outputs import DraftTokenIds, ModelRunnerOutput
 from engine.request import Request, RequestStatus
-from engine.sample.sampler import SamplerOutput
 from engine.structured_output import StructuredOutputManager
 from engine.trace_names import (
     BITMASK,
@@ -76,6 +79,10 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager  # grammars: compiles, bitmasks, matchers
         # slots past a request's scheduled tokens, for a draft model's proposals (V1's num_lookahead_tokens)
         self.num_lookahead_tokens = num_lookahead_tokens
+        self._sent_blocks: dict[str, int] = {}  # request id -> blocks of its table the workers hold
+        self._resumed: set[str] = set()  # preempted since they last ran: sent as resumed when they run again
+        # request id -> how many tokens its grammar allowed at each position it scores (the last bitmask)
+        self.grammar_allowed_per_pos: dict[str, list[int]] = {}
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -88,25 +95,30 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        """This step's batch, within max_num_batched_tokens and max_num_seqs.
+        """This step's batch, within max_num_batched_tokens and max_num_seqs, as the diff the
+        workers need (V1's SchedulerOutput: NewRequestData the first time, CachedRequestData after).
 
-        Returns the scheduled requests, each with how many
-        tokens it computes from which position, and who was admitted, preempted or left waiting
-        (and why). Changes: allocates KV blocks (prefix-cache hits on admission), moves admitted
-        requests from waiting to running and preempted ones back to waiting with
-        num_computed_tokens 0; it does not advance num_computed_tokens (update_from_output does,
-        after the step ran). Hooks: scheduler/schedule begin, PREEMPTED per preemption, the block
-        manager's cache_hit/cache_miss, allocate, evict and free. The schedule's snapshot and end
-        event come from EngineCore after it returns."""
+        Changes: allocates KV blocks (prefix-cache hits on admission), moves admitted requests
+        from waiting to running and preempted ones back to waiting with num_computed_tokens 0, and
+        advances each scheduled request's num_computed_tokens by its scheduled tokens
+        (_update_after_schedule: update_from_output takes back rejected drafts). Hooks:
+        scheduler/schedule begin, PREEMPTED per preemption, the block manager's cache_hit/cache_miss,
+        allocate, evict and free. The schedule's snapshot and end event come from EngineCore."""
         step = self.block_manager.step = self.step_count
         if self.hooks.active:
             self._trace_schedule_begin(step)
         out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens,
                               finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
-        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._schedule_waiting(out, budget)
+        self._make_diff(out)
+        self._update_after_schedule(out)
+        return out
 
-        # 1. Running requests first, in admission order.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests first, in admission order; returns the budget left."""
+        scheduled, spec = out.num_scheduled_tokens, out.scheduled_spec_decode_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -117,16 +129,23 @@ class Scheduler:
                 self._preempt(victim, out, reason=f"{why}no free blocks for {req.request_id}")
                 if victim is req:
                     break
-            else:  # (Request.is_prefill, inlined: this runs for every running request every step)
-                is_prefill = remaining > 1 or not req.output_token_ids
-                spec, req.spec_token_ids = req.spec_token_ids[:max(0, n - remaining)], []
-                out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, is_prefill, spec))
+                if victim.request_id in scheduled:  # (priority) scheduled earlier this step: its tokens go back
+                    budget += scheduled.pop(victim.request_id)
+                    spec.pop(victim.request_id, None)
+                    i -= 1
+            else:
+                drafts, req.spec_token_ids = req.spec_token_ids[:max(0, n - remaining)], []
+                scheduled[req.request_id] = n
+                if drafts:
+                    spec[req.request_id] = drafts
                 budget -= n
                 i += 1
                 continue
             break  # req itself was preempted
+        return budget
 
-        # 2. Then admit waiting requests, first come first served.
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Then admit waiting requests, first come first served (or by priority)."""
         reason = "preemption this step" if out.preempted else None
         skipped: list[Request] = []  # waiting for their grammar: passed over, put back in front after
         while reason is None and self.waiting:
@@ -140,16 +159,46 @@ class Scheduler:
             else:
                 reason = self._try_admit(self.waiting[0], budget, out)
                 if reason is None:
-                    budget -= out.scheduled[-1].num_tokens
+                    budget -= out.num_scheduled_tokens[out.admitted[-1]]
         if reason is not None:
             out.waiting_reasons = {r.request_id: reason for r in self.waiting}
         if skipped:
             self.waiting.extendleft(reversed(skipped))
             out.waiting_reasons |= {r.request_id: "its grammar is compiling (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)"
                                     for r in skipped}
-        if self.structured_output_manager is not None:
-            self._grammar_bitmask(out)
-        return out
+
+    def _make_diff(self, out: SchedulerOutput) -> None:
+        """What the workers do not know yet: a request they never held comes whole (NewRequestData);
+        one they hold comes as its new blocks and where its tokens start (CachedRequestData; after a
+        preemption as resumed, its whole block table). The workers keep the tokens they sampled."""
+        cached, sent = out.scheduled_cached_reqs, self._sent_blocks
+        for rid in out.num_scheduled_tokens:
+            req = self.requests[rid]
+            have = sent.get(rid)
+            sent[rid] = len(req.block_ids)
+            if have is None:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    rid, req.prompt_token_ids, req.params, (list(req.block_ids),), req.num_computed_tokens,
+                    list(req.all_token_ids), req.eos_token_id, req.sampling_seed or 0))
+                continue
+            resumed = rid in self._resumed
+            if resumed:
+                cached.resumed_req_ids.add(rid)
+                self._resumed.discard(rid)
+            new_blocks = req.block_ids if resumed else req.block_ids[have:]
+            cached.req_ids.append(rid)
+            cached.new_token_ids.append([])
+            cached.new_block_ids.append((list(new_blocks),) if new_blocks or resumed else None)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            cached.num_output_tokens.append(len(req.output_token_ids))
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """V1's: the scheduled tokens count as computed from now on (the next step is scheduled
+        against them); update_from_output takes back the drafts the model rejected."""
+        requests = self.requests
+        for rid, n in out.num_scheduled_tokens.items():
+            requests[rid].num_computed_tokens += n
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
 
     # ---- structured outputs (engine/structured_output) ----------------------------------------
     def _grammar_ready(self, out: SchedulerOutput, skipped: list[Request]) -> bool:
@@ -180,34 +229,40 @@ class Scheduler:
             and not r.structured_output_request.compiled.done()
             for r in self.waiting)
 
-    def _grammar_bitmask(self, out: SchedulerOutput) -> None:
-        """The batch's grammar bitmask (V1's grammar_bitmask): for each scheduled request with a
-        grammar whose step samples a token (a chunk that does not end the prefill samples none),
-        one row per position it scores: one per draft it verifies, then one more."""
-        scheduled = [s for s in out.scheduled if s.request.structured_output_request is not None
-                     and s.num_computed_before + s.num_tokens >= s.request.num_tokens]
-        if not scheduled:
-            return
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The step's grammar bitmask (V1's name; EngineCore.step calls it once the forward pass is
+        under way): for each scheduled request with a grammar whose step samples a token (a chunk that
+        does not end the prefill samples none), one row per position it scores: one per draft it
+        verifies, then one more. None when no such request runs."""
+        self.grammar_allowed_per_pos = {}
+        if self.structured_output_manager is None:
+            return None
+        reqs = [r for r in map(self.requests.get, scheduler_output.num_scheduled_tokens) if r is not None
+                and r.structured_output_request is not None and r.num_computed_tokens >= r.num_tokens]
+        if not reqs:
+            return None
         t0 = time.perf_counter_ns()
-        reqs, drafts = [s.request for s in scheduled], [s.spec_token_ids for s in scheduled]
-        out.grammar_bitmask, allowed = self.structured_output_manager.grammar_bitmask(reqs, drafts)
-        row = 0
+        drafts = [scheduler_output.scheduled_spec_decode_tokens.get(r.request_id, []) for r in reqs]
+        bitmask, allowed = self.structured_output_manager.grammar_bitmask(reqs, drafts)
+        grammar_output = GrammarOutput([r.request_id for r in reqs], bitmask)
+        first_rows, row = {}, 0
         for r, d in zip(reqs, drafts):
-            out.structured_output_request_ids[r.request_id] = row  # its first row; 1 + len(d) rows in all
-            out.grammar_allowed[r.request_id] = allowed[row]
-            out.grammar_allowed_per_pos[r.request_id] = allowed[row:row + 1 + len(d)]
+            first_rows[r.request_id] = row
+            self.grammar_allowed_per_pos[r.request_id] = allowed[row:row + 1 + len(d)]
             row += 1 + len(d)
         if self.hooks.active:
-            self._trace_grammar_bitmask(out, reqs, time.perf_counter_ns() - t0)
+            self._trace_grammar_bitmask(scheduler_output.step, grammar_output, first_rows, allowed,
+                                        time.perf_counter_ns() - t0)
+        return grammar_output
 
-    def _advance_grammar(self, req: Request, token_id: int, out: SchedulerOutput, pos: int) -> None:
+    def _advance_grammar(self, req: Request, token_id: int, pos: int) -> None:
         """After sampling: the request's matcher accepts its token (V1's accept_tokens), the one at
         position `pos` of the step's (0 unless drafts were accepted before it)."""
         so = req.structured_output_request
-        counts = out.grammar_allowed_per_pos.get(req.request_id)
+        counts = self.grammar_allowed_per_pos.get(req.request_id)
         so.num_allowed.append(counts[pos] if counts else None)
         if not self.structured_output_manager.accept_token(req, token_id) and self.hooks.active:
-            self._trace_grammar_rejected(req, token_id, out.step)
+            self._trace_grammar_rejected(req, token_id, self.step_count)
 
     def _trace_grammar_rejected(self, req: Request, token_id: int, step: int) -> None:
         self.hooks.emit(STRUCTURED_OUTPUT, GRAMMAR_REJECTED, request_id=req.request_id, step=step, token_id=token_id)
@@ -218,14 +273,16 @@ class Scheduler:
                         compile_s=so.compile_s, cache_hit=so.cache_hit, error=so.error,
                         waited_s=time.monotonic() - so.queued_at)
 
-    def _trace_grammar_bitmask(self, out: SchedulerOutput, reqs: list[Request], fill_ns: int) -> None:
-        mgr = self.structured_output_manager
-        allowed = mgr.preview(out.grammar_bitmask, out.structured_output_request_ids, out.grammar_allowed)
+    def _trace_grammar_bitmask(self, step: int, grammar_output: GrammarOutput, first_rows: dict[str, int],
+                               allowed: list[int], fill_ns: int) -> None:
+        mgr, rids = self.structured_output_manager, grammar_output.structured_output_request_ids
+        num_allowed = {rid: allowed[first_rows[rid]] for rid in rids}
+        preview = mgr.preview(grammar_output.grammar_bitmask, first_rows, num_allowed)
         # draft positions: the mask of each (allowed tokens after 0, 1, ... of the drafts)
-        per_pos = {rid: n for rid, n in out.grammar_allowed_per_pos.items() if len(n) > 1}
-        self.hooks.emit(STRUCTURED_OUTPUT, BITMASK, step=out.step, vocab_size=mgr.vocab_size, fill_ns=fill_ns,
-                        num_allowed=out.grammar_allowed, allowed=allowed, num_allowed_per_pos=per_pos,
-                        terminated=[r.request_id for r in reqs if r.structured_output_request.grammar.is_terminated()])
+        per_pos = {rid: self.grammar_allowed_per_pos[rid] for rid in rids if len(self.grammar_allowed_per_pos[rid]) > 1}
+        terminated = [rid for rid in rids if self.requests[rid].structured_output_request.grammar.is_terminated()]
+        self.hooks.emit(STRUCTURED_OUTPUT, BITMASK, step=step, vocab_size=mgr.vocab_size, fill_ns=fill_ns,
+                        num_allowed=num_allowed, allowed=preview, num_allowed_per_pos=per_pos, terminated=terminated)
 
     def _try_admit(self, req: Request, budget: int, out: SchedulerOutput) -> str | None:
         """Admit the head of `waiting`, or return why not."""
@@ -242,7 +299,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.admitted.append(req.request_id)
-        out.scheduled.append(ScheduledRequest(req, n, num_cached, req.is_prefill))
+        out.num_scheduled_tokens[req.request_id] = n
         return None
 
     def _allocate(self, req: Request, n: int, end: int, computed: list[int] = ()) -> bool:
@@ -277,61 +334,69 @@ class Scheduler:
         else:
             self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
+        out.preempted_req_ids.add(req.request_id)
+        self._resumed.add(req.request_id)  # the workers keep its state: it comes back as resumed
         if self.hooks.active:
             self.hooks.emit(SCHEDULER, PREEMPTED, request_id=req.request_id, step=out.step, reason=reason)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: SamplerOutput | None) -> EngineCoreOutputs:
+                           model_runner_output: ModelRunnerOutput | None) -> EngineCoreOutputs:
         """Apply one step's sampled tokens (None: nothing ran).
 
-        Per scheduled request: num_computed_tokens advances by what it computed; a request whose
-        prefill is still unfinished (a chunk) discards its token; the others append it, are
-        checked for EOS / stop_token_ids / max_tokens / max_model_len (after min_tokens), and,
-        if finished, freed. Returns one EngineCoreOutput per request that got a token (no text:
-        the front end detokenizes). Hooks: engine/FINISHED per finished request, after its
-        blocks are freed. step_count + 1."""
-        outputs, now, step = [], time.monotonic(), scheduler_output.step
+        Per scheduled request: the drafts the model rejected are taken back from
+        num_computed_tokens (_update_after_schedule counted them); a chunk that does not end its
+        prefill got no token; the others append theirs, are checked for EOS / stop_token_ids /
+        max_tokens / max_model_len (after min_tokens), and, if finished, freed. Returns one
+        EngineCoreOutput per request that got a token (no text: the front end detokenizes).
+        Hooks: engine/FINISHED per finished request, after its blocks are freed. step_count + 1."""
+        outputs, now = [], time.monotonic()
         for rid, error in scheduler_output.grammar_failed.items():  # finished in schedule(), never ran
             outputs.append(EngineCoreOutput(rid, [], finish_reason="abort", stop_reason=error))
-        sampled = model_runner_output.token_ids if model_runner_output is not None else ()
-        for i, (s, token_id) in enumerate(zip(scheduler_output.scheduled, sampled)):
-            req = s.request
-            req.first_scheduled_time = req.first_scheduled_time or now
-            req.num_computed_tokens += s.num_tokens
-            tokens = [token_id]
-            if s.spec_token_ids:  # drafts verified: keep what the rejection sampler kept; rejected slots get rewritten
-                tokens = model_runner_output.spec_token_ids[i]
-                req.num_computed_tokens -= len(s.spec_token_ids) + 1 - len(tokens)
-                self.spec_stats.observe(len(s.spec_token_ids), len(tokens) - 1)
-                if self.hooks.active:
-                    self._trace_verified(req, step, s.spec_token_ids, tokens)
-            if model_runner_output.prompt_logprobs and model_runner_output.prompt_logprobs[i] is not None:
-                _add_prompt_logprobs(req, *model_runner_output.prompt_logprobs[i])
-            if req.num_computed_tokens < len(req.all_token_ids):
-                continue  # one chunk of a longer prefill: its sampled token is discarded
-            new_token_ids = []
-            for pos, token_id in enumerate(tokens):
-                req.append_token(token_id)
-                new_token_ids.append(token_id)
-                if req.structured_output_request is not None:
-                    self._advance_grammar(req, token_id, scheduler_output, pos)
-                status = check_stop(req, self.max_model_len)
-                if status is not None:
-                    break  # the rest (accepted drafts past a stop) is dropped
-            req.first_token_time = req.first_token_time or now
-            if status is not None:
-                req.finished_time = now
-                self.finish_requests((req.request_id,), status)
-            lps = model_runner_output.logprobs[i]
-            new_logprobs = None if lps is None else [_ranked(lps, token_id, model_runner_output.ranks[i])]
-            if s.spec_token_ids and lps is not None:  # one entry per kept token, each from its own position
-                new_logprobs = [_ranked(lp, t, rank) for (lp, rank), t in
-                                zip(model_runner_output.spec_logprobs[i], new_token_ids)]
-            outputs.append(_output(req, new_token_ids, new_logprobs))
-            if status is not None and self.hooks.active:
-                self._trace_finished(req, step)
+        if model_runner_output is not None:
+            for rid in scheduler_output.num_scheduled_tokens:
+                req = self.requests.get(rid)
+                if req is not None:
+                    out = self._update_request(req, scheduler_output, model_runner_output, now)
+                    if out is not None:
+                        outputs.append(out)
         self.step_count += 1
         return EngineCoreOutputs(outputs=outputs)
+
+    def _update_request(self, req: Request, sched: SchedulerOutput, mro: ModelRunnerOutput,
+                        now: float) -> EngineCoreOutput | None:
+        rid, step = req.request_id, sched.step
+        i = mro.req_id_to_index[rid]
+        generated = mro.sampled_token_ids[i]
+        req.first_scheduled_time = req.first_scheduled_time or now
+        drafts = sched.scheduled_spec_decode_tokens.get(rid)
+        if drafts:  # verified: the rejected drafts' slots were not computed after all (they get rewritten)
+            req.num_computed_tokens -= len(drafts) + 1 - len(generated)
+            self.spec_stats.observe(len(drafts), len(generated) - 1)
+            if self.hooks.active:
+                self._trace_verified(req, step, drafts, generated)
+        prompt_logprobs = mro.prompt_logprobs_dict.get(rid)
+        if prompt_logprobs is not None:
+            _add_prompt_logprobs(req, *prompt_logprobs)
+        if not generated:
+            return None  # one chunk of a longer prefill: it sampled nothing
+        new_token_ids, status = [], None
+        for pos, token_id in enumerate(generated):
+            req.append_token(token_id)
+            new_token_ids.append(token_id)
+            if req.structured_output_request is not None:
+                self._advance_grammar(req, token_id, pos)
+            status = check_stop(req, self.max_model_len)
+            if status is not None:
+                break  # the rest (accepted drafts past a stop) is dropped
+        req.first_token_time = req.first_token_time or now
+        if status is not None:
+            req.finished_time = now
+            self.finish_requests((rid,), status)
+        lps = mro.logprobs[i] if mro.logprobs is not None else None
+        new_logprobs = None if lps is None else [_ranked(lp, t, rank) for (lp, rank), t in zip(lps, new_token_ids)]
+        if status is not None and self.hooks.active:
+            self._trace_finished(req, step)
+        return _output(req, new_token_ids, new_logprobs)
 
     def finish_requests(self, request_ids: Iterable[str], finished_status: RequestStatus) -> None:
         """Remove finished (or aborted) requests and free their blocks. Unknown or finished ids
@@ -342,6 +407,8 @@ class Scheduler:
                 continue
             req.status = finished_status
             self.finished_req_ids.add(rid)
+            self._sent_blocks.pop(rid, None)
+            self._resumed.discard(rid)
             if req in self.running:
                 self.running.remove(req)
             elif req in self.waiting:
@@ -352,12 +419,12 @@ class Scheduler:
         self.hooks.emit(SCHEDULER, SCHEDULE, BEGIN, step=step, num_waiting=len(self.waiting),
                         num_running=len(self.running))
 
-    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
-        """The proposer's drafts for the next step (vLLM V1's name): scheduled as lookahead slots.
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """The worker's proposals for the next step (vLLM V1's name): scheduled as lookahead slots.
         A request with a grammar keeps the longest prefix its grammar accepts (its matcher checks
         them and rolls back): a draft the grammar forbids could never be accepted, and the tokens
         after it are not worth verifying."""
-        for rid, drafts in draft_token_ids.items():
+        for rid, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue

@@ -64,7 +64,8 @@ def batch_table(frame: Frame) -> Group | Text:
     # render, taken from the engine thread (same interpreter lock) several times a second.
     rows = snap.get("scheduled", [])
     w = max([7] + [len(sch["request_id"]) for sch in rows]) + 2
-    allowed, vocab = snap.get("grammar_allowed") or {}, (s.grammar_mask or {}).get("vocab_size") or 0
+    mask = s.grammar_mask if (s.grammar_mask or {}).get("step") == s.step else {}  # filled after the schedule
+    allowed, vocab = mask.get("num_allowed") or {}, mask.get("vocab_size") or 0
     table = Text(f"{'request':<{w + 2}} {'kind':<8}{'tokens':>6} {'from':>6}  computed/total\n", "bold dim")
     for sch in rows:
         rid = sch["request_id"]
@@ -115,7 +116,29 @@ def decisions(frame: Frame) -> Group | Text:
         out.append(Text(f"waiting {rid}: {why}", "yellow"))
     if not reasons and not snap.get("preempted"):
         out.append(Text("no request left waiting, none preempted", "dim"))
+    sent = sent_line(snap.get("scheduler_output"), (s.batch or {}) if (s.batch or {}).get("slots") else {})
+    if sent is not None:
+        out.append(sent)
     return Group(*out)
+
+
+def sent_line(diff: dict | None, batch: dict) -> Text | None:
+    """What the SchedulerOutput told the workers: who came whole (NewRequestData), who as a diff
+    (CachedRequestData), its size, and the slot each request holds in the worker's persistent batch."""
+    if not diff:
+        return None
+    t = Text("sent to the workers: ", "bold")
+    t.append(f"{diff['num_bytes']:,} bytes; ")
+    t.append(f"new (whole): {', '.join(diff['new']) or 'none'}; ", "green" if diff["new"] else "dim")
+    cached = [rid + (" (resumed)" if rid in diff["resumed"] else "") for rid in diff["cached"]]
+    t.append(f"cached (diff): {', '.join(cached) or 'none'}", "" if cached else "dim")
+    for key in ("preempted", "finished"):
+        if diff[key]:
+            t.append(f"; {key}: {', '.join(diff[key])}")
+    slots = dict(zip(batch.get("request_ids", []), batch.get("slots", [])))
+    if slots:
+        t.append("\nworker slots: " + ", ".join(f"{rid} → {slot}" for rid, slot in slots.items()), "dim")
+    return t
 
 
 def workers_received(frame: Frame) -> Text | None:
