@@ -106,7 +106,7 @@ class Worker:
         cfg, tp = self.model_config, self.tp
         embed = self.model.wte if hasattr(self.model, "wte") else self.model.model.embed_tokens  # GPT-2's, Llama's
         info = dict(bytes=sum(p.numel() * p.element_size() for p in params),
-                    params=sum(p.numel() for p in self.model.parameters()),
+                    params=sum(p.numel() for p in self.model.parameters()), model_params=self._model_params(backend),
                     heads=list(tp.shard(cfg.num_heads)), kv_heads=list(tp.shard(cfg.num_kv_heads)),
                     mlp=list(tp.shard(cfg.intermediate_size)), vocab=list(embed.shard_range),
                     vocab_padded=embed.num_embeddings_padded, torch_threads=torch.get_num_threads())
@@ -116,6 +116,16 @@ class Worker:
             self.draft_model.to(device=self.device, dtype=self.dtype).eval()
             info["draft_params"] = sum(p.numel() for p in self.draft_model.parameters())
         return info
+
+    def _model_params(self, backend) -> int:
+        """The whole model's parameter count: the ranks' shards add up to more (norms, position
+        embeddings and row-parallel biases are on every rank), so it is counted on a model
+        built unsharded on the meta device (no memory)."""
+        if self.tp.world_size == 1:
+            return sum(p.numel() for p in self.model.parameters())
+        with torch.device("meta"):
+            whole = model_class(self.model_config.architecture)(self.model_config, backend, TPGroup())
+        return sum(p.numel() for p in whole.parameters())
 
     def determine_num_blocks(self) -> tuple[int, str]:
         draft = self.draft_config if self.draft_model is not None else None  # its blocks share the budget
