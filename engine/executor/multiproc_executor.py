@@ -59,6 +59,7 @@ from engine.worker.worker import ExecuteModel, SampleTokens, Worker, WorkerReply
 
 STARTUP_TIMEOUT_S = 600.0  # loading a big model's shard on the CPU
 STOP_TIMEOUT_S = 3.0
+DEATH_REPLY_WAIT_S = 10.0  # how long an exited worker's error reply may take to be read (a loaded machine)
 
 
 class WorkerDiedError(EngineDeadError):
@@ -140,6 +141,8 @@ class MultiprocExecutor(Executor):
         self.dead: str | None = None
         self._closing = False
         self._replies: queue.Queue = queue.Queue()  # step / gate / startup replies, and death notices
+        self._said_why = [threading.Event() for _ in range(n)]  # a rank's error reply has been read
+        self._why: dict[int, str] = {}  # ... and what it said
         self._reruns: dict[int, Future] = {}
         self._rerun_ids = itertools.count(1)
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
@@ -363,15 +366,21 @@ class MultiprocExecutor(Executor):
                     fut.set_result((ok, result))
                 continue
             self._replies.put(reply)
+            if reply.kind == "error" and 0 <= reply.rank < len(self._said_why):
+                self._why[reply.rank] = str(reply.data)
+                self._said_why[reply.rank].set()
 
     def _monitor(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if self._closing:
             return
         # A worker that raised sent an error reply, then exited 1: that reply says why, not the exit.
-        time.sleep(0.05 if code < 0 else 1.0)
-        self._replies.put(f"worker rank {rank} died ({_how(code)})")
-        self._mark_dead(f"worker rank {rank} died ({_how(code)})")
+        # Wait for the reader to have it (not a fixed time: a loaded machine can take seconds to read it).
+        if code >= 0:
+            self._said_why[rank].wait(DEATH_REPLY_WAIT_S)
+        reason = self._why.get(rank) or f"worker rank {rank} died ({_how(code)})"
+        self._replies.put(reason)
+        self._mark_dead(reason)
 
     def _mark_dead(self, reason: str) -> None:
         with self._send_lock:
