@@ -38,6 +38,23 @@ def _merged(before: list[str], after: list[str], ranks: dict[tuple[str, str], in
     return f"{before[i]} + {before[i + 1]} ({ranks[(before[i], before[i + 1])]})"
 
 
+class Steered:
+    """The model runner's sampler with one request's tokens replaced by `tokens`, in order (the
+    sampler's other methods, which keep each request's settings by slot, are the real sampler's)."""
+
+    def __init__(self, sampler, request_id: str, tokens: list[int]):
+        self.sampler, self.request_id, self.tokens = sampler, request_id, tokens
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+    def __call__(self, logits, requests):
+        out = self.sampler(logits, requests)
+        out.token_ids = [self.tokens[len(r.output_token_ids)] if r.request_id == self.request_id else t
+                         for r, t in zip(requests, out.token_ids)]
+        return out
+
+
 def run(lesson) -> None:
     lesson.intro(
         "A model reads and writes **token ids**, not text. You will see a prompt become ids, replay the "
@@ -135,15 +152,8 @@ def run(lesson) -> None:
         "after the model and sampler run, the chosen token is replaced by the next token of "
         f"`{STEER}` ({', '.join(map(repr, tok.convert_ids_to_tokens(steer)))}). Everything after that — "
         "appending the token, detokenizing, streaming — is the engine's own code.")
-    sampler = engine.engine_core.engine_core.model_runner.sampler
-
-    def steered(logits, requests):
-        out = sampler(logits, requests)
-        out.token_ids = [steer[r.num_output_tokens] if r.request_id == "A" else t
-                         for r, t in zip(requests, out.token_ids)]
-        return out
-
-    engine.engine_core.engine_core.model_runner.sampler = steered
+    runner = engine.engine_core.engine_core.model_runner
+    runner.sampler = Steered(runner.sampler, "A", steer)
     lesson.predict(
         "After the steps that sample the byte tokens 0xF0 0x9F 0x91 — three of the four bytes of '👋' — what "
         "has the engine streamed to the client for those steps?",
