@@ -309,7 +309,8 @@ class AsyncLLM:
         for rid, error in msg.rejected:
             self._resolve(rid, ValueError(error))
         if msg.failed:
-            error = EngineClosedError(msg.error) if self._stopping else RuntimeError(msg.error)
+            kind = EngineClosedError if self._stopping else EngineDeadError if msg.fatal else RuntimeError
+            error = kind(msg.error)
             self._fail(msg.failed, error)
         results = self._deliver(msg) if msg.outputs else []
         if msg.step:

@@ -53,6 +53,7 @@ from engine.engine.core_types import (
     EngineCoreRequestType,
     UtilityCall,
 )
+from engine.engine.exceptions import EngineDeadError
 from engine.engine.processor import wire_params
 from engine.hooks import Hooks
 from engine.serial_utils import encoder, outputs_decoder, send_while_alive
@@ -447,7 +448,7 @@ class SyncMPClient(MPClient):
             if fut is not None:
                 fut.set_result(None) if error is None else fut.set_exception(ValueError(error))
         if msg.failed:
-            self._outputs.put(RuntimeError(msg.error))
+            self._outputs.put((EngineDeadError if msg.fatal else RuntimeError)(msg.error))
         elif msg.step:
             self._outputs.put(msg)
 

@@ -39,7 +39,7 @@ from engine.engine.core_types import (
     EngineCoreRequestType,
     UtilityCall,
 )
-from engine.engine.exceptions import EngineClosedError
+from engine.engine.exceptions import EngineClosedError, EngineDeadError
 from engine.gc_utils import freeze_gc_heap
 from engine.hooks import Hooks
 from engine.request import RequestStatus
@@ -245,7 +245,8 @@ class EngineCoreProc:
         self._send(EngineCoreOutputs(outputs=outputs, aborted=aborted, stats=vars(stats), step=True))
 
     def _on_fail(self, request_ids: list[str], exc: BaseException) -> None:
-        self._send(EngineCoreOutputs(failed=request_ids, error=str(exc)))
+        dead = str(exc) if isinstance(exc, EngineDeadError) else None  # the front end fails them as dead
+        self._send(EngineCoreOutputs(failed=request_ids, error=str(exc), fatal=dead))
 
     def _worker_died(self, reason: str) -> None:
         """A tensor-parallel worker died or raised: say why, then exit, so the front end takes the
