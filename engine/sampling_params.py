@@ -25,7 +25,7 @@ class StructuredOutputsParams:
     """Constrain the output to a grammar (vLLM's name and fields): exactly one of ``json`` (a JSON
     schema, as a dict or its text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one
     of these strings) or ``grammar`` (EBNF in xgrammar's dialect, GBNF-like). Compiled by the
-    engine core's StructuredOutputManager (engine/structured_output/); the front end's Processor
+    engine core's StructuredOutputManager (engine/structured_output/); the front end's InputProcessor
     checks it first, so a bad schema is refused before it is queued.
 
     JSON is compact by default here (", " and ": ", nothing else between tokens: a small model
@@ -103,7 +103,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's, in [-100, 100])
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # never generated (their last token is banned after the rest of them)
-    bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized (the front end's Processor)
+    bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized (the front end's InputProcessor)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's RequestOutputKind: "cumulative" (an output for every step, the server streams

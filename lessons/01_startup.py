@@ -110,7 +110,7 @@ def run(lesson) -> None:
     lesson.say("Now the same startup in this process, with the offline `LLM`, as vLLM V1 cuts it: `LLM` wraps "
                "an `LLMEngine` (the front end: tokenizing, detokenizing), which talks to an `EngineCore` "
                "through an `InprocClient`. The `EngineCore` builds everything below: the executor with its "
-               "worker, model runner, model and KV cache, then the scheduler with its block manager. So the "
+               "worker, model runner, model and KV cache, then the scheduler with its KV-cache manager. So the "
                "stages are the `EngineCore`'s: `llm.llm_engine.engine_core.engine_core.startup`.")
     llm, session = lesson.engine()
     engine = llm.llm_engine
@@ -177,7 +177,8 @@ def run(lesson) -> None:
                f"tables can point at it harmlessly): {usable // engine.max_model_len} requests at the full "
                f"{engine.max_model_len}-token length, or many more short ones. The cache is {ratio:.1f}× the "
                f"size of the weights ({kv['bytes'] / 2**20:.0f} MiB versus {ml['bytes'] / 2**20:.1f} MiB).")
-    lesson.check(core.block_manager.num_usable_blocks == kv["num_blocks"] - 1 and 0 not in core.block_manager.free,
+    pool = core.kv_cache_manager.block_pool
+    lesson.check(pool.num_usable_blocks == kv["num_blocks"] - 1 and 0 not in pool.free_block_queue,
                  f"{kv['num_blocks'] - 1} blocks are usable: block 0, the null block, is not in the free queue")
     # A real model on a GPU, by the same arithmetic (public Llama-3-8B config: 32 layers, 8 KV heads
     # of 128 dims, bf16; 8.03e9 parameters) on an 80 GB H100 at gpu_memory_utilization 0.9.

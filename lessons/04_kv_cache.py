@@ -115,7 +115,7 @@ def run(lesson) -> None:
 
     cfg = engine.engine_core.engine_core.model_config
     per_token = 2 * cfg.n_layer * cfg.n_embd * 4
-    bm = engine.engine_core.engine_core.block_manager
+    bm = engine.engine_core.engine_core.kv_cache_manager
     kv_per_block = engine.engine_core.engine_core.startup[-1][2]["bytes_per_block"]
     lesson.say(
         "**What is cached, and what it costs.** For every past token and every layer, its key and value "

@@ -22,14 +22,16 @@ def run(lesson) -> None:
         "by step, and count the slots paging wastes against reserving memory up front.")
     llm, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=False)
     engine = llm.llm_engine
-    bm = engine.engine_core.engine_core.block_manager
+    bm = engine.engine_core.engine_core.kv_cache_manager
+    pool = bm.block_pool
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     free0 = bm.num_free_blocks
-    lesson.say(f"The cache has {bm.num_blocks} blocks of {BLOCK} slots, but only {free0} are in the free-block "
-               "queue: block 0 is the **null block**. As in vLLM V1's block pool, it is taken out once at "
+    lesson.say(f"The cache has {pool.num_gpu_blocks} blocks of {BLOCK} slots, but only {free0} are in the "
+               "free-block queue: block 0 is the **null block**. As in vLLM V1's block pool, it is taken out once at "
                "startup and never given to a request, so a block-table entry of 0 can only mean *nothing here*.")
-    lesson.check(free0 == bm.num_blocks - 1 and 0 not in bm.free, "block 0 is not in the free queue")
+    lesson.check(free0 == pool.num_gpu_blocks - 1 and 0 not in pool.free_block_queue,
+                 "block 0 is not in the free queue")
     a = queue_request(engine, "A", {"prompt_token_ids": list(range(40))}, greedy)
     lesson.say("Request **A** has a 40-token prompt.")
     lesson.predict("How many blocks does A's prefill take, and how full is the last one?",

@@ -7,7 +7,7 @@ from rich.markup import escape
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine.core.block_manager import NULL_BLOCK_ID
+from engine.core.block_pool import NULL_BLOCK_ID
 from engine.hooks import SNAPSHOT
 from lessons.cli import main
 from lessons.framework import events_of, greedy, queue_request, queues, table
@@ -99,7 +99,7 @@ def run(lesson) -> None:
     lesson.check(all(row == r.block_ids + [NULL_BLOCK_ID] * (width - len(r.block_ids)) for row, r in zip(tables, reqs)),
                  f"block_tables is each request's block table, padded with 0 to the widest ({width} entries)")
     lesson.say(
-        "The padding is block 0, the **null block**: as in vLLM V1, the block manager takes it out of the "
+        "The padding is block 0, the **null block**: as in vLLM V1, the block pool takes it out of the "
         "free queue at startup and never gives it to a request, so a padded entry can never be mistaken "
         "for a real block of someone's data. The kernels stop at `seq_lens` anyway; the null block makes "
         "a stray read harmless rather than a silent read of another request's keys.")

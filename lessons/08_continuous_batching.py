@@ -34,7 +34,7 @@ def run(lesson) -> None:
         "iteration-level scheduling). You will add requests *between* `engine.step()` calls and watch "
         "the running set change, then measure it against static batching on the same workload.")
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=False)
-    engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.block_manager
+    engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.kv_cache_manager
     sub = session.bus.subscribe()  # events from now on
 
     arrivals = {0: [("A", 10), ("B", 5)], 2: [("C", 6)], 5: [("D", 4)]}  # step -> (id, max_tokens)

@@ -43,7 +43,7 @@ def run(lesson) -> None:
         "generated* are prefilled again to rebuild its KV cache, and decoding continues where it stopped. "
         "You will fill a tiny cache of 6 usable blocks until that happens.")
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=7, max_num_seqs=3, enable_prefix_caching=False)
-    engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.block_manager
+    engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.kv_cache_manager
     sub = session.bus.subscribe()
     reqs = {rid: queue_request(engine, rid, prompt(rid), greedy(rid)) for rid in WORKLOAD}
     lesson.say("Four requests: **A** (30-token prompt), **B** and **C** (16), **D** (8), in that order. "

@@ -4,7 +4,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
-from engine.core.block_manager import hash_block
+from engine.core.block_pool import hash_block_tokens
 from lessons.cli import main
 from lessons.framework import greedy, queue_request, table
 
@@ -37,7 +37,9 @@ def run(lesson) -> None:
         "the same way reuses them instead of computing them again. You will watch the hashes, the hits, "
         "shared blocks with reference counts, and what happens when the cache runs short.")
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=13)  # 12 usable besides the null block
-    engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.block_manager
+    engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.kv_cache_manager
+    pool = bm.block_pool
+    cached = pool.cached_block_hash_to_block  # block hash -> physical block id
     tok = engine.tokenizer
     sub = session.bus.subscribe()
     SYSTEM = tok.encode(SYSTEM_TEXT)
@@ -61,24 +63,24 @@ def run(lesson) -> None:
         parent = a.block_hashes[i - 1] if 0 < i <= len(a.block_hashes) else None
         toks = a.all_token_ids[i * BLOCK:(i + 1) * BLOCK]
         rows.append([i, phys, repr(tok.decode(toks[:6])) + " …", len(toks) if i < 3 else a.num_prompt_tokens - 48,
-                     short(parent), short(h), "yes" if h is not None and bm.cached.get(h) == phys else "no"])
+                     short(parent), short(h), "yes" if h is not None and cached.get(h) == phys else "no"])
     lesson.show(table(["logical", "physical", "text of its first 6 tokens", "n", "parent hash", "hash", "in cache"],
                       rows, title="A's blocks (hashes shortened to 32 bits)"))
     hs = a.block_hashes
-    lesson.check(len(hs) == 3 and hs[0] == hash_block(None, tuple(SYSTEM[:16]))
-                 and all(hs[i] == hash_block(hs[i - 1], tuple(SYSTEM[i * 16:(i + 1) * 16])) for i in (1, 2)),
+    lesson.check(len(hs) == 3 and hs[0] == hash_block_tokens(None, tuple(SYSTEM[:16]))
+                 and all(hs[i] == hash_block_tokens(hs[i - 1], tuple(SYSTEM[i * 16:(i + 1) * 16])) for i in (1, 2)),
                  "each block's hash = hash(parent's hash, its 16 token ids): a chain")
-    lesson.check(all(bm.cached[h] == a.block_ids[i] for i, h in enumerate(hs)) and len(bm.cached) == 3,
+    lesson.check(all(cached[h] == a.block_ids[i] for i, h in enumerate(hs)) and len(cached) == 3,
                  f"A's 3 full blocks are in the cache; its 4th block ({n_own} tokens, not full) is not")
     other_first = [t + 1 for t in SYSTEM[:16]]
-    lesson.check(hash_block(hash_block(None, tuple(other_first)), tuple(SYSTEM[16:32])) != hs[1],
+    lesson.check(hash_block_tokens(hash_block_tokens(None, tuple(other_first)), tuple(SYSTEM[16:32])) != hs[1],
                  "the same 16 tokens after a different first block hash differently: a hash names the whole prefix")
     lesson.say("That is why a hit on block *i* also means blocks 0…*i*−1 match: the lookup walks the chain "
                "from the first block and stops at the first miss.")
-    lesson.check(all(bm.blocks[bid].token_ids == tuple(SYSTEM[i * 16:(i + 1) * 16])
+    lesson.check(all(pool.blocks[bid].token_ids == tuple(SYSTEM[i * 16:(i + 1) * 16])
                      for i, bid in enumerate(a.block_ids[:3])),
                  "our cache also keeps each cached block's 16 token ids beside its hash, and a lookup compares "
-                 "them (BlockManager.get_computed_blocks): a hash collision cannot give a wrong hit here")
+                 "them (KVCacheManager.get_computed_blocks): a hash collision cannot give a wrong hit here")
     lesson.say("That comparison is **ours, not vLLM's**. vLLM keys the cache on the block hash alone and trusts "
                "it: `hash_block_tokens` in `vllm/v1/core/kv_cache_utils.py` hashes (parent hash, token ids, extra "
                "keys) with SHA-256 by default (`CacheConfig.prefix_caching_hash_algo` in `vllm/config/cache.py`), "
@@ -98,15 +100,15 @@ def run(lesson) -> None:
     sb = next(s for s in snap["scheduled"] if s["request_id"] == "B")
     hit = next(e for e in events if (e.layer, e.request_id) == ("block_manager", "B") and e.name.startswith("cache_"))
     lesson.show(table(["logical", "B's physical", "A's physical", "ref count"],
-                      [[i, p, a.block_ids[i] if i < len(a.block_ids) else "", bm.blocks[p].ref_cnt]
+                      [[i, p, a.block_ids[i] if i < len(a.block_ids) else "", pool.blocks[p].ref_cnt]
                        for i, p in enumerate(b.block_ids)], title="B's block table after step 1"))
     lesson.check(hit.name == "cache_hit" and hit.attrs["hit_tokens"] == 48 and b.num_cached_tokens == 48,
                  "B hit 48 tokens in the cache (num_cached_tokens = 48; trace: cache_hit)")
     lesson.check(sb["num_computed_before"] == 48 and sb["num_tokens"] == n_b,
                  f"step 1 computed only B's last {n_b} prompt tokens, starting at position 48")
-    lesson.check(b.block_ids[:3] == a.block_ids[:3] and all(bm.blocks[p].ref_cnt == 2 for p in b.block_ids[:3]),
+    lesson.check(b.block_ids[:3] == a.block_ids[:3] and all(pool.blocks[p].ref_cnt == 2 for p in b.block_ids[:3]),
                  "B's first 3 logical blocks are A's physical blocks, each now with reference count 2")
-    lesson.check(b.block_ids[3] not in a.block_ids and bm.blocks[b.block_ids[3]].ref_cnt == 1,
+    lesson.check(b.block_ids[3] not in a.block_ids and pool.blocks[b.block_ids[3]].ref_cnt == 1,
                  "B's 4th block, where it differs from A, is its own")
     lesson.pause()
 
@@ -123,14 +125,14 @@ def run(lesson) -> None:
     lesson.check(c.num_cached_tokens == 32 and sc["num_computed_before"] == 32 and sc["num_tokens"] == 16,
                  "C hit 32 tokens and computed 16, although all 48 were in the cache")
     lesson.check(c.block_ids[:2] == a.block_ids[:2] and c.block_ids[2] != a.block_ids[2]
-                 and bm.blocks[a.block_ids[0]].ref_cnt == 3,
+                 and pool.blocks[a.block_ids[0]].ref_cnt == 3,
                  "C shares A's first 2 blocks (reference count 3 now) and got a fresh 3rd block")
     lesson.pause()
 
     # ---- eviction ----
     while engine.has_unfinished_requests():
         engine.step()
-    queue = list(bm.free)
+    queue = list(pool.free_block_queue)
     lesson.say("All three have finished. Their blocks went back to the free queue, but blocks with a hash "
                "**keep their contents**: they are *cached-free*, counted as free, yet still findable. New "
                "blocks are taken from the front of the queue: blocks without cached contents first, then "
@@ -139,12 +141,12 @@ def run(lesson) -> None:
                "its 3rd block again), so it carries the same hash; the cache's index points to block %d."
                % (c_blocks[2], a_blocks[2], a_blocks[2]))
     lesson.show(table(["queue position", "block", "cached contents"],
-                      [[i, bid, short(bm.blocks[bid].hash) if bm.blocks[bid].hash is not None else ""]
+                      [[i, bid, short(pool.blocks[bid].block_hash) if pool.blocks[bid].block_hash is not None else ""]
                        for i, bid in enumerate(queue)], title="the free-block queue, front first"))
-    lesson.check(bm.num_free_blocks == bm.num_usable_blocks and all(h in bm.cached for h in hs),
+    lesson.check(bm.num_free_blocks == bm.num_usable_blocks and all(h in cached for h in hs),
                  "every block is free, and the system prompt's 3 hashes are still in the cache")
-    uncached = [bid for bid in queue if bm.blocks[bid].hash is None]
-    cached_order = [bid for bid in queue if bm.blocks[bid].hash is not None]
+    uncached = [bid for bid in queue if pool.blocks[bid].block_hash is None]
+    cached_order = [bid for bid in queue if pool.blocks[bid].block_hash is not None]
     lesson.check(
         queue == uncached + cached_order,
         "blocks without cached contents are at the front, cached-free ones behind them",
@@ -158,19 +160,19 @@ def run(lesson) -> None:
                    f"The {n_evict} least recently used cached-free blocks, from the front of the queue: "
                    f"{cached_order[:n_evict]}. Their old contents are evicted from the cache.")
     victims = cached_order[:n_evict]
-    victim_hashes = [bm.blocks[v].hash for v in victims]
+    victim_hashes = [pool.blocks[v].block_hash for v in victims]
     x = queue_request(engine, "X", {"prompt_token_ids": [(11 * j) % 256 for j in range(x_len)]}, greedy(2))
     _, events = traced_step(engine, sub)
     evicted = [b for e in events if (e.layer, e.name) == ("block_manager", "evict") for b in e.attrs["block_ids"]]
     lesson.show(table(["block", "evicted hash", "still in cache?"],
-                      [[v, short(h), "yes" if h in bm.cached else "no"] for v, h in zip(victims, victim_hashes)],
+                      [[v, short(h), "yes" if h in cached else "no"] for v, h in zip(victims, victim_hashes)],
                       title="evicted for X (trace: block_manager evict)"))
     lesson.check(x.block_ids == uncached + victims and evicted == victims,
                  f"X took the uncached blocks first, then evicted the LRU cached-free blocks {victims}")
-    lesson.check(a_blocks[2] in victims and hs[2] not in bm.cached,
+    lesson.check(a_blocks[2] in victims and hs[2] not in cached,
                  "the system prompt's 3rd block was among them: its hash is gone from the cache")
     lesson.check(
-        hs[0] in bm.cached and hs[1] in bm.cached, "its first two blocks, further back in the queue, are still cached"
+        hs[0] in cached and hs[1] in cached, "its first two blocks, further back in the queue, are still cached"
     )
 
     while engine.has_unfinished_requests():
@@ -206,7 +208,7 @@ def run(lesson) -> None:
     lesson.check(e_text.startswith(warm.prompt) and e.prompt_token_ids[:47] == warm.prompt_token_ids[:47]
                  and e.prompt_token_ids[47] != warm.prompt_token_ids[47],
                  "the text is a prefix, but the token ids differ at position 47, the space's token")
-    lesson.check(warm.num_prompt_tokens == 48 and bm.cached.get(warm.block_hashes[2]) is not None
+    lesson.check(warm.num_prompt_tokens == 48 and cached.get(warm.block_hashes[2]) is not None
                  and e.num_cached_tokens == 32,
                  "the warm-up's 3rd block is in the cache, yet the user's request hit only 32 tokens")
     lesson.say("The same holds for any boundary BPE merges across. A system prompt that ends in a newline (as "

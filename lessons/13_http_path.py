@@ -33,7 +33,7 @@ def run(lesson) -> None:
         "**serving layer** turns it into sampling parameters and submits it (`api`), and the prompt is "
         "**tokenized** (`tokenizer`); `AsyncLLM` hands the token ids to its `AsyncMPClient`, "
         "and they cross to the **engine-core process** (`ipc`), where `EngineCoreProc`'s busy loop calls "
-        "`EngineCore.step()`: `scheduler.schedule()` (block manager), `model_executor.execute_model()` (model "
+        "`EngineCore.step()`: `scheduler.schedule()` (KV-cache manager), `model_executor.execute_model()` (model "
         "runner, kernels: the forward pass), `model_executor.sample_tokens()` (sampler), "
         "`scheduler.update_from_output()`. Each step's new token ids come back "
         "(`ipc`), are **detokenized** here by the `OutputProcessor` (`detokenizer`), and the HTTP handler "
@@ -46,10 +46,9 @@ def run(lesson) -> None:
         "calls the `OnlineRenderer`, whose `BaseRenderer.render_cmpl_async` (`vllm/renderers/base.py`) stamps "
         "the request's `arrival_time` and tokenizes the prompt; `AsyncLLM.add_request` then hands the rendered "
         "input to `InputProcessor.process_inputs` (`vllm/v1/engine/input_processor.py`), which validates it "
-        "and builds the `EngineCoreRequest`. Ours has the same two steps under other names: `InputProcessor` "
-        "in `engine/entrypoints/openai/input_processor.py` tokenizes (the renderer's part), and "
-        "`Processor.process_inputs` (`engine/engine/processor.py`; `Processor` is the name vLLM's "
-        "`InputProcessor` had before) builds the request.")
+        "and builds the `EngineCoreRequest`. Ours has the same two steps under the same names: `OnlineRenderer` "
+        "in `engine/renderers/online_renderer.py` tokenizes, and `InputProcessor.process_inputs` "
+        "(`engine/engine/input_processor.py`) builds the request.")
     hooks = Hooks()
     session = TraceSession(hooks, control=False, model=lesson.model)
     lesson.sessions.append(session)

@@ -267,7 +267,7 @@ def abort_on_disconnect(lesson) -> None:
                  "the abort freed its blocks between two steps (no batch ran in between), and no later step "
                  "scheduled it")
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
-    lesson.check(core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks,
+    lesson.check(core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_usable_blocks,
                  "every block is free again")
     lines = metrics.splitlines()
     ours = next((ln for ln in lines if ln.startswith("vllm_trace:request_abort_total")), "")

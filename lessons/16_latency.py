@@ -94,8 +94,8 @@ def served(lesson) -> None:
                "tokenizes the prompt (`BaseRenderer.render_cmpl_async`, `vllm/renderers/base.py`); "
                "`InputProcessor.process_inputs` (`vllm/v1/engine/input_processor.py`) only stamps a request that "
                "comes without one. Ours stamps it later, after tokenizing, when the request reaches the engine's "
-               "front end (`Processor.process_inputs`, `engine/engine/processor.py`), so our TTFT leaves out the "
-               "tokenizing that vLLM 0.33's counts. TPOT is exported per "
+               "front end (`InputProcessor.process_inputs`, `engine/engine/input_processor.py`), so our TTFT "
+               "leaves out the tokenizing that vLLM 0.33's counts. TPOT is exported per "
                "request as `vllm:request_time_per_output_token_seconds` (first to last token over the tokens "
                "after the first; the older `vllm:time_per_output_token_seconds` was per token, what ITL is now). "
                "One difference: vLLM's queue time runs from the core's QUEUED event to its first SCHEDULED "
@@ -103,9 +103,9 @@ def served(lesson) -> None:
                "`arrival_time` to the first SCHEDULED, so it also counts the way from the front end into the "
                "scheduler's queue.")
     before = time.monotonic()
-    request = llm.llm_engine.processor.process_inputs("stamped", "The list type", greedy(1))
+    request = llm.llm_engine.input_processor.process_inputs("stamped", "The list type", greedy(1))
     lesson.check(before <= request.arrival_time <= time.monotonic() and request.prompt_token_ids,
-                 "our arrival_time is stamped in Processor.process_inputs, the call that takes the prompt (its "
+                 "our arrival_time is stamped in InputProcessor.process_inputs, the call that takes the prompt (its "
                  "token ids) into the front end")
     rows = [["TTFT", "vllm:time_to_first_token_seconds", summary["ttft"]["mean_ms"],
              server_ms["vllm:time_to_first_token_seconds"]],

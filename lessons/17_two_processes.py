@@ -15,7 +15,7 @@ from engine import LLM, Hooks, SamplingParams
 from engine.engine.async_engine import AsyncLLMEngine
 from engine.engine.async_llm import AsyncLLM
 from engine.engine.core_types import EngineCoreRequest
-from engine.engine.processor import wire_params
+from engine.engine.input_processor import wire_params
 from lessons.cli import main
 from lessons.framework import events_of, greedy, table
 from tracer.session import TraceSession

@@ -29,7 +29,8 @@ def run(lesson) -> None:
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=64)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
-    bm = core.block_manager
+    bm = core.kv_cache_manager
+    pool = bm.block_pool
     engine.add_request("ask", SYSTEM, SamplingParams(n=N, temperature=0.9, seed=7, max_tokens=24))
     engine.step()
     children = [core.requests[f"{i}_ask"] for i in range(N)]
@@ -37,12 +38,12 @@ def run(lesson) -> None:
     full = (prompt_len - 1) // BLOCK  # full prompt blocks: the prefix cache can share these
     lesson.show(table(["child", "seed", "block table", "reference counts"], [
         [c.request_id, c.params.seed, " ".join(map(str, c.block_ids)),
-         " ".join(str(bm.blocks[b].ref_cnt) for b in c.block_ids)] for c in children],
+         " ".join(str(pool.blocks[b].ref_cnt) for b in c.block_ids)] for c in children],
         title=f"after the first step: a {prompt_len}-token prompt, {N} children"))
     shared = children[0].block_ids[:full]
     lesson.check(full >= 1 and all(c.block_ids[:full] == shared for c in children),
                  f"every child's first {full} block(s) are the same physical blocks {shared}")
-    lesson.check(all(bm.blocks[b].ref_cnt == N for b in shared), f"each shared block has reference count {N}")
+    lesson.check(all(pool.blocks[b].ref_cnt == N for b in shared), f"each shared block has reference count {N}")
     tails = [c.block_ids[full:] for c in children]
     lesson.check(len({tuple(t) for t in tails}) == N,
                  "the block holding the prompt's last tokens is each child's own: each computes that token, whose "
@@ -83,7 +84,7 @@ def run(lesson) -> None:
                                   f"{', '.join(sorted(preempted))} were preempted")
     lesson.check(len({tuple(c.token_ids) for c in final.outputs}) == 1,
                  "greedy children recomputed after preemption still agree token for token")
-    lesson.check(c2.block_manager.num_free_blocks == c2.block_manager.num_usable_blocks,
+    lesson.check(c2.kv_cache_manager.num_free_blocks == c2.kv_cache_manager.num_usable_blocks,
                  "and no block is leaked")
     lesson.pause()
 

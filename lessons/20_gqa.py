@@ -51,15 +51,14 @@ def run(lesson) -> None:
                  f"bytes per token = 2 (K, V) × 4 layers × KV heads × head size × 4 bytes: "
                  f"{per_token[MHA]:,} with 4 heads × 32 dims, {per_token[GQA]:,} with 2 KV heads × 16 dims: "
                  f"smaller by the group factor {group} (8 query heads / 2 KV heads)")
-    lesson.check(gqa.block_manager.num_blocks == group * mha.block_manager.num_blocks,
-                 f"so the same memory holds {group}× the blocks: {gqa.block_manager.num_blocks} against "
-                 f"{mha.block_manager.num_blocks}")
+    n_gqa, n_mha = (c.kv_cache_manager.block_pool.num_gpu_blocks for c in (gqa, mha))
+    lesson.check(n_gqa == group * n_mha, f"so the same memory holds {group}× the blocks: {n_gqa} against {n_mha}")
     lesson.pause()
 
     # ---- how many more requests fit ----
     lesson.say("**How many more requests fit.** The same burst on both engines: 48 copies of a 63-token prompt "
                "(4 blocks each with the 64th token; prefix caching off, so none share), two tokens each. The "
-               "scheduler admits waiting requests while the block manager can give each its blocks; the rest wait.")
+               "scheduler admits waiting requests while the KV-cache manager can give each its blocks; the rest wait.")
     running = {}
     for name, (llm, _, core) in engines.items():
         engine = llm.llm_engine
@@ -67,7 +66,8 @@ def run(lesson) -> None:
             engine.add_request(f"r{i}", {"prompt_token_ids": list(range(1, 64))},
                                SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         engine.step()  # one schedule: every admitted prompt is prefilled in this step
-        running[name] = (len(core.scheduler.running), len(core.scheduler.waiting), core.block_manager.num_usable_blocks)
+        running[name] = (len(core.scheduler.running), len(core.scheduler.waiting),
+                         core.kv_cache_manager.num_usable_blocks)
         while engine.has_unfinished_requests():
             engine.step()
     lesson.show(table(["model", "usable blocks", "prefilled in the first step", "left waiting"],

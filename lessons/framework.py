@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine import LLM, Hooks, SamplingParams
-from engine.core.block_manager import NULL_BLOCK_ID
+from engine.core.block_pool import NULL_BLOCK_ID
 from engine.request import Request
 from tracer.events import Event
 from tracer.session import TraceSession
@@ -188,19 +188,19 @@ def queues(llm: LLM) -> Table:
 def kv_blocks(llm: LLM, width: int = 32) -> Text:
     """Every physical block as a cell: a request's id if it holds the block, · if cached-free,
     ∅ for the null block (block 0, never a request's), blank if free."""
-    bm = llm.llm_engine.engine_core.engine_core.block_manager
+    bm = llm.llm_engine.engine_core.engine_core.kv_cache_manager
     owner: dict[int, str] = {}
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     for r in list(sched.running) + list(sched.waiting):
         for b in r.block_ids:
             owner[b] = r.request_id if b not in owner else "*"  # * = shared
     out = Text()
-    for b in range(bm.num_blocks):
+    for b in range(bm.block_pool.num_gpu_blocks):
         cell = owner.get(b)
         if b == NULL_BLOCK_ID:
             cell = "∅"
         elif cell is None:
-            cell = "·" if bm.blocks[b].hash is not None else " "
+            cell = "·" if bm.block_pool.blocks[b].block_hash is not None else " "
         out.append(f"{cell[-1]:>1}", style="bold" if b in owner else "dim")
         out.append("\n" if (b + 1) % width == 0 else "")
     return out

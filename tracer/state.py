@@ -162,7 +162,7 @@ class TraceState:
     # Free blocks whose contents are still in the prefix cache (a new request may hit them;
     # taking one for something else evicts it). The engine's free events do not say which
     # freed blocks were hashed, so the fold derives it: a block is hashed once it is full of
-    # computed tokens (see _freed); tests check this against the block manager.
+    # computed tokens (see _freed); tests check this against the block pool.
     cached_free: set[int] = field(default_factory=set)
     kv_usage_history: list[float] = field(default_factory=list)  # KV-cache use at each step's end
     kernel_history: dict[str, list[int]] = field(default_factory=dict)  # name -> ns per step (all layers)
@@ -512,7 +512,7 @@ def _evict(s: TraceState, ev: Event) -> None:
 
 
 def _freed(s: TraceState, req: RequestView, freed) -> None:
-    """Which freed blocks keep their cached contents. The block manager hashes a block once
+    """Which freed blocks keep their cached contents. The KV-cache manager hashes a block once
     its KV is fully written: after postprocess (a finish), every token the trace knew before
     this step's (its NEW_TOKENS follow the FREE: the front end detokenizes after the core
     finished the step); before a step (a preemption or an abort), the computed tokens."""

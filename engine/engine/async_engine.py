@@ -4,7 +4,7 @@ The one-process mode (``serve --no-multiprocessing``, the tests, lessons that re
 objects): the EngineCore is stepped by a ``BusyLoop`` (who may touch it when: the engine
 lock, parking while a step controller holds it, requests queued while paused, aborts at the
 step boundary; see ``busy_loop.py``), the same loop that runs in the engine-core process
-behind ``AsyncLLM``. The front-end half is AsyncLLM's too: the ``Processor`` makes each
+behind ``AsyncLLM``. The front-end half is AsyncLLM's too: the ``InputProcessor`` makes each
 prompt an EngineCoreRequest and the ``OutputProcessor`` turns the core's token ids into
 RequestOutputs, on the engine thread; each request's outputs go to its
 ``RequestOutputCollector`` with one ``call_soon_threadsafe`` per step.
@@ -20,9 +20,9 @@ from engine.engine.busy_loop import BusyLoop, PendingAdd
 from engine.engine.core_types import EngineCoreOutput, EngineCoreRequest
 from engine.engine.exceptions import EngineClosedError as EngineClosedError  # re-exported: the serving layer's
 from engine.engine.exceptions import EngineDeadError
+from engine.engine.input_processor import InputProcessor
 from engine.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestStream, call_soon, deliver
 from engine.engine.parallel_sampling import fan_out
-from engine.engine.processor import Processor
 from engine.hooks import Hooks
 from engine.outputs import EngineStats, RequestOutput
 from engine.request import RequestStatus
@@ -49,7 +49,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.drain_timeout = drain_timeout  # shutdown(): how long in-flight requests may finish
         self.step_listeners: list[StepListener] = []
-        self.processor = Processor(engine.tokenizer, engine.hooks, engine.model_config.vocab_size)
+        self.input_processor = InputProcessor(engine.tokenizer, engine.hooks, engine.model_config.vocab_size)
         self.output_processor = OutputProcessor(engine.tokenizer, engine.hooks)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestOutputCollector]] = {}  # engine lock
         self._core_ids: dict[str, list[str]] = {}  # request id -> the ids the core knows (n > 1: the children's)
@@ -139,7 +139,7 @@ class AsyncLLMEngine:
         """Queue a request; returns once the engine has it (in `waiting`). Raises ValueError
         (bad prompt, too long, bad params) with nothing queued."""
         loop = asyncio.get_running_loop()
-        request = self.processor.process_inputs(request_id, prompt, params, priority=priority)
+        request = self.input_processor.process_inputs(request_id, prompt, params, priority=priority)
         parent, requests = fan_out(request)  # n > 1: n children, gathered by the output processor
         collector, accepted, pending = RequestOutputCollector(), loop.create_future(), [len(requests)]
 

@@ -49,9 +49,9 @@ from engine.engine.async_engine import StepListener
 from engine.engine.core_client import HANDSHAKE_TIMEOUT_S, AsyncMPClient
 from engine.engine.core_types import EngineCoreOutputs
 from engine.engine.exceptions import EngineClosedError, EngineDeadError
+from engine.engine.input_processor import InputProcessor
 from engine.engine.output_processor import OutputProcessor, RequestOutputCollector, RequestStream, call_soon, deliver
 from engine.engine.parallel_sampling import fan_out
-from engine.engine.processor import Processor
 from engine.hooks import BEGIN, END, Hooks
 from engine.model_executor.model_loader import resolve
 from engine.outputs import EngineStats, RequestOutput
@@ -102,7 +102,7 @@ class AsyncLLM:
         self.stats: EngineStats | None = None
         self.max_model_len = self.num_blocks = self.block_size = None
         self.device = self.attention_backend = self.vocab_size = None
-        self.processor = Processor(self.tokenizer, self.hooks)
+        self.input_processor = InputProcessor(self.tokenizer, self.hooks)
         self.output_processor = OutputProcessor(self.tokenizer, self.hooks)
         self.client = AsyncMPClient(config, self.hooks, self._on_message, self._on_dead, core_options, core_proc)
         self._streams: dict[str, _Stream] = {}  # by request id; guarded by _lock, with the processor's requests
@@ -197,7 +197,7 @@ class AsyncLLM:
         self.max_model_len, self.num_blocks = ready["max_model_len"], ready["num_blocks"]
         self.block_size = ready["block_size"]
         self.device, self.attention_backend = ready["device"], ready["attention_backend"]
-        self.vocab_size = self.processor.vocab_size = ready["vocab_size"]
+        self.vocab_size = self.input_processor.vocab_size = ready["vocab_size"]
         self.stats = EngineStats(**ready["stats"])
         if self.hooks.active:
             self._trace_ready(time.perf_counter() - t0)
@@ -243,7 +243,7 @@ class AsyncLLM:
             raise EngineClosedError(self.client.dead)
         if self._stopping or not self._started:
             raise EngineClosedError("the engine is not running (shutting down?)")
-        request = self.processor.process_inputs(request_id, prompt, params, priority=priority)
+        request = self.input_processor.process_inputs(request_id, prompt, params, priority=priority)
         parent, requests = fan_out(request)  # n > 1: n children, gathered by the output processor
         stream = _Stream(asyncio.get_running_loop(), request_id, [r.request_id for r in requests])
         with self._lock:

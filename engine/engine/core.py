@@ -4,7 +4,7 @@
              -> scheduler.get_grammar_bitmask() -> model_executor.sample_tokens(grammar_output)
              -> scheduler.update_from_output() -> take_draft_token_ids() -> update_draft_token_ids()
 
-It owns the scheduler (with its block manager) and the executor (the workers, their model
+It owns the scheduler (with its KV-cache manager) and the executor (the workers, their model
 runners, models and KV caches), takes requests as token ids and returns token ids: no
 tokenizing, no text, no stop strings (the front end's Processor and OutputProcessor do
 those). Who drives it: ``InprocClient`` calls step() directly (the offline ``LLM``, lessons);
@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from engine.config import EngineConfig
-from engine.core.block_manager import BlockManager
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.output import SchedulerOutput, diff_summary
 from engine.core.sched.scheduler import Scheduler
 from engine.cpu_threads import place_threads
@@ -119,13 +119,13 @@ class EngineCore:
             info |= self.model_executor.initialize_kv_cache(num_blocks)
             info["reason"] = why
 
-        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks)
         # grammars for structured outputs: xgrammar is imported by the first one, on the compile thread
         self.structured_output_manager = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id, config.scheduler.max_num_seqs)
         # a draft model proposes in the worker, after the step: its k drafts need k lookahead slots (V1's name)
         lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.hooks,
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, self.hooks,
                                    self.structured_output_manager, num_lookahead_tokens=lookahead)
         self._rng = random.Random(mc.seed)
         self.profiling_since: int | None = None  # the first profiled step, while profiling
@@ -207,7 +207,7 @@ class EngineCore:
         if n + max_tokens > limit:
             raise ValueError(f"max_tokens={max_tokens} plus the prompt's {n} tokens exceeds max_model_len={limit}; "
                              f"max_tokens must be <= {limit - n}")
-        bm = self.block_manager
+        bm = self.kv_cache_manager
         if bm.blocks_needed(n + max_tokens) > bm.num_usable_blocks:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {bm.blocks_needed(n + max_tokens)} KV-cache "
@@ -315,16 +315,16 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (nothing changed) while requests hold blocks."""
-        return self.block_manager.reset_prefix_cache()
+        return self.kv_cache_manager.reset_prefix_cache()
 
     # ---- observation --------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        bm, spec = self.block_manager, self.scheduler.spec_stats
+        bm, spec = self.kv_cache_manager, self.scheduler.spec_stats
         return EngineStats(
             step=self.step_count, num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_usable_blocks,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits, kv_cache_usage=bm.usage(),
+            prefix_cache_hits=bm.prefix_cache_hits, kv_cache_usage=bm.usage,
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),

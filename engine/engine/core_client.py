@@ -54,7 +54,7 @@ from engine.engine.core_types import (
     UtilityCall,
 )
 from engine.engine.exceptions import EngineDeadError
-from engine.engine.processor import wire_params
+from engine.engine.input_processor import wire_params
 from engine.hooks import Hooks
 from engine.serial_utils import encoder, outputs_decoder, send_while_alive
 from engine.trace_names import IPC, IPC_RECV, IPC_SEND, PAUSED, RESUMED, TRACER

@@ -140,8 +140,9 @@ class EngineCoreProc:
             module, func = install.split(":")
             self.utilities |= getattr(importlib.import_module(module), func)(self.hooks, self.core, self.options)
         self.core.start()
-        bm = engine.block_manager
-        return dict(num_blocks=bm.num_blocks, block_size=bm.block_size, max_model_len=engine.max_model_len,
+        pool = engine.kv_cache_manager.block_pool
+        return dict(num_blocks=pool.num_gpu_blocks, block_size=engine.kv_cache_manager.block_size,
+                    max_model_len=engine.max_model_len,
                     model_path=str(engine.model_path), device=str(engine.device),
                     attention_backend=engine.attention_backend, vocab_size=engine.model_config.vocab_size,
                     pid=os.getpid(), stats=vars(engine.stats()), startup=[list(s[:2]) for s in engine.startup])

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.engine.core_client import EngineCoreClient
+from engine.engine.input_processor import InputProcessor
 from engine.engine.output_processor import OutputProcessor
 from engine.engine.parallel_sampling import fan_out
-from engine.engine.processor import Processor
 from engine.hooks import Hooks
 from engine.model_executor.model_loader import resolve
 from engine.outputs import EngineStats, RequestOutput
@@ -39,7 +39,7 @@ class LLMEngine:
             core = self.engine_core.engine_core
             self.tokenizer, self.max_model_len = core.tokenizer, core.max_model_len
             vocab_size = core.model_config.vocab_size
-        self.processor = Processor(self.tokenizer, self.hooks, vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, self.hooks, vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.hooks)
 
     def get_tokenizer(self):
@@ -48,9 +48,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> str:
         """Validate, tokenize and queue a request; returns its id. Raises ValueError (the
-        Processor's or the core's) with nothing queued."""
+        InputProcessor's or the core's) with nothing queued."""
         params = params or SamplingParams()
-        request = self.processor.process_inputs(request_id, prompt, params, arrival_time, priority)
+        request = self.input_processor.process_inputs(request_id, prompt, params, arrival_time, priority)
         parent, requests = fan_out(request)  # n > 1: n children, gathered by the output processor
         try:
             for r in requests:

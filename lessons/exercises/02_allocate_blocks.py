@@ -1,13 +1,14 @@
 """Exercise 2: allocate blocks and a block table, prefix-cache hits included (lessons 5, 10, 11).
 
-Graded inside the engine: the block manager's allocate_slots is the learner's (the engine
+Graded inside the engine: the KV-cache manager's allocate_slots is the learner's (the engine
 still registers full blocks in the prefix cache after it), and a workload that shares a
 system prompt and runs out of blocks (preemption) must produce the engine's own output.
 """
 from __future__ import annotations
 
 from engine import LLM, SamplingParams
-from engine.core.block_manager import NULL_BLOCK_ID, BlockManager
+from engine.core.block_pool import NULL_BLOCK_ID
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from lessons.exercises import Grader, greedy, learner_call
 from lessons.framework import queue_request
@@ -27,30 +28,30 @@ tokens; they come before the new tokens. Afterwards req.block_ids must hold exac
     ceil((req.num_computed_tokens + len(computed_blocks) * bm.block_size + num_new_tokens) / bm.block_size)
 
 blocks: the ones it had, then
-  1. the hits, in order: each hit's bm.blocks[b].ref_cnt goes up by 1, and a hit whose ref_cnt was 0
-     (cached but free) leaves the free queue: del bm.free[b];
-  2. then fresh blocks, each from bm.take_free_block() (it pops the front of the free queue,
-     evicts any cached contents, and sets ref_cnt = 1).
+  1. the hits, in order: each hit's pool.blocks[b].ref_cnt goes up by 1, and a hit whose ref_cnt was 0
+     (cached but free) leaves the free queue: del pool.free_block_queue[b];
+  2. then fresh blocks, from pool.get_new_blocks(n) (it pops n blocks off the front of the free queue,
+     evicts any cached contents, and sets each one's ref_cnt = 1).
 If that needs more blocks than are free (a hit with ref_cnt 0 also comes out of the free queue),
 change NOTHING and return False, so the scheduler can preempt someone and try again.
 Otherwise return True.
 
-Useful: bm.block_size, bm.num_free_blocks, bm.blocks[b].ref_cnt, bm.free (an OrderedDict of free block ids).
+Useful: bm.block_size, bm.num_free_blocks, pool = bm.block_pool (the BlockPool): pool.blocks[b].ref_cnt,
+pool.free_block_queue (an OrderedDict of free block ids).
 """
 SOLUTION_BODY = """
-bs = bm.block_size
+bs, pool = bm.block_size, bm.block_pool
 total = req.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
 need_new = -(-total // bs) - len(req.block_ids) - len(computed_blocks)
-hits_from_free = sum(1 for b in computed_blocks if bm.blocks[b].ref_cnt == 0)
+hits_from_free = sum(1 for b in computed_blocks if pool.blocks[b].ref_cnt == 0)
 if need_new > bm.num_free_blocks - hits_from_free:
     return False
 for b in computed_blocks:
-    if bm.blocks[b].ref_cnt == 0:
-        del bm.free[b]
-    bm.blocks[b].ref_cnt += 1
+    if pool.blocks[b].ref_cnt == 0:
+        del pool.free_block_queue[b]
+    pool.blocks[b].ref_cnt += 1
     req.block_ids.append(b)
-for _ in range(max(0, need_new)):
-    req.block_ids.append(bm.take_free_block())
+req.block_ids.extend(pool.get_new_blocks(max(0, need_new)))
 return True
 """
 BLOCK = 16
@@ -60,13 +61,13 @@ def _req(rid: str, tokens: list[int]) -> Request:
     return Request(rid, None, tokens, SamplingParams(max_tokens=4), None, 4)
 
 
-def state(bm: BlockManager) -> tuple:
-    return list(bm.free), [b.ref_cnt for b in bm.blocks]
+def state(bm: KVCacheManager) -> tuple:
+    return list(bm.block_pool.free_block_queue), [b.ref_cnt for b in bm.block_pool.blocks]
 
 
-def invariants(bm: BlockManager, reqs) -> str:
-    """'' if the block manager's books balance, else what is wrong."""
-    refs = [0] * bm.num_blocks
+def invariants(bm: KVCacheManager, reqs) -> str:
+    """'' if the KV-cache manager's books balance, else what is wrong."""
+    refs = [0] * bm.block_pool.num_gpu_blocks
     for r in reqs:
         if len(set(r.block_ids)) != len(r.block_ids):
             return f"request {r.request_id} holds a block twice: {r.block_ids}"
@@ -74,27 +75,25 @@ def invariants(bm: BlockManager, reqs) -> str:
             refs[b] += 1
     if refs[NULL_BLOCK_ID]:
         return "block 0, the null block, is in a block table"
-    for block in bm.blocks[1:]:
+    for block in bm.block_pool.blocks[1:]:
         if block.ref_cnt != refs[block.block_id]:
             return (f"block {block.block_id} has ref_cnt {block.ref_cnt} but {refs[block.block_id]} block "
                     "table(s) hold it")
-        if (block.block_id in bm.free) != (block.ref_cnt == 0):
-            where = "in" if block.block_id in bm.free else "not in"
+        if (block.block_id in bm.block_pool.free_block_queue) != (block.ref_cnt == 0):
+            where = "in" if block.block_id in bm.block_pool.free_block_queue else "not in"
             return f"block {block.block_id} has ref_cnt {block.ref_cnt} yet is {where} the free queue"
     return ""
 
 
 def allocate(fn, bm, req, n, computed=()):
     ok = learner_call(fn, bm, req, n, list(computed))
-    if ok is True and bm.enable_prefix_caching:  # what the engine's allocate_slots does after allocating
-        total = req.num_computed_tokens + n + (len(computed) * bm.block_size)
-        if total // bm.block_size > req.num_cached_blocks:
-            bm.cache_full_blocks(req, total // bm.block_size)
+    if ok is True:  # what the engine's allocate_slots does after allocating: register full blocks in the cache
+        bm.cache_blocks(req, req.num_computed_tokens + n + len(computed) * bm.block_size)
     return ok
 
 
 def by_hand(fn, g: Grader) -> None:
-    bm = BlockManager(8, 4, enable_prefix_caching=True)  # blocks of 4; block 0 is the null block
+    bm = KVCacheManager(8, 4, enable_caching=True)  # blocks of 4; block 0 is the null block
     a = _req("A", list(range(10)))
     ok = allocate(fn, bm, a, 10)
     g.check(ok is True, "it returns True when the blocks are there", f"returned {ok!r}")
@@ -118,26 +117,26 @@ def by_hand(fn, g: Grader) -> None:
     ok = allocate(fn, bm, big, 20)
     g.check(ok is False and big.block_ids == [] and state(bm) == before,
             "asking for 5 blocks when 3 are free returns False and changes nothing",
-            f"returned {ok!r}, block table {big.block_ids}, free queue {before[0]} -> {list(bm.free)}")
+            f"returned {ok!r}, block table {big.block_ids}, free queue {before[0]} -> {state(bm)[0]}")
     # prefix-cache hits: A's first two blocks hold tokens 0..7
     c = _req("C", list(range(10)))
     hits = bm.get_computed_blocks(c)
     ok = allocate(fn, bm, c, 10 - 4 * len(hits), hits)
     g.check(ok is True and hits == [1, 2] and c.block_ids[:2] == [1, 2] and len(c.block_ids) == 3
-            and bm.blocks[1].ref_cnt == 2, "a request with A's first 8 tokens shares A's blocks 1 and 2 "
+            and bm.block_pool.blocks[1].ref_cnt == 2, "a request with A's first 8 tokens shares A's blocks 1 and 2 "
             "(ref_cnt 2) and gets one fresh block", f"hits {hits}, its block table {c.block_ids}, "
-            f"ref_cnt of block 1 = {bm.blocks[1].ref_cnt}")
+            f"ref_cnt of block 1 = {bm.block_pool.blocks[1].ref_cnt}")
     c.num_computed_tokens = 10
-    bm.free_request(a)
-    bm.free_request(c)
+    bm.free(a)
+    bm.free(c)
     d = _req("D", list(range(10)))
     hits = bm.get_computed_blocks(d)
     free_before = bm.num_free_blocks
     allocate(fn, bm, d, 10 - 4 * len(hits), hits)
-    g.check(hits == [1, 2] and d.block_ids[:2] == [1, 2] and 1 not in bm.free and 2 not in bm.free
+    g.check(hits == [1, 2] and d.block_ids[:2] == [1, 2] and not {1, 2} & set(state(bm)[0])
             and bm.num_free_blocks == free_before - 3,
             "hits on cached-but-free blocks take them out of the free queue (ref_cnt 0 -> 1)",
-            f"hits {hits}, its block table {d.block_ids}, free queue {list(bm.free)}")
+            f"hits {hits}, its block table {d.block_ids}, free queue {state(bm)[0]}")
     g.check(not invariants(bm, [d]), "the books still balance", invariants(bm, [d]))
 
 
@@ -163,11 +162,11 @@ def run_workload(engine, check_step=None) -> dict[str, list[int]]:
 
 def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     by_hand(fn, g)
-    g.say("Now inside a real engine: its block manager allocates with your function.")
+    g.say("Now inside a real engine: its KV-cache manager allocates with your function.")
     kw = dict(block_size=BLOCK, num_kv_blocks=9, max_num_seqs=4)  # 8 usable blocks: too few for all four
     engine = LLM(model, **kw).llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
-    bm, original = core.block_manager, core.block_manager.allocate_slots
+    bm, original = core.kv_cache_manager, core.kv_cache_manager.allocate_slots
     bm.allocate_slots = lambda req, n, computed=(): allocate(fn, bm, req, n, computed)
     problems = []
 

@@ -17,10 +17,10 @@ def test_sampling_params_out_of_range(kwargs, param):
 def _unchanged(llm, fn):
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
-    before = (len(core.requests), len(core.scheduler.waiting), core.block_manager.num_free_blocks)
+    before = (len(core.requests), len(core.scheduler.waiting), core.kv_cache_manager.num_free_blocks)
     with pytest.raises(ValueError) as e:
         fn()
-    assert (len(core.requests), len(core.scheduler.waiting), core.block_manager.num_free_blocks) == before
+    assert (len(core.requests), len(core.scheduler.waiting), core.kv_cache_manager.num_free_blocks) == before
     return str(e.value)
 
 
@@ -80,7 +80,7 @@ def test_abort_frees_blocks(llm):
     engine.add_request("to-abort", "some prompt text", SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
-    assert core.block_manager.num_free_blocks < core.block_manager.num_usable_blocks
+    assert core.kv_cache_manager.num_free_blocks < core.kv_cache_manager.num_usable_blocks
     engine.abort_request(["to-abort"])
-    assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_usable_blocks
     assert not engine.has_unfinished_requests()

@@ -155,7 +155,7 @@ def test_a_request_added_as_the_core_dies_is_refused_not_left_waiting():
     from engine.engine.exceptions import EngineClosedError
 
     llm = AsyncLLM(engine_config("tiny-gpt2-random")).start()
-    process_inputs = llm.processor.process_inputs
+    process_inputs = llm.input_processor.process_inputs
 
     def tokenize_then_die(request_id, prompt, params, **kw):
         out = process_inputs(request_id, prompt, params, **kw)
@@ -165,7 +165,7 @@ def test_a_request_added_as_the_core_dies_is_refused_not_left_waiting():
             time.sleep(0.01)  # the monitor: dead set, the streams it knew failed (none)
         return out
 
-    llm.processor.process_inputs = tokenize_then_die
+    llm.input_processor.process_inputs = tokenize_then_die
     raised = []
 
     def add():  # on a thread of its own: a send that blocks for ever would block the test too

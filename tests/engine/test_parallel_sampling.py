@@ -14,13 +14,13 @@ def test_children_share_the_prompt_blocks_and_free_them():
     tables = [core.requests[f"{i}_p"].block_ids for i in range(4)]
     shared = tables[0][:24 // 4 - 1]  # the full prompt blocks before the last token's
     assert all(t[:len(shared)] == shared for t in tables)
-    assert all(core.block_manager.blocks[b].ref_cnt == 4 for b in shared)
+    assert all(core.kv_cache_manager.block_pool.blocks[b].ref_cnt == 4 for b in shared)
     outs = []
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
     [out] = outs
     assert out.request_id == "p" and [c.index for c in out.outputs] == [0, 1, 2, 3]
-    assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_usable_blocks
 
 
 def test_seeded_children_are_reproducible_and_differ():
@@ -44,8 +44,8 @@ def test_n_under_preemption_and_chunked_prefill_leaks_nothing():
     for out in outs:
         assert len(out.outputs) == 3 and all(len(c.token_ids) == 12 for c in out.outputs)
         assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids  # greedy
-    bm = core.block_manager
-    assert bm.num_free_blocks == bm.num_usable_blocks and all(b.ref_cnt == 0 for b in bm.blocks)
+    bm = core.kv_cache_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks and all(b.ref_cnt == 0 for b in bm.block_pool.blocks)
 
 
 def test_the_trace_knows_each_childs_parent_and_priority():

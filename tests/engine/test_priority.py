@@ -59,7 +59,7 @@ def test_preemption_takes_the_lowest_priority():
         preempted += [r.request_id for r in core.scheduler.waiting if r.num_preemptions and
                       r.request_id not in preempted]
     assert preempted and preempted[0] == "low"
-    assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_usable_blocks
 
 
 def test_bad_policy_and_priority_are_refused():

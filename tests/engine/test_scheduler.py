@@ -1,4 +1,4 @@
-"""The scheduler alone (Scheduler + BlockManager + Request, no model): max_num_seqs is a hard
+"""The scheduler alone (Scheduler + KVCacheManager + Request, no model): max_num_seqs is a hard
 limit, the token budget bounds a step, long prompts are chunked, waiting requests are admitted
 first come first served, and on a block shortage the newest running request is the one
 preempted. ``Harness.step`` is EngineCore.step without a model: schedule(), then
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.core.block_manager import BlockManager
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.output import SchedulerOutput
 from engine.core.sched.scheduler import Scheduler
 from engine.outputs import ModelRunnerOutput
@@ -24,9 +24,9 @@ class Harness:
 
     def __init__(self, num_blocks: int = 64, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, num_lookahead_tokens: int = 0, max_model_len: int = 1024):
-        self.block_manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
+        self.kv_cache_manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=False)
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
-        self.scheduler = Scheduler(config, self.block_manager, max_model_len=max_model_len,
+        self.scheduler = Scheduler(config, self.kv_cache_manager, max_model_len=max_model_len,
                                    num_lookahead_tokens=num_lookahead_tokens)
         self.num_added = 0
 
@@ -167,7 +167,7 @@ def test_on_a_block_shortage_the_newest_running_request_is_preempted():
     old, new = h.add(7, max_tokens=16), h.add(7, max_tokens=16)  # 2 blocks each: all 4 taken
     later = h.add(3)
     out = h.step()
-    assert out.admitted == [old.request_id, new.request_id] and h.block_manager.num_free_blocks == 0
+    assert out.admitted == [old.request_id, new.request_id] and h.kv_cache_manager.num_free_blocks == 0
     out = h.step()  # 8 tokens each now: the next token needs a fifth block
     while not out.preempted:
         out = h.step()
@@ -188,7 +188,7 @@ def test_every_request_finishes_and_every_block_comes_back(max_num_seqs):
         out = h.step()
         assert len(h.scheduler.running) <= max_num_seqs and out.total_num_scheduled_tokens <= 12
     assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 5 for r in reqs)
-    assert h.block_manager.num_free_blocks == h.block_manager.num_usable_blocks
+    assert h.kv_cache_manager.num_free_blocks == h.kv_cache_manager.num_usable_blocks
 
 
 def test_lookahead_slots_for_a_draft_model():

@@ -14,7 +14,7 @@ def test_warm_up_is_no_request_and_no_step(backend):
     info = engine.engine_core.engine_core.warm_up()
     assert engine.engine_core.engine_core.step_count == 0 and not engine.engine_core.engine_core.requests
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
-    assert core.block_manager.num_free_blocks == core.block_manager.num_usable_blocks
+    assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_usable_blocks
     assert all(not k.any() and not v.any() for k, v in core.kv_caches)  # the cache is left as found
     stage = [(name, kind) for layer, name, kind, *_ in events if layer == "engine" and name == "kernel_warmup"]
     assert stage == [("kernel_warmup", "begin"), ("kernel_warmup", "end")]

@@ -14,7 +14,7 @@ EXERCISES = exercises.discover()
 WRONG = {
     "slot_mapping": ("slots.append(table[pos // block_size] * block_size + pos % block_size)", "slots.append(pos)",
                      "every token's slot is block_table[pos // 16]"),
-    "allocate_blocks": ("        del bm.free[b]", "        pass",
+    "allocate_blocks": ("        del pool.free_block_queue[b]", "        pass",
                         "hits on cached-but-free blocks take them out of the free queue"),
     "online_softmax": ("alpha = torch.exp(m - m_new)", "alpha = torch.tensor(1.0)",
                        "it equals softmax(q·K × scale)·V"),

@@ -15,16 +15,16 @@ def said(capsys) -> str:
 
 
 def test_paged_kv_cache_lesson_fails_if_block_0_is_handed_out(monkeypatch, capsys):
-    """Break the block manager: block 0, the null block, goes back into the free queue."""
-    from engine.core.block_manager import BlockManager
-    original = BlockManager.__init__
+    """Break the block pool: block 0, the null block, goes back into the free queue."""
+    from engine.core.block_pool import BlockPool
+    original = BlockPool.__init__
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self.free[0] = None
-        self.free.move_to_end(0, last=False)
+        self.free_block_queue[0] = None
+        self.free_block_queue.move_to_end(0, last=False)
 
-    monkeypatch.setattr(BlockManager, "__init__", init)
+    monkeypatch.setattr(BlockPool, "__init__", init)
     assert run_lesson("paged_kv_cache") == 1
     assert "claims: block 0 is not in the free queue" in said(capsys)
 

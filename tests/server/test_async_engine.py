@@ -80,7 +80,7 @@ async def test_cancelling_the_consumer_aborts_and_frees_blocks(async_engine):
     # the abort is applied before the next step; an idle engine applies it at once
     done = await asyncio.to_thread(async_engine._idle.wait, 10)
     assert done and "long" not in eng.requests
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_usable_blocks
 
 
 def test_idle_loop_does_not_spin(async_engine):
@@ -142,4 +142,4 @@ async def test_shutdown_aborts_what_does_not_finish_in_time(async_engine):
         async for _ in stream:
             pass
     eng = async_engine.engine
-    assert not eng.requests and eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+    assert not eng.requests and eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_usable_blocks

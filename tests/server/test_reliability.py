@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from engine.entrypoints.openai.input_processor import InputProcessor
+from engine.renderers.online_renderer import OnlineRenderer
 from tests.server.conftest import spawn_serve
 from tests.server.test_trace_api import DEADLINE, Send, t, traced, wait_for  # noqa: F401 (fixtures)
 from tracer.events import encode_event, json_safe
@@ -122,7 +122,7 @@ def test_prompts_are_tokenized_by_the_server_and_traced(t):
 def test_an_over_long_text_is_refused_before_tokenizing(http, live):
     """No token decodes to more than 13 characters here, so 513 x 13 characters must be too
     long: refused untokenized (a 10 MiB prompt used to take 35 s to get its 400)."""
-    proc = InputProcessor(live.tokenizer, live.async_engine.max_model_len, live.hooks)
+    proc = OnlineRenderer(live.tokenizer, live.async_engine.max_model_len, live.hooks)
     tok = live.tokenizer
     assert proc.max_token_chars == max(len(tok.decode([i])) for i in range(len(tok)))
     r = http.post(C, json={"prompt": "x" * (proc.max_prompt_chars + 1)})

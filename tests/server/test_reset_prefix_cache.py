@@ -4,7 +4,7 @@ request holds blocks, and the cache is then untouched."""
 from __future__ import annotations
 
 from engine import LLM, SamplingParams
-from engine.core.block_manager import BlockManager
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.request import Request
 
 PROMPT = "The first argument is the name of the file that the module reads. " * 3  # several full blocks
@@ -33,15 +33,15 @@ def test_reset_from_a_web_page_needs_a_json_body(http):
     assert http.post("/reset_prefix_cache").status_code == 200  # curl -X POST, as on vLLM
 
 
-def test_the_block_manager_refuses_while_a_request_holds_blocks():
-    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+def test_the_kv_cache_manager_refuses_while_a_request_holds_blocks():
+    bm = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
     req = Request("a", None, list(range(9)), SamplingParams(max_tokens=1), None, 1)
     assert bm.allocate_slots(req, 9)
-    assert len(bm.cached) == 2  # its two full blocks
-    assert bm.reset_prefix_cache() is False and len(bm.cached) == 2
-    bm.free_request(req)
+    assert len(bm.block_pool.cached_block_hash_to_block) == 2  # its two full blocks
+    assert bm.reset_prefix_cache() is False and len(bm.block_pool.cached_block_hash_to_block) == 2
+    bm.free(req)
     assert bm.reset_prefix_cache() is True
-    assert not bm.cached and all(b.hash is None for b in bm.blocks)
+    assert not bm.block_pool.cached_block_hash_to_block and all(b.block_hash is None for b in bm.block_pool.blocks)
     assert bm.get_computed_blocks(Request("b", None, list(range(9)), SamplingParams(max_tokens=1), None, 1)) == []
 
 

@@ -21,11 +21,11 @@ def run_engine(**kw):
 
 
 def cached_free_blocks(engine):
-    bm = engine.engine_core.engine_core.block_manager
-    return {b for b in bm.free if bm.blocks[b].hash is not None}
+    bm = engine.engine_core.engine_core.kv_cache_manager
+    return {b for b in bm.block_pool.free_block_queue if bm.block_pool.blocks[b].block_hash is not None}
 
 
-def test_cached_free_blocks_match_the_block_manager_at_every_step():
+def test_cached_free_blocks_match_the_block_pool_at_every_step():
     session, engine = run_engine(num_kv_blocks=24, max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for i, p in enumerate([SHARED + "one", SHARED + "two", "Hello there", SHARED + "three", "x" * 30]):

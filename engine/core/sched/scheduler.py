@@ -27,7 +27,7 @@ from collections import deque
 from typing import Iterable
 
 from engine.config import SchedulerConfig
-from engine.core.block_manager import BlockManager
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.output import GrammarOutput, NewRequestData, SchedulerOutput
 from engine.core.sched.utils import check_stop
 from engine.engine.core_types import EngineCoreOutput, EngineCoreOutputs
@@ -56,17 +56,17 @@ class Scheduler:
     """Decides each step's batch under one token budget (vLLM V1: no prefill or decode phases).
 
     Owns the ``waiting`` queue and the ``running`` list. Running requests go first, then waiting
-    ones, first come first served; when the BlockManager has no free block for a running request,
+    ones, first come first served; when the KVCacheManager has no free block for a running request,
     the most recently admitted one is preempted (recompute: its blocks are freed and it goes back
     to the front of ``waiting``). ``schedule`` moves token counts only; ``update_from_output``
     applies what the model sampled. Owns ``requests`` (every unfinished request by id) and
     ``step_count`` (steps scheduled and updated so far)."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
                  hooks: Hooks | None = None, structured_output_manager: StructuredOutputManager | None = None,
                  num_lookahead_tokens: int = 0):
         self.config = config
-        self.block_manager = block_manager
+        self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.hooks = hooks or Hooks()
         self.requests: dict[str, Request] = {}
@@ -102,9 +102,9 @@ class Scheduler:
         from waiting to running and preempted ones back to waiting with num_computed_tokens 0, and
         advances each scheduled request's num_computed_tokens by its scheduled tokens
         (_update_after_schedule: update_from_output takes back rejected drafts). Hooks:
-        scheduler/schedule begin, PREEMPTED per preemption, the block manager's cache_hit/cache_miss,
+        scheduler/schedule begin, PREEMPTED per preemption, the KV-cache manager's cache_hit/cache_miss,
         allocate, evict and free. The schedule's snapshot and end event come from EngineCore."""
-        step = self.block_manager.step = self.step_count
+        step = self.kv_cache_manager.step = self.step_count
         if self.hooks.active:
             self._trace_schedule_begin(step)
         out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens,
@@ -286,8 +286,8 @@ class Scheduler:
 
     def _try_admit(self, req: Request, budget: int, out: SchedulerOutput) -> str | None:
         """Admit the head of `waiting`, or return why not."""
-        computed = self.block_manager.get_computed_blocks(req)
-        num_cached = len(computed) * self.block_manager.block_size
+        computed = self.kv_cache_manager.get_computed_blocks(req)
+        num_cached = len(computed) * self.kv_cache_manager.block_size
         n = req.num_tokens - num_cached
         if n > budget and not self.config.enable_chunked_prefill:
             return "token budget too small for the whole prompt (chunked prefill off)"
@@ -303,11 +303,11 @@ class Scheduler:
         return None
 
     def _allocate(self, req: Request, n: int, end: int, computed: list[int] = ()) -> bool:
-        """The block manager's allocate_slots for n more tokens of req (computed up to `end` after
+        """The KV-cache manager's allocate_slots for n more tokens of req (computed up to `end` after
         this step), and with a draft model num_lookahead_tokens slots past them when the step reaches
         req's last token (the draft then proposes from it), within max_model_len. Lookahead slots that
         do not fit are left out rather than preempting anyone for them: the draft proposes fewer."""
-        bm = self.block_manager
+        bm = self.kv_cache_manager
         lookahead = 0
         if self.num_lookahead_tokens and end >= req.num_tokens:
             lookahead = max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
@@ -323,7 +323,7 @@ class Scheduler:
         return self.running.pop(), ""
 
     def _preempt(self, req: Request, out: SchedulerOutput, reason: str) -> None:
-        self.block_manager.free_request(req)
+        self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.spec_token_ids = []
         req.num_computed_tokens = 0  # recompute: prompt and generated tokens are prefilled again
@@ -413,7 +413,7 @@ class Scheduler:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
-            self.block_manager.free_request(req)
+            self.kv_cache_manager.free(req)
 
     def _trace_schedule_begin(self, step: int) -> None:
         self.hooks.emit(SCHEDULER, SCHEDULE, BEGIN, step=step, num_waiting=len(self.waiting),

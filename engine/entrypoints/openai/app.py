@@ -19,11 +19,11 @@ from fastapi import FastAPI
 from engine.engine.async_engine import AsyncLLMEngine
 from engine.entrypoints.openai.chat_template import DEFAULT_CHAT_TEMPLATE
 from engine.entrypoints.openai.errors import RefuseLargeBodies, install_error_handlers
-from engine.entrypoints.openai.input_processor import InputProcessor
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.routers import completions, health, metrics, models, prefix_cache, profile, tokenize
 from engine.entrypoints.openai.routers.health import package_version
 from engine.entrypoints.openai.state import ServerState
+from engine.renderers.online_renderer import OnlineRenderer
 
 # 1 MiB, as nginx's default: a GPT-2 family context (1,024 tokens) is some 5 KB as text or as
 # token ids, and a body is parsed whole on the event loop before anything can refuse it
@@ -44,7 +44,7 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
     is Jinja source (see engine.entrypoints.openai.chat_template; default: DEFAULT_CHAT_TEMPLATE).
     A request body over `max_body_size` bytes is refused (413) as it arrives (None: no limit).
     """
-    processor = InputProcessor(async_engine.tokenizer, async_engine.max_model_len, async_engine.hooks)
+    renderer = OnlineRenderer(async_engine.tokenizer, async_engine.max_model_len, async_engine.hooks)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,13 +52,13 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
         yield
         if shutdown_engine:
             await async_engine.shutdown()
-        processor.close()
+        renderer.close()
 
     app = FastAPI(title="vllm-trace", version=package_version(), lifespan=lifespan,
                   description="OpenAI-compatible serving of a traced paged-attention engine.")
     app.state.server = ServerState(engine=async_engine, model_name=served_model_name,
                                    chat_template=chat_template or DEFAULT_CHAT_TEMPLATE, api_key=api_key, host=host,
-                                   metrics=ServerMetrics(async_engine, served_model_name), processor=processor)
+                                   metrics=ServerMetrics(async_engine, served_model_name), renderer=renderer)
     install_error_handlers(app)
     if max_body_size is not None:
         app.add_middleware(RefuseLargeBodies, max_body_size=max_body_size)

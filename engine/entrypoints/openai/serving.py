@@ -127,12 +127,12 @@ def trace_request(hooks, name: str, request_id: str, params: SamplingParams, use
 
 async def submit(state: ServerState, request_ids: list[str], prompts: list, params: SamplingParams,
                  priority: int = 0) -> list[RequestStream]:
-    """Tokenize every prompt (engine.entrypoints.openai.input_processor), then queue all or none: a bad
+    """Tokenize every prompt (engine.renderers.online_renderer), then queue all or none: a bad
     one aborts those already queued, then raises 400."""
     try:
         if params.structured_outputs is not None:  # on a thread: the first one imports xgrammar (~2 s)
-            await state.processor.run(validate_structured_output, params.structured_outputs)
-        engine_prompts = [await state.processor.process(rid, p) for rid, p in zip(request_ids, prompts)]
+            await state.renderer.run(validate_structured_output, params.structured_outputs)
+        engine_prompts = [await state.renderer.process(rid, p) for rid, p in zip(request_ids, prompts)]
     except ValueError as e:
         raise bad_request(e) from None
     streams: list[RequestStream] = []

@@ -48,7 +48,7 @@ async def chat_prompt(state: ServerState, messages, add_generation_prompt: bool 
     takes a while, and the event loop serves everyone)."""
     msgs = [dict(role=m.role, content=m.text()) | ({"name": m.name} if m.name else {}) for m in messages]
     try:
-        return await state.processor.run(render_chat, state.engine.tokenizer, state.chat_template, msgs,
+        return await state.renderer.run(render_chat, state.engine.tokenizer, state.chat_template, msgs,
                                          add_generation_prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None

@@ -9,8 +9,8 @@ from fastapi import Depends, Request
 
 from engine.engine.async_engine import AsyncLLMEngine
 from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.input_processor import InputProcessor
 from engine.hooks import Hooks
+from engine.renderers.online_renderer import OnlineRenderer
 
 
 @dataclass
@@ -21,7 +21,7 @@ class ServerState:
     api_key: str | None = None
     host: str = "127.0.0.1"  # the address the server binds; decides whether control is open
     metrics: object | None = None  # engine.entrypoints.openai.metrics.ServerMetrics
-    processor: InputProcessor | None = None  # tokenizes off the engine's path (build_app makes it)
+    renderer: OnlineRenderer | None = None  # tokenizes off the engine's path (build_app makes it)
     num_cut_at_shutdown: int = 0  # responses that ended with "the server shut down" (the exit line says how many)
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -19,7 +19,7 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> TokenizeResponse:
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     text = body.prompt if body.prompt is not None else await chat_prompt(state, body.messages,
                                                                           body.add_generation_prompt)
-    ids = await state.processor.encode(text)
+    ids = await state.renderer.encode(text)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.engine.max_model_len)
 
 

@@ -1,4 +1,4 @@
-"""The API server's input processing, as vLLM 0.33's renderer (``vllm/renderers/``): prompts
+"""The API server's renderer, as vLLM 0.33's ``OnlineRenderer`` (``vllm/renderers/online_renderer.py``): prompts
 become token ids here, off the engine's path, and the engine gets ``{"prompt_token_ids": ids,
 "prompt": text}``.
 
@@ -31,7 +31,7 @@ from engine.trace_names import ENCODE, TOKENIZER
 TOKENIZER_THREADS = 4
 
 
-class InputProcessor:
+class OnlineRenderer:
     """Turns server prompts into engine prompts. ``process`` raises ValueError (a 400) for
     a prompt the engine would refuse for its length, before the engine sees it."""
 

@@ -1,9 +1,9 @@
-"""Processor: a prompt becomes an EngineCoreRequest (vLLM 0.33's ``InputProcessor.process_inputs``
-in ``v1/engine/input_processor.py``, under the name it had before).
+"""InputProcessor: a prompt becomes an EngineCoreRequest (vLLM 0.33's ``InputProcessor.process_inputs``
+in ``v1/engine/input_processor.py``).
 
 Every front end tokenizes here, before the engine core sees the request: the core takes
 token ids only. The API server tokenizes a text prompt earlier still, off the event loop
-(``entrypoints/openai/input_processor.py``), and hands this class the ids.
+(``engine/renderers/online_renderer.py``, the renderer's part), and hands this class the ids.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from engine.structured_output.backend_xgrammar import validate_structured_output
 from engine.trace_names import ENCODE, TOKENIZER
 
 
-class Processor:
+class InputProcessor:
     """Validates and tokenizes prompts. vocab_size: the model's (None until the core said it)."""
 
     def __init__(self, tokenizer, hooks: Hooks, vocab_size: int | None = None):
