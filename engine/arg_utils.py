@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 
 from engine.config import (
     ATTENTION_BACKENDS,
+    DEFAULT_CPU_KV_CACHE_MEMORY,
     DTYPES,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -63,48 +64,57 @@ def _arg(default, help: str, group: tuple[str, str] = ENGINE_GROUP, **cli) -> ob
 
 @dataclass
 class EngineArgs:
-    model: str = _arg("tiny-gpt2", "a built-in model name, a local checkpoint directory or a Hugging Face id",
+    model: str = _arg(ModelConfig.model, "a built-in model name, a local checkpoint directory or a Hugging Face id",
                       positional=True)
-    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
-    num_kv_blocks: int | None = _arg(None, "exact number of KV-cache blocks (overrides --kv-cache-memory)")
-    kv_cache_memory: int | None = _arg(None, "bytes for the KV cache (CPU default 256 MiB)")
-    gpu_memory_utilization: float = _arg(0.9, "CUDA: fraction of device memory the process may use")
-    max_num_seqs: int = _arg(64, "most requests running at once")
-    max_num_batched_tokens: int = _arg(2048, "token budget of one step")
-    max_model_len: int | None = _arg(None, "context length limit (default: the model's)")
-    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of shared prompt prefixes")
-    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
-    scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: each request's priority "
-                                  "(lower first, ties by arrival), and preemption takes the lowest priority "
-                                  "(default: fcfs)", choices=SCHEDULING_POLICIES)
-    attention_backend: str | None = _arg(None, "paged-attention implementation (default: triton on CUDA, "
-                                         "torch on CPU)", choices=ATTENTION_BACKENDS)
-    dtype: str | None = _arg(None, "weights and KV cache (default: float32 on CPU; on CUDA float16, or bfloat16 "
-                                                  "for a bfloat16 checkpoint)", choices=DTYPES)
-    device: str | None = _arg(None, "cpu or cuda (default: cuda if available)")
-    seed: int = _arg(0, "engine seed for unseeded sampling")
-    tensor_parallel_size: int = _arg(1, "ranks, one worker process each; must divide the model's attention heads "
+    block_size: int = _arg(CacheConfig.block_size, "tokens per KV-cache block (a power of two)")
+    num_kv_blocks: int | None = _arg(CacheConfig.num_kv_blocks,
+                                     "exact number of KV-cache blocks (overrides --kv-cache-memory)")
+    kv_cache_memory: int | None = _arg(CacheConfig.kv_cache_memory, "bytes for the KV cache (default on a CPU: "
+                                       f"{DEFAULT_CPU_KV_CACHE_MEMORY >> 20} MiB)")
+    gpu_memory_utilization: float = _arg(CacheConfig.gpu_memory_utilization,
+                                         "CUDA: fraction of device memory the process may use")
+    max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "most requests running at once")
+    max_num_batched_tokens: int = _arg(SchedulerConfig.max_num_batched_tokens, "token budget of one step")
+    max_model_len: int | None = _arg(ModelConfig.max_model_len, "context length limit (default: the model's)")
+    enable_prefix_caching: bool = _arg(CacheConfig.enable_prefix_caching, "reuse KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = _arg(SchedulerConfig.enable_chunked_prefill, "split long prompts across steps")
+    scheduling_policy: str = _arg(SchedulerConfig.policy, "fcfs: first come, first served; priority: each "
+                                  "request's priority (lower first, ties by arrival), and preemption takes the "
+                                  "lowest priority", choices=SCHEDULING_POLICIES)
+    attention_backend: str | None = _arg(EngineConfig.attention_backend, "paged-attention implementation (default: "
+                                         "triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS)
+    dtype: str | None = _arg(ModelConfig.dtype, "weights and KV cache (default: float32 on CPU; on CUDA float16, "
+                             "or bfloat16 for a bfloat16 checkpoint)", choices=DTYPES)
+    device: str | None = _arg(ModelConfig.device, "cpu or cuda (default: cuda if available)")
+    seed: int = _arg(ModelConfig.seed, "engine seed for unseeded sampling")
+    tensor_parallel_size: int = _arg(ParallelConfig.tensor_parallel_size,
+                                     "ranks, one worker process each; must divide the model's attention heads "
                                      "(1: no workers, the model runs in the engine core)", TP_GROUP,
                                      aliases=("-tp",), metavar="N")
-    cpu_threads: int | None = _arg(None, "CPU: torch threads of the engine core (of each rank under tensor "
+    cpu_threads: int | None = _arg(ParallelConfig.cpu_threads,
+                                   "CPU: torch threads of the engine core (of each rank under tensor "
                                    "parallelism). Default: serving keeps one core per rank for the API server, as "
                                    "vLLM's CPU build does (VLLM_CPU_NUM_OF_RESERVED_CPU); "
                                    "VLLM_CPU_OMP_THREADS_BIND=auto|0-3|4-7 also pins each rank to its cores; "
                                    "the offline LLM uses every core; OMP_NUM_THREADS also sets it",
                                    metavar="N")
-    distributed_init_method: str | None = _arg(None, "where the ranks meet: tcp://HOST:PORT, or env:// with "
+    distributed_init_method: str | None = _arg(ParallelConfig.distributed_init_method,
+                                               "where the ranks meet: tcp://HOST:PORT, or env:// with "
                                                "MASTER_ADDR and MASTER_PORT set (default: a free loopback port)",
                                                TP_GROUP, metavar="URL")
-    speculative_config: dict | None = _arg(None, "speculative decoding, as JSON: e.g. '{\"method\": \"ngram\", "
+    speculative_config: dict | None = _arg(EngineConfig.speculative,
+                                           "speculative decoding, as JSON: e.g. '{\"method\": \"ngram\", "
                                            "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
                                            "\"prompt_lookup_min\": 3}' or '{\"method\": \"draft_model\", \"model\": "
                                            "\"tiny-gpt2-draft\", \"num_speculative_tokens\": 3}' (default: off)",
                                            SPEC_GROUP,
                                            type=_json_arg, metavar="JSON")
-    distributed_timeout_s: float = _arg(30.0, "seconds a collective waits for a missing rank before the step "
-                                        "fails (torch's own default is 30 minutes)", TP_GROUP,
+    distributed_timeout_s: float = _arg(ParallelConfig.distributed_timeout_s,
+                                        "seconds a collective waits for a missing rank before the step "
+                                        "fails (torch's own timeout is 30 minutes)", TP_GROUP,
                                         flag="--distributed-timeout", metavar="S")
-    profiler_dir: str | None = _arg(None, "also capture the profiled window with torch.profiler, one Chrome-trace "
+    profiler_dir: str | None = _arg(EngineConfig.profiler_dir,
+                                    "also capture the profiled window with torch.profiler, one Chrome-trace "
                                     "JSON file per rank in DIR (Perfetto opens them; default: "
                                     "$VLLM_TORCH_PROFILER_DIR, else none)", PROFILE_GROUP, metavar="DIR")
 
@@ -127,7 +137,7 @@ class EngineArgs:
                 group.add_argument(flag, *aliases, dest=f.name, action=argparse.BooleanOptionalAction,
                                    default=f.default, help=f"{help} (default: {'on' if f.default else 'off'})")
             else:
-                if "default" not in help and f.default is not None:
+                if "(default" not in help and f.default is not None:
                     help += f" (default: {f.default})"
                 kind = cli.pop("type", None) or _TYPES[f.type]
                 group.add_argument(flag, *aliases, dest=f.name, type=kind, default=f.default, help=help, **cli)

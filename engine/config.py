@@ -1,5 +1,6 @@
 """Engine configuration as dataclasses, validated on construction with messages that name
-the parameter and its allowed range."""
+the parameter and its allowed range. Each setting's default is written here once; ``EngineArgs``
+(``engine/arg_utils.py``: the CLI flags and ``LLM``'s keywords) refers to it, as vLLM's does."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ def _check(ok: bool, msg: str) -> None:
 
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes: CacheConfig.kv_cache_memory when unset on a CPU
 
 
 @dataclass
@@ -38,7 +40,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact number of blocks; overrides the memory budget
-    kv_cache_memory: int | None = None  # bytes for K and V of all layers (CPU default: 256 MiB)
+    kv_cache_memory: int | None = None  # bytes for K and V of all layers (None: DEFAULT_CPU_KV_CACHE_MEMORY on a CPU)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the process may use
     enable_prefix_caching: bool = True
 

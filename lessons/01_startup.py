@@ -167,7 +167,7 @@ def run(lesson) -> None:
     lesson.check(allocated == kv["bytes"], f"the cache tensors really occupy {allocated / 2**20:.0f} MiB")
     if engine.config.cache.num_kv_blocks is None and engine.config.cache.kv_cache_memory is None \
             and core.device.type == "cpu":
-        from engine.core.kv_cache_utils import DEFAULT_CPU_KV_CACHE_MEMORY as budget
+        from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY as budget
         lesson.check(kv["num_blocks"] == budget // per_block, f"num_blocks = {budget:,} byte budget // {per_block:,}")
     capacity = kv["num_blocks"] * kv["block_size"]
     usable = (kv["num_blocks"] - 1) * kv["block_size"]

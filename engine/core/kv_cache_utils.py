@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import CacheConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig
 from engine.model_executor.model_loader import ModelArchConfig
-
-DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024 * 1024
 
 
 def bytes_per_block(model: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:

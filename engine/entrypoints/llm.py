@@ -16,6 +16,7 @@ from itertools import count
 from typing import Sequence
 
 from engine.arg_utils import engine_config
+from engine.config import ModelConfig
 from engine.engine.llm_engine import LLMEngine
 from engine.gc_utils import freeze_gc_heap
 from engine.hooks import Hooks
@@ -24,7 +25,7 @@ from engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "tiny-gpt2", *, hooks: Hooks | None = None, multiprocess: bool = False,
+    def __init__(self, model: str = ModelConfig.model, *, hooks: Hooks | None = None, multiprocess: bool = False,
                  **kwargs):
         config = engine_config(model, **kwargs)
         self.llm_engine = LLMEngine(config, hooks, multiprocess=multiprocess)
