@@ -3,11 +3,17 @@
 The engine calls ``hooks.gate(point, **info)`` at its control points; the controller blocks
 the engine thread there (on a ``threading.Condition``) when it should stop:
 
-    step          before each engine step                 granularity "step"   (step over)
-    execute       after scheduling, before the forward    granularity "phase"  (step into)
-    postprocess   after the forward, before tokens land   granularity "phase"
-    kernel        before each kernel launch               granularity "kernel" (step kernel)
-    step_end      after a step's outputs                  only for breakpoints
+    step             before each engine step                          granularity "step"   (step over)
+    execute          after schedule, before execute_model (forward)  granularity "phase"  (step into)
+    grammar_bitmask  after the forward, before get_grammar_bitmask   granularity "phase"
+    sample_tokens    before sample_tokens                            granularity "phase"
+    postprocess      after sampling, before update_from_output       granularity "phase"
+    kernel           before each kernel launch                       granularity "kernel" (step kernel)
+    step_end         after a step's outputs                          only for breakpoints
+
+So ``s`` (step phase) stops at schedule -> execute_model -> grammar bitmask -> sample_tokens ->
+update_from_output, the calls of vLLM 0.33's ``EngineCore.step``. A step that schedules nothing
+runs no forward: it has no grammar_bitmask or sample_tokens gate.
 
 "step phase" also stops at step boundaries (a phase is either side of one). "step kernel" runs to
 the next kernel launch, whatever boundaries lie between (from a hold after the forward pass:
@@ -31,7 +37,8 @@ from engine.trace_names import KERNEL, PAUSED, RESUMED, TRACER
 from tracer.conditions import Condition
 
 GRANULARITIES = {"step": 0, "phase": 1, "kernel": 2}
-POINT_LEVEL = {"step": 0, "execute": 1, "postprocess": 1, "kernel": 2, "step_end": 3}  # unknown: 2
+POINT_LEVEL = {"step": 0, "execute": 1, "grammar_bitmask": 1, "sample_tokens": 1, "postprocess": 1, "kernel": 2,
+               "step_end": 3}  # unknown: 2
 
 
 @dataclass

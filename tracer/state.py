@@ -116,6 +116,7 @@ class RequestView:
     cache_hit_blocks: list[int] = field(default_factory=list)  # prefix-cache hits, physical ids
     priority: int = 0  # with scheduling_policy "priority": lower first
     seed: int | None = None  # its sampling seed (the user's, else the engine's pick): draws keyed by (seed, position)
+    worker_slot: int | None = None  # its row in the worker's persistent batch, when it last ran (model_runner batch)
     spec_history: list[tuple[int, int, int]] = field(default_factory=list)  # (step, drafts, accepted), recent
     parent_id: str | None = None  # n > 1: the request this one is a child of
     sibling_ids: list[str] = field(default_factory=list)  # n > 1: all the children, in index order
@@ -527,6 +528,8 @@ def _freed(s: TraceState, req: RequestView, freed) -> None:
 
 def _batch(s: TraceState, ev: Event) -> None:
     s.batch, s.phase = _attrs(ev), "execute"
+    for rid, slot in zip(s.batch.get("request_ids", ()), s.batch.get("slots", ())):
+        s.request(rid).worker_slot = slot
 
 
 def _kernel(s: TraceState, ev: Event) -> None:

@@ -206,8 +206,8 @@ class EmptyBody(BaseModel):
 class StepBody(BaseModel):
     n: int = Field(1, ge=1, le=MAX_STEP_N, description="how many control points of this granularity to run")
     granularity: Literal["step", "phase", "kernel"] = Field(
-        "step", description="step: one engine step (step over); phase: schedule/execute/postprocess "
-                            "(step into); kernel: the next kernel launch")
+        "step", description="step: one engine step (step over); phase: schedule/execute_model/grammar "
+                            "bitmask/sample_tokens/update_from_output (step into); kernel: the next kernel launch")
     wait: bool = Field(False, description="answer once the engine is held again (or the timeout passed)")
     timeout: float = Field(STEP_WAIT_TIMEOUT, gt=0, le=300, description="seconds to wait, with wait")
 

@@ -73,14 +73,15 @@ def test_step_into_phases(mode):
     try:
         ctl.wait_until_paused(T)
         seen = []
-        for _ in range(4):
+        for _ in range(6):
             ctl.step(1, "phase")
             stop = ctl.wait_until_paused(T)
             view = session.state.view()
             seen.append((stop.point, stop.step, view.phase))
-        # at "execute" the schedule is decided (snapshot in view) but nothing has run yet
-        assert seen == [("execute", 0, "schedule"), ("postprocess", 0, "postprocess"), ("step", 1, "done"),
-                        ("execute", 1, "schedule")]
+        # EngineCore.step as vLLM 0.33's: schedule -> execute_model -> grammar bitmask -> sample_tokens ->
+        # update_from_output. At "execute" the schedule is decided (snapshot in view) but nothing has run yet.
+        assert seen == [("execute", 0, "schedule"), ("grammar_bitmask", 0, "execute"), ("sample_tokens", 0, "execute"),
+                        ("postprocess", 0, "postprocess"), ("step", 1, "done"), ("execute", 1, "schedule")]
         ctl.resume()
         loop.join(T)
     finally:
@@ -185,7 +186,8 @@ class FakeKernelEngine:
             for layer, name in enumerate(self.KERNELS if s not in self.launchless else ()):
                 self.hooks.gate("kernel", step=s, name=name, layer=layer // 2)
                 self.hooks.emit("kernel", name, step=s, grid=[4, 1], duration_ns=100)
-            self.hooks.gate("postprocess", step=s)
+            for point in ("grammar_bitmask", "sample_tokens", "postprocess"):
+                self.hooks.gate(point, step=s)
             self.hooks.gate("step_end", step=s)
 
 
@@ -213,7 +215,7 @@ def test_step_kernel_runs_to_the_next_launch_and_kernel_breakpoints():
             (2, "kernel", "reshape_and_cache", 0),
         ]
         ctl.step(1, "phase")
-        assert ctl.wait_until_paused(T).point == "postprocess"
+        assert ctl.wait_until_paused(T).point == "grammar_bitmask"
         ctl.step(1, "kernel")  # from after the forward pass: straight to the next step's first launch
         s = ctl.wait_until_paused(T)
         assert (s.step, s.point, s.info["name"], s.reason) == (3, "kernel", "reshape_and_cache", "step kernel")

@@ -389,7 +389,8 @@ class TraceApp(App):
             yield SystemCommand("Pause / resume the engine", "space: hold at the next step boundary, or let it run",
                                 self.action_toggle_pause)
             yield SystemCommand("Step over", "n: run one engine step", lambda: self.run_action("step('step')"))
-            yield SystemCommand("Step into the next phase", "s: schedule → execute → postprocess",
+            yield SystemCommand("Step into the next phase",
+                                "s: schedule → execute_model → grammar bitmask → sample_tokens → update_from_output",
                                 lambda: self.run_action("step('phase')"))
             yield SystemCommand("Step to the next kernel launch", "k", lambda: self.run_action("step('kernel')"))
             yield SystemCommand("Breakpoints", "b: hold on arrival, finish, preemption, a layer, a kernel, a request",

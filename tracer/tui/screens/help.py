@@ -68,7 +68,8 @@ A replay reads a recorded trace: no engine runs, so nothing can be paused, stepp
 KEYS = [  # (key, what it does, what the source must offer: control an engine, or travel a recording)
     ('`space`', 'pause / resume the engine (it stops at the next step boundary; requests still arrive)', 'control'),
     ('`n`', 'step over: run one engine step, then hold', 'control'),
-    ('`s`', 'step into: run to the next phase (schedule → execute → postprocess)', 'control'),
+    ('`s`', 'step into: run to the next phase (schedule → execute_model → grammar bitmask → sample_tokens → '
+     'update_from_output)', 'control'),
     ('`k`', 'run to the next kernel launch (held *before* it)', 'control'),
     ('`b`', 'breakpoints: on arrival, finish, preemption, a layer, a kernel, a request id', 'control'),
     ('`t`', 'held before an attention launch: run it through the Triton kernel (Kernels panel)', 'control'),

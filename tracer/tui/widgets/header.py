@@ -15,8 +15,10 @@ from tracer.tui.widgets.lines import FixedText
 
 POINTS = {  # where the engine holds -> what it is waiting to do
     "step": "before step {step}: n runs it, space lets the engine run",
-    "execute": "after scheduling step {step}, before its forward pass: s goes on to the next phase",
-    "postprocess": "after the forward pass of step {step}, before its tokens are appended: s goes on",
+    "execute": "after scheduling step {step}, before execute_model (its forward pass): s goes on to the next phase",
+    "grammar_bitmask": "after the forward pass of step {step}, before the grammar bitmask: s goes on",
+    "sample_tokens": "after the grammar bitmask of step {step}, before sample_tokens: s goes on",
+    "postprocess": "after sampling step {step}, before update_from_output appends its tokens: s goes on",
     "kernel": "before the kernel launch {name} (layer {layer}) of step {step}: k runs it",
     "step_end": "at the end of step {step}, its tokens out: n runs the next step",
 }

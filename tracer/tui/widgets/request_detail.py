@@ -37,6 +37,15 @@ def waiting_why(frame: Frame, r) -> str:
     return ""
 
 
+def worker_slot(r: RequestView) -> str:
+    """ · worker slot N: where the worker keeps the request (its row in the persistent batch) since it
+    first ran; a finished request's slot is free again."""
+    if r.worker_slot is None:
+        return ""
+    done = r.status.startswith("FINISHED") or r.status == "ABORTED"
+    return f" · worker slot {r.worker_slot}" + (" (freed)" if done else "")
+
+
 def token_pieces(ids: list[int], pieces: list[str]) -> Text:
     """'Hello' as  H·72 e·101 ...: every piece, a dot, its id, on alternating backgrounds so
     token boundaries are visible (a piece may be part of a word, a lone space, or a digit: the
@@ -118,7 +127,7 @@ class RequestDetail(LinesView):
         rid = self.request_id
         r = frame.state.requests.get(rid) if rid else None
         key = (rid, None if r is None else (r.status, r.num_tokens, r.num_computed_tokens, len(r.timeline),
-                                            tuple(r.block_table), len(r.prompt_pieces), r.waiting_reason,
+                                            tuple(r.block_table), len(r.prompt_pieces), r.waiting_reason, r.worker_slot,
                                             bool(frame.controller.get("paused"))))
         if key == self._key:
             return
@@ -137,7 +146,7 @@ class RequestDetail(LinesView):
                               + (f"/{r.max_tokens}" if r.max_tokens else "")
                               + (f" · preempted {r.num_preemptions}×" if r.num_preemptions else "")
                               + (f" · priority {r.priority}" if r.priority else "")
-                              + (f" · seed {r.seed}" if r.seed is not None else ""))
+                              + (f" · seed {r.seed}" if r.seed is not None else "") + worker_slot(r))
         if r.spec_history:  # speculative decoding: accepted of proposed, its latest verifications
             recent = " ".join(f"{a}/{d}" for _, d, a in r.spec_history[-12:])
             accepted = sum(a for _, _, a in r.spec_history)
