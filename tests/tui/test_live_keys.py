@@ -98,11 +98,15 @@ async def test_s_steps_into_the_phases_of_a_step(live):
     async with live.app.run_test() as pilot:
         await live.submit()
         points = []
-        for _ in range(3):
+        for _ in range(5):
             await pilot.press("s")
             points.append((await live.held()).point)
+            if points[-1] == "sample_tokens":  # the header says where it holds
+                await live.settle(pilot, until=lambda: "before sample_tokens" in header(live.app))
+                assert "after the grammar bitmask of step 0, before sample_tokens" in header(live.app)
         await live.settle(pilot)
-        assert points == ["execute", "postprocess", "step"]  # schedule | execute | postprocess | next step
+        # schedule | execute_model | grammar bitmask | sample_tokens | update_from_output | next step
+        assert points == ["execute", "grammar_bitmask", "sample_tokens", "postprocess", "step"]
 
 
 async def test_k_stops_before_each_kernel_launch_and_the_kernels_panel_says_which(live):
@@ -131,7 +135,7 @@ async def test_k_after_the_forward_pass_runs_to_the_next_steps_first_launch(live
     "one launch done (k)"."""
     async with live.app.run_test(size=(160, 36)) as pilot:
         await live.submit()
-        for _ in range(2):
+        for _ in range(4):
             await pilot.press("s")
             stop = await live.held()
         assert stop.point == "postprocess"
