@@ -77,6 +77,8 @@ class EngineArgs:
     scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: each request's priority "
                                   "(lower first, ties by arrival), and preemption takes the lowest priority "
                                   "(default: fcfs)", choices=SCHEDULING_POLICIES)
+    async_scheduling: bool = _arg(False, "schedule step N+1 while step N's forward pass runs (two batches in "
+                                  "flight; vLLM's default)")
     attention_backend: str | None = _arg(None, "paged-attention implementation (default: triton on CUDA, "
                                          "torch on CPU)", choices=ATTENTION_BACKENDS)
     dtype: str | None = _arg(None, "weights and KV cache (default: float32 on CPU; on CUDA float16, or bfloat16 "
@@ -148,7 +150,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
-                                      policy=self.scheduling_policy),
+                                      policy=self.scheduling_policy, async_scheduling=self.async_scheduling),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_init_method=self.distributed_init_method,
                                     distributed_timeout_s=self.distributed_timeout_s,
