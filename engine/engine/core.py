@@ -338,9 +338,12 @@ class EngineCore:
         Hooks and gates as step()'s, per step: "step" before it is scheduled, "execute" after its
         snapshot, "grammar_bitmask" and "sample_tokens" before those calls, "postprocess" before its
         update_from_output and "step_end" after; engine/step begins when it is scheduled and ends
-        when its outputs are in, so two steps' spans overlap."""
+        when its outputs are in, so two steps' spans overlap. While a step controller may stop the
+        engine (hooks.gated) a call drains the queue and then runs one step whole, so pause, n and s
+        keep their meaning (a step is scheduled after the one before it has ended)."""
         queue, deferred = self.batch_queue, None
-        if self.scheduler.has_unfinished_requests():
+        gated = self.hooks.gated  # a step controller may stop the engine: one step at a time
+        if self.scheduler.has_unfinished_requests() and not (gated and queue):
             if self.scheduler.waiting_for_grammars() and not queue:
                 self.structured_output_manager.wait_for_compile(self.scheduler.waiting, GRAMMAR_WAIT_S)
             sched, exec_future = self._schedule_and_execute()
@@ -352,7 +355,8 @@ class EngineCore:
                 future = self._sample_async(sched)
             if deferred is None:
                 queue.appendleft((future, sched, exec_future))
-                if len(queue) < BATCH_QUEUE_SIZE and (not sched.is_empty or self.scheduler.has_unfinished_requests()):
+                if len(queue) < BATCH_QUEUE_SIZE and not gated and (
+                        not sched.is_empty or self.scheduler.has_unfinished_requests()):
                     return EngineCoreOutputs(outputs=[])  # room for one more: schedule it before blocking
         elif not queue:
             return EngineCoreOutputs(outputs=[])

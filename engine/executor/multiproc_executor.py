@@ -58,9 +58,10 @@ import zmq
 
 from engine.core.sched.output import GrammarOutput, SchedulerOutput
 from engine.engine.exceptions import EngineDeadError
-from engine.hooks import Hooks
+from engine.hooks import BEGIN, END, Hooks
 from engine.outputs import DraftTokenIds, ModelRunnerOutput
 from engine.serial_utils import encoder, send_while_alive
+from engine.trace_names import EXECUTE_MODEL, MODEL_RUNNER
 from engine.utils import child_pythonpath, runtime_dir
 from engine.worker.input_batch import resolve_placeholder_drafts
 from engine.worker.worker import ExecuteModel, SampleTokens, Worker, WorkerReply
@@ -86,10 +87,24 @@ class Executor:
     tensor_parallel_size = 1
     _thread: ThreadPoolExecutor | None = None
 
+    hooks: Hooks
+
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
         if non_block:
-            return self._submit(self._execute_model, scheduler_output)
-        return self._execute_model(scheduler_output)
+            return self._submit(self._execute_traced, scheduler_output)
+        return self._execute_traced(scheduler_output)
+
+    def _execute_traced(self, scheduler_output: SchedulerOutput) -> None:
+        """The forward pass, traced as a span on the thread that runs it (the executor's under async
+        scheduling: the trace shows the next step scheduled while it runs)."""
+        if not self.hooks.active:
+            return self._execute_model(scheduler_output)
+        thread = threading.current_thread().name
+        self.hooks.emit(MODEL_RUNNER, EXECUTE_MODEL, BEGIN, step=scheduler_output.step, thread=thread)
+        try:
+            return self._execute_model(scheduler_output)
+        finally:
+            self.hooks.emit(MODEL_RUNNER, EXECUTE_MODEL, END, step=scheduler_output.step, thread=thread)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False):
         if non_block:
@@ -112,6 +127,7 @@ class UniProcExecutor(Executor):
 
     def __init__(self, worker: Worker):
         self.worker = worker
+        self.hooks = worker.hooks
 
     def load_model(self, progress=None) -> dict:
         return self.worker.load_model(progress)
