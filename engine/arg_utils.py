@@ -77,7 +77,7 @@ class EngineArgs:
     scheduling_policy: str = _arg("fcfs", "fcfs: first come, first served; priority: each request's priority "
                                   "(lower first, ties by arrival), and preemption takes the lowest priority "
                                   "(default: fcfs)", choices=SCHEDULING_POLICIES)
-    async_scheduling: bool = _arg(False, "schedule step N+1 while step N's forward pass runs (two batches in "
+    async_scheduling: bool = _arg(True, "schedule step N+1 while step N's forward pass runs (two batches in "
                                   "flight; vLLM's default)")
     attention_backend: str | None = _arg(None, "paged-attention implementation (default: triton on CUDA, "
                                          "torch on CPU)", choices=ATTENTION_BACKENDS)

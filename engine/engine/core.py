@@ -4,6 +4,12 @@
              -> scheduler.get_grammar_bitmask() -> model_executor.sample_tokens(grammar_output)
              -> scheduler.update_from_output() -> take_draft_token_ids() -> update_draft_token_ids()
 
+With async scheduling (vLLM's default, ``async_scheduling``) the drivers call
+``step_with_batch_queue`` instead (``step_fn``): step N+1 is scheduled (by an ``AsyncScheduler``,
+against step N's placeholder tokens) while step N's forward pass runs on the executor's thread, and
+a call returns the outputs of the oldest of the two steps in flight. ``step()`` stays the
+synchronous step, for async scheduling off and for lessons that take a step apart.
+
 It owns the scheduler (with its block manager) and the executor (the workers, their model
 runners, models and KV caches), takes requests as token ids and returns token ids: no
 tokenizing, no text, no stop strings (the front end's Processor and OutputProcessor do

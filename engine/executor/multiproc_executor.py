@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Callable
 
@@ -85,7 +85,7 @@ class Executor:
     held_attention_on_triton() -> dict; shutdown()."""
 
     tensor_parallel_size = 1
-    _thread: ThreadPoolExecutor | None = None
+    _thread: ExecutorThread | None = None
 
     hooks: Hooks
 
@@ -114,12 +114,38 @@ class Executor:
     def _submit(self, fn, *args) -> Future:
         """fn(*args) on the executor thread, after every call submitted before it."""
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="executor")
+            self._thread = ExecutorThread()
         return self._thread.submit(fn, *args)
 
     def _stop_thread(self) -> None:
         if self._thread is not None:
-            self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread.stop()
+
+
+class ExecutorThread:
+    """Runs submitted calls one after another on one daemon thread (a step in flight must not keep
+    the process alive at exit, as a ThreadPoolExecutor's worker would); each call's Future."""
+
+    def __init__(self):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="executor", daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._calls.put((fut, fn, args))
+        return fut
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fut, fn, args = call
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # the caller's result() raises it
+                    fut.set_exception(e)
 
 
 class UniProcExecutor(Executor):
@@ -465,6 +491,9 @@ class MultiprocExecutor(Executor):
             if self._closing:
                 return
             self._closing = True
+        if self._thread is not None:  # a step in flight (async scheduling) fails rather than waits for ever
+            self._replies.put("the executor shut down")
+        with self._send_lock:
             for sock in self.inputs:
                 try:
                     sock.send_multipart([b"stop", b""], zmq.NOBLOCK)

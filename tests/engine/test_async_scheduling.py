@@ -31,7 +31,7 @@ def _generate(prompts, params, **kw):
         if not kw.get("multiprocess") and kw.get("tensor_parallel_size", 1) == 1:
             stats = _core(llm).stats()
             assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
-            assert isinstance(_core(llm).scheduler, AsyncScheduler) == kw.get("async_scheduling", False)
+            assert isinstance(_core(llm).scheduler, AsyncScheduler) == kw.get("async_scheduling", True)  # the default
         return [[c.token_ids for c in o.outputs] for o in outs]
     finally:
         llm.shutdown()
@@ -55,7 +55,7 @@ def test_seeded_sampling_n_and_priority_are_the_same_on_and_off():
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, n=2, max_tokens=16) for s in range(len(PROMPTS))]
     kw = dict(num_kv_blocks=24, block_size=4, scheduling_policy="priority", max_num_seqs=4)
-    assert _generate(prompts, params, async_scheduling=True, **kw) == _generate(prompts, params, **kw)
+    assert _generate(prompts, params, **kw) == _generate(prompts, params, async_scheduling=False, **kw)
 
 
 def test_structured_outputs_defer_sampling_and_match_sync(monkeypatch):
@@ -72,7 +72,7 @@ def test_structured_outputs_defer_sampling_and_match_sync(monkeypatch):
     so = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     params = [so, so, so, SamplingParams(temperature=0, max_tokens=20)]
     for kw in ({}, dict(num_kv_blocks=20, block_size=4), dict(max_num_batched_tokens=8)):
-        assert _generate(prompts, params, async_scheduling=True, **kw) == _generate(prompts, params, **kw)
+        assert _generate(prompts, params, **kw) == _generate(prompts, params, async_scheduling=False, **kw)
     assert any(deferred)  # a grammar request's step sampled after the step before it was updated
 
 
@@ -118,4 +118,4 @@ def test_trace_shows_the_next_step_scheduled_during_the_forward_pass():
                 order.index((MODEL_RUNNER, EXECUTE_MODEL, END, s - 1))]
     assert len(overlaps) > MAX_NEW // 2
     threads = {a["thread"] for layer, name, _, _, a in events if (layer, name) == (MODEL_RUNNER, EXECUTE_MODEL)}
-    assert threads and "MainThread" not in threads
+    assert threads == {"executor"}
