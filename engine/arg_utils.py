@@ -81,6 +81,8 @@ class EngineArgs:
     scheduling_policy: str = _arg(SchedulerConfig.policy, "fcfs: first come, first served; priority: each "
                                   "request's priority (lower first, ties by arrival), and preemption takes the "
                                   "lowest priority", choices=SCHEDULING_POLICIES)
+    async_scheduling: bool = _arg(SchedulerConfig.async_scheduling, "schedule step N+1 while step N's forward "
+                                  "pass runs (two batches in flight; vLLM's default)")
     attention_backend: str | None = _arg(EngineConfig.attention_backend, "paged-attention implementation (default: "
                                          "triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS)
     dtype: str | None = _arg(ModelConfig.dtype, "weights and KV cache (default: float32 on CPU; on CUDA float16, "
@@ -158,7 +160,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
-                                      policy=self.scheduling_policy),
+                                      policy=self.scheduling_policy, async_scheduling=self.async_scheduling),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_init_method=self.distributed_init_method,
                                     distributed_timeout_s=self.distributed_timeout_s,

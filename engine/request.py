@@ -53,6 +53,9 @@ class Request:
         self.num_preemptions = 0
         self.prompt_logprobs: list[list] = []  # with params.prompt_logprobs: for prompt positions 1.. so far
         self.spec_token_ids: list[int] = []  # speculative decoding: drafts to verify in the next step
+        # async scheduling: tokens of steps still in flight, counted in num_computed_tokens but not sampled yet
+        self.num_output_placeholders = 0
+        self.is_prefill_chunk = False  # its last scheduled step ends before its last token (it samples nothing)
         self.sampling_seed: int | None = None  # set by the engine: params.seed, else a random one
         self.structured_output_request = None  # a StructuredOutputRequest when params.structured_outputs
         self.stop_reason: int | str | None = None

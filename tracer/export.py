@@ -42,6 +42,7 @@ from engine.trace_names import (
     CLI,
     DETOKENIZER,
     ENGINE,
+    EXECUTE_MODEL,
     FINISHED,
     HTTP,
     KERNEL,
@@ -62,6 +63,8 @@ from tracer.events import Event, TraceReader, json_safe
 
 PID = 1
 STEPS_TID, KERNELS_TID = 1, 2
+STEPS2_TID = 4  # async scheduling: the step scheduled while the one before it is still in flight
+FORWARD_TID = 3  # the forward passes (under async scheduling on the executor thread, beside the next schedule)
 LAYER_TIDS = {CLI: 10, HTTP: 11, API: 12, ENGINE: 13, TRACER: 14}  # other layers' spans
 RANK_KERNELS_TID, RANK_WORKER_TID = 100, 200  # + rank: tensor-parallel ranks > 0, and workers
 RUN_EVENTS = 50_000  # converted events sorted in memory at once (~20 MB), then spilled to a run file
@@ -143,6 +146,7 @@ def _convert(b: _Builder, events: Iterable[Event]) -> None:
     open_spans: dict[tuple, Event] = {}  # (layer, name, request_id) -> its BEGIN
     step_begin: dict[int, int] = {}
     step_marks: dict[int, dict] = {}  # step -> ts of its phase boundaries, and its batch
+    steps_end: dict[int, int] = {}  # steps track -> where its last step ended
     kernel_end: dict[int, int] = {}  # rank -> where its track's last launch ended
     profiled: dict[int, set[int]] = {}  # step -> the ranks whose profiled launches it has
     last_ts = 0
@@ -172,7 +176,12 @@ def _convert(b: _Builder, events: Iterable[Event]) -> None:
                 step_marks[ev.step] = {}
             elif ev.kind == END and ev.step in step_begin:
                 begin = step_begin.pop(ev.step)
-                _step_slices(b, ev.step, begin, ev.ts_ns, step_marks.pop(ev.step, {}))
+                # async scheduling: a step that began before the one before it ended goes on the second row
+                tid = STEPS_TID if begin >= steps_end.get(STEPS_TID, 0) else STEPS2_TID
+                steps_end[tid] = ev.ts_ns
+                if tid == STEPS2_TID:
+                    b.threads[STEPS2_TID] = "engine steps (second batch in flight)"
+                _step_slices(b, ev.step, begin, ev.ts_ns, step_marks.pop(ev.step, {}), tid)
                 for r in sorted(profiled.pop(ev.step, ())):  # the parent of the step's ops on each kernels track
                     b.x(RANK_KERNELS_TID + r if r else KERNELS_TID, f"step {ev.step}", begin, ev.ts_ns,
                         {"profiled": True}, cat=ENGINE)
@@ -182,6 +191,13 @@ def _convert(b: _Builder, events: Iterable[Event]) -> None:
             if ev.kind == SNAPSHOT:
                 step_marks[ev.step]["snapshot"] = a
                 _counters(b, ev.ts_ns, a.get("stats", {}))
+        elif (ev.layer, ev.name) == (MODEL_RUNNER, EXECUTE_MODEL):  # the forward pass, on the thread that runs it
+            if ev.kind == BEGIN:
+                open_spans[key + (ev.step,)] = ev
+            elif key + (ev.step,) in open_spans:
+                b.threads[FORWARD_TID] = f"forward pass ({a.get('thread')})"
+                b.x(FORWARD_TID, f"execute_model step {ev.step}", open_spans.pop(key + (ev.step,)).ts_ns, ev.ts_ns,
+                    {"step": ev.step}, cat=MODEL_RUNNER)
         elif ev.layer in (MODEL_RUNNER, SAMPLER) and ev.step in step_marks and not a.get("rank"):
             step_marks[ev.step][ev.name] = (ev.ts_ns, a)  # rank 0's: every rank samples the same
         # ---- kernels: an instant (with duration_ns, emitted when the launch ended) or a span
@@ -215,20 +231,20 @@ def _convert(b: _Builder, events: Iterable[Event]) -> None:
         track.close(last_ts, {"finish_reason": None})
 
 
-def _step_slices(b: _Builder, step: int, begin: int, end: int, marks: dict) -> None:
+def _step_slices(b: _Builder, step: int, begin: int, end: int, marks: dict, tid: int = STEPS_TID) -> None:
     snap = marks.get("snapshot", {})
     batch = marks.get(BATCH, (None, {}))[1]
     keys = ("scheduled", "num_scheduled_tokens", "total_num_scheduled_tokens", "token_budget", "admitted", "preempted")
     args = {k: snap.get(k) for k in keys}
     args["batch"] = batch
-    b.x(STEPS_TID, f"step {step}", begin, end, args)
+    b.x(tid, f"step {step}", begin, end, args)
     sched_end = marks.get(END, marks.get(SNAPSHOT))
     if BEGIN in marks and sched_end is not None:
-        b.x(STEPS_TID, SCHEDULE, marks[BEGIN], sched_end, {"waiting_reasons": snap.get("waiting_reasons")})
+        b.x(tid, SCHEDULE, marks[BEGIN], sched_end, {"waiting_reasons": snap.get("waiting_reasons")})
     if SAMPLED in marks and sched_end is not None:
         sampled_ts, sampled = marks[SAMPLED]
-        b.x(STEPS_TID, "execute", sched_end, sampled_ts, {"num_tokens": len(batch.get("input_ids", []))})
-        b.x(STEPS_TID, "postprocess", sampled_ts, end, {"token_ids": sampled.get("token_ids")})
+        b.x(tid, "execute", sched_end, sampled_ts, {"num_tokens": len(batch.get("input_ids", []))})
+        b.x(tid, "postprocess", sampled_ts, end, {"token_ids": sampled.get("token_ids")})
 
 
 def _counters(b: _Builder, ts_ns: int, stats: dict) -> None:

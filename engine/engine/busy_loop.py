@@ -217,7 +217,7 @@ class BusyLoop:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step().outputs
+            outputs = self.engine.step_fn().outputs
         except EngineDeadError as e:  # a tensor-parallel worker died: no step can run any more
             log.error("%s; the engine stops", e)
             self._fail_all(e, include_pending=True)

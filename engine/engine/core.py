@@ -4,6 +4,12 @@
              -> scheduler.get_grammar_bitmask() -> model_executor.sample_tokens(grammar_output)
              -> scheduler.update_from_output() -> take_draft_token_ids() -> update_draft_token_ids()
 
+With async scheduling (vLLM's default, ``async_scheduling``) the drivers call
+``step_with_batch_queue`` instead (``step_fn``): step N+1 is scheduled (by an ``AsyncScheduler``,
+against step N's placeholder tokens) while step N's forward pass runs on the executor's thread, and
+a call returns the outputs of the oldest of the two steps in flight. ``step()`` stays the
+synchronous step, for async scheduling off and for lessons that take a step apart.
+
 It owns the scheduler (with its KV-cache manager) and the executor (the workers, their model
 runners, models and KV caches), takes requests as token ids and returns token ids: no
 tokenizing, no text, no stop strings (the front end's Processor and OutputProcessor do
@@ -19,12 +25,14 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from typing import Callable
 
 import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.sched.async_scheduler import AsyncScheduler
 from engine.core.sched.output import SchedulerOutput, diff_summary
 from engine.core.sched.scheduler import Scheduler
 from engine.cpu_threads import place_threads
@@ -59,6 +67,7 @@ from engine.worker.worker import Worker
 
 # how long a step waits for a grammar when nothing else can run (short: an abort or a new request may come)
 GRAMMAR_WAIT_S = 0.05
+BATCH_QUEUE_SIZE = 2  # async scheduling: steps in flight at most (V1's batch_queue_size without pipeline parallelism)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -125,8 +134,16 @@ class EngineCore:
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id, config.scheduler.max_num_seqs)
         # a draft model proposes in the worker, after the step: its k drafts need k lookahead slots (V1's name)
         lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len, self.hooks,
-                                   self.structured_output_manager, num_lookahead_tokens=lookahead)
+        sched_args = (config.scheduler, self.kv_cache_manager, self.max_model_len, self.hooks,
+                      self.structured_output_manager)
+        if config.scheduler.async_scheduling:  # two batches in flight: step_with_batch_queue
+            self.scheduler = AsyncScheduler(*sched_args, num_lookahead_tokens=lookahead,
+                                            num_spec_tokens=spec.num_speculative_tokens if spec else 0)
+            self.batch_queue: deque | None = deque()
+        else:
+            self.scheduler = Scheduler(*sched_args, num_lookahead_tokens=lookahead)
+            self.batch_queue = None
+        self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue  # V1's
         self._rng = random.Random(mc.seed)
         self.profiling_since: int | None = None  # the first profiled step, while profiling
 
@@ -270,7 +287,8 @@ class EngineCore:
         return self.model_executor.held_attention_on_triton()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to schedule, or (async scheduling) steps in flight whose outputs are not in yet."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -311,6 +329,75 @@ class EngineCore:
             self.scheduler.update_draft_token_ids(draft_token_ids)
         if self.hooks.active:
             self._trace_step_end(scheduler_output, outputs)
+        return outputs
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """One call of vLLM 0.33's async loop (its batch queue holds BATCH_QUEUE_SIZE steps):
+        schedule a step and launch it (execute_model and sample_tokens return futures: the forward
+        pass runs on the executor's thread); while the queue has room, return at once, with no
+        outputs. Otherwise block on the oldest step, update_from_output it, and return its outputs.
+        So step N+1 is scheduled while step N's forward pass runs, against step N's placeholders
+        (AsyncScheduler). A step with a grammar request whose tokens are in flight
+        (pending_structured_output_tokens) runs its forward pass at once but computes its bitmask
+        and samples after the previous step's update_from_output (deferred).
+
+        Hooks and gates as step()'s, per step: "step" before it is scheduled, "execute" after its
+        snapshot, "grammar_bitmask" and "sample_tokens" before those calls, "postprocess" before its
+        update_from_output and "step_end" after; engine/step begins when it is scheduled and ends
+        when its outputs are in, so two steps' spans overlap. While a step controller may stop the
+        engine (hooks.gated) a call drains the queue and then runs one step whole, so pause, n and s
+        keep their meaning (a step is scheduled after the one before it has ended)."""
+        queue, deferred = self.batch_queue, None
+        gated = self.hooks.gated  # a step controller may stop the engine: one step at a time
+        if self.scheduler.has_unfinished_requests() and not (gated and queue):
+            if self.scheduler.waiting_for_grammars() and not queue:
+                self.structured_output_manager.wait_for_compile(self.scheduler.waiting, GRAMMAR_WAIT_S)
+            sched, exec_future = self._schedule_and_execute()
+            if sched.is_empty:
+                future = exec_future
+            elif sched.pending_structured_output_tokens:
+                deferred = (sched, exec_future)  # its bitmask needs the tokens of the step before
+            else:
+                future = self._sample_async(sched)
+            if deferred is None:
+                queue.appendleft((future, sched, exec_future))
+                if len(queue) < BATCH_QUEUE_SIZE and not gated and (
+                        not sched.is_empty or self.scheduler.has_unfinished_requests()):
+                    return EngineCoreOutputs(outputs=[])  # room for one more: schedule it before blocking
+        elif not queue:
+            return EngineCoreOutputs(outputs=[])
+        future, sched, exec_future = queue.pop()
+        exec_future.result()  # the forward pass's error, if it raised
+        outputs = self._update(sched, future.result())
+        if deferred is not None:  # the tokens it waited for are in: its bitmask, then its sampling
+            sched, exec_future = deferred
+            queue.appendleft((self._sample_async(sched), sched, exec_future))
+        return outputs
+
+    def _schedule_and_execute(self):
+        if self.hooks.gated:
+            self.hooks.gate("step", step=self.scheduler.num_scheduled_steps)
+        if self.hooks.active:
+            self.hooks.emit(ENGINE, STEP, BEGIN, step=self.scheduler.num_scheduled_steps)
+        sched = self.scheduler.schedule()
+        if self.hooks.active:
+            self._trace_schedule(sched)
+        return sched, self.model_executor.execute_model(sched, non_block=True)
+
+    def _sample_async(self, sched: SchedulerOutput):
+        if self.hooks.gated:
+            self.hooks.gate("grammar_bitmask", step=sched.step)
+        grammar_output = self.scheduler.get_grammar_bitmask(sched)
+        if self.hooks.gated:
+            self.hooks.gate("sample_tokens", step=sched.step)
+        return self.model_executor.sample_tokens(grammar_output, non_block=True)
+
+    def _update(self, sched: SchedulerOutput, model_output) -> EngineCoreOutputs:
+        if self.hooks.gated:
+            self.hooks.gate("postprocess", step=sched.step)
+        outputs = self.scheduler.update_from_output(sched, model_output)
+        if self.hooks.active:
+            self._trace_step_end(sched, outputs)
         return outputs
 
     def reset_prefix_cache(self) -> bool:

@@ -128,7 +128,7 @@ class InprocClient(EngineCoreClient):
         self.engine_core = EngineCore(config, hooks)
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs = self.engine_core.step()
+        outputs = self.engine_core.step_fn()
         outputs.stats, outputs.step = vars(self.engine_core.stats()), True  # as a core process sends them
         return outputs
 

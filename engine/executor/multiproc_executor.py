@@ -20,6 +20,12 @@ steps of a millisecond. One PUSH socket per worker carries the broadcast; one PU
 collects every rank's replies, read by a thread that routes them (step replies and kernel
 gates to the engine thread, held-launch reruns to their caller).
 
+Async scheduling: ``execute_model(..., non_block=True)`` and ``sample_tokens(..., non_block=True)``
+return futures (V1's). Both executors run the calls, in order, on one thread of their own (the
+``executor`` thread), so the engine core schedules the next step while the forward pass runs: with one
+rank the forward pass itself runs on that thread (torch releases the GIL in its ops), with N ranks
+the thread sends each message and waits for the worker processes' replies.
+
 Faults: a worker that raises replies ``error``; a worker that exits is seen by its monitor
 thread. Either way the executor is dead: ``execute_model`` raises ``WorkerDiedError`` (an
 ``EngineDeadError``), the other ranks are stopped, and ``on_dead(reason)`` is called once, so
@@ -43,6 +49,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Callable
 
 import msgspec
@@ -51,10 +58,12 @@ import zmq
 
 from engine.core.sched.output import GrammarOutput, SchedulerOutput
 from engine.engine.exceptions import EngineDeadError
-from engine.hooks import Hooks
+from engine.hooks import BEGIN, END, Hooks
 from engine.outputs import DraftTokenIds, ModelRunnerOutput
 from engine.serial_utils import encoder, send_while_alive
+from engine.trace_names import EXECUTE_MODEL, MODEL_RUNNER
 from engine.utils import child_pythonpath, runtime_dir
+from engine.worker.input_batch import resolve_placeholder_drafts
 from engine.worker.worker import ExecuteModel, SampleTokens, Worker, WorkerReply
 
 STARTUP_TIMEOUT_S = 600.0  # loading a big model's shard on the CPU
@@ -70,11 +79,73 @@ class WorkerDiedError(EngineDeadError):
 class Executor:
     """What the engine asks of its ranks. load_model(progress) -> dict (bytes, params, ...);
     determine_num_blocks() -> (n, why), the least over the ranks; initialize_kv_cache(n) ->
-    dict; warm_up(max_model_len) -> dict; execute_model(scheduler_output) -> None;
-    sample_tokens(grammar_output) -> ModelRunnerOutput (output_rank's); take_draft_token_ids();
-    profile(is_start) -> [each rank's answer]; held_attention_on_triton() -> dict; shutdown()."""
+    dict; warm_up(max_model_len) -> dict; execute_model(scheduler_output, non_block) -> None or
+    a Future of it; sample_tokens(grammar_output, non_block) -> ModelRunnerOutput (output_rank's)
+    or a Future of it; take_draft_token_ids(); profile(is_start) -> [each rank's answer];
+    held_attention_on_triton() -> dict; shutdown()."""
 
     tensor_parallel_size = 1
+    _thread: ExecutorThread | None = None
+
+    hooks: Hooks
+
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
+        if non_block:
+            return self._submit(self._execute_traced, scheduler_output)
+        return self._execute_traced(scheduler_output)
+
+    def _execute_traced(self, scheduler_output: SchedulerOutput) -> None:
+        """The forward pass, traced as a span on the thread that runs it (the executor's under async
+        scheduling: the trace shows the next step scheduled while it runs)."""
+        if not self.hooks.active:
+            return self._execute_model(scheduler_output)
+        thread = threading.current_thread().name
+        self.hooks.emit(MODEL_RUNNER, EXECUTE_MODEL, BEGIN, step=scheduler_output.step, thread=thread)
+        try:
+            return self._execute_model(scheduler_output)
+        finally:
+            self.hooks.emit(MODEL_RUNNER, EXECUTE_MODEL, END, step=scheduler_output.step, thread=thread)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None, non_block: bool = False):
+        if non_block:
+            return self._submit(self._sample_tokens, grammar_output)
+        return self._sample_tokens(grammar_output)
+
+    def _submit(self, fn, *args) -> Future:
+        """fn(*args) on the executor thread, after every call submitted before it."""
+        if self._thread is None:
+            self._thread = ExecutorThread()
+        return self._thread.submit(fn, *args)
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+
+
+class ExecutorThread:
+    """Runs submitted calls one after another on one daemon thread (a step in flight must not keep
+    the process alive at exit, as a ThreadPoolExecutor's worker would); each call's Future."""
+
+    def __init__(self):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="executor", daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._calls.put((fut, fn, args))
+        return fut
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fut, fn, args = call
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # the caller's result() raises it
+                    fut.set_exception(e)
 
 
 class UniProcExecutor(Executor):
@@ -82,6 +153,7 @@ class UniProcExecutor(Executor):
 
     def __init__(self, worker: Worker):
         self.worker = worker
+        self.hooks = worker.hooks
 
     def load_model(self, progress=None) -> dict:
         return self.worker.load_model(progress)
@@ -95,10 +167,10 @@ class UniProcExecutor(Executor):
     def warm_up(self, max_model_len: int) -> dict:
         return self.worker.warm_up(max_model_len)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> None:
         return self.worker.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
+    def _sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
         return self.worker.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
@@ -111,7 +183,7 @@ class UniProcExecutor(Executor):
         return self.worker.model_runner.held_attention_on_triton()
 
     def shutdown(self) -> None:
-        pass
+        self._stop_thread()
 
 
 def _how(code: int) -> str:
@@ -147,6 +219,7 @@ class MultiprocExecutor(Executor):
         self._rerun_ids = itertools.count(1)
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
         self._draft_token_ids: DraftTokenIds | None = None  # output_rank's, from the last sample_tokens
+        self._last_drafts: dict[str, list[int]] = {}  # ... kept: they fill placeholder drafts (async scheduling)
         self._dir = tempfile.mkdtemp(prefix="vllm-trace-workers-", dir=runtime_dir())
         self.ctx = zmq.Context()
         self.results = self.ctx.socket(zmq.PULL)
@@ -216,15 +289,19 @@ class MultiprocExecutor(Executor):
         return [dict(r.data) for r in self._all("profile", is_start, "profile", STARTUP_TIMEOUT_S)]
 
     # ---- steps ---------------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Broadcast the scheduler output (encoded once, the same bytes to every rank), consult
         forwarded kernel gates (on this, the engine thread), wait for every rank's forward pass.
         Raises WorkerDiedError if a rank fails."""
         self._check()
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if spec:  # async scheduling: placeholder drafts become output_rank's proposals, the same on every rank
+            scheduler_output = replace(scheduler_output, scheduled_spec_decode_tokens=resolve_placeholder_drafts(
+                spec, self._last_drafts))
         msg = ExecuteModel(scheduler_output, self.output_rank, gated=self.hooks.gated, trace=self.hooks.active)
         self._round(b"execute", encoder().encode(msg), "execute")
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
+    def _sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
         """Every rank samples (the same tokens); output_rank's ModelRunnerOutput, and its drafts
         for take_draft_token_ids."""
         self._check()
@@ -238,6 +315,8 @@ class MultiprocExecutor(Executor):
             return None
         output, drafts = data
         self._draft_token_ids = msgspec.convert(drafts, DraftTokenIds) if drafts is not None else None
+        d = self._draft_token_ids
+        self._last_drafts = dict(zip(d.req_ids, d.draft_token_ids)) if d is not None else {}
         return msgspec.convert(output, ModelRunnerOutput) if output is not None else None
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
@@ -407,10 +486,14 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Stop every worker (politely, then by force) and close the sockets. Safe to call twice."""
+        self._stop_thread()
         with self._send_lock:
             if self._closing:
                 return
             self._closing = True
+        if self._thread is not None:  # a step in flight (async scheduling) fails rather than waits for ever
+            self._replies.put("the executor shut down")
+        with self._send_lock:
             for sock in self.inputs:
                 try:
                     sock.send_multipart([b"stop", b""], zmq.NOBLOCK)

@@ -32,11 +32,24 @@ class InputBatch:
     draft_token_ids: list[list[int]]  # per request, the drafts it verifies
 
 
+def resolve_placeholder_drafts(spec: dict[str, list[int]], last_drafts: dict[str, list[int]]) -> dict:
+    """Async scheduling: a request's placeholder draft ids (-1) become the drafts proposed after the
+    previous step, as many as it has (the rest stay -1: not verified)."""
+    if not any(d and d[0] < 0 for d in spec.values()):
+        return spec
+    return {rid: (last_drafts.get(rid, []) + d)[:len(d)] if d and d[0] < 0 else d for rid, d in spec.items()}
+
+
 def make_input_batch(sched: SchedulerOutput, states: RequestState, tables: BlockTables,
-                     block_size: int) -> InputBatch:
+                     block_size: int, last_drafts: dict[str, list[int]] | None = None) -> InputBatch:
     req_ids = list(sched.num_scheduled_tokens)
     idx = np.fromiter(map(states.req_id_to_index.__getitem__, req_ids), np.int64, len(req_ids))
     num_sched = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))
+    spec = resolve_placeholder_drafts(sched.scheduled_spec_decode_tokens, last_drafts or {})
+    drafts = [[t for t in spec.get(rid, []) if t >= 0] for rid in req_ids]
+    if spec:  # placeholder drafts left unresolved are not computed (the scheduler counts them rejected)
+        num_sched -= np.fromiter((len(spec.get(rid, [])) - len(d) for rid, d in zip(req_ids, drafts)), np.int32,
+                                 len(req_ids))
     qsl = np.zeros(len(req_ids) + 1, np.int32)
     np.cumsum(num_sched, out=qsl[1:])
     start = states.num_computed_tokens[idx]
@@ -45,15 +58,13 @@ def make_input_batch(sched: SchedulerOutput, states: RequestState, tables: Block
     positions = (np.arange(qsl[-1]) - qsl[rows] + start[rows]).astype(np.int64)
     # tokens the slot holds; draft positions (past them) are filled below
     input_ids = states.token_ids[idx[rows], np.minimum(positions, states.token_ids.shape[1] - 1)]
-    spec = sched.scheduled_spec_decode_tokens
-    drafts = [spec.get(rid, []) for rid in req_ids]
     for i, d in enumerate(drafts):
         if d:
             input_ids[qsl[i + 1] - len(d):qsl[i + 1]] = d
     width = int(tables.num_blocks[idx].max())
     block_tables = tables.block_tables[idx, :width]
     slot_mapping = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    if spec:  # every draft's row is scored, not only the last
+    if any(drafts):  # every draft's row is scored, not only the last
         logits_indices = np.concatenate([np.arange(qsl[i + 1] - 1 - len(d), qsl[i + 1]) for i, d in enumerate(drafts)])
     else:
         logits_indices = qsl[1:].astype(np.int64) - 1

@@ -90,6 +90,7 @@ class ModelRunner:
         self._costs: dict[tuple, tuple[str, int, int]] = {}  # (launch name, its arguments) -> (op, FLOPs, bytes)
         self._pending: _Pending | None = None  # between execute_model and sample_tokens
         self._draft_token_ids: DraftTokenIds | None = None  # the last step's proposals, until taken
+        self.last_draft_token_ids: dict[str, list[int]] = {}  # ... kept: they fill placeholder drafts
 
     # ---- the persistent state (Model Runner V2's add_requests / update_requests / finish_requests) ----
     def finish_requests(self, scheduler_output: SchedulerOutput) -> None:
@@ -114,13 +115,16 @@ class ModelRunner:
         c, states = scheduler_output.scheduled_cached_reqs, self.req_states
         for rid, blocks, computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             slot = states.req_id_to_index[rid]
-            states.num_computed_tokens[slot] = computed
+            # async scheduling: the scheduler counted the drafts of the step before as accepted; all but
+            # this worker's last sampled token are computed
+            states.num_computed_tokens[slot] = min(computed, states.num_tokens[slot] - 1)
             if blocks is not None or rid in c.resumed_req_ids:
                 self.block_tables.append_block_ids(slot, blocks, overwrite=rid in c.resumed_req_ids)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> InputBatch:
         """The step's InputBatch, gathered from the persistent buffers by slot."""
-        batch = make_input_batch(scheduler_output, self.req_states, self.block_tables, self.block_size)
+        batch = make_input_batch(scheduler_output, self.req_states, self.block_tables, self.block_size,
+                                 self.last_draft_token_ids)
         if self.hooks.active and self.rank == 0:  # the same on every rank: traced once
             self._trace_batch(scheduler_output.step, batch)
         return batch
@@ -303,6 +307,7 @@ class ModelRunner:
                 instrument.set_tags(draft=None, layer=None)
                 if self._launches:
                     self._publish_launches()
+        self.last_draft_token_ids = proposals  # for the next step's placeholder drafts (async scheduling)
         return DraftTokenIds(list(proposals), list(proposals.values()))
 
     def _verify(self, logits: torch.Tensor, drafts: list[list[int]], requests: list, bonus: list[int]):

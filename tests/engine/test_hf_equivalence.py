@@ -13,6 +13,7 @@ from engine.builtin_model import LLAMA_NAME, LLAMA_RANDOM_NAME, NAME, RANDOM_NAM
 from tests.engine.hf_reference import assert_greedy_equal, hf_greedy
 
 MAX_NEW = 24
+ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 
 
 def _prompts(shared_prefix: int = 0, n: int = 16, seed: int = 0) -> list[list[int]]:
@@ -64,23 +65,26 @@ def test_english_prompts(path):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, MAX_NEW)
 
 
-def test_preemption(path):
+@ASYNC
+def test_preemption(path, async_scheduling):
     prompts = _prompts()
     # 12 blocks of 16 tokens cannot hold 16 requests of up to 94 tokens: requests get preempted
-    got, stats = _run(prompts, num_kv_blocks=12, block_size=16)
+    got, stats = _run(prompts, num_kv_blocks=12, block_size=16, async_scheduling=async_scheduling)
     assert stats.num_preemptions > 0
     assert got == hf_greedy(path, prompts, MAX_NEW)
 
 
-def test_chunked_prefill(path):
+@ASYNC
+def test_chunked_prefill(path, async_scheduling):
     prompts = _prompts()
-    got, _ = _run(prompts, max_num_batched_tokens=16)
+    got, _ = _run(prompts, max_num_batched_tokens=16, async_scheduling=async_scheduling)
     assert got == hf_greedy(path, prompts, MAX_NEW)
 
 
-def test_prefix_caching_shared_prefix(path):
+@ASYNC
+def test_prefix_caching_shared_prefix(path, async_scheduling):
     prompts = _prompts(shared_prefix=48)
-    got, stats = _run(prompts, enable_prefix_caching=True)
+    got, stats = _run(prompts, enable_prefix_caching=True, async_scheduling=async_scheduling)
     assert stats.prefix_cache_hits > 0
     assert got == hf_greedy(path, prompts, MAX_NEW)
 
@@ -105,10 +109,13 @@ def test_block_sizes(path, block_size):
     assert got == hf_greedy(path, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize("model", EVERY_ARCHITECTURE)
-def test_everything_at_once(model):
-    """Small cache, small token budget, shared prefixes, block size 8."""
+@pytest.mark.parametrize("model,async_scheduling", [(m, False) for m in EVERY_ARCHITECTURE] + [(NAME, True),
+                                                                                             (LLAMA_NAME, True)])
+def test_everything_at_once(model, async_scheduling):
+    """Small cache, small token budget, shared prefixes, block size 8 (async scheduling: preemptions
+    of requests whose step is in flight)."""
     prompts = _prompts(shared_prefix=20)
-    got, stats = _run(prompts, model, block_size=8, num_kv_blocks=30, max_num_batched_tokens=24, max_num_seqs=6)
+    got, stats = _run(prompts, model, block_size=8, num_kv_blocks=30, max_num_batched_tokens=24, max_num_seqs=6,
+                      async_scheduling=async_scheduling)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert_greedy_equal(got, str(builtin_path(model)), prompts, MAX_NEW)

@@ -43,7 +43,8 @@ def test_greedy_equals_transformers(model, settings):
 
 
 def test_drafts_are_verified_in_one_step_with_lookahead_slots():
-    llm = LLM(NAME, num_kv_blocks=64, block_size=4, speculative_config=NGRAM)
+    # the synchronous step's hand-offs (async scheduling keeps drafts on the worker)
+    llm = LLM(NAME, num_kv_blocks=64, block_size=4, speculative_config=NGRAM, async_scheduling=False)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     engine.add_request("r", {"prompt_token_ids": [5, 6, 7, 8] * 3}, SamplingParams(temperature=0, max_tokens=20))

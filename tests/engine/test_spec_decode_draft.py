@@ -217,13 +217,16 @@ def test_bad_draft_model_configs_are_one_clear_error(tmp_path):
         LLM(NAME, speculative_config={"method": "draft_model", "model": str(short)})
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("kind", ["json", "regex"])
-def test_requests_with_a_grammar_equal_no_speculation(kind):
+def test_requests_with_a_grammar_equal_no_speculation(kind, async_scheduling):
     """The draft model proposes for constrained requests too; their grammar cuts what it refuses, and
-    greedy output is the same token for token as without speculation."""
+    greedy output is the same token for token as without speculation. (Under async scheduling a
+    request with a grammar verifies no drafts: its drafts must pass its grammar before they are scheduled.)"""
     from tests.engine.test_structured_spec_decode import _run
 
     base, _, _ = _run(kind)
-    got, events, _ = _run(kind, speculative_config=DRAFT)
+    got, events, _ = _run(kind, speculative_config=DRAFT, async_scheduling=async_scheduling)
     assert got == base
-    assert any(e[:2] == ("spec_decode", "verified") and e[5]["accepted"] for e in events)
+    verified = any(e[:2] == ("spec_decode", "verified") and e[5]["accepted"] for e in events)
+    assert verified != async_scheduling

@@ -62,8 +62,10 @@ def test_output_kind_final_only_returns_only_the_finished_output(llm):
         per_step[kind] = []
         while engine.has_unfinished_requests():
             per_step[kind].append([(o.request_id, o.finished, len(o.outputs[0].token_ids)) for o in engine.step()])
-    assert per_step["cumulative"] == [[("kind-cumulative", n == 4, n)] for n in (1, 2, 3, 4)]
-    assert per_step["final_only"] == [[], [], [], [("kind-final_only", True, 4)]]
+    # (async scheduling: a call that only fills the batch queue returns no output)
+    assert [s for s in per_step["cumulative"] if s] == [[("kind-cumulative", n == 4, n)] for n in (1, 2, 3, 4)]
+    assert per_step["final_only"][-1] == [("kind-final_only", True, 4)] and not any(per_step["final_only"][:-1])
+    assert len(per_step["final_only"]) >= 4
     with pytest.raises(SamplingParamsError, match="output_kind"):
         SamplingParams(output_kind="delta")
 

@@ -45,7 +45,9 @@ def _valid(kind: str, text: str) -> bool:
 
 
 def _run(kind: str, max_tokens: int = 48, **llm_kwargs):
-    """(token ids, finish reasons, texts) of the kind's prompts, greedy; the events it traced."""
+    """(token ids, finish reasons, texts) of the kind's prompts, greedy; the events it traced. The synchronous
+    step unless asked: under async scheduling a request with a grammar verifies no drafts."""
+    llm_kwargs.setdefault("async_scheduling", False)
     so, prompts = CONSTRAINTS[kind]
     hooks, events = Hooks(), []
     hooks.subscribe(lambda *e: events.append(e))
@@ -84,6 +86,14 @@ def hf_masked_greedy(llm: LLM, prompt: str, so: StructuredOutputsParams, max_tok
 
 
 @pytest.mark.parametrize("kind", ["json", "regex", "choice"])
+def test_greedy_with_speculation_and_async_scheduling_equals_without(kind):
+    """Async scheduling: the grammar requests' sampling waits for their previous tokens; same output."""
+    base, _, _ = _run(kind)
+    got, _, _ = _run(kind, speculative_config=NGRAM, async_scheduling=True)
+    assert got == base
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "choice"])
 def test_greedy_with_speculation_equals_without(kind):
     base, _, _ = _run(kind)
     got, events, llm = _run(kind, speculative_config=NGRAM)
@@ -103,7 +113,7 @@ def test_greedy_with_speculation_equals_without(kind):
 
 
 def _engine_with(prompt: str, so: StructuredOutputsParams, **llm_kwargs):
-    llm = LLM("tiny-gpt2", speculative_config=NGRAM, **llm_kwargs)
+    llm = LLM("tiny-gpt2", speculative_config=NGRAM, **{"async_scheduling": False, **llm_kwargs})
     engine = llm.llm_engine
     engine.add_request("g", prompt, SamplingParams(temperature=0, max_tokens=40, structured_outputs=so))
     core = engine.engine_core.engine_core

@@ -62,7 +62,9 @@ def test_start_paused_step_and_requests_arriving_while_paused(mode):
     finally:
         session.close()
     steps = engine.step_count if mode == "mp" else engine.engine_core.engine_core.step_count
-    assert steps == 6 and not engine.has_unfinished_requests()
+    # async scheduling (the default): once resumed, the step after the last one may be scheduled (empty)
+    # while the one that finishes "a" is in flight, as in V1
+    assert steps in (6, 7) and not engine.has_unfinished_requests()
 
 
 def test_step_into_phases(mode):

@@ -41,7 +41,9 @@ def test_perfetto_export_is_structurally_valid(trace):
     assert kernels and all("grid" in k["args"] and "launch" not in k["args"] for k in kernels)
     # the torch backend's launches: a cache write and an attention call per layer per step
     assert {k["name"] for k in kernels} == {"reshape_and_cache_ref", "unified_attention_ref"}
-    assert len(kernels) == 2 * 4 * len(steps) and all(k["dur"] > 0 for k in kernels)
+    ran = [s for s in steps if s["args"]["batch"]]  # (async scheduling may add a last, empty step)
+    assert len(steps) - len(ran) <= 1
+    assert len(kernels) == 2 * 4 * len(ran) and all(k["dur"] > 0 for k in kernels)
     assert {k["args"]["layer_idx"] for k in kernels} == {0, 1, 2, 3}
     threads = {e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"engine steps", "kernels", "engine spans"} <= threads

@@ -62,6 +62,9 @@ class SchedulerOutput:
     waiting_reasons: dict[str, str] = field(default_factory=dict)  # request id -> why not admitted
     token_budget: int = 0
     grammar_failed: dict[str, str] = field(default_factory=dict)  # request id -> why (finished, never ran)
+    # async scheduling (V1's): a request with a grammar has tokens in flight, so its bitmask (and the
+    # step's sampling) waits until the previous step's tokens are known
+    pending_structured_output_tokens: bool = False
 
     @property
     def req_ids(self) -> list[str]:

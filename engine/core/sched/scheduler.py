@@ -73,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.step_count = 0
+        self.num_scheduled_steps = 0  # ahead of step_count while a step is in flight (async scheduling)
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
         self.finished_req_ids: set[str] = set()  # handed to the next SchedulerOutput
@@ -104,7 +105,8 @@ class Scheduler:
         (_update_after_schedule: update_from_output takes back rejected drafts). Hooks:
         scheduler/schedule begin, PREEMPTED per preemption, the KV-cache manager's cache_hit/cache_miss,
         allocate, evict and free. The schedule's snapshot and end event come from EngineCore."""
-        step = self.kv_cache_manager.step = self.step_count
+        step = self.kv_cache_manager.step = self.num_scheduled_steps
+        self.num_scheduled_steps += 1
         if self.hooks.active:
             self._trace_schedule_begin(step)
         out = SchedulerOutput(step=step, token_budget=self.config.max_num_batched_tokens,
@@ -122,7 +124,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            remaining = len(req.all_token_ids) - req.num_computed_tokens
+            if req.num_output_placeholders and self._reaches_max_tokens(req):
+                i += 1  # async: a step in flight already samples its last token
+                continue
+            # (async scheduling: the tokens of steps in flight count, as placeholders)
+            remaining = len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens
             n = min(remaining + len(req.spec_token_ids), budget)  # draft tokens: lookahead slots to verify
             while not self._allocate(req, n, req.num_computed_tokens + n):
                 victim, why = self._victim()
@@ -143,6 +149,11 @@ class Scheduler:
                 continue
             break  # req itself was preempted
         return budget
+
+    @staticmethod
+    def _reaches_max_tokens(req: Request) -> bool:
+        """V1's: the steps in flight sample its last token even if all their drafts are rejected."""
+        return req.num_computed_tokens + 2 - req.num_output_placeholders >= req.num_prompt_tokens + req.max_tokens
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Then admit waiting requests, first come first served (or by priority)."""
@@ -190,14 +201,16 @@ class Scheduler:
             cached.new_token_ids.append([])
             cached.new_block_ids.append((list(new_blocks),) if new_blocks or resumed else None)
             cached.num_computed_tokens.append(req.num_computed_tokens)
-            cached.num_output_tokens.append(len(req.output_token_ids))
+            cached.num_output_tokens.append(len(req.output_token_ids) + req.num_output_placeholders)
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         """V1's: the scheduled tokens count as computed from now on (the next step is scheduled
         against them); update_from_output takes back the drafts the model rejected."""
         requests = self.requests
         for rid, n in out.num_scheduled_tokens.items():
-            requests[rid].num_computed_tokens += n
+            req = requests[rid]
+            req.num_computed_tokens += n
+            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
 
     # ---- structured outputs (engine/structured_output) ----------------------------------------
@@ -238,7 +251,7 @@ class Scheduler:
         if self.structured_output_manager is None:
             return None
         reqs = [r for r in map(self.requests.get, scheduler_output.num_scheduled_tokens) if r is not None
-                and r.structured_output_request is not None and r.num_computed_tokens >= r.num_tokens]
+                and r.structured_output_request is not None and not r.is_prefill_chunk]
         if not reqs:
             return None
         t0 = time.perf_counter_ns()
@@ -309,7 +322,7 @@ class Scheduler:
         do not fit are left out rather than preempting anyone for them: the draft proposes fewer."""
         bm = self.kv_cache_manager
         lookahead = 0
-        if self.num_lookahead_tokens and end >= req.num_tokens:
+        if self.num_lookahead_tokens and end >= req.num_tokens + req.num_output_placeholders:
             lookahead = max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
         return bool(lookahead) and bm.allocate_slots(req, n, computed, lookahead) or bm.allocate_slots(req, n, computed)
 
@@ -327,6 +340,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.spec_token_ids = []
         req.num_computed_tokens = 0  # recompute: prompt and generated tokens are prefilled again
+        req.num_output_placeholders = 0  # async: a step in flight still delivers its tokens (stale: counted nowhere)
         req.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.policy == "priority":
@@ -369,8 +383,12 @@ class Scheduler:
         generated = mro.sampled_token_ids[i]
         req.first_scheduled_time = req.first_scheduled_time or now
         drafts = sched.scheduled_spec_decode_tokens.get(rid)
-        if drafts:  # verified: the rejected drafts' slots were not computed after all (they get rewritten)
-            req.num_computed_tokens -= len(drafts) + 1 - len(generated)
+        # async: preempted while this step was in flight: its tokens count, its slots were freed already
+        stale = req.status is not RequestStatus.RUNNING
+        if drafts and generated and not stale:  # the rejected drafts' slots were not computed after all
+            rejected = len(drafts) + 1 - len(generated)
+            req.num_computed_tokens -= rejected
+            req.num_output_placeholders = max(0, req.num_output_placeholders - rejected)
             self.spec_stats.observe(len(drafts), len(generated) - 1)
             if self.hooks.active:
                 self._trace_verified(req, step, drafts, generated)
@@ -379,6 +397,8 @@ class Scheduler:
             _add_prompt_logprobs(req, *prompt_logprobs)
         if not generated:
             return None  # one chunk of a longer prefill: it sampled nothing
+        if not stale:  # async: its placeholders are real tokens now (also those dropped at a stop)
+            req.num_output_placeholders = max(0, req.num_output_placeholders - len(generated))
         new_token_ids, status = [], None
         for pos, token_id in enumerate(generated):
             req.append_token(token_id)
