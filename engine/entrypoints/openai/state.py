@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from engine.engine.async_engine import AsyncLLMEngine
+from engine.engine.protocol import EngineClient
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.input_processor import InputProcessor
 from engine.hooks import Hooks
@@ -15,7 +15,7 @@ from engine.hooks import Hooks
 
 @dataclass
 class ServerState:
-    engine: AsyncLLMEngine
+    engine: EngineClient
     model_name: str
     chat_template: str
     api_key: str | None = None
