@@ -102,7 +102,7 @@ class AsyncLLM(EngineClient):
         self.drain_timeout = drain_timeout
         self.multiprocess = multiprocess
         self.step_listeners: list[StepListener] = []
-        self.on_dead = on_dead  # called (output thread) when the core dies unplanned
+        self.on_dead = on_dead  # called (a client's thread) when the core dies unplanned
         if engine_core is None:
             self.model_path = resolve(config.model.model)
             self.tokenizer = load_tokenizer(self.model_path)
@@ -162,7 +162,8 @@ class AsyncLLM(EngineClient):
         ping the core's input IO thread answers, within HEALTH_TIMEOUT_S. That thread answers while
         a step controller holds the engine thread, so a paused core is healthy; a frozen process
         (SIGSTOP) or a front end that no longer reads the core is not. Concurrent checks share
-        the one ping in flight: once it is older than the timeout, they fail at once."""
+        the one ping in flight: once it is older than the timeout, they fail at once. (A core in
+        this process answers at once: alive is its loop's thread running, the engine not dead.)"""
         if not self.is_running:
             raise EngineDeadError(self.engine_core.dead or "the engine is not running (shutting down?)")
         sent, fut = self._ping

@@ -150,3 +150,30 @@ async def test_shutdown_aborts_what_does_not_finish_in_time(async_engine):
             pass
     eng = async_engine.engine_core.engine_core
     assert not eng.requests and eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+
+
+@pytest.mark.asyncio
+async def test_the_engine_s_death_fails_streams_refuses_requests_and_is_reported(model_cache):
+    """What the executor reports when a tensor-parallel worker dies (EngineCore.on_dead) reaches
+    AsyncLLM as a core process's death would: streams fail with the reason, new requests and the
+    health check are refused, and the server's on_dead hears it once."""
+    from engine import LLM
+    from engine.engine.async_llm import AsyncLLM
+    from engine.engine.exceptions import EngineDeadError
+
+    reported = []
+    core = LLM("tiny-gpt2", num_kv_blocks=64).llm_engine.engine_core.engine_core
+    ae = AsyncLLM.from_engine_core(core, drain_timeout=0, on_dead=reported.append).start()
+    try:
+        stream = await ae.add_request("long", "Hello", SamplingParams(max_tokens=400, ignore_eos=True))
+        core.on_dead("worker rank 1 died (signal 9)")  # (on the executor's monitor thread, in a real death)
+        with pytest.raises(EngineDeadError, match="worker rank 1 died"):
+            async for _ in stream:
+                pass
+        assert reported == ["engine died: worker rank 1 died (signal 9)"] and not ae.is_running
+        with pytest.raises(EngineDeadError, match="engine died"):
+            await ae.check_health()
+        with pytest.raises(EngineClosedError, match="engine died"):
+            await ae.add_request("late", "Hello", GREEDY)
+    finally:
+        ae.stop(0)
