@@ -4,12 +4,12 @@ repetitions interleaved.
 
     python -m benchmarks.tui_overhead [--requests 64] [--reps 5] [--pane requests]
 
-  no-tui   AsyncLLMEngine, no tracer attached (serve --no-tui)
+  no-tui   AsyncLLM over the EngineCore on a thread of this process, no tracer attached (serve --no-tui)
   traced   + the TraceSession the TUI needs (bus and step controller, no trace file)
   tui      + the Textual app (headless, 160x48, on the asyncio loop that consumes the streams,
            as serve runs it next to uvicorn) refreshing at REFRESH_HZ, the chosen pane visible
 
-Requests are streamed: each is an async iteration over AsyncLLMEngine.generate, like the
+Requests are streamed: each is an async iteration over AsyncLLM.generate, like the
 server's SSE handlers. Reported: generated tokens per wall second and per CPU second of the
 whole process (all threads), and the TUI's refreshes per second during the run.
 Targets: tui / no-tui >= 0.85 (throughput drops at most 15 %); >= 10 refreshes/s.
@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.workload import make_workload, resolve_model
 from engine import LLM, Hooks
-from engine.engine.async_engine import AsyncLLMEngine
+from engine.engine.async_llm import AsyncLLM
 from tracer.session import TraceSession
 from tracer.tui.app import PANES
 from tracer.tui.measure import stream_load
@@ -36,7 +36,7 @@ async def run_once(mode: str, model: str, workload, pane: str, kv_cache_memory: 
     hooks = Hooks()
     session = TraceSession(hooks, model=model) if mode != "no-tui" else None
     llm = LLM(model, hooks=hooks, kv_cache_memory=kv_cache_memory)
-    ae = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
+    ae = AsyncLLM.from_engine_core(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
     try:
         r = await stream_load(ae, workload, session, mode == "tui", pane, model=model)
         return {"tokens": r.tokens, "seconds": r.seconds, "cpu": r.cpu, "refresh_hz": r.refresh_hz}

@@ -33,7 +33,7 @@ class Hooks:
         self._many: list[Callable[[list[tuple]], None]] = []  # each listener's batch form (emit_many)
         self._gates: list[Gate] = []
         self._lock = threading.Lock()  # (un)subscribing may happen from any thread, at any time
-        # A gate that holds the engine waits inside `with hooks.gate_wait():`. AsyncLLMEngine
+        # A gate that holds the engine waits inside `with hooks.gate_wait():`. BusyLoop
         # sets it to release its engine lock, so requests can still be queued meanwhile. Only
         # the wait is wrapped: a gate that lets the engine pass costs no lock traffic.
         self.gate_wait: Callable[[], AbstractContextManager] = nullcontext

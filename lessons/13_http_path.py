@@ -62,7 +62,7 @@ def run(lesson) -> None:
     finally:
         server.should_exit = True
         thread.join(30)
-    lesson.check(not thread.is_alive() and not async_engine.is_running and async_engine.client.proc.poll() == 0,
+    lesson.check(not thread.is_alive() and not async_engine.is_running and async_engine.engine_core.proc.poll() == 0,
                  "the server shut down cleanly: the HTTP thread has stopped and the engine-core process has exited")
     lesson.done("An OpenAI request is parsed by FastAPI, turned into SamplingParams by the serving layer and "
                 "tokenized in the API-server process; its token ids cross to the engine-core process, whose "

@@ -11,7 +11,7 @@ import httpx
 from rich.markup import escape
 
 from engine import SamplingParams
-from engine.engine.async_engine import AsyncLLMEngine
+from engine.engine.async_llm import AsyncLLM
 from engine.entrypoints.openai import build_app
 from engine.entrypoints.openai.background import start_background
 from engine.entrypoints.openai.serving import StopHoldback
@@ -229,7 +229,7 @@ def abort_on_disconnect(lesson) -> None:
                "server, on a local port: we start a long streamed completion, read three chunks, and hang up.")
     llm, session = lesson.engine(num_kv_blocks=64, enable_prefix_caching=False)
     engine = llm.llm_engine
-    async_engine = AsyncLLMEngine(engine.engine_core.engine_core)
+    async_engine = AsyncLLM.from_engine_core(engine.engine_core.engine_core)
     server, thread, url = start_background(build_app(async_engine, lesson.model))
     max_tokens = min(200, engine.max_model_len - 16)
     try:

@@ -17,7 +17,7 @@ from rich.text import Text
 
 from engine import LLM
 from engine.core.kv_cache_utils import bytes_per_block
-from engine.engine.async_engine import AsyncLLMEngine
+from engine.engine.async_llm import AsyncLLM
 from engine.entrypoints.openai import build_app
 from engine.entrypoints.openai.background import start_background
 from lessons.cli import main
@@ -72,7 +72,7 @@ def histograms(text: str) -> dict[str, tuple[float, float]]:
 def served(lesson) -> None:
     n, prompt_len, out_len = 8, 32, 16
     llm, _ = lesson.engine(num_kv_blocks=64, enable_prefix_caching=False)
-    async_engine = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core)
+    async_engine = AsyncLLM.from_engine_core(llm.llm_engine.engine_core.engine_core)
     server, thread, url = start_background(build_app(async_engine, lesson.model))
     try:
         args = argparse.Namespace(url=url, model=None, num_requests=n, request_rate=float("inf"), concurrency=None,

@@ -12,7 +12,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 import msgspec
 
 from engine import LLM, Hooks, SamplingParams
-from engine.engine.async_engine import AsyncLLMEngine
 from engine.engine.async_llm import AsyncLLM
 from engine.engine.core_types import EngineCoreRequest
 from engine.engine.input_processor import wire_params
@@ -187,8 +186,8 @@ def _tui_cost(lesson, one, one_session, two, session) -> None:
                f"{TUI_REPS} times, interleaved.")
     tok = two.get_tokenizer()
     workload = [(tok.encode(f"Request {i}: what the TUI costs"), greedy(TUI_TOKENS)) for i in range(TUI_REQUESTS)]
-    # the lesson's one-process engine, now on its own thread; the API server's front end for two processes
-    one_front = AsyncLLMEngine(one.llm_engine.engine_core.engine_core).start()
+    # the same front end, AsyncLLM, over both: the one-process engine on a thread of its own, the core process
+    one_front = AsyncLLM.from_engine_core(one.llm_engine.engine_core.engine_core).start()
     two_front = AsyncLLM(two.llm_engine.config, session.hooks, core_options={"trace": True}).start()
     fronts = {"one process": (one_front, one_session), "two processes": (two_front, session)}
     runs: dict[tuple[str, bool], list] = {(name, tui): [] for name in fronts for tui in (False, True)}

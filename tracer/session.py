@@ -57,7 +57,7 @@ class TraceSession:
     def bind(self, async_llm) -> None:
         """Connect a RemoteStepController to a launched AsyncLLM's core."""
         if isinstance(self.controller, RemoteStepController):
-            self.controller.bind(async_llm.client)
+            self.controller.bind(async_llm.engine_core)
 
     def close(self) -> None:
         """Let the engine run free, stop listening, finish the trace file. Safe to call twice."""

@@ -5,9 +5,12 @@
                       read its objects, ``llm.llm_engine.engine_core.engine_core.scheduler``)
       SyncMPClient    the core in its own process, for LLMEngine (``LLM(..., multiprocess=True)``)
       AsyncMPClient   the core in its own process, for AsyncLLM (``serve``)
+      AsyncInprocClient  the EngineCore in this process, stepped by a BusyLoop thread, for AsyncLLM
+                      (``serve --no-multiprocessing``, and the tests and lessons that read engine objects)
 
-The one-process API server (``serve --no-multiprocessing``) runs the EngineCore in a thread of
-its own behind ``AsyncLLMEngine`` (``engine/engine/async_engine.py``), which V1 does not have.
+V1 has no AsyncInprocClient (its make_client raises NotImplementedError for asyncio without
+multiprocessing). Ours exists so that one AsyncLLM, with one set of books, serves both modes:
+it hands AsyncLLM the messages the core process would send, and the same BusyLoop steps the core.
 
 ``MPClient``, the base of both multiprocess clients, starts an ``EngineCoreProc`` (a fresh
 interpreter, ``python -m engine.engine.core_proc``, as multiprocessing's 'spawn' would, but
@@ -96,9 +99,7 @@ class EngineCoreClient:
     def make_client(multiprocess: bool, asyncio_mode: bool, config: EngineConfig, hooks: Hooks,
                     **kwargs) -> EngineCoreClient:
         if asyncio_mode:
-            if not multiprocess:
-                raise ValueError("the asyncio front end in one process is AsyncLLMEngine, not a client")
-            return AsyncMPClient(config, hooks, **kwargs)
+            return (AsyncMPClient if multiprocess else AsyncInprocClient)(config, hooks, **kwargs)
         return SyncMPClient(config, hooks, **kwargs) if multiprocess else InprocClient(config, hooks)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -152,6 +153,151 @@ class InprocClient(EngineCoreClient):
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+class AsyncInprocClient(EngineCoreClient):
+    """The EngineCore in this process, stepped by a BusyLoop on a thread of its own: AsyncLLM's core
+    under ``serve --no-multiprocessing`` (V1 refuses asyncio without multiprocessing; see the module
+    docstring). It speaks AsyncMPClient's language, so AsyncLLM has one set of books for both:
+    every callback of the loop becomes the EngineCoreOutputs message the core process would send
+    (an accepted or refused add, a step's outputs and stats, failed requests), handed to
+    on_message unencoded, on the thread that made it (the engine thread, under the engine lock).
+    Utility calls run on the caller's thread, as the core process's input thread runs them.
+
+    engine_core: an EngineCore built already (an LLM's: lessons and tests serve it); None builds
+    one in wait_ready(), warmed up, and shutdown() then stops it too."""
+
+    pid = None  # no process of its own
+
+    def __init__(self, config: EngineConfig, hooks: Hooks, on_message: Callable[[EngineCoreOutputs, int], None],
+                 on_dead: Callable[[str], None], engine_core=None):
+        self.config, self.hooks = config, hooks
+        self.on_message, self.on_dead = on_message, on_dead
+        self.engine_core = engine_core
+        self._owns_core = engine_core is None
+        self.busy_loop = None  # engine.engine.busy_loop.BusyLoop, from wait_ready() on
+        self.ready: dict | None = None
+        self._dead: str | None = None
+        self._closing = False
+        self._shutdown_lock = threading.Lock()  # a drain's stop and a forced second stop may overlap
+
+    @property
+    def parked(self) -> bool:
+        return self.busy_loop is not None and self.busy_loop.is_parked
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine died (a tensor-parallel worker, or the loop itself), or None."""
+        loop = self.busy_loop
+        if self._dead is None and loop is not None and not self._closing and not loop.is_running:
+            return f"engine died: {self.engine_core.dead or 'the engine loop stopped'}"
+        return self._dead
+
+    def launch(self) -> None:
+        """Nothing to start: wait_ready() builds the core on the calling thread."""
+
+    def wait_ready(self, timeout: float = HANDSHAKE_TIMEOUT_S) -> dict:
+        """Build the core (unless given one) and start its loop; the handshake's answer."""
+        from engine.engine.busy_loop import BusyLoop
+        from engine.engine.core_proc import handshake
+
+        if self.ready is None:
+            if self.engine_core is None:
+                self.engine_core = _build_core(self.config, self.hooks)
+            self.engine_core.on_dead = self._core_died
+            self.busy_loop = BusyLoop(self.engine_core, self._on_step, self._on_fail).start()
+            self.ready = handshake(self.engine_core, pid=None)
+        return self.ready
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop the loop (it aborts what it still holds: on_message hears which) and the core we built.
+        Safe twice, and from two threads at once."""
+        self._closing = True
+        with self._shutdown_lock:
+            if self.busy_loop is not None:
+                self.busy_loop.stop(drain_timeout)
+            if self._owns_core and self.engine_core is not None:
+                self.engine_core.shutdown()
+
+    # ---- requests (any thread) ----------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue it; on_message hears accepted or rejected. EngineClosedError (a RuntimeError): stopped."""
+        from engine.engine.busy_loop import PendingAdd
+
+        rid = request.request_id
+
+        def settle(exc: BaseException | None) -> None:  # under the engine lock, once it is in `waiting`
+            if exc is None:
+                self.on_message(EngineCoreOutputs(accepted=[rid], stats=vars(self.busy_loop.stats)), 0)
+            else:
+                self.on_message(EngineCoreOutputs(rejected=[(rid, str(exc))]), 0)
+
+        self.busy_loop.add_request(PendingAdd(request, settle))
+
+    def abort_requests(self, request_ids: list[str], finish_reason: str = "abort",
+                       stop_reason: str | None = None) -> None:
+        from engine.request import RequestStatus
+
+        status = RequestStatus.FINISHED_STOPPED if finish_reason == "stop" else RequestStatus.FINISHED_ABORTED
+        for rid in request_ids:
+            self.busy_loop.abort(rid, status, stop_reason)
+
+    def call(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """A utility call, as the core process answers it (its error raised as RuntimeError)."""
+        loop, core = self.busy_loop, self.engine_core
+        if method == "profile":  # applied by the engine thread between steps
+            return loop.profile(bool(args[0]) if args else True).result(timeout)
+        utilities = {"stats": lambda: vars(loop.stats), "snapshot": self._snapshot, "ping": os.getpid,
+                     "trace": lambda on: on,  # the core's events are this process's already
+                     "reset_prefix_cache": loop.reset_prefix_cache,
+                     "held_attention_on_triton": core.held_attention_on_triton}
+        try:
+            return utilities[method](*args)
+        except RuntimeError:
+            raise
+        except Exception as e:  # as across the process boundary: one line, the type named
+            raise RuntimeError(f"{type(e).__name__}: {e}") from e
+
+    def start_call(self, method: str, *args: Any) -> Future:
+        """call(), its answer on a Future (done at once: nothing here can hang)."""
+        fut: Future = Future()
+        try:
+            fut.set_result(self.call(method, *args))
+        except Exception as e:
+            fut.set_exception(e)
+        return fut
+
+    def profile(self, is_start: bool = True) -> dict:
+        return self.call("profile", is_start, timeout=PROFILE_TIMEOUT_S)
+
+    def _snapshot(self) -> dict:
+        with self.busy_loop._lock:  # free while the engine is idle or parked; else after this step
+            return self.engine_core.snapshot()
+
+    # ---- the engine thread's callbacks (under the engine lock) --------------------------------
+    def _on_step(self, outputs: list, stats, aborted: list[str]) -> None:
+        self.on_message(EngineCoreOutputs(outputs=outputs, aborted=aborted, stats=vars(stats), step=True), 0)
+
+    def _on_fail(self, request_ids: list[str], exc: BaseException) -> None:
+        dead = str(exc) if isinstance(exc, EngineDeadError) else None  # the front end fails them as dead
+        self.on_message(EngineCoreOutputs(failed=request_ids, error=str(exc), fatal=dead), 0)
+
+    def _core_died(self, reason: str) -> None:
+        """A tensor-parallel worker died (the executor's monitor thread): the engine cannot run."""
+        if self._dead is None and not self._closing:
+            self._dead = f"engine died: {reason}"
+            self.on_dead(self._dead)
+
+
+def _build_core(config: EngineConfig, hooks: Hooks):
+    """The EngineCore, warmed up, its startup heap frozen (what the core process builds)."""
+    from engine.engine.core import EngineCore  # torch: imported only where a core runs
+    from engine.gc_utils import freeze_gc_heap
+
+    core = EngineCore(config, hooks)
+    core.warm_up()
+    freeze_gc_heap()
+    return core
 
 
 class MPClient(EngineCoreClient):

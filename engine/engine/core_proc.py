@@ -74,6 +74,15 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def handshake(engine, pid: int | None) -> dict:
+    """What the front end learns of a built engine: the core's answer to the handshake."""
+    kv = engine.kv_cache_manager
+    return dict(num_blocks=kv.block_pool.num_gpu_blocks, block_size=kv.block_size, max_model_len=engine.max_model_len,
+                model_path=str(engine.model_path), device=str(engine.device),
+                attention_backend=engine.attention_backend, vocab_size=engine.model_config.vocab_size,
+                pid=pid, stats=vars(engine.stats()), startup=[list(s[:2]) for s in engine.startup])
+
+
 def params_from_wire(d: dict) -> SamplingParams:
     # the core sends every step's tokens: what the caller sees (final only or not) is the front end's business
     return SamplingParams(**{k: v for k, v in d.items() if k in _PARAM_FIELDS and k != "output_kind"})
@@ -140,12 +149,7 @@ class EngineCoreProc:
             module, func = install.split(":")
             self.utilities |= getattr(importlib.import_module(module), func)(self.hooks, self.core, self.options)
         self.core.start()
-        pool = engine.kv_cache_manager.block_pool
-        return dict(num_blocks=pool.num_gpu_blocks, block_size=engine.kv_cache_manager.block_size,
-                    max_model_len=engine.max_model_len,
-                    model_path=str(engine.model_path), device=str(engine.device),
-                    attention_backend=engine.attention_backend, vocab_size=engine.model_config.vocab_size,
-                    pid=os.getpid(), stats=vars(engine.stats()), startup=[list(s[:2]) for s in engine.startup])
+        return handshake(engine, pid=os.getpid())
 
     def run(self) -> int:
         try:

@@ -136,12 +136,12 @@ def test_handshake_errors_raise_with_the_core_s_own_message_or_the_timeout():
     llm = AsyncLLM(engine_config("tiny-gpt2"), core_options={"fail_startup": "no GPU left"})
     with pytest.raises(EngineStartupError, match="RuntimeError: no GPU left"):
         llm.start()
-    assert llm.client.proc.wait(10) is not None
+    assert llm.engine_core.proc.wait(10) is not None
     slow = AsyncLLM(engine_config("tiny-gpt2"))
     slow.launch()
     with pytest.raises(EngineStartupError, match="did not answer the handshake within 0 s"):
         slow.wait_ready(timeout=0.01)
-    assert slow.client.proc.poll() is not None  # not left running
+    assert slow.engine_core.proc.poll() is not None  # not left running
 
 
 def test_a_request_added_as_the_core_dies_is_refused_not_left_waiting():
@@ -159,9 +159,9 @@ def test_a_request_added_as_the_core_dies_is_refused_not_left_waiting():
 
     def tokenize_then_die(request_id, prompt, params, **kw):
         out = process_inputs(request_id, prompt, params, **kw)
-        os.kill(llm.client.pid, signal.SIGKILL)
+        os.kill(llm.engine_core.pid, signal.SIGKILL)
         deadline = time.monotonic() + DEADLINE
-        while llm.client.dead is None and time.monotonic() < deadline:
+        while llm.engine_core.dead is None and time.monotonic() < deadline:
             time.sleep(0.01)  # the monitor: dead set, the streams it knew failed (none)
         return out
 

@@ -1,8 +1,8 @@
 """One live server per mode for the whole session: the real uvicorn on a free loopback port, in
 a thread, serving the built-in tiny-gpt2 with a small KV cache (so 64 concurrent requests
-also exercise preemption). Mode "inproc": the engine loop in this process (AsyncLLMEngine);
-"mp": the engine core in its own process (AsyncLLM). Tests that read engine internals
-(`live.engine`) run in one process only: there is no engine object here in "mp"."""
+also exercise preemption). Both modes serve an AsyncLLM: "inproc", the engine core stepped by a
+thread of this process; "mp", the engine core in its own process. Tests that read engine
+internals (`live.engine`) run in one process only: there is no engine object here in "mp"."""
 from __future__ import annotations
 
 import os
@@ -59,7 +59,7 @@ MODES = ["inproc", "mp"]
 @dataclass
 class Live:
     url: str
-    async_engine: object  # engine.engine.async_engine.AsyncLLMEngine, or engine.engine.async_llm.AsyncLLM in "mp"
+    async_engine: object  # engine.engine.async_llm.AsyncLLM (the EngineClient the app serves)
     model: str = "tiny-gpt2"
     mode: str = "inproc"
 
@@ -67,7 +67,7 @@ class Live:
     def engine(self):
         if self.mode != "inproc":
             pytest.skip("reads the LLMEngine's internals: it lives in another process in this mode")
-        return self.async_engine.engine
+        return self.async_engine.engine_core.engine_core
 
     @property
     def tokenizer(self):
@@ -78,11 +78,9 @@ class Live:
         return self.async_engine.hooks
 
     def stats(self):
-        """The engine's stats now (in "mp": asked of the core)."""
-        if self.mode == "inproc":
-            return self.async_engine.engine.stats()
+        """The engine's stats now, asked of the core."""
         from engine.outputs import EngineStats
-        return EngineStats(**self.async_engine.client.call("stats"))
+        return EngineStats(**self.async_engine.engine_core.call("stats"))
 
     def all_blocks_free(self, timeout: float = 30.0) -> bool:
         """True once no request holds a block, waiting up to timeout: an abort (a rejected
@@ -98,7 +96,8 @@ class Live:
 
 
 def make_engine(mode: str = "inproc", hooks=None, core_options=None, **kwargs):
-    """An AsyncLLMEngine (inproc) or a started AsyncLLM (mp: its core launched from this thread)."""
+    """An AsyncLLM over a core in this process (inproc: an LLM's, not started) or a started one over
+    a core process (mp: launched from this thread)."""
     if mode == "mp":
         from engine.arg_utils import engine_config
         from engine.engine.async_llm import AsyncLLM
@@ -106,9 +105,9 @@ def make_engine(mode: str = "inproc", hooks=None, core_options=None, **kwargs):
         llm = AsyncLLM(engine_config("tiny-gpt2", **kwargs), hooks, core_options=core_options)
         return llm.start()
     from engine import LLM
-    from engine.engine.async_engine import AsyncLLMEngine
+    from engine.engine.async_llm import AsyncLLM
 
-    return AsyncLLMEngine(LLM("tiny-gpt2", hooks=hooks, **kwargs).llm_engine.engine_core.engine_core)
+    return AsyncLLM.from_engine_core(LLM("tiny-gpt2", hooks=hooks, **kwargs).llm_engine.engine_core.engine_core)
 
 
 @pytest.fixture(scope="session", params=MODES)

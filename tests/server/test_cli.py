@@ -101,12 +101,17 @@ def test_serve_help_is_grouped():
         assert flag in text
 
 
-def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path):
-    """The real command in a subprocess: stages, ready line, then SIGINT with a request in flight."""
+ONE_PROCESS = pytest.mark.parametrize("mode", [(), ("--no-multiprocessing",)], ids=["mp", "inproc"])
+
+
+@ONE_PROCESS
+def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path, mode):
+    """The real command in a subprocess: stages, ready line, then SIGINT with a request in flight;
+    the engine core in its own process or in serve's."""
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>")
     proc, banner, url = spawn_serve("--num-kv-blocks", "64", "--served-model-name", "tiny",
-                                    "--chat-template", str(template), "--no-tui")
+                                    "--chat-template", str(template), "--no-tui", *mode)
     try:
         for stage in ("arguments", "tokenizer", "weights", "KV cache", "HTTP ready"):  # the Startup panel's words
             assert re.search(rf"^  {stage}\s+[\d.]+ ms", banner, re.M), banner
@@ -134,10 +139,11 @@ def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path):
             proc.wait()
 
 
-def test_a_second_ctrl_c_stops_at_once_without_a_traceback(model_cache):
+@ONE_PROCESS
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(model_cache, mode):
     """The first Ctrl-C lets requests in flight finish; a second one aborts them and stops the
     engine now: exit 0, a line that says so, no traceback."""
-    proc, _, url = spawn_serve("--num-kv-blocks", "64", "--no-tui")
+    proc, _, url = spawn_serve("--num-kv-blocks", "64", "--no-tui", *mode)
     try:
         import httpx
         body = {"model": "tiny-gpt2", "prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "stream": True}

@@ -2,7 +2,7 @@
 replaces an unread one, an exception replaces any output and is never replaced."""
 import asyncio
 
-from engine.engine.async_engine import RequestOutputCollector
+from engine.engine.output_processor import RequestOutputCollector
 from engine.outputs import CompletionOutput, RequestOutput
 
 

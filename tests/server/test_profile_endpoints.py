@@ -1,5 +1,5 @@
-"""POST /start_profile and /stop_profile in both modes (AsyncLLMEngine in this process, AsyncLLM
-over the engine-core process): 200 with the window's steps, the request's steps profiled (every
+"""POST /start_profile and /stop_profile in both modes (AsyncLLM over a core in this process, or over
+the engine-core process): 200 with the window's steps, the request's steps profiled (every
 op a launch) and greedy output unchanged; guarded as the other control POSTs (JSON only)."""
 from __future__ import annotations
 

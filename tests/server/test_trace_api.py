@@ -40,7 +40,7 @@ def traced(model_cache, tmp_path_factory, request):
     if mode == "mp":
         session.bind(async_engine)
     else:
-        async_engine.engine.warm_up()
+        async_engine.engine_core.engine_core.warm_up()
     app = build_app(async_engine, "tiny-gpt2")
     app.state.trace = session
     app.include_router(trace_api.router)

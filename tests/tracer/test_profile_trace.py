@@ -76,7 +76,7 @@ def test_profile_while_held_waits_for_the_step_boundary():
         ctl = session.controller
         assert ctl.wait_until_paused(30).step == 0  # held before step 0
         answer = {}
-        call = threading.Thread(target=lambda: answer.update(core.llm.client.profile(True)))
+        call = threading.Thread(target=lambda: answer.update(core.llm.engine_core.profile(True)))
         call.start()
         call.join(0.5)
         assert call.is_alive()  # not while the engine is held: at the next step boundary

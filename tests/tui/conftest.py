@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine import LLM, Hooks, SamplingParams
-from engine.engine.async_engine import AsyncLLMEngine
+from engine.engine.async_llm import AsyncLLM
 from tracer.session import TraceSession
 from tracer.tui.app import TraceApp
 from tracer.tui.sources.base import SourceInfo
@@ -30,7 +30,7 @@ def model_cache(tmp_path_factory):
 @dataclass
 class Live:
     session: TraceSession
-    engine: AsyncLLMEngine
+    engine: AsyncLLM
     source: LiveSource
     app: TraceApp
 
@@ -49,11 +49,9 @@ class Live:
         return stop
 
     def block_tables(self) -> dict[str, list[int]]:
-        """Each request's block table as the engine holds it (in "mp": a snapshot asked of the core)."""
-        if hasattr(self.engine, "client"):
-            snap = self.engine.client.call("snapshot")
-            return {r["request_id"]: r["block_table"] for r in snap["waiting"] + snap["running"]}
-        return {rid: r.block_ids for rid, r in self.engine.engine.requests.items()}
+        """Each request's block table as the engine holds it (a snapshot asked of the core)."""
+        snap = self.engine.engine_core.call("snapshot")
+        return {r["request_id"]: r["block_table"] for r in snap["waiting"] + snap["running"]}
 
     async def settle(self, pilot, until=None, timeout: float = 30.0):
         """One refresh of the TUI now (the timer would do it within 100 ms) and its redraw; with
@@ -79,14 +77,12 @@ def live(model_cache, request):
     session = TraceSession(hooks, start_paused=True, model="tiny-gpt2-random", remote_control=mp)
     if mp:
         from engine.arg_utils import engine_config
-        from engine.engine.async_llm import AsyncLLM
-
         config = engine_config("tiny-gpt2-random", block_size=4, num_kv_blocks=64)
         engine = AsyncLLM(config, hooks, drain_timeout=0, core_options=session.core_options()).start()
         session.bind(engine)
     else:
         llm = LLM("tiny-gpt2-random", hooks=hooks, block_size=4, num_kv_blocks=64)
-        engine = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
+        engine = AsyncLLM.from_engine_core(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
     source = LiveSource(session, SourceInfo("live", "tiny-gpt2-random", "cpu", "torch"), engine)
     yield Live(session, engine, source, TraceApp(source, initial_pane="requests"))
     session.close()

@@ -12,7 +12,7 @@ import uvicorn
 trace_api = pytest.importorskip("tracer.trace_api", reason="the /trace/* router (tracer/trace_api.py) is not here yet")
 
 from engine import LLM, Hooks  # noqa: E402
-from engine.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from engine.engine.async_llm import AsyncLLM  # noqa: E402
 from engine.entrypoints.openai import build_app  # noqa: E402
 from tracer.session import TraceSession  # noqa: E402
 from tracer.tui.app import TraceApp  # noqa: E402
@@ -36,7 +36,7 @@ def start_server(port: int = 0, start_paused: bool = True, api_key: str | None =
     hooks = Hooks()
     session = TraceSession(hooks, start_paused=start_paused, model="tiny-gpt2")
     llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=64)
-    engine = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core, drain_timeout=0)
+    engine = AsyncLLM.from_engine_core(llm.llm_engine.engine_core.engine_core, drain_timeout=0)
     app = build_app(engine, "tiny-gpt2", api_key)
     app.state.trace = session
     app.include_router(trace_api.router)

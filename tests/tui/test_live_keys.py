@@ -425,7 +425,7 @@ async def test_the_header_says_when_the_engine_core_dies(live):
     async with live.app.run_test(size=(160, 48)) as pilot:
         await live.settle(pilot)
         assert "RUNNING" in header(live.app) or "PAUSED" in header(live.app)
-        os.kill(live.engine.client.pid, signal.SIGKILL)
+        os.kill(live.engine.engine_core.pid, signal.SIGKILL)
         await live.settle(pilot, until=lambda: "ENGINE DEAD" in header(live.app), timeout=15)
         assert "ENGINE DEAD" in header(live.app), shown_state(live)
         assert "engine core died: signal 9: requests in flight failed, new ones get 503" in header(live.app)

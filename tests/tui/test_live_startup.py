@@ -8,7 +8,7 @@ from textual._context import active_app
 
 from engine import Hooks
 from engine.arg_utils import engine_config
-from engine.engine.async_engine import AsyncLLMEngine
+from engine.engine.async_llm import AsyncLLM
 from engine.engine.core import EngineCore
 from tests.tui.helpers import shown
 from tracer.session import TraceSession
@@ -58,7 +58,7 @@ async def test_the_startup_panel_shows_the_weights_loading_while_they_load():
         assert "starting" in text() and "Ready" not in text()  # not ready: HTTP is not up yet
         release.set()
         engine = await build
-        tui.engine_ready(AsyncLLMEngine(engine))
+        tui.engine_ready(AsyncLLM.from_engine_core(engine))
         await _until(lambda: "cpu · torch" in shown(tui.app.query_one(StatusHeader)))
     finally:
         release.set()

@@ -175,7 +175,7 @@ def test_the_perfetto_export_has_a_kernels_thread_per_rank(tmp_path):
 async def test_a_live_two_rank_engine_in_the_tui(model_cache):
     """The real thing: LLM(tensor_parallel_size=2) held, one step, then the panels."""
     from engine import LLM, Hooks, SamplingParams
-    from engine.engine.async_engine import AsyncLLMEngine
+    from engine.engine.async_llm import AsyncLLM
     from tests.tui.conftest import Live
     from tracer.session import TraceSession
     from tracer.tui.sources.base import SourceInfo
@@ -184,7 +184,7 @@ async def test_a_live_two_rank_engine_in_the_tui(model_cache):
     hooks = Hooks()
     session = TraceSession(hooks, start_paused=True, model="tiny-gpt2")
     llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=64, tensor_parallel_size=2)
-    engine = AsyncLLMEngine(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
+    engine = AsyncLLM.from_engine_core(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
     live = Live(session, engine, LiveSource(session, SourceInfo("live", "tiny-gpt2", "cpu", "torch"), engine),
                 None)
     live.app = TraceApp(live.source, initial_pane="kernels")

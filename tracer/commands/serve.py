@@ -6,16 +6,22 @@ cache), kernel_warmup (one dummy forward, no request, no step), http_ready; then
 with the URL and commands to paste. The stages before the trace could exist are published with
 their real times (the trace's clock starts when the command does).
 
-The engine core runs in its own process (engine.async_llm.AsyncLLM, as vLLM V1) unless
---no-multiprocessing (or VLLM_TRACE_ENABLE_MULTIPROCESSING=0) keeps it in this one; its startup
-stages arrive over the process boundary live, after core_process_start, and core_handshake
-ends when it is ready. If the core dies, requests in flight fail, new ones get 503, and serve
+The front end is engine.engine.async_llm.AsyncLLM, the server's EngineClient. Its engine core
+runs in its own process (as vLLM V1) unless --no-multiprocessing (or
+VLLM_TRACE_ENABLE_MULTIPROCESSING=0) keeps it in this one, stepped on a thread; in its own
+process, its startup stages arrive over the process boundary live, after core_process_start,
+and core_handshake ends when it is ready. If the core dies, requests in flight fail, new ones get 503, and serve
 exits with status 1 after saying why.
 
 The trace session (on unless --no-trace) feeds /trace (tracer.trace_api), --trace-file and
 --trace-log. Ctrl-C (or SIGTERM) stops accepting connections, ends /trace/events streams, lets
 a held engine run free, gives in-flight requests --drain-timeout seconds, stops the engine, and
 only then closes the trace file, so the file ends with those requests' last events.
+
+In order: run() checks the flags, binds the port and configures the engine and the trace
+session; _start_and_serve() starts the front end (start_front_end), configures the app and
+uvicorn (_configure_app), serves until stopped (DrainingServer in tracer.commands.serve_http,
+which owns the drain; _run_until_stopped), and reports how it ended (_report).
 
 The drain never cuts a response silently: at the deadline the engine ends every request still
 running with "the server shut down before this request finished", which a stream sends as an
@@ -29,7 +35,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -161,21 +166,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_engine(config, hooks):
-    """The EngineCore, warmed up, printing its stages live (a listener attached for startup only)."""
-    from engine.engine.core import EngineCore
-    from engine.gc_utils import freeze_gc_heap
-
-    unsubscribe = hooks.subscribe(_print_stage)
-    try:
-        engine = EngineCore(config, hooks)
-        engine.warm_up()
-        freeze_gc_heap()
-        return engine
-    finally:
-        unsubscribe()  # without a tracer, hooks.active costs nothing from here on
-
-
 _rank_lines: dict[str, list[tuple[int, str]]] = {}  # a stage's per-rank lines, printed under the engine's line for it
 
 
@@ -196,16 +186,17 @@ def _print_stage(layer, name, kind, request_id, step, attrs) -> None:
                 print(line, file=sys.stderr, flush=True)
 
 
-async def start_core(args, config, hooks, session, on_dead, core_proc=None):
-    """The engine core in its own process (core_proc: spawned early, see run), its stages printed
-    live; returns the AsyncLLM once the handshake is done. A core that cannot start is one line
-    (UserError), not a hang."""
+async def start_front_end(args, config, hooks, session, on_dead, core_proc=None):
+    """The AsyncLLM, ready: its core in its own process (core_proc: spawned early, see run) or, with
+    --no-multiprocessing, built here on a thread (the loop, and the TUI, keep running). Its stages
+    are printed live. A core process that cannot start is one line (UserError), not a hang."""
     from engine.engine.async_llm import AsyncLLM
     from engine.engine.core_client import EngineStartupError
 
+    mp = not args.no_multiprocessing
     options = session.core_options() if session is not None else {"trace": True}  # stages: shipped during startup
-    async_llm = AsyncLLM(config, hooks, drain_timeout=args.drain_timeout, core_options=options, on_dead=on_dead,
-                         core_proc=core_proc)
+    async_llm = AsyncLLM(config, hooks, drain_timeout=args.drain_timeout, core_options=options if mp else None,
+                         on_dead=on_dead, core_proc=core_proc, multiprocess=mp)
     unsubscribe = hooks.subscribe(_print_stage)
     try:
         async_llm.launch()  # on this (the main) thread: the core's parent-death signal follows the launching thread
@@ -213,9 +204,9 @@ async def start_core(args, config, hooks, session, on_dead, core_proc=None):
     except EngineStartupError as e:
         raise UserError(f"the engine core failed to start: {e}") from None
     finally:
-        unsubscribe()
+        unsubscribe()  # without a tracer, hooks.active costs nothing from here on
     if session is None:
-        async_llm.client.call("trace", False)  # nobody listens: an untraced core ships nothing
+        async_llm.engine_core.call("trace", False)  # nobody listens: an untraced core ships nothing
     else:
         session.bind(async_llm)
     return async_llm
@@ -311,123 +302,86 @@ async def _serve(args: argparse.Namespace, sock: socket.socket, config, hooks, s
 
 
 async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, core_proc=None) -> int:
+    """Start the front end, configure the app and uvicorn, serve until Ctrl-C (with the drain) or
+    the core's death, then report how it ended (the exit status)."""
     import uvicorn
 
-    from engine.engine.async_engine import AsyncLLMEngine
-    from engine.entrypoints.openai import build_app
-    from engine.entrypoints.openai.chat_template import load_chat_template
     from engine.entrypoints.openai.http_protocol import HeaderTimeoutH11Protocol
-    from engine.entrypoints.openai.security import control_refusal
-    from engine.gc_utils import freeze_gc_heap, raise_young_threshold
     from engine.hooks import BEGIN, END
-    from tracer import trace_api
+    from tracer.commands.serve_http import DrainingServer
 
     died: list[str] = []  # why the engine core died, if it did (set on its monitor thread)
+    stop_server: list = []  # the uvicorn server, once it exists
     loop = asyncio.get_running_loop()
-    stop_server = []  # filled with the uvicorn server once it exists
 
     def on_dead(reason: str) -> None:
         died.append(reason)
         loop.call_soon_threadsafe(_stop_after_death, reason, stop_server)
 
-    if args.no_multiprocessing:
-        engine = await asyncio.to_thread(build_engine, config, hooks)  # the loop (the TUI) keeps running
-        engine.on_dead = lambda reason: on_dead(f"engine died: {reason}")  # a tensor-parallel worker died
-        async_engine = AsyncLLMEngine(engine, drain_timeout=args.drain_timeout)
-    else:
-        async_engine = await start_core(args, config, hooks, session, on_dead, core_proc)
+    engine = await start_front_end(args, config, hooks, session, on_dead, core_proc)
     if tui is not None and tui.quit:
-        await asyncio.to_thread(async_engine.stop, 0)
+        await asyncio.to_thread(engine.stop, 0)
         await tui.close()
         print("vllm-trace serve: quit before the server started", file=sys.stderr)
         return 0
-    template = load_chat_template(args.chat_template, async_engine.tokenizer)
-    if tui is not None:
-        tui.engine_ready(async_engine)
-    app = build_app(async_engine, name, args.api_key, host=args.host, chat_template=template,
-                    max_body_size=int(args.max_request_body_mib * 2 ** 20))
-    app.state.trace = session  # None with --no-trace: /trace answers 503
-    app.include_router(trace_api.router)
-
-    ready = asyncio.Event()
-    t_http = time.perf_counter()
-    if hooks.active:
-        hooks.emit("cli", "http_ready", BEGIN, host=args.host, port=sock.getsockname()[1])
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
-            if self.started:
-                ready.set()
-
-        def handle_exit(self, sig, frame) -> None:
-            if self.should_exit and sig in (signal.SIGINT, signal.SIGTERM):
-                self._captured_signals.append(sig)
-                self.force_exit = True  # a second signal, of either kind (uvicorn: only a second SIGINT)
-            else:
-                super().handle_exit(sig, frame)
-
-        async def shutdown(self, sockets=None) -> None:
-            # before uvicorn waits for open connections: /trace/events streams would never end
-            # on their own, and a held engine could not drain the requests in flight
-            trace_api.stop_event_streams(app)
-            if session is not None and session.controller is not None:
-                session.controller.close()
-            stats = async_engine.stats
-            in_flight = stats.num_running + stats.num_waiting
-            if in_flight and not died:  # after a death they have already failed: nothing drains
-                print(f"vllm-trace serve: stopping; {in_flight} request(s) in flight get --drain-timeout "
-                      f"{args.drain_timeout:g} s to finish (a second Ctrl-C or SIGTERM aborts them now)",
-                      file=sys.stderr, flush=True)
-            # The drain's deadline is the engine's: it ends what still runs with an error each
-            # response reports, before uvicorn's timeout (DRAIN_GRACE later) would cut them.
-            drain = asyncio.ensure_future(async_engine.shutdown(args.drain_timeout))
-            await super().shutdown(sockets)
-            if self.force_exit:
-                # A second Ctrl-C: uvicorn skips the app's shutdown, whose task asyncio.run would
-                # then cancel (a traceback logged by Starlette). Stop the engine now, without
-                # waiting for the requests in flight, which are aborted.
-                async_engine.drain_timeout = 0
-                await self.lifespan.shutdown()
-                if self.server_state.tasks:  # their streams end now, as aborted: let them say so
-                    await asyncio.wait(list(self.server_state.tasks), timeout=2)
-            await drain
-            # uvicorn re-raises a caught Ctrl-C once it has shut down (exit 130 with a
-            # KeyboardInterrupt); ours was handled, requests drained: exit 0 instead
-            self._captured_signals.clear()
-
+    app = _configure_app(args, engine, name, session, tui)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, lifespan="on",
                                timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE,
                                http=HeaderTimeoutH11Protocol)  # a request's head within 10 s, or closed
-    server = Server(uv_config)
+    server = DrainingServer(uv_config, engine, session, args.drain_timeout, died)
     stop_server.append(server)
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    waiter = asyncio.create_task(ready.wait())
-    await asyncio.wait({serving, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if not ready.is_set():
-        waiter.cancel()
+    t_http = time.perf_counter()
+    if hooks.active:
+        hooks.emit("cli", "http_ready", BEGIN, host=args.host, port=sock.getsockname()[1])
+    serving = await server.start(sock)
+    if not server.ready.is_set():  # uvicorn did not start (its own error is on stderr)
         if tui is not None:
             await tui.close()
         await serving
         return 1
+    url = _announce(args, hooks, name, sock, time.perf_counter() - t_http, session)
+    await _run_until_stopped(args, url, serving, server, tui)
+    if hooks.active:
+        hooks.emit("cli", "serve", END)
+    return _report(args, app.state.server.num_cut_at_shutdown, server.force_exit, died)
+
+
+def _configure_app(args, engine, name: str, session, tui):
+    """The OpenAI app over the engine, with the /trace routes (503 with --no-trace); the TUI gets the engine."""
+    from engine.entrypoints.openai import build_app
+    from engine.entrypoints.openai.chat_template import load_chat_template
+    from tracer import trace_api
+
+    template = load_chat_template(args.chat_template, engine.tokenizer)
+    if tui is not None:
+        tui.engine_ready(engine)
+    app = build_app(engine, name, args.api_key, host=args.host, chat_template=template,
+                    max_body_size=int(args.max_request_body_mib * 2 ** 20))
+    app.state.trace = session  # None with --no-trace: /trace answers 503
+    app.include_router(trace_api.router)
+    return app
+
+
+def _announce(args, hooks, name: str, sock, http_seconds: float, session) -> str:
+    """uvicorn is up: the http_ready stage, the serve span's start, the ready banner; the URL."""
+    from engine.entrypoints.openai.security import control_refusal
+    from engine.gc_utils import freeze_gc_heap, raise_young_threshold
+    from engine.hooks import BEGIN, END
+
     url = _url(args.host, sock.getsockname()[1])
-    _stage("http_ready", time.perf_counter() - t_http, f"{url} (uvicorn + engine loop)")
+    _stage("http_ready", http_seconds, f"{url} (uvicorn + engine loop)")
     if hooks.active:
-        hooks.emit("cli", "http_ready", END, seconds=time.perf_counter() - t_http, url=url)
-    if hooks.active:
-        hooks.emit(
-            "cli",
-            "serve",
-            BEGIN,
-            model=args.model,
-            served_model_name=name,
-            host=args.host,
-            port=sock.getsockname()[1],
-            url=url,
-        )
+        hooks.emit("cli", "http_ready", END, seconds=http_seconds, url=url)
+        hooks.emit("cli", "serve", BEGIN, model=args.model, served_model_name=name, host=args.host,
+                   port=sock.getsockname()[1], url=url)
     _banner(args, name, url, control_refusal(args.host, args.api_key), session)
     freeze_gc_heap()  # the front end's startup heap (FastAPI, Textual): see engine.gc_utils
     raise_young_threshold()  # it decodes and folds every event: see engine.gc_utils
+    return url
+
+
+async def _run_until_stopped(args, url: str, serving: asyncio.Task, server, tui) -> None:
+    """Serve (with the TUI, and the browser view with --web-port) until uvicorn has stopped."""
     web = None
     if args.web_port is not None:
         from tracer.tui.web import WebView
@@ -446,13 +400,14 @@ async def _start_and_serve(args, sock, config, hooks, session, name: str, tui, c
             await web.stop()
     if tui is not None:
         print(tui.summary(args.trace_file), file=sys.stderr)
-    if hooks.active:
-        hooks.emit("cli", "serve", END)
+
+
+def _report(args, cut: int, forced: bool, died: list[str]) -> int:
+    """How serve ended, in one line; the exit status (1: the engine core died)."""
     if died:
         print(f"vllm-trace serve: stopped because the {died[0]}", file=sys.stderr)
         return 1
-    cut = app.state.server.num_cut_at_shutdown
-    if server.force_exit:
+    if forced:
         print(f"vllm-trace serve: stopped at a second Ctrl-C or SIGTERM; {cut} response(s) in flight were "
               f"aborted, each ended with an error", file=sys.stderr)
     elif cut:

@@ -1,5 +1,5 @@
-"""What the TUI costs the engine, measured: stream a load through a front end (``AsyncLLMEngine``,
-the engine on a thread of this process, or ``AsyncLLM``, the engine core in its own process)
+"""What the TUI costs the engine, measured: stream a load through an ``AsyncLLM``
+(its engine core on a thread of this process, or in a process of its own)
 with the Textual app running headless on the same asyncio loop, as `serve` runs it next to
 uvicorn, or without it. Lesson 17 and the benchmarks tui_overhead and two_processes use it.
 

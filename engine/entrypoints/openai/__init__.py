@@ -1,6 +1,6 @@
-"""The HTTP serving path: an OpenAI-compatible FastAPI app over the AsyncLLMEngine.
+"""The HTTP serving path: an OpenAI-compatible FastAPI app over an EngineClient (AsyncLLM).
 
-    http (routers) -> api (protocol models, serving_*) -> AsyncLLMEngine -> engine loop
+    http (routers) -> api (protocol models, serving_*) -> EngineClient (AsyncLLM) -> engine core
 """
 from engine.entrypoints.openai.app import build_app
 

@@ -2,7 +2,7 @@
 (the engine core's index, "0": one core per server here).
 
 Counters and histograms are fed from the engine thread after every step (a step listener on
-the AsyncLLMEngine), with vLLM V1's accounting: a request's prompt tokens count in the step
+the EngineClient), with vLLM V1's accounting: a request's prompt tokens count in the step
 that produced its first token. Gauges are read from the engine's latest published stats at
 scrape time, so a request queued while the engine is paused shows in
 ``vllm:num_requests_waiting`` at once. Each app has its own registry (tests build several).
@@ -20,7 +20,7 @@ import time
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.engine.async_engine import AsyncLLMEngine
+from engine.engine.protocol import EngineClient
 from engine.outputs import EngineStats, RequestOutput
 
 # vLLM V1's buckets
@@ -35,7 +35,7 @@ ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside each counter
         self.engine = engine
         self.registry = r = CollectorRegistry()

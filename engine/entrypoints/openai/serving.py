@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from engine.engine.async_engine import EngineClosedError, RequestStream
+from engine.engine.exceptions import EngineClosedError
+from engine.engine.output_processor import RequestStream
 from engine.entrypoints.openai.errors import APIError, bad_request
 from engine.entrypoints.openai.protocol import SamplingRequest
 from engine.entrypoints.openai.state import ServerState

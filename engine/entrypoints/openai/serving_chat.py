@@ -7,8 +7,8 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.engine.async_engine import EngineClosedError, RequestStream
-from engine.engine.exceptions import EngineDeadError
+from engine.engine.exceptions import EngineClosedError, EngineDeadError
+from engine.engine.output_processor import RequestStream
 from engine.entrypoints.openai.chat_template import render_chat
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import (

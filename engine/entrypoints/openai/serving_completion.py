@@ -13,8 +13,7 @@ from contextlib import aclosing
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.engine.async_engine import EngineClosedError
-from engine.engine.exceptions import EngineDeadError
+from engine.engine.exceptions import EngineClosedError, EngineDeadError
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import (
     CompletionChoice,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from engine.engine.async_engine import AsyncLLMEngine
+from engine.engine.protocol import EngineClient
 from engine.entrypoints.openai.errors import APIError
 from engine.hooks import Hooks
 from engine.renderers.online_renderer import OnlineRenderer
@@ -15,7 +15,7 @@ from engine.renderers.online_renderer import OnlineRenderer
 
 @dataclass
 class ServerState:
-    engine: AsyncLLMEngine
+    engine: EngineClient
     model_name: str
     chat_template: str
     api_key: str | None = None

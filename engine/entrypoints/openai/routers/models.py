@@ -13,6 +13,6 @@ router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_
 
 @router.get("/models", response_model=ModelList)
 async def list_models(state: StateDep) -> ModelList:
-    engine = state.engine  # AsyncLLMEngine or AsyncLLM (the core in another process)
+    engine = state.engine
     return ModelList(data=[ModelCard(id=state.model_name, created=state.created, root=str(engine.model_path),
                                      max_model_len=engine.max_model_len)])

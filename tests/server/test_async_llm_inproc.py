@@ -1,4 +1,5 @@
-"""AsyncLLMEngine on its own: the loop thread, validation, aborts, idling, gates, shutdown."""
+"""AsyncLLM over a core in this process (AsyncInprocClient), on its own: the loop thread,
+validation, aborts, idling, gates, shutdown."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,7 @@ import time
 import pytest
 
 from engine import SamplingParams
-from engine.engine.async_engine import EngineClosedError
+from engine.engine.exceptions import EngineClosedError
 
 from .conftest import make_engine
 
@@ -20,6 +21,11 @@ def async_engine(model_cache):
     ae = make_engine(num_kv_blocks=64).start()
     yield ae
     ae.stop(drain_timeout=0)
+
+
+def core_idle(ae, timeout: float = 10) -> bool:
+    """Wait until the core holds no request and none is pending (its loop sleeps)."""
+    return ae.engine_core.busy_loop._idle.wait(timeout)
 
 
 async def collect(ae, rid, prompt="Hello", params=GREEDY):
@@ -43,7 +49,7 @@ async def test_a_consumer_that_falls_behind_gets_one_output_with_every_new_token
     engine ran 8 steps yields one output, finished, holding all 8 tokens, not 8 queued outputs."""
     stream = await async_engine.add_request("late", "Hello", GREEDY)
     deadline = time.monotonic() + 30
-    while async_engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+    while async_engine.engine_core.engine_core.has_unfinished_requests() and time.monotonic() < deadline:
         await asyncio.sleep(0.01)  # the engine thread steps; nobody reads the stream
     outs = [out async for out in stream]
     assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs[0].token_ids) == 8
@@ -59,12 +65,13 @@ async def test_validation_errors_are_raised_with_nothing_queued(async_engine):
         await async_engine.add_request("dup", "Hello", GREEDY)
     s.abort()
     await collect(async_engine, "after")  # the loop carries on
-    assert "long" not in async_engine.engine.requests and not async_engine.engine.scheduler.waiting
+    eng = async_engine.engine_core.engine_core
+    assert "long" not in eng.requests and not eng.scheduler.waiting
 
 
 @pytest.mark.asyncio
 async def test_cancelling_the_consumer_aborts_and_frees_blocks(async_engine):
-    eng = async_engine.engine
+    eng = async_engine.engine_core.engine_core
     stream = await async_engine.add_request("long", "Hello", SamplingParams(max_tokens=400, ignore_eos=True))
     first_token = asyncio.Event()
 
@@ -78,18 +85,18 @@ async def test_cancelling_the_consumer_aborts_and_frees_blocks(async_engine):
     with pytest.raises(asyncio.CancelledError):
         await task
     # the abort is applied before the next step; an idle engine applies it at once
-    done = await asyncio.to_thread(async_engine._idle.wait, 10)
+    done = await asyncio.to_thread(core_idle, async_engine)
     assert done and "long" not in eng.requests
     assert eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_usable_blocks
 
 
 def test_idle_loop_does_not_spin(async_engine):
-    eng = async_engine.engine
+    eng = async_engine.engine_core.engine_core
     calls = []
     original = eng.has_unfinished_requests
     eng.has_unfinished_requests = lambda: calls.append(1) or original()
     asyncio.run(collect(async_engine, "one"))
-    assert async_engine._idle.wait(10)
+    assert core_idle(async_engine)
     before = len(calls)
     time.sleep(0.2)  # an observation window, not synchronisation: nothing may happen in it
     assert len(calls) == before
@@ -97,7 +104,7 @@ def test_idle_loop_does_not_spin(async_engine):
 
 @pytest.mark.asyncio
 async def test_requests_added_while_a_gate_holds_the_engine_reach_waiting(async_engine):
-    eng, hold, parked = async_engine.engine, threading.Event(), threading.Event()
+    eng, hold, parked = async_engine.engine_core.engine_core, threading.Event(), threading.Event()
 
     def gate(point, info):
         if point == "step":
@@ -141,5 +148,32 @@ async def test_shutdown_aborts_what_does_not_finish_in_time(async_engine):
     with pytest.raises(EngineClosedError):
         async for _ in stream:
             pass
-    eng = async_engine.engine
+    eng = async_engine.engine_core.engine_core
     assert not eng.requests and eng.kv_cache_manager.num_free_blocks == eng.kv_cache_manager.num_usable_blocks
+
+
+@pytest.mark.asyncio
+async def test_the_engine_s_death_fails_streams_refuses_requests_and_is_reported(model_cache):
+    """What the executor reports when a tensor-parallel worker dies (EngineCore.on_dead) reaches
+    AsyncLLM as a core process's death would: streams fail with the reason, new requests and the
+    health check are refused, and the server's on_dead hears it once."""
+    from engine import LLM
+    from engine.engine.async_llm import AsyncLLM
+    from engine.engine.exceptions import EngineDeadError
+
+    reported = []
+    core = LLM("tiny-gpt2", num_kv_blocks=64).llm_engine.engine_core.engine_core
+    ae = AsyncLLM.from_engine_core(core, drain_timeout=0, on_dead=reported.append).start()
+    try:
+        stream = await ae.add_request("long", "Hello", SamplingParams(max_tokens=400, ignore_eos=True))
+        core.on_dead("worker rank 1 died (signal 9)")  # (on the executor's monitor thread, in a real death)
+        with pytest.raises(EngineDeadError, match="worker rank 1 died"):
+            async for _ in stream:
+                pass
+        assert reported == ["engine died: worker rank 1 died (signal 9)"] and not ae.is_running
+        with pytest.raises(EngineDeadError, match="engine died"):
+            await ae.check_health()
+        with pytest.raises(EngineClosedError, match="engine died"):
+            await ae.add_request("late", "Hello", GREEDY)
+    finally:
+        ae.stop(0)
