@@ -281,3 +281,95 @@ def gumbel_sample_ref(logits: torch.Tensor, seeds: torch.Tensor, positions: torc
     rows, tokens = rows.to(logits.device), tokens.to(logits.device)
     scores[rows, tokens] = logits[rows, tokens].float() + noise
     return scores.argmax(-1)
+
+
+# ---- input building (kernels/input_batch.py, kernels/block_table.py) ----------------------------
+# Vectorised: a few tensor ops per call whatever the batch (no Python loop per request or token).
+
+def _token_rows(query_start_loc: torch.Tensor, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(batch row of each token, its offset in its row's query, number of tokens)."""
+    qsl = query_start_loc[:num_reqs + 1].long()
+    num_tokens = int(qsl[-1])
+    rows = torch.repeat_interleave(torch.arange(num_reqs, device=qsl.device), qsl[1:] - qsl[:-1],
+                                   output_size=num_tokens)
+    return rows, torch.arange(num_tokens, device=qsl.device) - qsl[rows], num_tokens
+
+
+def prepare_prefill_inputs_ref(input_ids: torch.Tensor, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                               all_token_ids: torch.Tensor, prefill_len: torch.Tensor,
+                               num_computed_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> None:
+    """Each token's input id, in place: row i's token j is at position p = num_computed_tokens[s] + j
+    of its slot s = idx_mapping[i]; all_token_ids[s, p] below prefill_len[s] (the tokens the slot
+    holds), draft_tokens[i, p - prefill_len[s]] after (the drafts it verifies). A padding row
+    (negative slot) gets token 0."""
+    rows, offset, n = _token_rows(query_start_loc, idx_mapping.shape[0])
+    slots = idx_mapping.long()[rows]
+    real = slots >= 0
+    slots = slots.clamp(min=0)
+    pos = num_computed_tokens.long()[slots] + offset
+    past = pos - prefill_len.long()[slots]
+    held = all_token_ids[slots, pos.clamp(max=all_token_ids.shape[1] - 1)]
+    drafts = draft_tokens[rows, past.clamp(0, draft_tokens.shape[1] - 1)]
+    input_ids[:n] = torch.where(real, torch.where(past < 0, held, drafts), 0)
+
+
+def prepare_pos_seq_lens_ref(idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                             num_computed_tokens: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """In place: each token's position (its slot's num_computed_tokens + its offset in the row) and
+    each row's seq_len (num_computed_tokens + query length); a padding row (negative slot) counts
+    from 0; seq_lens past num_reqs get 0."""
+    num_reqs = idx_mapping.shape[0]
+    rows, offset, n = _token_rows(query_start_loc, num_reqs)
+    slots = idx_mapping.long()
+    start = torch.where(slots >= 0, num_computed_tokens.long()[slots.clamp(min=0)], 0)  # padding: from 0
+    pos[:n] = start[rows] + offset
+    qsl = query_start_loc[:num_reqs + 1].long()
+    seq_lens[:num_reqs] = start + qsl[1:] - qsl[:-1]
+    seq_lens[num_reqs:] = 0
+
+
+def gather_block_tables_ref(idx_mapping: torch.Tensor, block_tables: torch.Tensor, num_blocks: torch.Tensor,
+                            out: torch.Tensor) -> None:
+    """In place: out[i] = the first num_blocks[s] entries of block_tables[s] (s = idx_mapping[i]),
+    then the null block (0) to out's width; a padding row (negative s) and rows past num_reqs all 0."""
+    num_reqs, width = idx_mapping.shape[0], out.shape[1]
+    slots = idx_mapping.long()
+    count = torch.where(slots >= 0, num_blocks[slots.clamp(min=0)].long(), 0)  # padding: no blocks
+    keep = torch.arange(width, device=out.device) < count[:, None]
+    out[:num_reqs] = torch.where(keep, block_tables[slots.clamp(min=0), :width], 0)
+    out[num_reqs:] = 0
+
+
+def compute_slot_mappings_ref(idx_mapping: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor,
+                              block_tables: torch.Tensor, block_size: int, slot_mapping: torch.Tensor) -> None:
+    """In place: slot_mapping[t] = block_tables[s, pos // block_size] * block_size + pos % block_size
+    for each token t of row i (s = idx_mapping[i], pos = positions[t]); -1 (PAD_SLOT_ID) for a
+    padding row's tokens (negative s) and for the entries past the batch's tokens."""
+    rows, _, n = _token_rows(query_start_loc, idx_mapping.shape[0])
+    slots = idx_mapping.long()[rows]
+    pos = positions[:n].long()
+    blocks = block_tables[slots.clamp(min=0), pos // block_size].long()
+    slot_mapping[:n] = torch.where(slots >= 0, blocks * block_size + pos % block_size, -1)
+    slot_mapping[n:] = -1
+
+
+def post_update_ref(idx_mapping: torch.Tensor, num_computed_tokens: torch.Tensor, sampled_tokens: torch.Tensor,
+                    num_sampled: torch.Tensor, num_rejected: torch.Tensor, query_start_loc: torch.Tensor,
+                    all_token_ids: torch.Tensor, total_len: torch.Tensor) -> None:
+    """In place, per batch row i of slot s = idx_mapping[i] (negative: skipped): its first
+    num_sampled[i] tokens of sampled_tokens[i] written to all_token_ids[s] after its
+    total_len[s] tokens, total_len[s] += num_sampled[i], num_computed_tokens[s] += its query
+    length - num_rejected[i]."""
+    slots = idx_mapping.long()
+    real = slots >= 0
+    qsl = query_start_loc.long()
+    count = num_sampled.long()
+    rows, cols = (torch.arange(sampled_tokens.shape[1], device=count.device)[None, :] < count[:, None]).nonzero(
+        as_tuple=True)
+    keep = real[rows]
+    rows, cols = rows[keep], cols[keep]
+    dst = slots[rows]
+    all_token_ids[dst, total_len.long()[dst] + cols] = sampled_tokens[rows, cols].to(all_token_ids.dtype)
+    s = slots[real]
+    total_len[s] += num_sampled[real].to(total_len.dtype)
+    num_computed_tokens[s] += ((qsl[1:] - qsl[:-1])[real] - num_rejected.long()[real]).to(num_computed_tokens.dtype)
