@@ -34,8 +34,7 @@ def _gather_block_tables_kernel(
             tl.store(dst_row_ptr + offset, 0, mask=offset < width)
         return
     req_idx = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
-    num_blocks = tl.load(num_blocks_ptr + tl.maximum(req_idx, 0))
-    num_blocks = tl.where(req_idx >= 0, num_blocks, 0)  # a padding row: no blocks
+    num_blocks = tl.load(num_blocks_ptr + req_idx)
     src_row_ptr = src_block_tables_ptr + req_idx * src_stride
     for i in range(0, width, BLOCK_SIZE):
         offset = i + tl.arange(0, BLOCK_SIZE)
@@ -47,7 +46,7 @@ def gather_block_tables(idx_mapping: torch.Tensor, block_tables: torch.Tensor, n
                         out: torch.Tensor) -> None:
     """Triton version of :func:`kernels.reference.gather_block_tables_ref` (same arguments):
     out[i] = the first num_blocks[slot] entries of row i's slot, then 0 (the null block) to
-    out's width; a padding row (negative slot) and rows of out past num_reqs are all 0."""
+    out's width; rows of out past num_reqs (padding) are all 0."""
     num_rows, width = out.shape
     if num_rows == 0 or width == 0:
         return

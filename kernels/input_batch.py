@@ -43,22 +43,19 @@ def _prepare_prefill_inputs_kernel(
 ):
     batch_idx = tl.program_id(0)
     req_state_idx = tl.load(idx_mapping_ptr + batch_idx).to(tl.int64)
-    is_real_req = req_state_idx >= 0  # a padding row owns no tokens: 0 for its rows
-    req_state_idx = tl.maximum(req_state_idx, 0)
     prefill_len = tl.load(prefill_len_ptr + req_state_idx)
     num_computed = tl.load(num_computed_tokens_ptr + req_state_idx)
     query_start = tl.load(query_start_loc_ptr + batch_idx)
     query_len = tl.load(query_start_loc_ptr + batch_idx + 1) - query_start
-    num_read = tl.where(is_real_req, query_len, 0)  # tokens read from the buffers
     request_ptr = all_token_ids_ptr + req_state_idx * all_token_ids_stride
     for i in range(0, query_len, BLOCK_SIZE):
         block = i + tl.arange(0, BLOCK_SIZE)
         pos = num_computed + block
         mask = block < query_len
         held = pos < prefill_len  # the slot's own tokens; after them, the drafts to verify
-        tokens = tl.load(request_ptr + pos, mask=(block < num_read) & held, other=0)
+        tokens = tl.load(request_ptr + pos, mask=mask & held, other=0)
         drafts = tl.load(draft_tokens_ptr + batch_idx * draft_tokens_stride + pos - prefill_len,
-                         mask=(block < num_read) & ~held, other=0)
+                         mask=mask & ~held, other=0)
         tl.store(input_ids_ptr + query_start + block, tl.where(held, tokens, drafts), mask=mask)
 
 
@@ -93,9 +90,7 @@ def _prepare_pos_seq_lens_kernel(
             tl.store(seq_lens_ptr + block, 0, mask=block < max_num_reqs)
         return
     req_state_idx = tl.load(idx_mapping_ptr + req_id).to(tl.int64)
-    # a padding row (negative slot) counts from position 0
-    num_computed = tl.load(num_computed_tokens_ptr + tl.maximum(req_state_idx, 0))
-    num_computed = tl.where(req_state_idx >= 0, num_computed, 0)
+    num_computed = tl.load(num_computed_tokens_ptr + req_state_idx)
     start = tl.load(query_start_loc_ptr + req_id)
     query_len = tl.load(query_start_loc_ptr + req_id + 1) - start
     tl.store(seq_lens_ptr + req_id, num_computed + query_len)
@@ -107,8 +102,8 @@ def _prepare_pos_seq_lens_kernel(
 def prepare_pos_seq_lens(idx_mapping: torch.Tensor, query_start_loc: torch.Tensor, num_computed_tokens: torch.Tensor,
                          pos: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """Triton version of :func:`kernels.reference.prepare_pos_seq_lens_ref` (same arguments):
-    each token's position and each row's seq_len (tokens computed after this step); a padding
-    row (negative slot) counts from 0; rows of seq_lens past num_reqs get 0, from one extra program."""
+    each token's position and each row's seq_len (tokens computed after this step); rows of
+    seq_lens past num_reqs (padding) get 0, from one extra program."""
     num_reqs = idx_mapping.shape[0]
     block, reason = token_block(query_start_loc)
     args = dict(pos_ptr=pos, seq_lens_ptr=seq_lens, idx_mapping_ptr=idx_mapping, query_start_loc_ptr=query_start_loc,

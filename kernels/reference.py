@@ -284,15 +284,36 @@ def gumbel_sample_ref(logits: torch.Tensor, seeds: torch.Tensor, positions: torc
 
 
 # ---- input building (kernels/input_batch.py, kernels/block_table.py) ----------------------------
-# Vectorised: a few tensor ops per call whatever the batch (no Python loop per request or token).
+# Host-side index arithmetic, as plan_attention's: numpy on the tensors' memory (a CPU tensor's
+# .numpy() is a view; a GPU tensor is copied), vectorised, no Python loop per request or token.
+# Measured on a batch of 32 decodes, building a step's inputs: ~70 us with numpy, ~410 us with the
+# same steps as torch ops (each costs ~10 us of dispatch on a loaded 2-core CPU whatever its size),
+# against a 3-6 ms forward pass. A batch of decodes (one token per row) skips the token -> row
+# mapping; rows have at least one token each (a scheduled request has).
 
-def _token_rows(query_start_loc: torch.Tensor, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(batch row of each token, its offset in its row's query, number of tokens)."""
-    qsl = query_start_loc[:num_reqs + 1].long()
-    num_tokens = int(qsl[-1])
-    rows = torch.repeat_interleave(torch.arange(num_reqs, device=qsl.device), qsl[1:] - qsl[:-1],
-                                   output_size=num_tokens)
-    return rows, torch.arange(num_tokens, device=qsl.device) - qsl[rows], num_tokens
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.cpu().numpy() if t.is_cuda else t.numpy()
+
+
+def _store(out: torch.Tensor, start: int, stop: int | None, values) -> None:
+    """out[start:stop] = values (a numpy array or a scalar), in place."""
+    if out.is_cuda:
+        out[start:stop] = torch.as_tensor(values, device=out.device)
+    else:
+        out.numpy()[start:stop] = values
+
+
+def _rows(query_start_loc: torch.Tensor, num_reqs: int) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """(the rows' query_start_loc, number of tokens, each token's batch row; None when every row
+    has one token: token i is row i)."""
+    qsl = _host(query_start_loc)[:num_reqs + 1]
+    n = int(qsl[-1])
+    return qsl, n, None if n == num_reqs else np.repeat(np.arange(num_reqs), np.diff(qsl))
+
+
+def _positions(start: np.ndarray, qsl: np.ndarray, n: int, rows: np.ndarray | None) -> np.ndarray:
+    """Each token's position: its row's start plus its offset in the row."""
+    return start if rows is None else np.arange(n) + (start - qsl[:-1])[rows]
 
 
 def prepare_prefill_inputs_ref(input_ids: torch.Tensor, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
@@ -300,44 +321,46 @@ def prepare_prefill_inputs_ref(input_ids: torch.Tensor, idx_mapping: torch.Tenso
                                num_computed_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> None:
     """Each token's input id, in place: row i's token j is at position p = num_computed_tokens[s] + j
     of its slot s = idx_mapping[i]; all_token_ids[s, p] below prefill_len[s] (the tokens the slot
-    holds), draft_tokens[i, p - prefill_len[s]] after (the drafts it verifies). A padding row
-    (negative slot) gets token 0."""
-    rows, offset, n = _token_rows(query_start_loc, idx_mapping.shape[0])
-    slots = idx_mapping.long()[rows]
-    real = slots >= 0
-    slots = slots.clamp(min=0)
-    pos = num_computed_tokens.long()[slots] + offset
-    past = pos - prefill_len.long()[slots]
-    held = all_token_ids[slots, pos.clamp(max=all_token_ids.shape[1] - 1)]
-    drafts = draft_tokens[rows, past.clamp(0, draft_tokens.shape[1] - 1)]
-    input_ids[:n] = torch.where(real, torch.where(past < 0, held, drafts), 0)
+    holds), draft_tokens[i, p - prefill_len[s]] after (the drafts it verifies)."""
+    idx = _host(idx_mapping)
+    qsl, n, rows = _rows(query_start_loc, len(idx))
+    slots = idx if rows is None else idx[rows]
+    pos = _positions(_host(num_computed_tokens)[idx], qsl, n, rows)
+    past = pos - _host(prefill_len)[slots]  # >= 0: a draft's index
+    buffer = _host(all_token_ids)
+    ids = buffer[slots, np.minimum(pos, buffer.shape[1] - 1)]
+    if n and past.max() >= 0:  # drafts to verify
+        drafts = _host(draft_tokens)
+        row = np.arange(n) if rows is None else rows
+        ids = np.where(past < 0, ids, drafts[row, np.clip(past, 0, drafts.shape[1] - 1)])
+    _store(input_ids, 0, n, ids)
 
 
 def prepare_pos_seq_lens_ref(idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                              num_computed_tokens: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """In place: each token's position (its slot's num_computed_tokens + its offset in the row) and
-    each row's seq_len (num_computed_tokens + query length); a padding row (negative slot) counts
-    from 0; seq_lens past num_reqs get 0."""
-    num_reqs = idx_mapping.shape[0]
-    rows, offset, n = _token_rows(query_start_loc, num_reqs)
-    slots = idx_mapping.long()
-    start = torch.where(slots >= 0, num_computed_tokens.long()[slots.clamp(min=0)], 0)  # padding: from 0
-    pos[:n] = start[rows] + offset
-    qsl = query_start_loc[:num_reqs + 1].long()
-    seq_lens[:num_reqs] = start + qsl[1:] - qsl[:-1]
-    seq_lens[num_reqs:] = 0
+    each row's seq_len (num_computed_tokens + query length); seq_lens past num_reqs (padding) get 0."""
+    idx = _host(idx_mapping)
+    num_reqs = len(idx)
+    qsl, n, rows = _rows(query_start_loc, num_reqs)
+    start = _host(num_computed_tokens)[idx]
+    _store(pos, 0, n, _positions(start, qsl, n, rows))
+    _store(seq_lens, 0, num_reqs, start + np.diff(qsl))
+    if seq_lens.shape[0] > num_reqs:
+        _store(seq_lens, num_reqs, None, 0)
 
 
 def gather_block_tables_ref(idx_mapping: torch.Tensor, block_tables: torch.Tensor, num_blocks: torch.Tensor,
                             out: torch.Tensor) -> None:
     """In place: out[i] = the first num_blocks[s] entries of block_tables[s] (s = idx_mapping[i]),
-    then the null block (0) to out's width; a padding row (negative s) and rows past num_reqs all 0."""
-    num_reqs, width = idx_mapping.shape[0], out.shape[1]
-    slots = idx_mapping.long()
-    count = torch.where(slots >= 0, num_blocks[slots.clamp(min=0)].long(), 0)  # padding: no blocks
-    keep = torch.arange(width, device=out.device) < count[:, None]
-    out[:num_reqs] = torch.where(keep, block_tables[slots.clamp(min=0), :width], 0)
-    out[num_reqs:] = 0
+    then the null block (0) to out's width; rows past num_reqs (padding) all 0."""
+    idx = _host(idx_mapping)
+    width = out.shape[1]
+    rows = _host(block_tables)[idx, :width]
+    rows[np.arange(width) >= _host(num_blocks)[idx][:, None]] = 0
+    _store(out, 0, len(idx), rows)
+    if out.shape[0] > len(idx):
+        _store(out, len(idx), None, 0)
 
 
 def compute_slot_mappings_ref(idx_mapping: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor,
@@ -345,12 +368,14 @@ def compute_slot_mappings_ref(idx_mapping: torch.Tensor, query_start_loc: torch.
     """In place: slot_mapping[t] = block_tables[s, pos // block_size] * block_size + pos % block_size
     for each token t of row i (s = idx_mapping[i], pos = positions[t]); -1 (PAD_SLOT_ID) for a
     padding row's tokens (negative s) and for the entries past the batch's tokens."""
-    rows, _, n = _token_rows(query_start_loc, idx_mapping.shape[0])
-    slots = idx_mapping.long()[rows]
-    pos = positions[:n].long()
-    blocks = block_tables[slots.clamp(min=0), pos // block_size].long()
-    slot_mapping[:n] = torch.where(slots >= 0, blocks * block_size + pos % block_size, -1)
-    slot_mapping[n:] = -1
+    idx = _host(idx_mapping)
+    _, n, rows = _rows(query_start_loc, len(idx))
+    slots = idx if rows is None else idx[rows]
+    pos = _host(positions)[:n]
+    blocks = _host(block_tables)[np.maximum(slots, 0), pos // block_size].astype(np.int64)
+    _store(slot_mapping, 0, n, np.where(slots >= 0, blocks * block_size + pos % block_size, -1))
+    if slot_mapping.shape[0] > n:
+        _store(slot_mapping, n, None, -1)
 
 
 def post_update_ref(idx_mapping: torch.Tensor, num_computed_tokens: torch.Tensor, sampled_tokens: torch.Tensor,

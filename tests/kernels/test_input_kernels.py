@@ -115,32 +115,28 @@ def test_block_tables_and_slot_mappings_agree(seed):
     assert want["slot_mapping"].tolist() == by_hand + [kernels.PAD_SLOT_ID] * 5
 
 
-def test_padding_rows_own_no_tokens_and_no_blocks():
-    """A negative slot is a padding row: token 0, positions from 0, no blocks, PAD slots."""
+def test_padding_rows():
+    """Rows past num_reqs (a batch padded to a fixed size) get seq_len 0 and the null block; a
+    negative slot (a dummy request) and the tokens past the batch's get PAD slots."""
     st = random_state(1)
     idx = torch.cat([st["idx_mapping"][:1], torch.tensor([-1])])
     qsl = torch.tensor([0, int(st["query_start_loc"][1]), int(st["query_start_loc"][1]) + 3], dtype=torch.int32)
-    drafts = torch.zeros(2, 1, dtype=torch.int64)
     n = int(qsl[-1])
-    got, want = both(kernels.prepare_prefill_inputs, kernels.prepare_prefill_inputs_ref,
-                     dict(input_ids=torch.full((n,), -7)), idx_mapping=idx, query_start_loc=qsl,
-                     all_token_ids=st["all_token_ids"], prefill_len=st["num_tokens"],
-                     num_computed_tokens=st["num_computed"], draft_tokens=drafts)
-    assert torch.equal(got["input_ids"], want["input_ids"]) and want["input_ids"][-3:].tolist() == [0, 0, 0]
     got, want = both(kernels.prepare_pos_seq_lens, kernels.prepare_pos_seq_lens_ref,
-                     dict(pos=torch.zeros(n, dtype=torch.int64), seq_lens=torch.zeros(2, dtype=torch.int32)),
-                     idx_mapping=idx, query_start_loc=qsl, num_computed_tokens=st["num_computed"])
-    assert torch.equal(got["pos"], want["pos"]) and want["pos"][-3:].tolist() == [0, 1, 2]
-    assert torch.equal(got["seq_lens"], want["seq_lens"]) and int(want["seq_lens"][1]) == 3
+                     dict(pos=torch.zeros(n, dtype=torch.int64), seq_lens=torch.full((4,), 7, dtype=torch.int32)),
+                     idx_mapping=idx[:1], query_start_loc=qsl[:2], num_computed_tokens=st["num_computed"])
+    assert torch.equal(got["seq_lens"], want["seq_lens"]) and want["seq_lens"][1:].tolist() == [0, 0, 0]
+    assert torch.equal(got["pos"], want["pos"])
     got, want = both(kernels.gather_block_tables, kernels.gather_block_tables_ref,
-                     dict(out=torch.full((2, 3), -5, dtype=torch.int32)),
-                     idx_mapping=idx, block_tables=st["block_tables"], num_blocks=st["num_blocks"])
-    assert torch.equal(got["out"], want["out"]) and want["out"][1].tolist() == [0, 0, 0]
+                     dict(out=torch.full((3, 3), -5, dtype=torch.int32)),
+                     idx_mapping=idx[:1], block_tables=st["block_tables"], num_blocks=st["num_blocks"])
+    assert torch.equal(got["out"], want["out"]) and not want["out"][1:].any()
+    pos = torch.cat([want_pos(st, idx[:1], qsl[:2]), torch.arange(3)])
     got, want = both(kernels.compute_slot_mappings, kernels.compute_slot_mappings_ref,
-                     dict(slot_mapping=torch.zeros(n, dtype=torch.int64)),
-                     idx_mapping=idx, query_start_loc=qsl, positions=want_pos(st, idx, qsl),
-                     block_tables=st["block_tables"], block_size=BLOCK)
-    assert torch.equal(got["slot_mapping"], want["slot_mapping"]) and want["slot_mapping"][-3:].tolist() == [-1] * 3
+                     dict(slot_mapping=torch.zeros(n + 2, dtype=torch.int64)), idx_mapping=idx, query_start_loc=qsl,
+                     positions=pos, block_tables=st["block_tables"], block_size=BLOCK)
+    assert torch.equal(got["slot_mapping"], want["slot_mapping"])
+    assert want["slot_mapping"][-5:].tolist() == [kernels.PAD_SLOT_ID] * 5 and (want["slot_mapping"][:-5] >= 0).all()
 
 
 def want_pos(st, idx, qsl) -> torch.Tensor:
