@@ -286,10 +286,11 @@ def gumbel_sample_ref(logits: torch.Tensor, seeds: torch.Tensor, positions: torc
 # ---- input building (kernels/input_batch.py, kernels/block_table.py) ----------------------------
 # Host-side index arithmetic, as plan_attention's: numpy on the tensors' memory (a CPU tensor's
 # .numpy() is a view; a GPU tensor is copied), vectorised, no Python loop per request or token.
-# Measured on a batch of 32 decodes, building a step's inputs: ~70 us with numpy, ~410 us with the
-# same steps as torch ops (each costs ~10 us of dispatch on a loaded 2-core CPU whatever its size),
-# against a 3-6 ms forward pass. A batch of decodes (one token per row) skips the token -> row
-# mapping; rows have at least one token each (a scheduled request has).
+# Each torch op costs microseconds of dispatch whatever its size (5-45 us measured on a loaded
+# 2-core CPU, numpy's 1-3 us): with torch ops the first version of these four took ~3 ms a step
+# at batch-32 decode; as they are, building a step's inputs takes 250-470 us of CPU there. A batch
+# of decodes (one token per row) skips the token -> row mapping; rows have at least one token
+# each (a scheduled request has).
 
 def _host(t: torch.Tensor) -> np.ndarray:
     return t.cpu().numpy() if t.is_cuda else t.numpy()
