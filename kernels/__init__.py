@@ -9,11 +9,18 @@ from kernels._env import INTERPRETED  # first: it turns the Triton interpreter o
 from kernels import instrument
 from kernels.access import access_map
 from kernels.apply_token_bitmask import apply_token_bitmask
+from kernels.block_table import PAD_SLOT_ID, compute_slot_mappings, gather_block_tables
 from kernels.config import AttentionConfig, CacheConfig, choose_cache_config, choose_config
 from kernels.gumbel_sample import gumbel_sample
+from kernels.input_batch import post_update, prepare_pos_seq_lens, prepare_prefill_inputs
 from kernels.reference import (
     apply_token_bitmask_ref,
+    compute_slot_mappings_ref,
+    gather_block_tables_ref,
     gumbel_sample_ref,
+    post_update_ref,
+    prepare_pos_seq_lens_ref,
+    prepare_prefill_inputs_ref,
     rand_ref,
     rejection_sample_ref,
     reshape_and_cache_ref,
@@ -34,7 +41,18 @@ __all__ = [
     "CacheConfig",
     "choose_cache_config",
     "choose_config",
+    "compute_slot_mappings",
+    "compute_slot_mappings_ref",
+    "gather_block_tables",
+    "gather_block_tables_ref",
     "instrument",
+    "PAD_SLOT_ID",
+    "post_update",
+    "post_update_ref",
+    "prepare_pos_seq_lens",
+    "prepare_pos_seq_lens_ref",
+    "prepare_prefill_inputs",
+    "prepare_prefill_inputs_ref",
     "rand_ref",
     "rejection_sample",
     "rejection_sample_ref",

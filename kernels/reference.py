@@ -281,3 +281,121 @@ def gumbel_sample_ref(logits: torch.Tensor, seeds: torch.Tensor, positions: torc
     rows, tokens = rows.to(logits.device), tokens.to(logits.device)
     scores[rows, tokens] = logits[rows, tokens].float() + noise
     return scores.argmax(-1)
+
+
+# ---- input building (kernels/input_batch.py, kernels/block_table.py) ----------------------------
+# Host-side index arithmetic, as plan_attention's: numpy on the tensors' memory (a CPU tensor's
+# .numpy() is a view; a GPU tensor is copied), vectorised, no Python loop per request or token.
+# Each torch op costs microseconds of dispatch whatever its size (5-45 us measured on a loaded
+# 2-core CPU, numpy's 1-3 us): with torch ops the first version of these four took ~3 ms a step
+# at batch-32 decode; as they are, building a step's inputs takes 250-470 us of CPU there. A batch
+# of decodes (one token per row) skips the token -> row mapping; rows have at least one token
+# each (a scheduled request has).
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.cpu().numpy() if t.is_cuda else t.numpy()
+
+
+def _store(out: torch.Tensor, start: int, stop: int | None, values) -> None:
+    """out[start:stop] = values (a numpy array or a scalar), in place."""
+    if out.is_cuda:
+        out[start:stop] = torch.as_tensor(values, device=out.device)
+    else:
+        out.numpy()[start:stop] = values
+
+
+def _rows(query_start_loc: torch.Tensor, num_reqs: int) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """(the rows' query_start_loc, number of tokens, each token's batch row; None when every row
+    has one token: token i is row i)."""
+    qsl = _host(query_start_loc)[:num_reqs + 1]
+    n = int(qsl[-1])
+    return qsl, n, None if n == num_reqs else np.repeat(np.arange(num_reqs), np.diff(qsl))
+
+
+def _positions(start: np.ndarray, qsl: np.ndarray, n: int, rows: np.ndarray | None) -> np.ndarray:
+    """Each token's position: its row's start plus its offset in the row."""
+    return start if rows is None else np.arange(n) + (start - qsl[:-1])[rows]
+
+
+def prepare_prefill_inputs_ref(input_ids: torch.Tensor, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                               all_token_ids: torch.Tensor, prefill_len: torch.Tensor,
+                               num_computed_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> None:
+    """Each token's input id, in place: row i's token j is at position p = num_computed_tokens[s] + j
+    of its slot s = idx_mapping[i]; all_token_ids[s, p] below prefill_len[s] (the tokens the slot
+    holds), draft_tokens[i, p - prefill_len[s]] after (the drafts it verifies)."""
+    idx = _host(idx_mapping)
+    qsl, n, rows = _rows(query_start_loc, len(idx))
+    slots = idx if rows is None else idx[rows]
+    pos = _positions(_host(num_computed_tokens)[idx], qsl, n, rows)
+    past = pos - _host(prefill_len)[slots]  # >= 0: a draft's index
+    buffer = _host(all_token_ids)
+    ids = buffer[slots, np.minimum(pos, buffer.shape[1] - 1)]
+    if n and past.max() >= 0:  # drafts to verify
+        drafts = _host(draft_tokens)
+        row = np.arange(n) if rows is None else rows
+        ids = np.where(past < 0, ids, drafts[row, np.clip(past, 0, drafts.shape[1] - 1)])
+    _store(input_ids, 0, n, ids)
+
+
+def prepare_pos_seq_lens_ref(idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                             num_computed_tokens: torch.Tensor, pos: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """In place: each token's position (its slot's num_computed_tokens + its offset in the row) and
+    each row's seq_len (num_computed_tokens + query length); seq_lens past num_reqs (padding) get 0."""
+    idx = _host(idx_mapping)
+    num_reqs = len(idx)
+    qsl, n, rows = _rows(query_start_loc, num_reqs)
+    start = _host(num_computed_tokens)[idx]
+    _store(pos, 0, n, _positions(start, qsl, n, rows))
+    _store(seq_lens, 0, num_reqs, start + np.diff(qsl))
+    if seq_lens.shape[0] > num_reqs:
+        _store(seq_lens, num_reqs, None, 0)
+
+
+def gather_block_tables_ref(idx_mapping: torch.Tensor, block_tables: torch.Tensor, num_blocks: torch.Tensor,
+                            out: torch.Tensor) -> None:
+    """In place: out[i] = the first num_blocks[s] entries of block_tables[s] (s = idx_mapping[i]),
+    then the null block (0) to out's width; rows past num_reqs (padding) all 0."""
+    idx = _host(idx_mapping)
+    width = out.shape[1]
+    rows = _host(block_tables)[idx, :width]
+    rows[np.arange(width) >= _host(num_blocks)[idx][:, None]] = 0
+    _store(out, 0, len(idx), rows)
+    if out.shape[0] > len(idx):
+        _store(out, len(idx), None, 0)
+
+
+def compute_slot_mappings_ref(idx_mapping: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor,
+                              block_tables: torch.Tensor, block_size: int, slot_mapping: torch.Tensor) -> None:
+    """In place: slot_mapping[t] = block_tables[s, pos // block_size] * block_size + pos % block_size
+    for each token t of row i (s = idx_mapping[i], pos = positions[t]); -1 (PAD_SLOT_ID) for a
+    padding row's tokens (negative s) and for the entries past the batch's tokens."""
+    idx = _host(idx_mapping)
+    _, n, rows = _rows(query_start_loc, len(idx))
+    slots = idx if rows is None else idx[rows]
+    pos = _host(positions)[:n]
+    blocks = _host(block_tables)[np.maximum(slots, 0), pos // block_size].astype(np.int64)
+    _store(slot_mapping, 0, n, np.where(slots >= 0, blocks * block_size + pos % block_size, -1))
+    if slot_mapping.shape[0] > n:
+        _store(slot_mapping, n, None, -1)
+
+
+def post_update_ref(idx_mapping: torch.Tensor, num_computed_tokens: torch.Tensor, sampled_tokens: torch.Tensor,
+                    num_sampled: torch.Tensor, num_rejected: torch.Tensor, query_start_loc: torch.Tensor,
+                    all_token_ids: torch.Tensor, total_len: torch.Tensor) -> None:
+    """In place, per batch row i of slot s = idx_mapping[i] (negative: skipped): its first
+    num_sampled[i] tokens of sampled_tokens[i] written to all_token_ids[s] after its
+    total_len[s] tokens, total_len[s] += num_sampled[i], num_computed_tokens[s] += its query
+    length - num_rejected[i]."""
+    slots = idx_mapping.long()
+    real = slots >= 0
+    qsl = query_start_loc.long()
+    count = num_sampled.long()
+    rows, cols = (torch.arange(sampled_tokens.shape[1], device=count.device)[None, :] < count[:, None]).nonzero(
+        as_tuple=True)
+    keep = real[rows]
+    rows, cols = rows[keep], cols[keep]
+    dst = slots[rows]
+    all_token_ids[dst, total_len.long()[dst] + cols] = sampled_tokens[rows, cols].to(all_token_ids.dtype)
+    s = slots[real]
+    total_len[s] += num_sampled[real].to(total_len.dtype)
+    num_computed_tokens[s] += ((qsl[1:] - qsl[:-1])[real] - num_rejected.long()[real]).to(num_computed_tokens.dtype)

@@ -7,8 +7,11 @@ from rich.markup import escape
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
+import kernels
 from engine.core.block_pool import NULL_BLOCK_ID
 from engine.hooks import SNAPSHOT
+from engine.worker.input_batch import INPUT_KERNELS
+from kernels import instrument
 from lessons.cli import main
 from lessons.framework import events_of, greedy, queue_request, queues, table
 
@@ -18,18 +21,29 @@ BLOCK = 16
 BUDGET = 64  # max_num_batched_tokens: small, so prompts are chunked
 
 
-def capture_inputs(engine) -> list:
-    """Keep each step's InputBatch (the real arrays the model's tensors are made of)."""
-    seen = []
-    prepare = engine.engine_core.engine_core.model_runner.prepare_inputs
+WRITES = {"prepare_prefill_inputs": "input_ids", "prepare_pos_seq_lens": "positions, seq_lens",
+          "gather_block_tables": "block_tables", "compute_slot_mappings": "slot_mapping"}
+
+
+def capture_inputs(engine) -> tuple[list, list]:
+    """Keep each step's InputBatch (the real arrays the model's tensors are made of), and the
+    arguments of each step's slot-mapping launch."""
+    seen, slot_launches = [], []
+    runner = engine.engine_core.engine_core.model_runner
+    prepare, launch = runner.prepare_inputs, runner.input_kernels.compute_slot_mappings
 
     def kept(sched):
         inp = prepare(sched)
         seen.append((sched, inp))
         return inp
 
-    engine.engine_core.engine_core.model_runner.prepare_inputs = kept
-    return seen
+    def compute_slot_mappings(**args):
+        launch(**args)
+        slot_launches.append({k: v.clone() if hasattr(v, "clone") else v for k, v in args.items()})
+
+    runner.prepare_inputs = kept
+    runner.input_kernels.compute_slot_mappings = compute_slot_mappings
+    return seen, slot_launches
 
 
 def run(lesson) -> None:
@@ -42,7 +56,7 @@ def run(lesson) -> None:
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=32, max_num_batched_tokens=BUDGET,
                                  enable_prefix_caching=False)
     engine = llm.llm_engine
-    inputs = capture_inputs(engine)
+    inputs, slot_launches = capture_inputs(engine)
     a = queue_request(engine, "A", {"prompt_token_ids": list(range(1, 21))}, greedy(8))
     engine.step()  # step 0: A's 20-token prefill
     b = queue_request(engine, "B", {"prompt_token_ids": [(3 * i) % 250 for i in range(100)]}, greedy(4))
@@ -122,6 +136,7 @@ def run(lesson) -> None:
 
     lesson.check(ev.get("input_ids") == ids and ev.get("slot_mapping") == slots and ev.get("query_start_loc") == qsl,
                  "the traced batch event shows exactly the tensors the model received")
+    show_input_kernels(lesson, session, ev.step, slot_launches[-1], slots, len(reqs))
 
     # Where did the keys really go? Layer 0's key cache has data in exactly the slots mapped so far.
     written = {s for _, i in inputs for s in i.slot_mapping.tolist()}
@@ -142,6 +157,37 @@ def run(lesson) -> None:
         "in its sequence, `seq_lens` say how much context each request attends over, and `slot_mapping` = "
         "block_table[pos // block_size] × block_size + pos % block_size says where each new key and value "
         "are written. Decodes, prompt chunks and new prompts all share the same arrays.")
+
+
+def show_input_kernels(lesson, session, step: int, args: dict, slots: list[int], num_reqs: int) -> None:
+    """The launches that built the step's arrays, and the slot-mapping kernel on the step's own arguments."""
+    lesson.say(
+        "**Who builds these arrays.** The model runner keeps every request's tokens, computed-token count and "
+        "block table in buffers indexed by the request's **slot**; `idx_mapping` says which slot each batch row "
+        "is. Four small kernels gather the step's arrays from those buffers, as vLLM's Model Runner V2 does "
+        "(`vllm/v1/worker/gpu/input_batch.py`, `block_table.py`). On the CPU the engine runs their PyTorch "
+        "references (`<kernel>_ref`: no grid, PyTorch picks); with the Triton backend, the kernels.")
+    launches = [e for e in events_of(session) if e.layer == "kernel" and e.step == step
+                and e.attrs.get("layer_idx") is None][:4]
+    names = [e.name.removesuffix("_ref") for e in launches]
+    lesson.show(table(["#", "launch", "writes"], [[i, e.name, WRITES.get(n, "?")] for i, (e, n) in
+                                                 enumerate(zip(launches, names))],
+                      title=f"step {step}: the launches before the first layer's"))
+    lesson.check(names == list(INPUT_KERNELS[:4]),
+                 "the step's inputs are built by four launches, before any layer runs: input ids, positions and "
+                 "seq_lens, block tables, slot mapping")
+    records = []
+    out = args["slot_mapping"].clone().fill_(0)
+    with instrument.observe(records.append):  # the Triton kernel on the step's own arguments
+        kernels.compute_slot_mappings(**{**args, "slot_mapping": out})
+    rec = records[0]
+    meta = ", ".join(f"{k}={v}" for k, v in rec.meta.items())
+    lesson.show(table(["kernel", "grid", "meta", "why this grid"], [[rec.name, rec.grid, meta, rec.reason]],
+                      title="_compute_slot_mappings_kernel on this step's idx_mapping, positions and block tables"))
+    lesson.check(rec.grid == (num_reqs + 1,),
+                 f"its grid is ({num_reqs + 1},): one program per request, each walking its own tokens through its "
+                 "own block-table row, plus one that pads the rest of slot_mapping with -1")
+    lesson.check(out.tolist() == slots, "the Triton kernel writes exactly the slots the engine's step used")
 
 
 if __name__ == "__main__":

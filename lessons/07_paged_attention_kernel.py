@@ -239,7 +239,8 @@ def triton_step_launches(lesson) -> dict[int, list[str]]:
         engine.step()  # B decodes, C prefills: one mixed batch
     out: dict[int, list[str]] = {}
     for r in records:
-        out.setdefault(r.tags.get("layer"), []).append(r.name)
+        if r.tags.get("layer") is not None:  # (the launches that build the step's inputs belong to no layer)
+            out.setdefault(r.tags["layer"], []).append(r.name)
     return out
 
 

@@ -1,33 +1,91 @@
 """One step's flattened inputs (vLLM 0.33's ``v1/worker/gpu/input_batch.py``), built from the
-persistent request state by slot.
+persistent request state by slot, by the input-building kernels (kernels/input_batch.py,
+kernels/block_table.py).
 
 ``idx_mapping`` maps each batch row to its request's slot; everything else is gathered through
-it: the input token ids (prompt or recomputed tokens from the slot's token buffer, then any
-drafts to verify), positions and seq_lens from where its computed tokens end, its block table row,
-and each token's slot in the paged KV cache.
+it, one launch per array: ``prepare_prefill_inputs`` the input token ids (prompt or recomputed
+tokens from the slot's token buffer, then any drafts to verify), ``prepare_pos_seq_lens`` the
+positions and seq_lens from where its computed tokens end, ``gather_block_tables`` its block
+table row, ``compute_slot_mappings`` each token's slot in the paged KV cache. With the triton
+backend these are our Triton kernels; otherwise their PyTorch references (vectorised: a few
+tensor ops per launch whatever the batch), each a launch the Kernels panel lists.
+
+The per-slot buffers are numpy arrays on the host: on the CPU the kernels read them in place
+(``InputBuffers``: torch views sharing their memory); on a GPU they are copied to it each step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+import kernels
 from engine.core.sched.output import SchedulerOutput
 from engine.worker.block_table import BlockTables
 from engine.worker.states import RequestState
+from kernels import instrument
+
+#: The input-building launches, in the order a step makes them (post_update runs after sampling).
+INPUT_KERNELS = ("prepare_prefill_inputs", "prepare_pos_seq_lens", "gather_block_tables", "compute_slot_mappings",
+                 "post_update")
+
+
+class InputKernels:
+    """The input-building launches of one worker: each attribute (named as in INPUT_KERNELS) is
+    the Triton kernel with the triton backend, else its PyTorch reference launched through
+    ``instrument.call`` (named ``<kernel>_ref``); both take the kernel's keyword arguments and
+    write their outputs in place. (An attribute can be replaced: exercise 1 puts the learner's
+    slot mapping in place of the reference's.)"""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        for name in INPUT_KERNELS:
+            setattr(self, name, getattr(kernels, name) if backend == "triton" else _reference(name))
+
+
+def _reference(name: str):
+    fn = getattr(kernels, f"{name}_ref")
+
+    def launch(**args) -> None:
+        instrument.call(f"{name}_ref", fn, args, reason="attention_backend=torch: PyTorch reference")
+
+    launch.__name__ = f"{name}_ref"
+    return launch
+
+
+class InputBuffers:
+    """The persistent buffers as the kernels read them: on the CPU torch views of the numpy arrays
+    (the same memory), made again only when an array is replaced (it grew); on a GPU a copy each
+    step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._views: dict[str, tuple[np.ndarray, torch.Tensor]] = {}
+
+    def __call__(self, name: str, array: np.ndarray) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.from_numpy(array).to(self.device)
+        view = self._views.get(name)
+        if view is None or view[0] is not array:
+            view = self._views[name] = (array, torch.from_numpy(array))
+        return view[1]
 
 
 @dataclass
 class InputBatch:
     req_ids: list[str]  # batch order
-    idx_mapping: np.ndarray  # [num_reqs] batch row -> request slot
-    num_scheduled_tokens: np.ndarray  # [num_reqs]
-    query_start_loc: np.ndarray  # [num_reqs + 1] int32
-    seq_lens: np.ndarray  # [num_reqs] int32: computed tokens after this step
-    input_ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    block_tables: np.ndarray  # [num_reqs, max blocks] int32, padded with the null block (0)
+    idx_mapping: torch.Tensor  # [num_reqs] batch row -> request slot
+    idx_mapping_np: np.ndarray
+    num_scheduled_tokens: np.ndarray  # [num_reqs] int32
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    query_start_loc_np: np.ndarray
+    seq_lens: torch.Tensor  # [num_reqs] int32: computed tokens after this step
+    seq_lens_np: np.ndarray
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_reqs, max blocks] int32, padded with the null block (0)
     logits_indices: np.ndarray  # the rows projected to logits: each request's last, or every draft's and its last
     draft_token_ids: list[list[int]]  # per request, the drafts it verifies
 
@@ -40,33 +98,48 @@ def resolve_placeholder_drafts(spec: dict[str, list[int]], last_drafts: dict[str
     return {rid: (last_drafts.get(rid, []) + d)[:len(d)] if d and d[0] < 0 else d for rid, d in spec.items()}
 
 
-def make_input_batch(sched: SchedulerOutput, states: RequestState, tables: BlockTables,
-                     block_size: int, last_drafts: dict[str, list[int]] | None = None) -> InputBatch:
+def make_input_batch(sched: SchedulerOutput, states: RequestState, tables: BlockTables, block_size: int,
+                     launch: InputKernels, buffers: InputBuffers,
+                     last_drafts: dict[str, list[int]] | None = None) -> InputBatch:
     req_ids = list(sched.num_scheduled_tokens)
-    idx = np.fromiter(map(states.req_id_to_index.__getitem__, req_ids), np.int64, len(req_ids))
-    num_sched = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, len(req_ids))
+    num_reqs = len(req_ids)
+    idx = np.fromiter(map(states.req_id_to_index.__getitem__, req_ids), np.int64, num_reqs)
+    num_sched = np.fromiter(sched.num_scheduled_tokens.values(), np.int32, num_reqs)
     spec = resolve_placeholder_drafts(sched.scheduled_spec_decode_tokens, last_drafts or {})
     drafts = [[t for t in spec.get(rid, []) if t >= 0] for rid in req_ids]
     if spec:  # placeholder drafts left unresolved are not computed (the scheduler counts them rejected)
         num_sched -= np.fromiter((len(spec.get(rid, [])) - len(d) for rid, d in zip(req_ids, drafts)), np.int32,
-                                 len(req_ids))
-    qsl = np.zeros(len(req_ids) + 1, np.int32)
+                                 num_reqs)
+    qsl = np.zeros(num_reqs + 1, np.int32)
     np.cumsum(num_sched, out=qsl[1:])
-    start = states.num_computed_tokens[idx]
-    seq_lens = (start + num_sched).astype(np.int32)
-    rows = np.repeat(np.arange(len(req_ids)), num_sched)
-    positions = (np.arange(qsl[-1]) - qsl[rows] + start[rows]).astype(np.int64)
-    # tokens the slot holds; draft positions (past them) are filled below
-    input_ids = states.token_ids[idx[rows], np.minimum(positions, states.token_ids.shape[1] - 1)]
-    for i, d in enumerate(drafts):
-        if d:
-            input_ids[qsl[i + 1] - len(d):qsl[i + 1]] = d
-    width = int(tables.num_blocks[idx].max())
-    block_tables = tables.block_tables[idx, :width]
-    slot_mapping = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    num_tokens = int(qsl[-1])
+    draft_tokens = np.zeros((num_reqs, max(1, max(map(len, drafts), default=0))), np.int64)
+    if spec:
+        for i, d in enumerate(drafts):
+            draft_tokens[i, :len(d)] = d
+    device = buffers.device
+    tensor = torch.from_numpy if device.type == "cpu" else lambda a: torch.from_numpy(a).to(device)
+    idx_t, qsl_t = tensor(idx), tensor(qsl)
+    input_ids = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    positions = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    seq_lens = torch.empty(num_reqs, dtype=torch.int32, device=device)
+    slot_mapping = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    block_tables = torch.empty(num_reqs, int(tables.num_blocks[idx].max()), dtype=torch.int32, device=device)
+    num_computed = buffers("num_computed_tokens", states.num_computed_tokens)
+    launch.prepare_prefill_inputs(input_ids=input_ids, idx_mapping=idx_t, query_start_loc=qsl_t,
+                                  all_token_ids=buffers("token_ids", states.token_ids),
+                                  prefill_len=buffers("num_tokens", states.num_tokens),
+                                  num_computed_tokens=num_computed, draft_tokens=tensor(draft_tokens))
+    launch.prepare_pos_seq_lens(idx_mapping=idx_t, query_start_loc=qsl_t, num_computed_tokens=num_computed,
+                                pos=positions, seq_lens=seq_lens)
+    slot_tables = buffers("block_tables", tables.block_tables)
+    launch.gather_block_tables(idx_mapping=idx_t, block_tables=slot_tables,
+                               num_blocks=buffers("num_blocks", tables.num_blocks), out=block_tables)
+    launch.compute_slot_mappings(idx_mapping=idx_t, query_start_loc=qsl_t, positions=positions,
+                                 block_tables=slot_tables, block_size=block_size, slot_mapping=slot_mapping)
     if any(drafts):  # every draft's row is scored, not only the last
         logits_indices = np.concatenate([np.arange(qsl[i + 1] - 1 - len(d), qsl[i + 1]) for i, d in enumerate(drafts)])
     else:
         logits_indices = qsl[1:].astype(np.int64) - 1
-    return InputBatch(req_ids, idx, num_sched, qsl, seq_lens, input_ids, positions, slot_mapping,
-                      np.ascontiguousarray(block_tables), logits_indices.astype(np.int64), drafts)
+    return InputBatch(req_ids, idx_t, idx, num_sched, qsl_t, qsl, seq_lens, states.num_computed_tokens[idx] + num_sched,
+                      input_ids, positions, slot_mapping, block_tables, logits_indices.astype(np.int64), drafts)

@@ -34,7 +34,7 @@ from engine.sample.sampler import Sampler
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.trace_names import BATCH, DRAFT_PREFIX, KERNEL, MODEL_RUNNER
 from engine.worker.block_table import BlockTables
-from engine.worker.input_batch import InputBatch, make_input_batch
+from engine.worker.input_batch import InputBatch, InputBuffers, InputKernels, make_input_batch
 from engine.worker.profiler import Profiler
 from engine.worker.states import RequestState
 from kernels import instrument
@@ -76,6 +76,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.req_states = RequestState(max_num_reqs, max_model_len)
         self.block_tables = BlockTables(max_num_reqs, -(-max_model_len // block_size))
+        self.input_kernels = InputKernels(model.backend.name)  # what builds each step's inputs from those
+        self.input_buffers = InputBuffers(device)  # those buffers as the kernels read them
         self.sampler = Sampler(model.backend.name)  # every live request's sampling settings, by slot
         self.rejection_sampler: RejectionSampler | None = None  # made on the first step with draft tokens
         self.drafter = None  # a DraftModelProposer (set by the Worker) or an NgramProposer: runs after sampling
@@ -122,9 +124,10 @@ class ModelRunner:
                 self.block_tables.append_block_ids(slot, blocks, overwrite=rid in c.resumed_req_ids)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> InputBatch:
-        """The step's InputBatch, gathered from the persistent buffers by slot."""
+        """The step's InputBatch, gathered from the persistent buffers by slot (by the input kernels:
+        launches of the step, traced with its forward pass's)."""
         batch = make_input_batch(scheduler_output, self.req_states, self.block_tables, self.block_size,
-                                 self.last_draft_token_ids)
+                                 self.input_kernels, self.input_buffers, self.last_draft_token_ids)
         if self.hooks.active and self.rank == 0:  # the same on every rank: traced once
             self._trace_batch(scheduler_output.step, batch)
         return batch
@@ -132,9 +135,9 @@ class ModelRunner:
     def _trace_batch(self, step: int, batch: InputBatch) -> None:
         self.hooks.emit(MODEL_RUNNER, BATCH, step=step, input_ids=batch.input_ids.tolist(),
                         positions=batch.positions.tolist(), slot_mapping=batch.slot_mapping.tolist(),
-                        seq_lens=batch.seq_lens.tolist(), query_start_loc=batch.query_start_loc.tolist(),
+                        seq_lens=batch.seq_lens_np.tolist(), query_start_loc=batch.query_start_loc_np.tolist(),
                         block_tables=batch.block_tables.tolist(), request_ids=batch.req_ids, rope=self.rope,
-                        slots=batch.idx_mapping.tolist())
+                        slots=batch.idx_mapping_np.tolist())
 
     def model_input(self, input_ids, positions, slots, seq_lens, qsl, tables, logits_rows=None) -> ModelInput:
         """A batch as the model takes it, from plain lists (the warm-up's, a draft model's passes):
@@ -149,9 +152,14 @@ class ModelRunner:
                                  block_tables, last)
 
     def model_input_of(self, batch: InputBatch) -> ModelInput:
-        """The step's batch as the model takes it (tensors; no copy on the CPU)."""
-        return self._model_input(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
-                                 batch.query_start_loc, batch.block_tables, batch.logits_indices)
+        """The step's batch as the model takes it (the kernels' tensors, already on its device)."""
+        meta = AttentionMetadata(
+            slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+            block_tables=batch.block_tables, max_query_len=int(batch.num_scheduled_tokens.max()),
+            max_seq_len=int(batch.seq_lens_np.max()))
+        return ModelInput(input_ids=batch.input_ids, positions=batch.positions, meta=meta,
+                          logits_indices=self._tensor(batch.logits_indices),
+                          all_last=len(batch.input_ids) == len(batch.req_ids))
 
     def _model_input(self, input_ids, positions, slots, seq_lens, qsl, block_tables, logits_indices) -> ModelInput:
         tensor = self._tensor
@@ -177,10 +185,19 @@ class ModelRunner:
         self._pending = None
         if scheduler_output.is_empty:
             return None
-        batch = self.prepare_inputs(scheduler_output)
-        inp = self.model_input_of(batch)
-        self._observed(scheduler_output.step, inp, self._forward_step, scheduler_output, batch, inp)
+        self._observed(scheduler_output.step, lambda: self._lens(scheduler_output), self._execute, scheduler_output)
         return None
+
+    def _execute(self, sched: SchedulerOutput) -> None:
+        batch = self.prepare_inputs(sched)
+        self._forward_step(sched, batch, self.model_input_of(batch))
+
+    def _lens(self, sched: SchedulerOutput) -> tuple[list[int], list[int]]:
+        """Each scheduled request's query and sequence length (a profiled step's attention cost)."""
+        query_lens = list(sched.num_scheduled_tokens.values())
+        computed = [int(self.req_states.num_computed_tokens[self.req_states.req_id_to_index[rid]])
+                    for rid in sched.num_scheduled_tokens]
+        return query_lens, [c + q for c, q in zip(computed, query_lens)]
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
         """Sample the pending step's logits (after the grammar bitmask), verify its drafts, record
@@ -190,17 +207,19 @@ class ModelRunner:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        return self._observed(pending.sched.step, pending.inp, self._sample_step, pending, grammar_output)
+        lens = pending.batch.num_scheduled_tokens.tolist(), pending.batch.seq_lens_np.tolist()
+        return self._observed(pending.sched.step, lambda: lens, self._sample_step, pending, grammar_output)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts proposed after the last step (V1's name), once."""
         drafts, self._draft_token_ids = self._draft_token_ids, None
         return drafts
 
-    def _observed(self, step: int, inp: ModelInput, fn, *args):
-        """fn(*args), its launches observed when traced or profiled."""
+    def _observed(self, step: int, lens, fn, *args):
+        """fn(*args), its launches observed when traced or profiled (lens(): the step's query and
+        sequence lengths, for a profiled step's costs)."""
         if self.profiler.active:
-            return self._run_profiled(step, inp, fn, *args)
+            return self._run_profiled(step, lens, fn, *args)
         if not self.hooks.active:
             return fn(*args)
         # A step's launches are kept as they happen and published together once its forward
@@ -215,12 +234,11 @@ class ModelRunner:
         """Start or stop profiling this rank's steps (see engine/worker/profiler.py)."""
         return self.profiler.start() if is_start else self.profiler.stop()
 
-    def _run_profiled(self, step: int, inp: ModelInput, fn, *args):
+    def _run_profiled(self, step: int, lens, fn, *args):
         with self.profiler.step_annotation(step):
             if not self.hooks.active:  # only torch.profiler listens
                 return fn(*args)
-            qsl = inp.meta.query_start_loc.tolist()
-            self._profiled_lens = ([b - a for a, b in zip(qsl, qsl[1:])], inp.meta.seq_lens.tolist())
+            self._profiled_lens = lens()
             before = self._before_launch if self.hooks.gated else None
             try:
                 with instrument.observe(self._launches.append, before, access_maps=False, profile=True, step=step):
@@ -274,7 +292,7 @@ class ModelRunner:
         """Each request's new tokens, recorded in its state (none for a chunk that does not end its
         prefill: its token is discarded)."""
         sampled, logprobs, states = [], None, self.req_states
-        ends = batch.seq_lens.tolist()
+        ends = batch.seq_lens_np.tolist()
         for i, req in enumerate(requests):
             d = batch.draft_token_ids[i]
             if ends[i] - len(d) < req.num_tokens:
@@ -461,7 +479,7 @@ def _prompt_logprob_rows(batch: InputBatch, requests: list) -> tuple[list[int], 
     logprobs (the row at position j scores prompt token j + 1), and per such request its
     (index in the batch, first position, number of rows)."""
     rows, spans, row = [], [], 0
-    for i, (req, n, end) in enumerate(zip(requests, batch.num_scheduled_tokens.tolist(), batch.seq_lens.tolist())):
+    for i, (req, n, end) in enumerate(zip(requests, batch.num_scheduled_tokens.tolist(), batch.seq_lens_np.tolist())):
         if req.params.prompt_logprobs is not None:
             first = end - n
             count = min(end, req.num_prompt_tokens - 1) - first

@@ -1,13 +1,17 @@
 """Exercise 1: compute slot_mapping for a step's flattened batch (lesson 6).
 
-Graded inside the engine: the model runner's slot_mapping is replaced by the learner's, so
-every key and value of the run is written where the learner says, and attention (which finds
-keys through the block tables) only gives the right answer if those slots are right.
+Graded against the slot-mapping kernel's reference (``kernels.compute_slot_mappings_ref``, the
+PyTorch twin of ``_compute_slot_mappings_kernel``), then inside the engine: the model runner's
+``compute_slot_mappings`` launch is replaced by the learner's function, so every key and value
+of the run is written where the learner says, and attention (which finds keys through the block
+tables) only gives the right answer if those slots are right.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+import kernels
 from engine import LLM
 from lessons.exercises import Grader, greedy, learner_call, run_to_end
 
@@ -41,7 +45,14 @@ BUDGET = 64  # small, so prompts are chunked and steps mix decodes with prefill 
 
 
 def expected(tables, starts, counts, bs) -> list[int]:
-    return [t[p // bs] * bs + p % bs for t, s, n in zip(tables, starts, counts) for p in range(s, s + n)]
+    """The slot-mapping kernel's reference on this batch (each request's table a row of the per-slot tables)."""
+    width = max(1, max(map(len, tables)))
+    block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
+    positions = torch.tensor([p for s, n in zip(starts, counts) for p in range(s, s + n)], dtype=torch.int64)
+    slots = torch.empty(len(positions), dtype=torch.int64)
+    kernels.compute_slot_mappings_ref(torch.arange(len(tables)), qsl, positions, block_tables, bs, slots)
+    return slots.tolist()
 
 
 def first_difference(got, want, tables, starts, counts, bs) -> str:
@@ -73,6 +84,27 @@ def workload(engine) -> dict[str, list[int]]:
     return run_to_end(engine)
 
 
+def learner_launch(fn, steps: list):
+    """The compute_slot_mappings launch, made by the learner's function: the kernel's arguments in
+    the learner's terms (each request's block table, first position and token count), its slots
+    written where the kernel writes them; each step's inputs and answer kept in ``steps``."""
+    def compute_slot_mappings(idx_mapping, query_start_loc, positions, block_tables, block_size, slot_mapping):
+        qsl, pos = query_start_loc.tolist(), positions.tolist()
+        starts, counts = [pos[a] for a in qsl[:-1]], [b - a for a, b in zip(qsl, qsl[1:])]
+        tables = [block_tables[s, :pos[end - 1] // block_size + 1].tolist()
+                  for s, end in zip(idx_mapping.tolist(), qsl[1:])]
+        want = torch.empty_like(slot_mapping)  # what the kernel's reference writes, for the grading
+        kernels.compute_slot_mappings_ref(idx_mapping, query_start_loc, positions, block_tables, block_size, want)
+        slots = call(fn, tables, starts, counts, block_size)
+        steps.append((len(steps), tables, starts, counts, slots, want[:qsl[-1]].tolist()))
+        if isinstance(slots, list) and len(slots) == qsl[-1] and all(isinstance(x, int) for x in slots):
+            slot_mapping[:len(slots)] = torch.tensor(slots, dtype=torch.int64)
+            slot_mapping[len(slots):] = kernels.PAD_SLOT_ID
+        else:
+            slot_mapping.fill_(kernels.PAD_SLOT_ID)  # nothing usable: no key is written
+    return compute_slot_mappings
+
+
 def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     # ---- a batch by hand first: clearer messages than a wrong generation ----
     tables, starts, counts = [[3, 7], [5], [2, 9, 4]], [14, 0, 20], [3, 16, 1]
@@ -82,37 +114,28 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     want = expected(tables, starts, counts, BLOCK)
     g.check(len(got) == len(want), "one slot per token of the batch (3 + 16 + 1 = 20)",
             f"returned {len(got)} slots")
-    g.check(got == want, "every token's slot is block_table[pos // 16] × 16 + pos % 16 of its own request",
-            first_difference(got, want, tables, starts, counts, BLOCK))
+    g.check(got == want, "every token's slot is block_table[pos // 16] × 16 + pos % 16 of its own request, "
+            "as the slot-mapping kernel's reference computes it", first_difference(got, want, tables, starts, counts,
+                                                                                   BLOCK))
 
     # ---- inside the engine ----
-    g.say("Now inside a real engine: its model runner uses your slot_mapping for every step.")
+    g.say("Now inside a real engine: its model runner's compute_slot_mappings launch is your function.")
     llm = LLM(model, block_size=BLOCK, num_kv_blocks=32, max_num_batched_tokens=BUDGET, enable_prefix_caching=False)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
-    runner, prepare, steps = core.model_runner, core.model_runner.prepare_inputs, []
-
-    def prepare_with_learner_slots(sched):
-        inp = prepare(sched)
-        tables = [list(core.requests[rid].block_ids) for rid in sched.req_ids]
-        starts = [sched.num_computed_before()[rid] for rid in sched.req_ids]
-        counts = list(sched.num_scheduled_tokens.values())
-        slots = call(fn, tables, starts, counts, BLOCK)
-        steps.append((sched.step, tables, starts, counts, slots))
-        inp.slot_mapping = np.array(slots, np.int64)
-        return inp
-
-    runner.prepare_inputs = prepare_with_learner_slots
+    steps = []
+    core.model_runner.input_kernels.compute_slot_mappings = learner_launch(fn, steps)
     outputs = workload(engine)
     mixed = [s for s in steps if len(s[1]) > 1 and max(s[3]) > 1]
     g.check(bool(mixed), f"the engine ran {len(steps)} steps with your slots, {len(mixed)} of them mixing "
             "decodes and prefill chunks")
-    for step, tables, starts, counts, slots in steps:
-        want = expected(tables, starts, counts, BLOCK)
+    for step, tables, starts, counts, slots, want in steps:
         if slots != want:
-            g.check(False, "in every step, every token's slot is block_table[pos // 16] × 16 + pos % 16",
-                    f"step {step}: " + first_difference(slots, want, tables, starts, counts, BLOCK))
-    g.check(True, "in every step, every token's slot is block_table[pos // 16] × 16 + pos % 16")
+            g.check(False, "in every step, every token's slot is block_table[pos // 16] × 16 + pos % 16, as the "
+                    "kernel's reference computes it", f"step {step}: " + first_difference(slots, want, tables, starts,
+                                                                                          counts, BLOCK))
+    g.check(True, "in every step, every token's slot is block_table[pos // 16] × 16 + pos % 16, as the kernel's "
+            "reference computes it")
     g.check(all(len(set(s[4])) == len(s[4]) for s in steps), "no two tokens of a step share a slot")
     written = {slot for s in steps for slot in s[4]}
     k0 = core.kv_caches[0][0]

@@ -5,6 +5,7 @@ import pytest
 
 from engine import LLM, Hooks, SamplingParams
 from engine.builtin_model import builtin_path
+from engine.worker.input_batch import INPUT_KERNELS
 from kernels import access_map, instrument
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equivalence import _prompts
@@ -51,12 +52,14 @@ def test_kernel_launches_reach_the_hooks():
     with instrument.observe(records.append):  # the runner's own observer nests inside this one
         llm.generate(["abc", "hello"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     kernels = [e for e in events if e[0] == "kernel"]
-    n_layers = 4
-    # two steps (prefill, decode), each layer: one cache write and one attention launch
+    n_layers, inputs = 4, INPUT_KERNELS[:4]  # post_update runs after sampling
+    # two steps (prefill, decode), each: the input-building launches, then in each layer one cache
+    # write and one attention launch
+    per_step = [(name, None) for name in inputs] + [
+        (name, layer) for layer in range(n_layers) for name in ("reshape_and_cache", "unified_attention")]
     assert [(e[1], e[2], e[3]["layer_idx"]) for e in kernels] == [
-        (name, step, layer) for step in (0, 1) for layer in range(n_layers)
-        for name in ("reshape_and_cache", "unified_attention")]
-    first_attention = kernels[1][3]
+        (name, step, layer) for step in (0, 1) for name, layer in per_step]
+    first_attention = kernels[len(inputs) + 1][3]
     assert len(first_attention["grid"]) == 3 and first_attention["duration_ns"] > 0
     assert all(set(e[3]) == {"layer_idx", "grid", "meta", "args", "duration_ns", "timing", "reason", "rank"}
                for e in kernels)
@@ -67,10 +70,10 @@ def test_kernel_launches_reach_the_hooks():
     assert [r.name for r in records] == [e[1] for e in kernels]
     for (_, name, step, attrs), rec in zip(kernels, records):
         assert access_map(name, attrs["meta"], attrs["grid"], batches[step]) == rec.access_map
-        assert rec.access_map
-    access = records[1].access_map
+        assert bool(rec.access_map) == (name not in inputs)  # the input kernels read no KV blocks
+    access = records[len(inputs) + 1].access_map
     assert {a.request for accesses in access.values() for a in accesses} == {0, 1}
-    assert [g for g in gates if g[0] == "kernel"][0][1]["name"] == "reshape_and_cache"
+    assert [g[1]["name"] for g in gates if g[0] == "kernel"][:5] == [*inputs, "reshape_and_cache"]
 
 
 TRANSFORMERS_FIRST = """

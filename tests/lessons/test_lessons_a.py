@@ -13,7 +13,7 @@ def test_slot_mapping_lesson_fails_if_slots_ignore_the_block_table(monkeypatch, 
 
     def contiguous(self, sched):
         inp = original(self, sched)
-        inp.slot_mapping = inp.positions.copy()
+        inp.slot_mapping = inp.positions.clone()
         return inp
 
     monkeypatch.setattr(ModelRunner, "prepare_inputs", contiguous)

@@ -7,6 +7,7 @@ import pytest
 from tracer_helpers import CoreProcess, start_loop
 
 from engine import LLM, Hooks, SamplingParams
+from engine.worker.input_batch import INPUT_KERNELS
 from tracer.conditions import on_arrive, on_finish, on_kernel, on_preempt, parse_condition
 from tracer.controller import StepController
 from tracer.session import TraceSession
@@ -308,7 +309,7 @@ def test_a_viewer_held_before_a_launch_sees_every_launch_before_it(mode):
     try:
         ctl.wait_until_paused(T)
         seen = []
-        while len(seen) < 4:
+        while len(seen) < 8:
             ctl.step(1, "kernel")
             stop = ctl.wait_until_paused(T)
             if stop.point == "kernel":
@@ -318,8 +319,9 @@ def test_a_viewer_held_before_a_launch_sees_every_launch_before_it(mode):
         loop.join(T)
     finally:
         session.close()
-    cache, attn = "reshape_and_cache_ref", "unified_attention_ref"
-    assert seen == [(0, cache, []), (0, attn, [cache]), (0, cache, [cache, attn]), (0, attn, [cache, attn, cache])]
+    # the step's inputs are built first (four launches), then each layer writes its cache and attends
+    names = [f"{k}_ref" for k in INPUT_KERNELS[:4]] + ["reshape_and_cache_ref", "unified_attention_ref"] * 2
+    assert seen == [(0, name, names[:i]) for i, name in enumerate(names)]
 
 
 def test_launch_events_keep_the_time_each_launch_ended():
@@ -332,9 +334,11 @@ def test_launch_events_keep_the_time_each_launch_ended():
         ev = {(e.layer, e.name): e for e in events if e.step == step and e.layer in ("model_runner", "sampler")}
         kernels = [e for e in events if e.layer == "kernel" and e.step == step]
         ts = [e.ts_ns for e in kernels]
-        assert len(kernels) == 8 and ts == sorted(set(ts))  # one launch after another, each its own time
-        assert ev["model_runner", "batch"].ts_ns < ts[0] and ts[-1] <= ev["sampler", "sampled"].ts_ns
-        assert [e.seq for e in kernels] == list(range(kernels[0].seq, kernels[0].seq + 8))
+        assert len(kernels) == 12 and ts == sorted(set(ts))  # one launch after another, each its own time
+        # the batch event follows the four launches that built it, and precedes the layers' launches
+        assert [e.name for e in kernels[:4]] == [f"{k}_ref" for k in INPUT_KERNELS[:4]]
+        assert ts[3] < ev["model_runner", "batch"].ts_ns < ts[4] and ts[-1] <= ev["sampler", "sampled"].ts_ns
+        assert [e.seq for e in kernels] == list(range(kernels[0].seq, kernels[0].seq + 12))
 
 
 def test_the_breakpoint_dialogs_kernel_example_stops_on_this_machine(mode):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, Hooks, SamplingParams
+from engine.worker.input_batch import INPUT_KERNELS
 from tests.tui.helpers import shown
 from tracer.replay import Replay
 from tracer.session import TraceSession
@@ -65,8 +66,9 @@ def test_a_kernel_gate_names_the_draft_models_launches():
     llm = LLM("tiny-gpt2", hooks=hooks, num_kv_blocks=16, speculative_config=DRAFT)
     llm.generate(["The list of the"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     first = [name for step, name in held if step == 0]
-    assert first[:8] == ["reshape_and_cache_ref", "unified_attention_ref"] * 4  # the target's 4 layers
-    assert first[8:] == ["draft:reshape_and_cache_ref", "draft:unified_attention_ref"] * 4  # 2 layers, 2 passes
+    assert first[:4] == [f"{k}_ref" for k in INPUT_KERNELS[:4]]  # the target's inputs are built first
+    assert first[4:12] == ["reshape_and_cache_ref", "unified_attention_ref"] * 4  # the target's 4 layers
+    assert first[12:] == ["draft:reshape_and_cache_ref", "draft:unified_attention_ref"] * 4  # 2 layers, 2 passes
 
 
 @pytest.mark.asyncio

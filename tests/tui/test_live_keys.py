@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from engine.worker.input_batch import INPUT_KERNELS
 from tests.tui.helpers import shown
 from tracer.replay import Replay
 from tracer.tui.screens.breakpoints import BreakpointsScreen
@@ -114,18 +115,20 @@ async def test_k_stops_before_each_kernel_launch_and_the_kernels_panel_says_whic
         await live.submit()
         await pilot.press("5")
         points = []
-        for _ in range(2):
+        inputs = len(INPUT_KERNELS) - 1  # the launches that build the step's inputs (post_update comes after sampling)
+        for _ in range(inputs + 2):
             await pilot.press("k")
             points.append(await live.held())
         second = points[-1]
         panel = live.app.query_one(KernelsPanel)
         await live.settle(pilot, until=lambda: "held before" in shown(panel.query_one("#kernels-head")))
-        assert [p.point for p in points] == ["kernel", "kernel"]  # from before step 0: its first launch
-        assert len(live.source.refresh().kernels) == 1  # the first launch ran, the second is held before
+        assert [p.point for p in points] == ["kernel"] * (inputs + 2)  # from before step 0: its first launch
+        assert [p.info["name"] for p in points[:inputs]] == [f"{k}_ref" for k in INPUT_KERNELS[:inputs]]
+        assert len(live.source.refresh().kernels) == inputs + 1  # the inputs' and the cache write ran
         head = shown(panel.query_one("#kernels-head"))
         assert f"held before {second.info['name']} (layer 0)" in head, shown_state(live)
-        assert panel.query_one("#kernels-table").row_count == 1
-        row = shown(panel.query_one("#kernels-table")).splitlines()[1]
+        assert panel.query_one("#kernels-table").row_count == inputs + 1
+        row = shown(panel.query_one("#kernels-table")).splitlines()[inputs + 1]
         assert "reshape_and_cache_ref" in row and "key 37×4×32" in row  # full name; 11 + 25 + 1 tokens: the shapes
         assert "held before the kernel launch unified_attention_ref (layer 0) of step 0: k runs it" in header(live.app)
 
@@ -141,9 +144,9 @@ async def test_k_after_the_forward_pass_runs_to_the_next_steps_first_launch(live
         assert stop.point == "postprocess"
         await pilot.press("k")
         stop = await live.held()
-        assert (stop.point, stop.step, stop.info["name"]) == ("kernel", 1, "reshape_and_cache_ref")
+        assert (stop.point, stop.step, stop.info["name"]) == ("kernel", 1, "prepare_prefill_inputs_ref")
         await live.settle(pilot, until=lambda: "of step 1" in header(live.app))
-        assert ("held before the kernel launch reshape_and_cache_ref (layer 0) of step 1: k runs it "
+        assert ("held before the kernel launch prepare_prefill_inputs_ref of step 1: k runs it "
                 "(you stepped to the next kernel launch (k))") in header(live.app), header(live.app)
 
 
@@ -153,7 +156,7 @@ async def test_t_runs_the_held_attention_launch_through_the_triton_kernel(live):
         await pilot.press("t")  # not held at an attention launch: says how to get there
         await live.settle(pilot)
         assert live.app.query_one(KernelsPanel).rerun is None
-        for _ in range(2):  # the first launch of step 0, then the attention launch
+        for _ in range(len(INPUT_KERNELS) + 1):  # step 0's input launches, its cache write, then its attention
             await pilot.press("k")
             stop = await live.held()
         assert stop.info["name"] == "unified_attention_ref"

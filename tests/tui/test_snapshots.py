@@ -25,7 +25,8 @@ def app_at(trace, pane: str) -> TraceApp:
 
 async def _choose_attention_program(pilot) -> None:
     app = pilot.app
-    app.query_one("#kernels-table").move_cursor(row=1)  # layer 0's unified_attention
+    # layer 0's unified_attention: after the 4 launches that build the step's inputs and its cache write
+    app.query_one("#kernels-table").move_cursor(row=5)
     await pilot.pause()
     await pilot.press("enter")  # into its program grid
     await pilot.press("down", "down", "down", "down")  # (← → travel in time in a replay) 4 heads: program 1

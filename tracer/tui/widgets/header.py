@@ -19,7 +19,7 @@ POINTS = {  # where the engine holds -> what it is waiting to do
     "grammar_bitmask": "after the forward pass of step {step}, before the grammar bitmask: s goes on",
     "sample_tokens": "after the grammar bitmask of step {step}, before sample_tokens: s goes on",
     "postprocess": "after sampling step {step}, before update_from_output appends its tokens: s goes on",
-    "kernel": "before the kernel launch {name} (layer {layer}) of step {step}: k runs it",
+    "kernel": "before the kernel launch {name}{layer} of step {step}: k runs it",
     "step_end": "at the end of step {step}, its tokens out: n runs the next step",
 }
 WHY = {"pause": "you paused (space)", "step step": "you stepped over a step (n)",
@@ -51,8 +51,9 @@ def held_text(frame: Frame) -> str:
         return f"held at {c.get('point')}: {c.get('reason') or ''}"
     info = (frame.state.paused_at or {}).get("info") or {}
     step = c.get("step") if c.get("step") is not None else frame.state.step
+    layer = info.get("layer_idx", "?")  # None: a launch of no layer (building the inputs, sampling)
     what = POINTS[c.get("point")].format(step=step, point=c.get("point"), name=info.get("name", "?"),
-                                                           layer=info.get("layer_idx", "?"))
+                                         layer="" if layer is None else f" (layer {layer})")
     if c.get("point") == "kernel" and str(info.get("name", "")).startswith("unified_attention"):
         what += ", t runs it on Triton"
     reason = c.get("reason") or ""

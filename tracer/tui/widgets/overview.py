@@ -51,15 +51,13 @@ def rank0_launches(s) -> list[dict]:
 
 def kernel_lines(frame: Frame, limit: int) -> list[Text]:
     """One line per kernel of the step's launches: how many, total time, time per launch (rank
-    0's with tensor parallelism: every rank does the same launches). A profiled step has every op
-    as a launch: the longest ones first."""
+    0's with tensor parallelism: every rank does the same launches), the longest ones first (the
+    step's few input-building launches come before its layers'; a profiled step has every op as a
+    launch)."""
     per: dict[str, list[int]] = {}
-    launches = rank0_launches(frame.state)
-    for k in launches:
+    for k in rank0_launches(frame.state):
         per.setdefault(k["name"], []).append(k.get("duration_ns") or 0)
-    items = list(per.items())
-    if any(k.get("profiled") for k in launches):
-        items.sort(key=lambda kv: -sum(kv[1]))
+    items = sorted(per.items(), key=lambda kv: -sum(kv[1]))
     lines = []
     for name, times in items[:limit]:
         lines.append(Text.assemble(f"  {name:<24}", (f"{len(times):>3}×", "dim"), f"  {fmt_ns(sum(times)):>9} total",

@@ -76,7 +76,8 @@ def launch_head(frame: Frame, launches: list[dict], rank: int | None) -> Text:
                          (f" ({s.phase})" if s.phase not in ("done", "idle") else "", "dim"))
     held = held_launch(frame)
     if held is not None:
-        head.append(f"   held before {held.get('name', '?')} (layer {held.get('layer_idx', '?')})", "yellow")
+        layer = held.get("layer_idx", "?")  # None: a launch of no layer (building the inputs, sampling)
+        head.append(f"   held before {held.get('name', '?')}{'' if layer is None else f' (layer {layer})'}", "yellow")
         if str(held.get("name", "")).startswith("unified_attention_ref"):
             head.append("  t: run it on Triton", "bold yellow")
     if multi_rank(s):

@@ -59,7 +59,8 @@ def profiled_head(frame: Frame, ops, roof: Roofline | None, calibrating: bool, r
         head.append(f" = {total / s.step_ns:.0%} of the step's {fmt_ns(s.step_ns)} wall time")
     held = held_launch(frame)
     if held is not None:
-        head.append(f"   held before {held.get('name', '?')} (layer {held.get('layer_idx', '?')})", "yellow")
+        layer = held.get("layer_idx", "?")  # None: a launch of no layer (building the inputs, sampling)
+        head.append(f"   held before {held.get('name', '?')}{'' if layer is None else f' (layer {layer})'}", "yellow")
     if ranks:
         head.append(f"   rank {'all' if rank is None else rank} of {s.tensor_parallel_size}", "bold")
         head.append("  (r: next rank)", "dim")
