@@ -1,8 +1,10 @@
 """Each slot's block table (vLLM 0.33's ``v1/worker/gpu/block_table.py``).
 
 One row per request slot: the physical blocks of its logical blocks 0, 1, ..., padded with the
-null block (0). The scheduler sends only the blocks a request gained (or, resumed after a
-preemption, its whole new table); a step's tables are gathered from these rows by slot.
+null block (0). The scheduler sends a request's whole table when it comes whole (new, or resumed
+after a preemption), then only the blocks it gained; a step's tables are gathered from these rows
+by slot. (``resumed_req_ids``, V1's field for a runner that keeps preempted requests, would
+overwrite the row; Model Runner V2 and ours never send it.)
 """
 from __future__ import annotations
 

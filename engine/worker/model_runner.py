@@ -96,10 +96,12 @@ class ModelRunner:
 
     # ---- the persistent state (Model Runner V2's add_requests / update_requests / finish_requests) ----
     def finish_requests(self, scheduler_output: SchedulerOutput) -> None:
-        """Free the slots of the requests that finished since the last step."""
-        for rid in scheduler_output.finished_req_ids:
+        """Free the slots of the requests that finished since the last step, and of those preempted (as
+        V1's: a preempted request comes back whole, as a NewRequestData)."""
+        done = scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
+        for rid in sorted(done):  # sorted: every rank frees its slots in the same order
             self.req_states.remove_request(rid)
-        self.sampler.finish_requests(scheduler_output.finished_req_ids)  # their sampling slots are free again
+        self.sampler.finish_requests(done)  # their sampling slots are free again
 
     def add_requests(self, scheduler_output: SchedulerOutput) -> None:
         """Each NewRequestData takes a slot: its tokens, block table and sampling settings."""

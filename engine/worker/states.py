@@ -3,11 +3,11 @@
 A request the scheduler sends whole (``NewRequestData``) takes a free slot and keeps it until it
 finishes: its tokens (the prompt, then every token this worker sampled for it), where its computed
 tokens end, its sampling parameters and its seed (the sampler keys every draw by (seed, position)).
-Later steps only say how far it got (``CachedRequestData``). A preempted request keeps its slot and
-state: it comes back as resumed, recomputing its tokens from the ones held here. Slots are rows of
-numpy buffers that the input-building steps read by index (``idx_mapping``); the buffers grow when
-more requests are live than they have rows (preempted requests hold theirs), and a row's length
-grows to max_model_len.
+Later steps only say how far it got (``CachedRequestData``). A preempted request gives its slot up
+(``finish_requests`` frees the slots of ``preempted_req_ids`` too, as V1's): it comes back whole, its
+prompt and generated tokens to compute again. Slots are rows of numpy buffers that the
+input-building steps read by index (``idx_mapping``); the buffers grow when more requests are live
+than they have rows, and a row's length grows to max_model_len.
 """
 from __future__ import annotations
 

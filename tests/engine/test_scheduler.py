@@ -125,8 +125,9 @@ def test_waiting_requests_are_admitted_first_come_first_served():
 
 def test_the_scheduler_output_is_a_diff():
     """A request comes whole the first time (NewRequestData), then as its new blocks and where its
-    tokens start (CachedRequestData); a preempted one is named, and comes back as resumed with its
-    whole new block table; a finished one is named once. num_computed_tokens advances at schedule."""
+    tokens start (CachedRequestData); a preempted one is named (the workers drop it), and comes back
+    whole (Model Runner V2's protocol), with its whole new block table and every token to compute
+    again; a finished one is named once. num_computed_tokens advances at schedule."""
     h = Harness(num_blocks=1 + 4, max_num_seqs=2, max_num_batched_tokens=64)
     old, new = h.add(7, max_tokens=16), h.add(7, max_tokens=16)
     out = h.step()
@@ -146,8 +147,11 @@ def test_the_scheduler_output_is_a_diff():
         h.scheduler.finish_requests([old.request_id], RequestStatus.FINISHED_ABORTED)
         out = h.step()
     c = out.scheduled_cached_reqs
-    assert out.finished_req_ids == {old.request_id} and c.resumed_req_ids == {new.request_id}
-    assert c.num_computed_tokens == [0] and c.new_block_ids == [(new.block_ids,)]
+    assert out.finished_req_ids == {old.request_id} and not c.req_ids and not c.resumed_req_ids
+    [again] = out.scheduled_new_reqs
+    assert (again.req_id, again.num_computed_tokens, again.block_ids) == (new.request_id, 0, (new.block_ids,))
+    # its prompt and what it generated before the preemption (h.step() appended this step's token since)
+    assert again.prefill_token_ids == new.all_token_ids[:-1] and len(again.prefill_token_ids) > len(prompt)
 
 
 def test_update_from_output_takes_back_rejected_drafts():

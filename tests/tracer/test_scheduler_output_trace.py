@@ -8,7 +8,7 @@ from tracer.tui.widgets.step import decisions
 def test_the_step_panel_shows_the_diff_and_the_slots():
     hooks = Hooks()
     session = TraceSession(hooks)
-    engine = LLM("tiny-gpt2", hooks=hooks).llm_engine
+    engine = LLM("tiny-gpt2", hooks=hooks, async_scheduling=False).llm_engine  # one whole step per call
     try:
         engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=3))
         texts = []

@@ -33,7 +33,9 @@ class NewRequestData:
 class CachedRequestData:
     """The requests the workers already hold, as parallel lists (V1's fields)."""
     req_ids: list[str] = field(default_factory=list)
-    resumed_req_ids: set[str] = field(default_factory=set)  # their new_block_ids replace the table
+    # their new_block_ids replace the table (V1's field: Model Runner V2 drops a preempted request,
+    # which comes back as NewRequestData, so it stays empty here)
+    resumed_req_ids: set[str] = field(default_factory=set)
     new_token_ids: list[list[int]] = field(default_factory=list)  # empty lists: the workers keep their tokens
     all_token_ids: dict[str, list[int]] = field(default_factory=dict)
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)  # appended to the table
@@ -59,6 +61,7 @@ class SchedulerOutput:
     step: int = 0
     admitted: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # preempted_req_ids in preemption order
+    resumed: list[str] = field(default_factory=list)  # sent whole again after a preemption
     waiting_reasons: dict[str, str] = field(default_factory=dict)  # request id -> why not admitted
     token_budget: int = 0
     grammar_failed: dict[str, str] = field(default_factory=dict)  # request id -> why (finished, never ran)
@@ -97,5 +100,5 @@ def diff_summary(sched: SchedulerOutput) -> dict:
 
     c = sched.scheduled_cached_reqs
     return {"new": [n.req_id for n in sched.scheduled_new_reqs], "cached": list(c.req_ids),
-            "resumed": sorted(c.resumed_req_ids), "preempted": sorted(sched.preempted_req_ids),
+            "resumed": list(sched.resumed), "preempted": sorted(sched.preempted_req_ids),
             "finished": sorted(sched.finished_req_ids), "num_bytes": len(encoder().encode(sched))}

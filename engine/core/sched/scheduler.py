@@ -81,7 +81,6 @@ class Scheduler:
         # slots past a request's scheduled tokens, for a draft model's proposals (V1's num_lookahead_tokens)
         self.num_lookahead_tokens = num_lookahead_tokens
         self._sent_blocks: dict[str, int] = {}  # request id -> blocks of its table the workers hold
-        self._resumed: set[str] = set()  # preempted since they last ran: sent as resumed when they run again
         # request id -> how many tokens its grammar allowed at each position it scores (the last bitmask)
         self.grammar_allowed_per_pos: dict[str, list[int]] = {}
 
@@ -179,9 +178,10 @@ class Scheduler:
                                     for r in skipped}
 
     def _make_diff(self, out: SchedulerOutput) -> None:
-        """What the workers do not know yet: a request they never held comes whole (NewRequestData);
-        one they hold comes as its new blocks and where its tokens start (CachedRequestData; after a
-        preemption as resumed, its whole block table). The workers keep the tokens they sampled."""
+        """What the workers do not know yet (Model Runner V2's protocol): a request they do not hold
+        comes whole (NewRequestData: new, or resumed after a preemption, which made them drop it, with
+        every token to compute again); one they hold comes as its new blocks and where its tokens start
+        (CachedRequestData). The workers keep the tokens they sampled."""
         cached, sent = out.scheduled_cached_reqs, self._sent_blocks
         for rid in out.num_scheduled_tokens:
             req = self.requests[rid]
@@ -191,15 +191,13 @@ class Scheduler:
                 out.scheduled_new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, req.params, (list(req.block_ids),), req.num_computed_tokens,
                     list(req.all_token_ids), req.eos_token_id, req.sampling_seed or 0))
+                if req.num_preemptions:
+                    out.resumed.append(rid)
                 continue
-            resumed = rid in self._resumed
-            if resumed:
-                cached.resumed_req_ids.add(rid)
-                self._resumed.discard(rid)
-            new_blocks = req.block_ids if resumed else req.block_ids[have:]
+            new_blocks = req.block_ids[have:]
             cached.req_ids.append(rid)
             cached.new_token_ids.append([])
-            cached.new_block_ids.append((list(new_blocks),) if new_blocks or resumed else None)
+            cached.new_block_ids.append((list(new_blocks),) if new_blocks else None)
             cached.num_computed_tokens.append(req.num_computed_tokens)
             cached.num_output_tokens.append(len(req.output_token_ids) + req.num_output_placeholders)
 
@@ -349,7 +347,7 @@ class Scheduler:
             self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
         out.preempted_req_ids.add(req.request_id)
-        self._resumed.add(req.request_id)  # the workers keep its state: it comes back as resumed
+        self._sent_blocks.pop(req.request_id, None)  # the workers drop it: it comes back whole (NewRequestData)
         if self.hooks.active:
             self.hooks.emit(SCHEDULER, PREEMPTED, request_id=req.request_id, step=out.step, reason=reason)
 
@@ -428,7 +426,6 @@ class Scheduler:
             req.status = finished_status
             self.finished_req_ids.add(rid)
             self._sent_blocks.pop(rid, None)
-            self._resumed.discard(rid)
             if req in self.running:
                 self.running.remove(req)
             elif req in self.waiting:

@@ -129,8 +129,9 @@ def sent_line(diff: dict | None, batch: dict) -> Text | None:
         return None
     t = Text("sent to the workers: ", "bold")
     t.append(f"{diff['num_bytes']:,} bytes; ")
-    t.append(f"new (whole): {', '.join(diff['new']) or 'none'}; ", "green" if diff["new"] else "dim")
-    cached = [rid + (" (resumed)" if rid in diff["resumed"] else "") for rid in diff["cached"]]
+    new = [rid + (" (resumed)" if rid in diff.get("resumed", ()) else "") for rid in diff["new"]]
+    t.append(f"new (whole): {', '.join(new) or 'none'}; ", "green" if new else "dim")
+    cached = diff["cached"]
     t.append(f"cached (diff): {', '.join(cached) or 'none'}", "" if cached else "dim")
     for key in ("preempted", "finished"):
         if diff[key]:
