@@ -135,7 +135,8 @@ def run(lesson) -> None:
         "second? And if the decode batch grows from 1 to 8 requests, how much longer is a step?",
         "Prefill, by far. A decode step of 8 costs far less than 8 steps of 1: most of its cost is "
         "paid once per step, however many requests share it.")
-    plain = LLM(model=lesson.model, num_kv_blocks=256, enable_prefix_caching=False).llm_engine
+    plain = LLM(model=lesson.model, num_kv_blocks=256, enable_prefix_caching=False,
+                async_scheduling=False).llm_engine
     cfg = plain.engine_core.engine_core.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in plain.engine_core.engine_core.model.parameters())
     pre, dec = measure(plain, ROUNDS)

@@ -89,7 +89,7 @@ def run(lesson) -> None:
                "added. (vLLM itself checks this at startup: with chunked prefill off it requires "
                "`max_num_batched_tokens >= max_model_len`.)")
     llm_off = LLM(model=lesson.model, block_size=BLOCK, num_kv_blocks=64, max_num_batched_tokens=BUDGET,
-                  enable_chunked_prefill=False)
+                  enable_chunked_prefill=False, async_scheduling=False)
     try:
         llm_off.llm_engine.add_request("L", {"prompt_token_ids": [1] * LONG}, greedy(3))
         refused = ""

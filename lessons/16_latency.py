@@ -142,7 +142,7 @@ def timeline(model: str, arrivals: list, **engine_kw) -> dict:
     so other programs on this shared machine do not enter the numbers. On a GPU (whose kernels
     run asynchronously) it is wall-clock time. Returns per request its arrival, first-scheduled
     and token times (ms), and every step's duration."""
-    engine = LLM(model, enable_prefix_caching=False, **engine_kw).llm_engine
+    engine = LLM(model, enable_prefix_caching=False, async_scheduling=False, **engine_kw).llm_engine
     now = clock_for(engine.engine_core.engine_core.device)
     pending = sorted(arrivals, key=lambda a: a[0])
     clock, k, steps = 0.0, 0, []

@@ -50,8 +50,8 @@ def run(lesson) -> None:
         "afterwards it is one entry of `CachedRequestData`: how many tokens are computed and the blocks it "
         "gained, if any. That small message is what lets one `SchedulerOutput` go to every tensor-parallel "
         "rank. This lesson records the messages of a real run and reads the worker's slots beside them.")
-    # one whole step per call (async scheduling, the default, keeps two steps in flight; the messages are the same)
-    llm, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=64, async_scheduling=False)
+    # (the lessons' engines step synchronously: one whole step per call; async scheduling sends the same messages)
+    llm, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=64)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     runner = core.model_executor.worker.model_runner
@@ -134,7 +134,7 @@ def _preemption(lesson) -> None:
                "`preempted_req_ids`. Model Runner V2 drops it from its slots, like a finished one; when it runs "
                "again it is sent whole once more, a `NewRequestData` whose `prefill_token_ids` are its prompt "
                "*and* the tokens it had generated: all of them are computed again.")
-    tight, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=9, async_scheduling=False, enable_prefix_caching=False)
+    tight, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=9, enable_prefix_caching=False)
     engine = tight.llm_engine
     core = engine.engine_core.engine_core
     sent = _record_schedules(core)
@@ -153,7 +153,7 @@ def _preemption(lesson) -> None:
                  and back.prefill_token_ids[:len(prompts[victim])] == prompts[victim],
                  f"{victim} came back as a NewRequestData: its {len(prompts[victim])}-token prompt and the "
                  f"{len(back.prefill_token_ids) - len(prompts[victim])} tokens it had generated, none computed")
-    roomy, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=64, async_scheduling=False)
+    roomy, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=64)
     alone = roomy.generate([{"prompt_token_ids": ids} for ids in prompts.values()], greedy(16), use_tqdm=False)
     lesson.check([outs[rid] for rid in prompts] == [o.outputs[0].token_ids for o in alone],
                  "and the tokens are the same as without a preemption: recomputing gives the same K/V")

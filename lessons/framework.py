@@ -117,11 +117,15 @@ class Lesson:
 
     # ---- the engine -------------------------------------------------------------------------
     def engine(self, trace_file: str | None = None, **llm_kwargs) -> tuple[LLM, TraceSession]:
-        """A real engine on the lesson's model, with a trace session recording its events."""
+        """A real engine on the lesson's model, with a trace session recording its events (synchronous
+        scheduling unless the lesson passes async_scheduling=True)."""
         hooks = Hooks()
         session = TraceSession(hooks, trace_file=trace_file, control=False, model=self.model)
         self.sessions.append(session)
         llm_kwargs.setdefault("model", self.model)
+        # the lessons take the step apart, one whole step per engine.step(): async scheduling (vLLM's
+        # default, two steps in flight, a call returning the older one's outputs) only where a lesson asks
+        llm_kwargs.setdefault("async_scheduling", False)
         llm = LLM(hooks=hooks, **llm_kwargs)
         self.llms.append(llm)
         return llm, session

@@ -270,8 +270,9 @@ class EngineCore:
         if is_start == (self.profiling_since is not None):
             return dict(profiling=is_start, step=self.profiling_since, profiler_dir=self.config.profiler_dir, ranks=[])
         ranks = self.model_executor.profile(is_start)
-        step = self.step_count if is_start else self.step_count - 1
-        self.profiling_since = self.step_count if is_start else None
+        upcoming = self.scheduler.num_scheduled_steps  # the next step scheduled (async: ahead of step_count)
+        step = upcoming if is_start else upcoming - 1
+        self.profiling_since = upcoming if is_start else None
         info = dict(profiling=is_start, step=step, profiler_dir=self.config.profiler_dir, ranks=ranks)
         if self.hooks.active:
             self._trace_profile(info)

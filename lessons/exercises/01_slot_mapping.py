@@ -120,7 +120,8 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
 
     # ---- inside the engine ----
     g.say("Now inside a real engine: its model runner's compute_slot_mappings launch is your function.")
-    llm = LLM(model, block_size=BLOCK, num_kv_blocks=32, max_num_batched_tokens=BUDGET, enable_prefix_caching=False)
+    llm = LLM(model, block_size=BLOCK, num_kv_blocks=32, max_num_batched_tokens=BUDGET, enable_prefix_caching=False,
+              async_scheduling=False)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     steps = []
@@ -144,7 +145,7 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
             "slot mappings named", f"{len(filled - written)} other slots hold data, {len(written - filled)} named "
             "ones are empty")
     ref = workload(LLM(model, block_size=BLOCK, num_kv_blocks=32, max_num_batched_tokens=BUDGET,
-                       enable_prefix_caching=False).llm_engine)
+                       enable_prefix_caching=False, async_scheduling=False).llm_engine)
     bad = [r for r in ref if outputs.get(r) != ref[r]]
     g.check(not bad, "the greedy output of A, B and C is token for token the engine's own",
             f"request(s) {bad} generated other tokens")

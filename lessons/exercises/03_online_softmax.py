@@ -118,7 +118,7 @@ def run_workload(engine) -> dict[str, list[int]]:
 def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     by_hand(fn, g)
     g.say("Now inside a real engine: every query row and head of every layer is your function's.")
-    kw = dict(block_size=BLOCK, num_kv_blocks=16, enable_prefix_caching=False)
+    kw = dict(block_size=BLOCK, num_kv_blocks=16, enable_prefix_caching=False, async_scheduling=False)
     engine = LLM(model, **kw).llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     reference, worst, calls = core.model.backend.forward, [0.0, ""], [0]

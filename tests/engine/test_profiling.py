@@ -58,7 +58,8 @@ def test_gpt2_every_op_while_profiling_and_only_the_kernels_otherwise():
     rec.events.clear()
 
     started = llm.start_profile()
-    assert started["profiling"] is True and started["step"] == llm.llm_engine.engine_core.engine_core.step_count
+    next_step = llm.llm_engine.engine_core.engine_core.scheduler.num_scheduled_steps
+    assert started["profiling"] is True and started["step"] == next_step
     assert llm.start_profile()["ranks"] == []  # already on: nothing changes
     during = _tokens(llm, PROMPTS)
     stopped = llm.stop_profile()
