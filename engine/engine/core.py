@@ -151,7 +151,7 @@ class EngineCore:
         args = (self.config, self.model_path, self.model_config, self.device, self.dtype, self.attention_backend)
         if self.config.parallel.distributed_executor_backend == "mp":
             return MultiprocExecutor(*args, self.hooks, on_dead=lambda reason: self.on_dead and self.on_dead(reason))
-        return UniProcExecutor(Worker(*args, hooks=self.hooks))
+        return UniProcExecutor(Worker(*args, hooks=self.hooks), self.config.scheduler.async_scheduling)
 
     # With one rank the model, its KV cache and its model runner live here, for lessons to read
     @property

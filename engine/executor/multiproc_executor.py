@@ -151,9 +151,10 @@ class ExecutorThread:
 class UniProcExecutor(Executor):
     """One rank in this process: the worker gets the scheduler's own SchedulerOutput."""
 
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker, async_scheduling: bool = False):
         self.worker = worker
         self.hooks = worker.hooks
+        self.async_scheduling = async_scheduling  # the forward pass runs on the executor thread
 
     def load_model(self, progress=None) -> dict:
         return self.worker.load_model(progress)
@@ -177,6 +178,8 @@ class UniProcExecutor(Executor):
         return self.worker.take_draft_token_ids()
 
     def profile(self, is_start: bool) -> list[dict]:
+        if self.async_scheduling:  # torch.profiler records the thread that starts it: the forward pass's
+            return [self._submit(self.worker.profile, is_start).result()]
         return [self.worker.profile(is_start)]
 
     def held_attention_on_triton(self) -> dict:
