@@ -47,7 +47,8 @@ def test_kernel_launches_reach_the_hooks():
     hooks, events, gates = Hooks(), [], []
     hooks.subscribe(lambda layer, name, kind, rid, step, attrs: events.append((layer, name, step, attrs)))
     hooks.add_gate(lambda point, info: gates.append((point, info)))
-    llm = LLM("tiny-gpt2", attention_backend="triton", num_kv_blocks=32, hooks=hooks)
+    # synchronous: the forward pass on this thread, where instrument.observe records the launches
+    llm = LLM("tiny-gpt2", attention_backend="triton", num_kv_blocks=32, hooks=hooks, async_scheduling=False)
     records = []
     with instrument.observe(records.append):  # the runner's own observer nests inside this one
         llm.generate(["abc", "hello"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)

@@ -26,7 +26,9 @@ def test_stats_counts_the_steps_run(multiprocess):
         llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
         stats = llm.llm_engine.stats()
         assert isinstance(stats, EngineStats)
-        assert (stats.step, stats.num_waiting, stats.num_running) == (3, 0, 0)
+        # three steps, one token each; async scheduling (the default) may also have scheduled an empty
+        # fourth while the third token was in flight, as vLLM's step_with_batch_queue does
+        assert stats.step in (3, 4) and (stats.num_waiting, stats.num_running) == (0, 0)
         assert stats.num_free_blocks == stats.num_total_blocks > 0
     finally:
         llm.llm_engine.shutdown()
