@@ -128,15 +128,20 @@ class ExecutorThread:
 
     def __init__(self):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="executor", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="executor", daemon=True)
+        self._thread.start()
 
     def submit(self, fn, *args) -> Future:
         fut: Future = Future()
         self._calls.put((fut, fn, args))
         return fut
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the thread after the calls submitted so far, and wait for it: a process that exits
+        while the thread is inside a torch op is aborted ("terminate called ...")."""
         self._calls.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:
