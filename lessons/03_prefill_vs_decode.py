@@ -153,9 +153,11 @@ def run(lesson) -> None:
     p_tps, d1_tps = N / pre[N], 1 / dec[1]
     lesson.check(p_tps > 5 * d1_tps,
                  f"prefill of {N} runs {p_tps / d1_tps:.0f}× more tokens/s than a single request decoding")
-    lesson.check(pre[256] > 3 * pre[16],
+    # (how much it grows depends on the machine: a step's fixed cost, building inputs and launching
+    # ops, is a larger share where each op is fast; 16× the tokens measured 3× to 6× the time on CPUs)
+    lesson.check(pre[256] > 1.5 * pre[16],
                  f"prefill step time grows with the tokens in it ({pre[16] * 1e3:.1f} → {pre[256] * 1e3:.1f} ms "
-                 "for 16× the tokens): there is real work per token")
+                 "for 16× the tokens): there is real work per token, beside a fixed cost per step")
     lesson.check(dec[8] < 3 * dec[1],
                  f"a decode step of 8 requests takes {dec[8] / dec[1]:.1f}× the time of 1 — far from 8×")
     lesson.check(8 / dec[8] > 3 / dec[1], "so batching 8 decodes gives over 3× the decode tokens/s")
