@@ -11,7 +11,7 @@ from tracer.export import FORWARD_TID, to_chrome_trace
 
 def test_the_next_step_is_scheduled_during_the_forward_pass(tmp_path):
     path = tmp_path / "async.jsonl"
-    traced_run(path, max_tokens=12)
+    traced_run(path, max_tokens=12, async_scheduling=True)
     header, events = read_trace(path)
     schedule_begin = {e.step: e.ts_ns for e in events if (e.layer, e.name, e.kind) == (SCHEDULER, SCHEDULE, BEGIN)}
     forward = {e.step: e.ts_ns for e in events if (e.layer, e.name, e.kind) == (MODEL_RUNNER, EXECUTE_MODEL, END)}

@@ -15,7 +15,9 @@ def trace(tmp_path_factory):
     path = tmp_path_factory.mktemp("export") / "trace.jsonl"
     hooks = Hooks()
     with TraceSession(hooks, trace_file=path, control=False, model="tiny-gpt2"):
-        llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=10, max_num_batched_tokens=64)
+        # synchronous steps (test_async_trace exports an async run)
+        llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=10, max_num_batched_tokens=64,
+                  async_scheduling=False)
         llm.generate(["one two three four five", "six seven", "eight nine ten eleven twelve"],
                      SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     return path
@@ -39,12 +41,14 @@ def test_perfetto_export_is_structurally_valid(trace):
         {e["name"] for e in evs if e["ph"] == "C"}
     kernels = [e for e in evs if e["ph"] == "X" and e["cat"] == "kernel"]
     assert kernels and all("grid" in k["args"] and "launch" not in k["args"] for k in kernels)
-    # the torch backend's launches: a cache write and an attention call per layer per step
-    assert {k["name"] for k in kernels} == {"reshape_and_cache_ref", "unified_attention_ref"}
+    # the torch backend's launches: the step's input kernels, a cache write and an attention call per layer
+    inputs = {"prepare_prefill_inputs_ref", "prepare_pos_seq_lens_ref", "gather_block_tables_ref",
+              "compute_slot_mappings_ref"}
+    assert {k["name"] for k in kernels} == inputs | {"reshape_and_cache_ref", "unified_attention_ref"}
     ran = [s for s in steps if s["args"]["batch"]]  # (async scheduling may add a last, empty step)
     assert len(steps) - len(ran) <= 1
-    assert len(kernels) == 2 * 4 * len(ran) and all(k["dur"] > 0 for k in kernels)
-    assert {k["args"]["layer_idx"] for k in kernels} == {0, 1, 2, 3}
+    assert len(kernels) == (2 * 4 + 4) * len(ran) and all(k["dur"] > 0 for k in kernels)  # + 4 input launches
+    assert {k["args"]["layer_idx"] for k in kernels} == {0, 1, 2, 3, None}  # None: the input launches
     threads = {e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"engine steps", "kernels", "engine spans"} <= threads
     assert any(e["name"] == "process_name" and e["args"]["name"] == "vllm-trace tiny-gpt2" for e in evs)

@@ -54,7 +54,7 @@ def test_k_steps_through_every_profiled_op():
     try:
         ctl.wait_until_paused(30)
         stops = []
-        while len(stops) < 9:
+        while len(stops) < 13:
             ctl.step(1, "kernel")
             stop = ctl.wait_until_paused(30)
             if stop.point == "kernel":
@@ -63,7 +63,9 @@ def test_k_steps_through_every_profiled_op():
         loop.join(30)
     finally:
         session.close()
-    assert stops == [("plan_attention", None), ("wte", None), ("wpe", None), ("ln_1", 0), ("c_attn", 0),
+    inputs = [(f"{k}_ref", None) for k in ("prepare_prefill_inputs", "prepare_pos_seq_lens", "gather_block_tables",
+                                            "compute_slot_mappings")]
+    assert stops == inputs + [("plan_attention", None), ("wte", None), ("wpe", None), ("ln_1", 0), ("c_attn", 0),
                      ("reshape_and_cache_ref", 0), ("unified_attention_ref", 0), ("attn.c_proj", 0), ("ln_2", 0)]
 
 

@@ -15,7 +15,7 @@ SHARED = "A shared prefix, a shared prefix! "
 def run_engine(**kw):
     hooks = Hooks()
     session = TraceSession(hooks, control=False)
-    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, **kw)
+    llm = LLM("tiny-gpt2", hooks=hooks, async_scheduling=False, block_size=4, **kw)
     engine = llm.llm_engine
     return session, engine
 
