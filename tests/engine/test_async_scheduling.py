@@ -25,13 +25,14 @@ def _core(llm: LLM):
 
 
 def _generate(prompts, params, **kw):
+    kw.setdefault("async_scheduling", True)  # the subject here (the engine's default is synchronous for now)
     llm = LLM(NAME, **kw)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         if not kw.get("multiprocess") and kw.get("tensor_parallel_size", 1) == 1:
             stats = _core(llm).stats()
             assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
-            assert isinstance(_core(llm).scheduler, AsyncScheduler) == kw.get("async_scheduling", True)  # the default
+            assert isinstance(_core(llm).scheduler, AsyncScheduler) == kw["async_scheduling"]
         return [[c.token_ids for c in o.outputs] for o in outs]
     finally:
         llm.shutdown()
