@@ -34,7 +34,7 @@ async def test_every_panel_agrees_with_the_header_after_a_burst(live):
         last = live.source.refresh().step
         assert f"step {last} (done)" in shown(live.app.query_one(StatusHeader))
         assert shown(live.app.query_one("#step-left")).lstrip().startswith(f"step {last}  batch of")
-        for key, panel, says in (("5", "#kernels-head", f"step {last}: 8 launches"),
+        for key, panel, says in (("5", "#kernels-head", f"step {last}: 12 launches"),  # 4 input, 2 per layer
                                  ("1", "#overview-body", f"step {last} (done)")):
             await pilot.press(key)  # shown: drawn at once, whatever its throttle says
             assert says in shown(live.app.query_one(panel))
