@@ -63,15 +63,16 @@ async def test_the_scroll_indicator_leaves_the_column_names_alone_and_the_full_r
         await pilot.pause()
         await live.submit([f"waiting request number {i}" for i in range(30)])
         await pilot.press("2")
-        await live.settle(pilot)
-        await asyncio.sleep(0.3)  # 30 new rows at once: drawn at most BUSY_HZ times a second
-        await live.settle(pilot)
-        table = live.app.query_one("#requests-table")
-        head = shown(table).splitlines()[0]
+        table, detail = live.app.query_one("#requests-table"), live.app.query_one("#requests-detail")
+        for _ in range(150):  # 30 new rows at once are drawn at most BUSY_HZ times a second: wait until they are
+            await live.settle(pilot)
+            head = shown(table).splitlines()[0]
+            if "of 30" in head and "the engine is held" in detail.text:
+                break
+            await asyncio.sleep(0.1)
         for name in ("id", "state", "prompt", "output", "lifetime", "why waiting / finish"):
             assert name in head
         assert "↕" in head and "of 30" in head, (table.row_count, table.size, head)
-        detail = live.app.query_one("#requests-detail")
         assert "waiting: not scheduled yet: the engine is held" in detail.text  # in full, beside the list
 
 
