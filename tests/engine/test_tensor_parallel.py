@@ -1,7 +1,11 @@
 """Tensor parallelism with 2 CPU ranks (gloo): greedy outputs equal TP=1 and transformers under
 the default settings, forced preemption, chunked prefill and prefix caching, with no leaked
 blocks; every rank's kernels are traced; kernel gates cross into worker rank 0; a dead or
-failing worker is a clear error and leaves no process behind."""
+failing worker is a clear error and leaves no process behind.
+
+The tests that ask for the default settings share one TP=2 engine (traced from its start) and one
+TP=1 engine, module-scoped: a TP=2 start is two worker processes importing torch and joining gloo,
+the largest cost of this file when each test made its own."""
 from __future__ import annotations
 
 import os
@@ -30,8 +34,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _generate(prompts, **kwargs):
-    llm = LLM(NAME, tensor_parallel_size=2, **kwargs)
+def _generate(prompts, llm=None, **kwargs):
+    own = llm is None
+    llm = LLM(NAME, tensor_parallel_size=2, **kwargs) if own else llm
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         stats = llm.llm_engine.engine_core.engine_core.stats()
@@ -39,7 +44,8 @@ def _generate(prompts, **kwargs):
         assert stats.num_waiting == stats.num_running == 0
         return [o.outputs[0].token_ids for o in outs], stats
     finally:
-        llm.shutdown()
+        if own:
+            llm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +53,31 @@ def path():
     return str(builtin_path())
 
 
+@pytest.fixture(scope="module")
+def traced_tp2():
+    """One TP=2 engine with the default settings, every event it emitted from its start: (llm, events)."""
+    events = []
+    hooks = Hooks()
+    hooks.subscribe(lambda *e: events.append(e))
+    llm = LLM(NAME, tensor_parallel_size=2, hooks=hooks)
+    yield llm, events
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    return LLM(NAME)
+
+
 @pytest.mark.parametrize("setting", ["default", "preemption", "chunked_prefill", "prefix_caching"])
-def test_tp2_equals_tp1_and_transformers(path, setting):
+def test_tp2_equals_tp1_and_transformers(path, setting, request):
     kwargs = dict(default={}, preemption=dict(num_kv_blocks=12), chunked_prefill=dict(max_num_batched_tokens=16),
                   prefix_caching=dict(enable_prefix_caching=True))[setting]
     prompts = _prompts(shared_prefix=48 if setting == "prefix_caching" else 0)
-    got, stats = _generate(prompts, **kwargs)
-    tp1 = LLM(NAME, **kwargs).generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    shared = setting == "default"
+    got, stats = _generate(prompts, request.getfixturevalue("traced_tp2")[0] if shared else None, **kwargs)
+    one = request.getfixturevalue("tp1") if shared else LLM(NAME, **kwargs)
+    tp1 = one.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in tp1]
     assert got == hf_greedy(path, prompts, MAX_NEW)
     if setting == "preemption":
@@ -62,16 +86,12 @@ def test_tp2_equals_tp1_and_transformers(path, setting):
         assert stats.prefix_cache_hits > 0
 
 
-def test_seeded_sampling_and_logprobs_equal_tp1():
+def test_seeded_sampling_and_logprobs_equal_tp1(traced_tp2, tp1):
     """Every rank samples with each request's seed, keyed by position: the same draws as TP=1."""
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=12, logprobs=2) for s in range(4)]
     prompts = ["Once upon a time", "The cat", "A list of", "In the morning"]
-    tp1 = LLM(NAME).generate(prompts, params, use_tqdm=False)
-    llm = LLM(NAME, tensor_parallel_size=2)
-    try:
-        tp2 = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.shutdown()
+    tp1 = tp1.generate(prompts, params, use_tqdm=False)
+    tp2 = traced_tp2[0].generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in tp2] == [o.outputs[0].token_ids for o in tp1]
     for a, b in zip(tp1, tp2):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -79,15 +99,11 @@ def test_seeded_sampling_and_logprobs_equal_tp1():
             assert all(abs(la[t].logprob - lb[t].logprob) < 1e-4 for t in la)
 
 
-def test_every_rank_is_traced():
-    events = []
-    hooks = Hooks()
-    hooks.subscribe(lambda *e: events.append(e))
-    llm = LLM(NAME, tensor_parallel_size=2, hooks=hooks)
-    try:
-        llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    finally:
-        llm.shutdown()
+def test_every_rank_is_traced(traced_tp2):
+    llm, all_events = traced_tp2
+    start = len(all_events)
+    llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    events = all_events[start:]  # this generate's steps (the startup's events are read from all_events below)
     n_layer = 4  # tiny-gpt2
     kernels = [e for e in events if e[0] == KERNEL and e[4] is not None]
     assert {e[5]["rank"] for e in kernels} == {0, 1}
@@ -116,10 +132,10 @@ def test_every_rank_is_traced():
         assert sorted(a["rank"] for a in mine) == [0, 1]
         assert len({a["digest"] for a in mine}) == 1 and len({str(a["num_scheduled_tokens"]) for a in mine}) == 1
     # each rank's startup: its heads, and its share of the KV cache
-    loads = {e[5]["rank"]: e[5] for e in events if e[0] == WORKER and e[1] == "model_load" and e[2] == "end"}
+    loads = {e[5]["rank"]: e[5] for e in all_events if e[0] == WORKER and e[1] == "model_load" and e[2] == "end"}
     assert loads[0]["heads"] == [0, 2] and loads[1]["heads"] == [2, 4]
     assert loads[0]["vocab"] == [0, 2048] and loads[1]["vocab"] == [2048, 4096]  # wte: 4096 rows, split
-    kv = [e[5] for e in events if e[0] == "engine" and e[1] == "kv_cache_alloc" and e[2] == "end"][0]
+    kv = [e[5] for e in all_events if e[0] == "engine" and e[1] == "kv_cache_alloc" and e[2] == "end"][0]
     assert [r["heads"] for r in kv["ranks"]] == [[0, 2], [2, 4]]
 
 
@@ -256,13 +272,9 @@ def _worker_pids() -> set[int]:
     return pids
 
 
-def test_llm_engine_objects_say_where_they_live():
-    llm = LLM(NAME, tensor_parallel_size=2)
-    try:
-        with pytest.raises(AttributeError, match="live in the worker processes"):
-            llm.llm_engine.engine_core.engine_core.model_runner
-    finally:
-        llm.shutdown()
+def test_llm_engine_objects_say_where_they_live(traced_tp2):
+    with pytest.raises(AttributeError, match="live in the worker processes"):
+        traced_tp2[0].llm_engine.engine_core.engine_core.model_runner
 
 
 def test_triton_backend_with_two_ranks():
@@ -277,19 +289,15 @@ def test_triton_backend_with_two_ranks():
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
 
 
-def test_the_parameter_count_is_the_models_whatever_the_ranks():
+def test_the_parameter_count_is_the_models_whatever_the_ranks(traced_tp2, tp1):
     """Norms, position embeddings and row-parallel biases are on every rank: counted once."""
     def model_load(llm):
         core = llm.llm_engine.engine_core.engine_core
         return next(details for stage, _, details in core.startup if stage == "model_load")
 
-    one = LLM(NAME)
-    llm = LLM(NAME, tensor_parallel_size=2)
-    try:
-        full, split = model_load(one), model_load(llm)
-        ranks = llm.llm_engine.engine_core.engine_core.model_executor.ranks
-    finally:
-        llm.shutdown()
+    one, llm = tp1, traced_tp2[0]
+    full, split = model_load(one), model_load(llm)
+    ranks = llm.llm_engine.engine_core.engine_core.model_executor.ranks
     model = one.llm_engine.engine_core.engine_core.model
     assert split["params"] == full["params"] == sum(p.numel() for p in model.parameters())
     assert sum(r["params"] for r in ranks) > full["params"] > 0  # each rank's shard: what is whole, on both
