@@ -6,7 +6,9 @@ min_tokens and not one before; max_tokens cuts at max_tokens even when accepted 
 a bad word never appears although it is the favourite. The prompt repeats that token, so the n-gram
 proposer drafts it again and again: a boundary off by one under speculation (a processor applied to
 a draft's row with the request as of the wrong position) emits it one position early or late. A
-sampled request (temperature 1, its own seed) must hold the same boundaries.
+sampled request (temperature 1, its own seed) must hold the same boundaries. Every mode runs with
+async scheduling off and on: on, a request's next positions are placeholders when the next step is
+scheduled, and each processor must still switch at the position the output reaches.
 """
 from __future__ import annotations
 
@@ -18,10 +20,16 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, seed=7)}
 
 
+MODES = ["no_spec", "ngram", "no_spec-async", "ngram-async"]
+
+
 @pytest.fixture(scope="module")
 def engines():
-    return {"no_spec": LLM("tiny-gpt2", num_kv_blocks=128), "ngram": LLM("tiny-gpt2", num_kv_blocks=128,
-                                                                         speculative_config=NGRAM)}
+    def make(mode: str) -> LLM:
+        spec = dict(speculative_config=NGRAM) if mode.startswith("ngram") else {}
+        return LLM("tiny-gpt2", num_kv_blocks=128, async_scheduling=mode.endswith("async"), **spec)
+
+    return {mode: make(mode) for mode in MODES}
 
 
 def _setup(llm):
@@ -39,7 +47,7 @@ def _accepted(llm) -> int:
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)
-@pytest.mark.parametrize("mode", ["no_spec", "ngram"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("m", [1, 4, 5])
 def test_min_tokens_lets_the_forced_stop_token_through_exactly_at_min_tokens(engines, mode, sampling, m):
     llm = engines[mode]
@@ -50,7 +58,7 @@ def test_min_tokens_lets_the_forced_stop_token_through_exactly_at_min_tokens(eng
     assert out.token_ids[m] == the and the not in out.token_ids[:m]
 
 
-@pytest.mark.parametrize("mode", ["no_spec", "ngram"])
+@pytest.mark.parametrize("mode", MODES)
 def test_min_tokens_lets_the_forced_eos_through_exactly_at_min_tokens(engines, mode):
     llm = engines[mode]
     tok, the, prompt = _setup(llm)
@@ -61,20 +69,20 @@ def test_min_tokens_lets_the_forced_eos_through_exactly_at_min_tokens(engines, m
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)
-@pytest.mark.parametrize("mode", ["no_spec", "ngram"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 7])
 def test_max_tokens_cuts_exactly_even_when_drafts_run_past_it(engines, mode, sampling, max_tokens):
     llm = engines[mode]
     _, the, prompt = _setup(llm)
-    before = _accepted(llm) if mode == "ngram" else 0
+    before = _accepted(llm) if mode.startswith("ngram") else 0
     out = _run(llm, prompt, max_tokens=max_tokens, ignore_eos=True, logit_bias={the: 100}, **SAMPLING[sampling])
     assert out.token_ids == [the] * max_tokens and out.finish_reason == "length"
-    if mode == "ngram" and max_tokens > 2:
+    if mode.startswith("ngram") and max_tokens > 2:
         assert _accepted(llm) > before  # the forced drafts were verified and accepted
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)
-@pytest.mark.parametrize("mode", ["no_spec", "ngram"])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_bad_word_never_appears_although_it_is_the_favourite(engines, mode, sampling):
     llm = engines[mode]
     _, the, prompt = _setup(llm)
@@ -83,7 +91,7 @@ def test_a_bad_word_never_appears_although_it_is_the_favourite(engines, mode, sa
     assert len(out.token_ids) == 12 and the not in out.token_ids
 
 
-@pytest.mark.parametrize("mode", ["no_spec", "ngram"])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_two_token_bad_word_bans_its_end_right_after_its_start(engines, mode):
     """" of the": " the" (forced) is banned exactly after " of"; " of" is forced at every other position,
     so the output alternates only if the ban switches on and off at the right positions."""
@@ -103,11 +111,12 @@ PENALTIES = {"frequency": dict(frequency_penalty=1.0), "presence_and_frequency":
                                                                                    frequency_penalty=0.5)}
 
 
+@pytest.mark.parametrize("scheduling", ["", "-async"])
 @pytest.mark.parametrize("penalty", PENALTIES)
-def test_a_penalty_switches_the_favourite_at_the_same_position_with_speculation(engines, penalty):
+def test_a_penalty_switches_the_favourite_at_the_same_position_with_speculation(engines, penalty, scheduling):
     """The favourite leads by a little (logit_bias); each repeat costs it more until another token wins.
     The drafts keep proposing the favourite, so the switch happens inside a verified run."""
-    base, spec = engines["no_spec"], engines["ngram"]
+    base, spec = engines["no_spec"], engines["ngram" + scheduling]
     _, the, prompt = _setup(base)
     kw = dict(max_tokens=16, ignore_eos=True, logit_bias={the: 6.0}, temperature=0.0, **PENALTIES[penalty])
     want = _run(base, prompt, **kw).token_ids
