@@ -8,6 +8,20 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every process this test session starts inherits this mark, so a test that looks for leftover processes
+# in /proc (tests.engine.test_tensor_parallel._worker_pids) counts its own, not another session's or
+# another pytest-xdist worker's running beside it.
+SESSION_MARK = f"VLLM_TRACE_TEST_SESSION={os.getpid()}"
+os.environ["VLLM_TRACE_TEST_SESSION"] = str(os.getpid())
+
+
+def started_by_this_session(pid: int | str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return SESSION_MARK.encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _model_cache(tmp_path_factory):

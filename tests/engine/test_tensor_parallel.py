@@ -20,6 +20,7 @@ from engine.config import ConfigError
 from engine.engine.exceptions import EngineDeadError
 from engine.hooks import Hooks
 from engine.trace_names import EXECUTE_MODEL, KERNEL, WORKER
+from tests.conftest import started_by_this_session
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equivalence import MAX_NEW, _prompts
 
@@ -207,6 +208,7 @@ def test_a_worker_that_fails_to_start_is_one_clear_error():
 def test_a_dead_worker_fails_the_engine_without_orphans():
     llm = LLM(NAME, tensor_parallel_size=2)
     pids = [p.pid for p in llm.llm_engine.engine_core.engine_core.model_executor.procs]
+    assert set(pids) <= _worker_pids()  # the leftover check below sees this session's workers
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(EngineDeadError, match=r"worker rank 1 died \(signal 9\)"):
         llm.generate(["Once upon a time"], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -265,7 +267,7 @@ def _worker_pids() -> set[int]:
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if b"engine.executor.worker_proc" in f.read():
+                    if b"engine.executor.worker_proc" in f.read() and started_by_this_session(d):
                         pids.add(int(d))
             except OSError:
                 pass
