@@ -14,14 +14,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_PYTHON = """#!/bin/bash
 # "python -m venv DIR": DIR/bin/pip and DIR/bin/uv, which print what they print (nothing with --quiet),
-# log their arguments and exit $PIP_STATUS
+# log their arguments and exit $PIP_STATUS; and DIR/bin/python, which logs its arguments (the bytecode step)
 [ "$1 $2" = "-m venv" ] || exit 3
 sleep "${VENV_SECONDS:-0}"  # as ensurepip is, silent
 mkdir -p "$3/bin"
-for tool in pip uv; do
+for tool in pip uv python; do
 cat > "$3/bin/$tool" <<'PIP'
 #!/bin/bash
 echo "$(basename "$0") $*" >> "$(dirname "$0")/pip.log"
+[ "$(basename "$0")" = python ] && exit 0
 for a in "$@"; do [ "$a" = "--quiet" ] && exit "${PIP_STATUS:-0}"; done
 if [ "$(basename "$0")" = pip ]; then
   echo "Requirement already satisfied: setuptools"; echo "Collecting ${@: -1}"; echo "Successfully installed ${@: -1}"
@@ -58,11 +59,13 @@ def test_setup_shows_progress_torch_first_and_is_idempotent(tmp_path):
     assert " + torch==2.13.0" in first.stderr and " + .[dev]" in first.stderr  # uv's, not hidden
     installs = (tmp_path / ".venv/bin/pip.log").read_text().splitlines()
     assert installs[0].startswith("pip install") and installs[0].endswith(" uv>=0.13.9")
-    uv = "uv pip install --python .venv/bin/python --find-links /opt/wheels"  # pip's find-links, passed on
+    # pip's find-links, passed on; bytecode compiled at install (no process compiles torch when it starts)
+    uv = "uv pip install --python .venv/bin/python --compile-bytecode --find-links /opt/wheels"
     assert installs[1] == f"{uv} torch==2.13.0" and installs[2] == f"{uv} -e .[dev]"
+    assert installs[3] == "python -m compileall -q engine kernels tracer lessons benchmarks"  # ours too
     again = make_setup(tmp_path)
     assert again.returncode == 0 and "==>" not in again.stdout
-    assert len((tmp_path / ".venv/bin/pip.log").read_text().splitlines()) == 3  # nothing installed again
+    assert len((tmp_path / ".venv/bin/pip.log").read_text().splitlines()) == 4  # nothing installed again
 
 
 def test_setup_stops_when_an_install_fails(tmp_path):
