@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -66,16 +67,34 @@ def pane(window: int = 0) -> str:
 def pane_children(window: int = 0) -> list[str]:
     """The names of the programs the pane's shell has started (read from /proc: the shell runs its
     command line without job control, so tmux's pane_current_command names the shell throughout)."""
+    return [name for name, _ in _pane_children(window)]
+
+
+def _pane_children(window: int = 0) -> list[tuple[str, Path]]:
     shell = tmux("display-message", "-p", "-t", f"{SESSION}:{window}", "#{pane_pid}").strip()
-    names = []
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             comm, fields = stat.read_text().rsplit(")", 1)
         except OSError:  # the process has gone
             continue
         if fields.split()[1] == shell:
-            names.append(comm.split("(", 1)[1])
-    return names
+            found.append((comm.split("(", 1)[1], stat.parent))
+    return found
+
+
+def python_catches_sigint(window: int = 0) -> bool:
+    """The pane's Python has its SIGINT handler: bit 2 of SigCgt in /proc/PID/status. Before the
+    interpreter installs it (its start can take a second on a loaded machine) a Ctrl-C kills Python
+    outright, and the shell, which took the same SIGINT, ends the command line with it."""
+    for name, proc in _pane_children(window):
+        if name.startswith("python"):
+            try:
+                caught = next(line for line in (proc / "status").read_text().splitlines() if line.startswith("SigCgt"))
+            except (OSError, StopIteration):
+                continue
+            return bool(int(caught.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
 
 
 def env(model_cache) -> str:
@@ -211,9 +230,9 @@ def test_ctrl_c_while_serve_starts_is_one_line_and_status_130(model_cache, when)
     new_session(f"{env(model_cache)} {sys.executable} -m tracer.cli serve tiny-gpt2 --port {free_port()}; "
                 f"echo EXIT=$?", 100, 30)
     try:
-        # A Ctrl-C that reaches the shell before it has started Python ends the whole command line (the
-        # `echo EXIT=$?` too): the delay counts from Python's start, so the key goes to the program under test.
-        wait_for(lambda: any(n.startswith("python") for n in pane_children()), 30, "python to start in the pane")
+        # A Ctrl-C that reaches the shell before Python has its SIGINT handler ends the whole command line (the
+        # `echo EXIT=$?` too): the delay counts from then, so the key goes to the program under test.
+        wait_for(python_catches_sigint, 30, "python to start in the pane and take SIGINT")
         if when.endswith(" s"):
             time.sleep(float(when.split()[0]))
         else:  # drawn, not ready: the TUI owns the terminal and the engine is still starting
