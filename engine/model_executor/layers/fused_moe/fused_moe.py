@@ -1,0 +1,18 @@
+"""The experts' computation, chosen like attention (layers/attention.py): the Triton kernel
+(kernels/fused_moe.py) with the triton backend, its PyTorch reference (kernels/reference.py,
+the same expert blocks through batched matmuls) with the torch backend, the CPU's default."""
+from __future__ import annotations
+
+import torch
+
+import kernels
+
+
+def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, backend: str) -> torch.Tensor:
+    """[T, H] -> [T, H]: each token through its top-k experts, weighted and summed."""
+    if backend == "triton":
+        return kernels.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+    return kernels.instrument.call("fused_moe_ref", kernels.fused_moe_ref, dict(
+        hidden_states=hidden_states, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids),
+        reason="attention_backend=torch: PyTorch reference")

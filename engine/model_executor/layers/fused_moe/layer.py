@@ -1,0 +1,71 @@
+"""``FusedMoE``: every expert's SwiGLU weights of one layer, stacked (vLLM's ``layers/fused_moe/layer.py``).
+
+``w13_weight`` [E, 2·I, H] holds each expert's gate rows then its up rows (HF's w1 / gate_proj
+and w3 / up_proj), ``w2_weight`` [E, H, I] its down projection. The forward takes the router's
+logits, picks each token's top-k experts (router.py) and runs the experts (fused_moe.py).
+
+Tensor parallelism as for a dense MLP: every rank holds every expert, but only its slice of
+each expert's I intermediate features (w13 column-parallel, w2 row-parallel), so each rank's
+output is a partial sum, all-reduced. ``weight_loader`` takes either one expert's tensor
+(``expert_id``: hub checkpoints store experts.N.w1 / gate_proj ...) or all experts' at once
+(``expert_id=None``: transformers 5 stores ``experts.gate_up_proj`` [E, 2·I, H] and
+``experts.down_proj`` [E, H, I]), and cuts this rank's slice.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.distributed.parallel_state import TPGroup
+from engine.model_executor.layers.fused_moe.fused_moe import fused_experts
+from engine.model_executor.layers.fused_moe.router import fused_topk
+
+SHARDS = ("w1", "w3", "w2")  # gate, up, down
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: TPGroup,
+                 backend, renormalize: bool, site: str = "mlp.experts"):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.tp, self.backend, self.site = tp, backend, site
+        self.intermediate_size_per_partition = i = intermediate_size // tp.world_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i))
+        for p in (self.w13_weight, self.w2_weight):
+            p.weight_loader = self.weight_loader
+            p.num_shards = 0  # counted here (missing_weights), not by the model's loader
+        self._loaded: set[tuple[str, int]] = set()
+        self.last_topk_ids: torch.Tensor | None = None  # kept only while record_routing is set
+        self.record_routing = False
+
+    def weight_loader(self, param: nn.Parameter, w: torch.Tensor, shard_id: str, expert_id: int | None = None) -> None:
+        """shard_id "w1" (gate), "w3" (up), "w2" (down) or "w13" (gate then up, fused); expert_id
+        None: w holds every expert (a leading E dimension)."""
+        experts = range(self.num_experts) if expert_id is None else [expert_id]
+        if expert_id is not None and w.dim() != 2 or expert_id is None and w.shape[0] != self.num_experts:
+            raise ValueError(f"expert weight of shape {tuple(w.shape)} does not fit {self.num_experts} experts")
+        dst = param.data if expert_id is None else param.data[expert_id]
+        if shard_id == "w13":
+            gate, up = w.chunk(2, dim=-2)
+            self.weight_loader(param, gate, "w1", expert_id)
+            self.weight_loader(param, up, "w3", expert_id)
+            return
+        if shard_id == "w2":
+            a, b = self.tp.shard(w.shape[-1])
+            dst.copy_(w[..., a:b])
+        else:
+            a, b = self.tp.shard(w.shape[-2])
+            offset = 0 if shard_id == "w1" else b - a
+            dst[..., offset:offset + b - a, :].copy_(w[..., a:b, :])
+        self._loaded.update((shard_id, e) for e in experts)
+
+    def missing_weights(self) -> list[str]:
+        return [f"expert {e} {s}" for e in range(self.num_experts) for s in SHARDS if (s, e) not in self._loaded]
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
+        if self.record_routing:
+            self.last_topk_ids = topk_ids
+        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.backend.name)
+        return self.tp.all_reduce(out, self.site)  # each rank's slice of every expert: a partial sum
