@@ -103,9 +103,19 @@ def invoke_fused_moe_kernel(name: str, a: torch.Tensor, b: torch.Tensor, c: torc
     meta = dict(top_k=top_k, SILU_AND_MUL=silu_and_mul, MUL_ROUTED_WEIGHT=not silu_and_mul,
                 BLOCK_SIZE_M=config.block_size_m, BLOCK_SIZE_N=config.block_size_n,
                 BLOCK_SIZE_K=config.block_size_k, num_warps=config.num_warps)
+    info = expert_load(aligned, b.shape[0], config.block_size_m, c.shape[0]) if instrument.observed() else None
     instrument.launch(name, _fused_moe_kernel, grid, args, meta, reason=reason, access=expert_blocks,
                       access_args=(sorted_ids, expert_ids, post_padded, c.shape[0], top_k, config.block_size_m,
-                                   grid[1]))
+                                   grid[1]), info=info)
+
+
+def expert_load(aligned: tuple, num_experts: int, block_size_m: int, num_pairs: int) -> dict:
+    """What a launch record says of the expert blocks: how many blocks each expert got, how many
+    experts some token chose (the weights the launch reads) and how many rows are padding."""
+    _, expert_ids, post_padded = aligned
+    total = int(post_padded[0])
+    blocks = torch.bincount(expert_ids[:total // block_size_m].long(), minlength=num_experts)
+    return dict(expert_blocks=blocks.tolist(), experts_used=int((blocks > 0).sum()), padding_rows=total - num_pairs)
 
 
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

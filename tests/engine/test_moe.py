@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, Hooks, SamplingParams
 from engine.arg_utils import engine_config
 from engine.builtin_model import write_byte_tokenizer
 from engine.model_executor.layers.fused_moe import FusedMoE
+from engine.trace_names import BATCH, KERNEL, MODEL_RUNNER, ROUTING
 from tests.engine.hf_reference import assert_greedy_equal
 from tests.engine.test_hf_equivalence import _prompts
 
@@ -157,3 +158,73 @@ def test_missing_expert_is_named(tmp_path):
     save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing weights of model.layers.2.mlp.experts: \['expert 3 w3'\]"):
         LLM(path, dtype="float32", num_kv_blocks=8)
+
+
+def _recorded(moe, prompts, profile=False, **kwargs):
+    hooks, events = Hooks(), []
+    hooks.subscribe(lambda *e: events.append(e), lambda evs, at_ns=None: events.extend(evs))
+    llm = LLM(moe, dtype="float32", hooks=hooks, **kwargs)
+    if profile:
+        llm.start_profile()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.shutdown()
+    return events
+
+
+def _routing(events) -> dict[int, dict[int, dict]]:
+    out: dict[int, dict[int, dict]] = {}
+    for layer, name, _, _, step, a in events:
+        if (layer, name) == (MODEL_RUNNER, ROUTING):
+            out.setdefault(step, {})[a["layer_idx"]] = a
+    return out
+
+
+def test_routing_is_traced_per_layer_per_step(moe):
+    prompts = [list(range(10, 30)), list(range(40, 47))]
+    events = _recorded(moe, prompts)
+    batches = {e[4]: e[5] for e in events if (e[0], e[1]) == (MODEL_RUNNER, BATCH)}
+    routing = _routing(events)
+    assert set(routing) == set(batches) and len(routing) == 3  # the prefill and two decode steps
+    sparse = [0, 2] if "qwen3_moe" in moe else [0, 1, 2]
+    for step, layers in routing.items():
+        tokens, rids = len(batches[step]["input_ids"]), batches[step]["request_ids"]
+        assert sorted(layers) == sparse
+        for a in layers.values():
+            assert a["top_k"] == 2 and len(a["expert_counts"]) == a["num_experts"]
+            assert sum(a["expert_counts"]) == 2 * tokens
+            assert list(a["topk_ids"]) == rids and sum(len(v) for v in a["topk_ids"].values()) == tokens
+            rows = [row for r in rids for row in a["topk_ids"][r]]
+            assert all(len(set(row)) == 2 for row in rows)
+            flat = [e for row in rows for e in row]
+            assert [flat.count(e) for e in range(a["num_experts"])] == a["expert_counts"]
+            weights = [row for r in rids for row in a["topk_weights"][r]]
+            assert all(abs(sum(row) - 1) < 1e-3 and row[0] >= row[1] for row in weights)  # renormalised, best first
+
+
+def test_profile_counts_the_experts_used(moe):
+    events = _recorded(moe, [list(range(10, 30))], profile=True)
+    routing = _routing(events)
+    launches = [(e[4], e[5]) for e in events if (e[0], e[1]) == (KERNEL, "fused_moe_ref")]
+    assert launches
+    for step, a in launches:
+        used = sum(c > 0 for c in routing[step][a["layer_idx"]]["expert_counts"])
+        assert a["meta"]["experts_used"] == used and a["op"] == "matmul"
+        (t, h), (_, i2, _) = a["args"]["hidden_states"][0], a["args"]["w13"][0]
+        weights = used * (i2 * h + h * i2 // 2) * 4
+        assert a["flops"] == 2 * t * (2 * h * i2 + 5 * i2 // 2 + i2 * h + h) + t * h
+        assert a["bytes"] == 2 * t * h * 4 + weights + t * 2 * (8 + 4)  # hidden in and out, used experts, routing
+
+
+def test_triton_launches_carry_their_expert_blocks(moe):
+    events = _recorded(moe, [list(range(10, 20))], attention_backend="triton", block_size=8, num_kv_blocks=16)
+    routing = _routing(events)
+    launches = [(e[1], e[4], e[5]) for e in events if e[0] == KERNEL and e[1].startswith("fused_moe")]
+    assert {n for n, *_ in launches} == {"fused_moe_w13", "fused_moe_w2"}
+    for _, step, a in launches:
+        counts = routing[step][a["layer_idx"]]["expert_counts"]
+        bm = a["meta"]["BLOCK_SIZE_M"]
+        assert a["meta"]["expert_blocks"] == [-(-c // bm) for c in counts]
+        assert a["meta"]["experts_used"] == sum(c > 0 for c in counts)
+        assert a["meta"]["padding_rows"] == sum(-(-c // bm) * bm - c for c in counts)
+        assert a["grid"][0] >= sum(a["meta"]["expert_blocks"])

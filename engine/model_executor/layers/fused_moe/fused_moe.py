@@ -13,6 +13,8 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     """[T, H] -> [T, H]: each token through its top-k experts, weighted and summed."""
     if backend == "triton":
         return kernels.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+    meta = dict(top_k=topk_ids.shape[1], experts_used=int(topk_ids.unique().numel())) \
+        if kernels.instrument.observed() else None  # the weights it reads (the profile's bytes)
     return kernels.instrument.call("fused_moe_ref", kernels.fused_moe_ref, dict(
         hidden_states=hidden_states, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids),
-        reason="attention_backend=torch: PyTorch reference")
+        reason="attention_backend=torch: PyTorch reference", meta=meta)

@@ -13,6 +13,8 @@ output is a partial sum, all-reduced. ``weight_loader`` takes either one expert'
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -36,8 +38,9 @@ class FusedMoE(nn.Module):
             p.weight_loader = self.weight_loader
             p.num_shards = 0  # counted here (missing_weights), not by the model's loader
         self._loaded: set[tuple[str, int]] = set()
-        self.last_topk_ids: torch.Tensor | None = None  # kept only while record_routing is set
-        self.record_routing = False
+        # the last forward pass's routing (references, no copy), for the model runner's trace
+        self.last_topk_ids: torch.Tensor | None = None
+        self.last_topk_weights: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, w: torch.Tensor, shard_id: str, expert_id: int | None = None) -> None:
         """shard_id "w1" (gate), "w3" (up), "w2" (down) or "w13" (gate then up, fused); expert_id
@@ -65,7 +68,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
-        if self.record_routing:
-            self.last_topk_ids = topk_ids
+        self.last_topk_ids, self.last_topk_weights = topk_ids, topk_weights
         out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.backend.name)
         return self.tp.all_reduce(out, self.site)  # each rank's slice of every expert: a partial sum
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, FusedMoE]]:
+    """(decoder layer index, its FusedMoE) of every sparse layer of a model, in layer order."""
+    return [(int(re.search(r"layers\.(\d+)\.", name)[1]), m) for name, m in model.named_modules()
+            if isinstance(m, FusedMoE)]
