@@ -68,6 +68,11 @@ def _fused_moe_kernel(
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)
     n_mask = offs_n < N
+    c = c_ptr + offs_token[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    if expert == -1:  # another rank's expert (expert parallelism): this rank adds nothing
+        tl.store(c, tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=c_ptr.dtype.element_ty),
+                 mask=token_mask[:, None] & n_mask[None, :])
+        return
     a_rows = a_ptr + (offs_token // top_k)[:, None] * stride_am  # a pair's token row of A
     b_cols = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
@@ -86,7 +91,6 @@ def _fused_moe_kernel(
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0.0)
         acc = acc * w[:, None]
-    c = c_ptr + offs_token[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=token_mask[:, None] & n_mask[None, :])
 
 
@@ -114,17 +118,22 @@ def expert_load(aligned: tuple, num_experts: int, block_size_m: int, num_pairs: 
     experts some token chose (the weights the launch reads) and how many rows are padding."""
     _, expert_ids, post_padded = aligned
     total = int(post_padded[0])
-    blocks = torch.bincount(expert_ids[:total // block_size_m].long(), minlength=num_experts)
+    ids = expert_ids[:total // block_size_m].long()
+    blocks = torch.bincount(ids[ids >= 0], minlength=num_experts)  # -1: another rank's expert
     return dict(expert_blocks=blocks.tolist(), experts_used=int((blocks > 0).sum()), padding_rows=total - num_pairs)
 
 
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, config: MoEConfig | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None, *,
+              config: MoEConfig | None = None) -> torch.Tensor:
     """Triton version of :func:`kernels.reference.fused_moe_ref`: hidden_states [T, H], w13
     [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights and topk_ids [T, top_k]
-    -> [T, H] = Σ_k weight_k · w2[e_k] · (silu(gate[e_k] · x) · up[e_k] · x)."""
+    -> [T, H] = Σ_k weight_k · w2[e_k] · (silu(gate[e_k] · x) · up[e_k] · x). expert_map
+    (expert parallelism): topk_ids are global, w13 and w2 this rank's experts only, indexed by
+    expert_map[global id]; other ranks' experts add nothing here."""
     T, H = hidden_states.shape
-    E, I2, _ = w13.shape
+    I2 = w13.shape[1]
+    E = w13.shape[0] if expert_map is None else expert_map.shape[0]
     top_k = topk_ids.shape[1]
     check_dtypes(hidden_states, w13, w2)
     out = hidden_states.new_empty(T, H)
@@ -133,7 +142,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     reason = "caller-supplied config"
     if config is None:
         config, reason = choose_moe_config(T * top_k, max(I2 // 2, H), max(H, I2 // 2), hidden_states.device)
-    aligned = moe_align_block_size(topk_ids, config.block_size_m, E)
+    aligned = moe_align_block_size(topk_ids, config.block_size_m, E, expert_map)
     weights = topk_weights.to(torch.float32).contiguous()
     inter = hidden_states.new_empty(T * top_k, I2 // 2)
     invoke_fused_moe_kernel("fused_moe_w13", hidden_states, w13, inter, weights, aligned, top_k, True, config, reason)

@@ -13,13 +13,16 @@ from __future__ import annotations
 import torch
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int,
+                         expert_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_token_ids, expert_ids, num_tokens_post_padded), vLLM's semantics (see the module
     docstring). topk_ids [T, top_k]; sorted_token_ids [T·top_k + E·(block_size−1)] of flat
     (token·top_k + k) ids, expert-contiguous, each expert's run padded with T·top_k to a
     multiple of block_size; expert_ids [len / block_size] the expert of each block (blocks past
-    num_tokens_post_padded are never read); num_tokens_post_padded [1]. No host sync."""
+    num_tokens_post_padded are never read); num_tokens_post_padded [1]. No host sync.
+    expert_map [num_experts] (expert parallelism): global expert -> this rank's index, -1 for
+    another rank's; every pair is aligned, then the blocks of other ranks' experts are marked
+    -1 (the kernel writes zeros for them), as vLLM does."""
     flat = topk_ids.flatten().long()
     n, dev = flat.numel(), flat.device
     counts = torch.bincount(flat, minlength=num_experts)
@@ -33,4 +36,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     sorted_ids[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
     block_starts = torch.arange(0, max_rows, block_size, device=dev)
     expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    if expert_map is not None:
+        expert_ids = expert_map[expert_ids.long()].to(torch.int32)
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)

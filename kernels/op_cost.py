@@ -148,6 +148,13 @@ def all_gather(args: Args, meta: dict) -> tuple[int, int]:
     return 0, n * nbytes(x)
 
 
+def reduce_scatter(args: Args, meta: dict) -> tuple[int, int]:
+    """Sum over N ranks, each keeping 1/N of the result (a ring): each rank adds (N−1)/N of the
+    tensor's elements and sends (N−1)/N of its bytes; ``bytes`` is that traffic."""
+    x, n = args["tensor"], int(meta.get("world_size") or 1)
+    return numel(x[0]) * (n - 1) // n, nbytes(x) * (n - 1) // n
+
+
 def token_bitmask(args: Args, meta: dict) -> tuple[int, int]:
     """Structured outputs' mask: one select per logit of the masked rows (counted over the whole
     logits); bytes: logits read and written, the bitmask read."""
@@ -240,6 +247,7 @@ KERNELS: dict[str, tuple[str, Callable[[Args, dict], tuple[int, int]] | None]] =
     "unified_attention": (ATTENTION, None), "unified_attention_split_kv": (ATTENTION, None),
     "unified_attention_ref": (ATTENTION, None), "rotary_embedding": (ELEMENTWISE, rotary_embedding),
     "all_reduce": (COLLECTIVE, all_reduce), "all_gather": (COLLECTIVE, all_gather),
+    "reduce_scatter": (COLLECTIVE, reduce_scatter),
     "apply_token_bitmask": (SAMPLER, token_bitmask), "apply_token_bitmask_ref": (SAMPLER, token_bitmask),
     "gumbel_sample": (SAMPLER, gumbel), "gumbel_sample_ref": (SAMPLER, gumbel),
     "fused_moe_ref": (MATMUL, fused_moe), "fused_moe_w13": (MATMUL, fused_moe_gemm),

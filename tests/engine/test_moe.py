@@ -228,3 +228,31 @@ def test_triton_launches_carry_their_expert_blocks(moe):
         assert a["meta"]["experts_used"] == sum(c > 0 for c in counts)
         assert a["meta"]["padding_rows"] == sum(-(-c // bm) * bm - c for c in counts)
         assert a["grid"][0] >= sum(a["meta"]["expert_blocks"])
+
+
+def test_expert_parallel_equals_transformers_with_disjoint_experts(moe):
+    hooks, events = Hooks(), []
+    hooks.subscribe(lambda *e: events.append(e), lambda evs, at_ns=None: events.extend(evs))
+    prompts = _prompts(n=6)
+    llm = LLM(moe, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True, hooks=hooks)
+    try:
+        ranks = llm.llm_engine.engine_core.engine_core.model_executor.ranks
+        e = 8 if "qwen3_moe" in moe else 4
+        assert [r["experts"] for r in ranks] == [[0, e // 2], [e // 2, e]]  # E/N whole experts a rank, disjoint
+        assert all(r["expert_parallel"] for r in ranks)
+        assert ranks[0]["params"] < ranks[0]["model_params"]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert_greedy_equal([o.outputs[0].token_ids for o in outs], moe, prompts, MAX_NEW)
+    exchanges = [(e[1], e[5]["meta"]["site"]) for e in events if e[0] == KERNEL and e[5]["meta"].get("site")
+                 == "mlp.experts"]
+    assert {name for name, _ in exchanges} == {"all_gather", "reduce_scatter"}  # dispatch; combine
+    assert not any(e[1] == "all_reduce" and e[5]["meta"].get("site") == "mlp.experts" for e in events)
+
+
+def test_all2all_backend_is_checked():
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="all2all_backend must be one of .'allgather_reducescatter',."):
+        engine_config("tiny-gpt2", all2all_backend="pplx")
