@@ -144,14 +144,17 @@ class ModelRunner:
                         slots=batch.idx_mapping_np.tolist())
 
     def _trace_routing(self, step: int, batch: InputBatch) -> None:
-        """One event per MoE layer: how many of the step's tokens each expert received, and each
-        request's tokens' experts (best first) and routing weights."""
+        """One event per MoE layer: how many of the step's tokens each expert received (under
+        expert parallelism also each rank's share, rank r holding experts [r·E/N, (r+1)·E/N)), and
+        each request's tokens' experts (best first) and routing weights."""
         qsl = batch.query_start_loc_np.tolist()
         for layer_idx, moe in self.moe_layers:
             ids, weights = moe.last_topk_ids.tolist(), moe.last_topk_weights.tolist()
             counts = torch.bincount(moe.last_topk_ids.flatten(), minlength=moe.num_experts).tolist()
+            e = moe.local_num_experts
             self.hooks.emit(MODEL_RUNNER, ROUTING, step=step, layer_idx=layer_idx, num_experts=moe.num_experts,
                             top_k=moe.top_k, expert_counts=counts,
+                            rank_counts=[sum(counts[r * e:(r + 1) * e]) for r in range(moe.ep_size)],
                             topk_ids={r: ids[qsl[i]:qsl[i + 1]] for i, r in enumerate(batch.req_ids)},
                             topk_weights={r: [[round(w, 4) for w in row] for row in weights[qsl[i]:qsl[i + 1]]]
                                           for i, r in enumerate(batch.req_ids)})

@@ -192,7 +192,7 @@ def test_routing_is_traced_per_layer_per_step(moe):
         assert sorted(layers) == sparse
         for a in layers.values():
             assert a["top_k"] == 2 and len(a["expert_counts"]) == a["num_experts"]
-            assert sum(a["expert_counts"]) == 2 * tokens
+            assert sum(a["expert_counts"]) == 2 * tokens and a["rank_counts"] == [2 * tokens]
             assert list(a["topk_ids"]) == rids and sum(len(v) for v in a["topk_ids"].values()) == tokens
             rows = [row for r in rids for row in a["topk_ids"][r]]
             assert all(len(set(row)) == 2 for row in rows)
@@ -249,6 +249,9 @@ def test_expert_parallel_equals_transformers_with_disjoint_experts(moe):
                  == "mlp.experts"]
     assert {name for name, _ in exchanges} == {"all_gather", "reduce_scatter"}  # dispatch; combine
     assert not any(e[1] == "all_reduce" and e[5]["meta"].get("site") == "mlp.experts" for e in events)
+    for a in (e[5] for e in events if (e[0], e[1]) == (MODEL_RUNNER, ROUTING)):  # each rank's expert load
+        counts, half = a["expert_counts"], a["num_experts"] // 2
+        assert a["rank_counts"] == [sum(counts[:half]), sum(counts[half:])]
 
 
 def test_all2all_backend_is_checked():
