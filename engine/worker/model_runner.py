@@ -454,11 +454,13 @@ class ModelRunner:
         """While a gate holds the engine before an attention launch: run that launch's inputs
         through the Triton kernel (kernels.rerun); plain data back. Called from another thread
         (the engine's is the one held); the inputs are copied first."""
-        from kernels.rerun import attention_inputs, attention_on_triton
+        from kernels.rerun import attention_inputs, attention_on_triton, moe_inputs, moe_on_triton
 
         held = self._held
+        if held is not None and held[0] == "fused_moe_ref":  # a mixture of experts' layer: its grouped GEMMs
+            return moe_on_triton(**moe_inputs(held[1]))
         if held is None or not held[0].startswith("unified_attention"):
-            raise ValueError("the engine is not held before an attention launch (press k until it is)")
+            raise ValueError("the engine is not held before an attention or fused-MoE launch (press k until it is)")
         return attention_on_triton(**attention_inputs(held[1]))
 
     def _publish_launches(self) -> None:

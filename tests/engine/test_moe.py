@@ -259,3 +259,26 @@ def test_all2all_backend_is_checked():
 
     with pytest.raises(ConfigError, match="all2all_backend must be one of .'allgather_reducescatter',."):
         engine_config("tiny-gpt2", all2all_backend="pplx")
+
+
+def test_a_held_fused_moe_launch_reruns_on_triton(moe):
+    """The TUI's `t`: held before a fused-MoE reference call, its inputs run through the Triton
+    grouped GEMMs, whose programs each read one expert; the outputs agree."""
+    hooks, reruns = Hooks(), []
+
+    def gate(point, info):
+        if point == KERNEL and info["name"] == "fused_moe_ref" and not reruns:
+            reruns.append(llm.llm_engine.engine_core.engine_core.held_attention_on_triton())
+
+    llm = LLM(moe, dtype="float32", hooks=hooks, num_kv_blocks=8)
+    try:
+        hooks.add_gate(gate)
+        llm.generate([{"prompt_token_ids": list(range(10, 22))}], SamplingParams(temperature=0, max_tokens=1),
+                     use_tqdm=False)
+    finally:
+        llm.shutdown()
+    (r,) = reruns
+    assert r["name"] == "fused_moe_w13" and [x["name"] for x in r["launches"]] == ["fused_moe_w13", "fused_moe_w2"]
+    assert r["max_abs_diff"] < 1e-4 and r["num_tokens"] == 12
+    used = {p["blocks"][0] for p in r["programs"]}
+    assert len(used) == r["meta"]["experts_used"] and sum(r["meta"]["expert_blocks"]) == len(r["programs"])
