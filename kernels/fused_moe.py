@@ -58,6 +58,7 @@ def _fused_moe_kernel(
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     top_k: tl.constexpr, SILU_AND_MUL: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -82,10 +83,11 @@ def _fused_moe_kernel(
         k_mask = offs_k < K
         a = tl.load(a_rows + offs_k[None, :] * stride_ak, mask=token_mask[:, None] & k_mask[None, :], other=0.0)
         b_mask = k_mask[:, None] & n_mask[None, :]
-        acc += tl.dot(a, tl.load(b_cols + offs_k[:, None] * stride_bk, mask=b_mask, other=0.0))
+        b = tl.load(b_cols + offs_k[:, None] * stride_bk, mask=b_mask, other=0.0)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         if SILU_AND_MUL:  # the up projection's column n is row N + n of w13
             up = tl.load(b_cols + N * stride_bn + offs_k[:, None] * stride_bk, mask=b_mask, other=0.0)
-            acc_up += tl.dot(a, up)
+            acc_up += tl.dot(a, up, input_precision=DOT_PRECISION)
     if SILU_AND_MUL:
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_ROUTED_WEIGHT:
@@ -106,7 +108,9 @@ def invoke_fused_moe_kernel(name: str, a: torch.Tensor, b: torch.Tensor, c: torc
                 stride_bn=b.stride(1), stride_bk=b.stride(2), stride_cm=c.stride(0), stride_cn=c.stride(1))
     meta = dict(top_k=top_k, SILU_AND_MUL=silu_and_mul, MUL_ROUTED_WEIGHT=not silu_and_mul,
                 BLOCK_SIZE_M=config.block_size_m, BLOCK_SIZE_N=config.block_size_n,
-                BLOCK_SIZE_K=config.block_size_k, num_warps=config.num_warps)
+                BLOCK_SIZE_K=config.block_size_k, num_warps=config.num_warps,
+                # fp32 weights: tl.dot would otherwise round inputs to tf32 on GPUs (~1e-3 relative error)
+                DOT_PRECISION="ieee" if b.dtype == torch.float32 else "tf32")
     info = expert_load(aligned, b.shape[0], config.block_size_m, c.shape[0]) if instrument.observed() else None
     instrument.launch(name, _fused_moe_kernel, grid, args, meta, reason=reason, access=expert_blocks,
                       access_args=(sorted_ids, expert_ids, post_padded, c.shape[0], top_k, config.block_size_m,
