@@ -12,9 +12,16 @@ from engine.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausal
 from engine.model_executor.models.qwen3_moe import Qwen3MoeSparseMoeBlock, load_moe_weights
 
 
+class MixtralMoE(Qwen3MoeSparseMoeBlock):
+    """Qwen3-MoE's router and experts, the top-k weights always renormalised."""
+
+    def __init__(self, cfg, tp, backend):
+        super().__init__(cfg, tp, backend, renormalize=True)
+
+
 class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, cfg, layer_idx, backend, tp):
-        return Qwen3MoeSparseMoeBlock(cfg, tp, backend, renormalize=True)  # the same router + experts
+        return MixtralMoE(cfg, tp, backend)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
