@@ -3,8 +3,10 @@ excepted: random tiny checkpoints built by transformers and saved both ways the 
 stored (one tensor per expert and projection, as save_pretrained and the hub write them; all
 experts fused in 3-D gate_up_proj / down_proj, as transformers 5 holds them), on the torch
 and Triton backends, under preemption, chunked prefill and prefix caching, over two
-tensor-parallel ranks and with the core in its own process. The Qwen3-MoE one renormalises
-its top-k weights and has a dense layer (mlp_only_layers); the Mixtral one 4 experts, top-2."""
+tensor-parallel ranks, with expert parallelism (disjoint experts per rank) and with the core in
+its own process. The Qwen3-MoE one renormalises its top-k weights and has a dense layer
+(mlp_only_layers); the Mixtral one 4 experts, top-2. Also: the routing events, the profile's
+cost of the experts used, the Triton launches' expert blocks, `t` on a held fused-MoE launch."""
 from __future__ import annotations
 
 import asyncio
