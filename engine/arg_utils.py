@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from engine.config import (
+    ALL2ALL_BACKENDS,
     ATTENTION_BACKENDS,
     DEFAULT_CPU_KV_CACHE_MEMORY,
     DTYPES,
@@ -111,6 +112,11 @@ class EngineArgs:
                                            "\"tiny-gpt2-draft\", \"num_speculative_tokens\": 3}' (default: off)",
                                            SPEC_GROUP,
                                            type=_json_arg, metavar="JSON")
+    enable_expert_parallel: bool = _arg(ParallelConfig.enable_expert_parallel,
+                                        "mixtures of experts: each rank holds E/N whole experts (instead of 1/N "
+                                        "of every expert), tokens exchanged by --all2all-backend", TP_GROUP)
+    all2all_backend: str = _arg(ParallelConfig.all2all_backend, "how expert parallelism exchanges tokens",
+                                TP_GROUP, choices=ALL2ALL_BACKENDS)
     distributed_timeout_s: float = _arg(ParallelConfig.distributed_timeout_s,
                                         "seconds a collective waits for a missing rank before the step "
                                         "fails (torch's own timeout is 30 minutes)", TP_GROUP,
@@ -164,7 +170,8 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_init_method=self.distributed_init_method,
                                     distributed_timeout_s=self.distributed_timeout_s,
-                                    cpu_threads=self.cpu_threads),
+                                    cpu_threads=self.cpu_threads, enable_expert_parallel=self.enable_expert_parallel,
+                                    all2all_backend=self.all2all_backend),
             attention_backend=self.attention_backend,
             speculative=SpeculativeConfig.from_dict(_json_object(self.speculative_config))
             if self.speculative_config else None,

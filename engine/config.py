@@ -77,6 +77,7 @@ class SchedulerConfig:
 
 
 EXECUTOR_BACKENDS = ("uni", "mp")
+ALL2ALL_BACKENDS = ("allgather_reducescatter",)  # vLLM's default (engine/distributed/all2all.py)
 
 
 @dataclass
@@ -95,9 +96,15 @@ class ParallelConfig:
     distributed_timeout_s: float = 30.0
     cpu_threads: int | None = None
     api_process_count: int = 0
+    # a mixture of experts' layers: E/N whole experts per rank instead of 1/N of each, tokens
+    # exchanged by all2all_backend (engine/distributed/all2all.py)
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "allgather_reducescatter"
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
+        _check(self.all2all_backend in ALL2ALL_BACKENDS,
+               f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}")
         _check(isinstance(tp, int) and tp >= 1, f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         _check(self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "

@@ -26,8 +26,10 @@ FAN_OUT = "fan_out"  # api: a request with n > 1 became n child requests (parall
 SCHEDULE = "schedule"  # scheduler: a span, with a snapshot (the queues and the batch) before its end
 ALLOCATE, FREE, EVICT, CACHE_HIT, CACHE_MISS = "allocate", "free", "evict", "cache_hit", "cache_miss"  # block_manager
 BATCH = "batch"  # model_runner: the step's flattened batch
+ROUTING = "routing"  # model_runner: one MoE layer's routing in a step (tokens per expert, each token's top-k)
 EXECUTE_MODEL, WORKER_READY = "execute_model", "ready"  # worker: the step it received; up and serving
 ALL_REDUCE, ALL_GATHER = "all_reduce", "all_gather"  # kernel: tensor-parallel collectives, traced as launches
+REDUCE_SCATTER = "reduce_scatter"  # kernel: expert parallelism's combine (engine/distributed/all2all.py)
 SAMPLED = "sampled"  # sampler
 PROFILE_START, PROFILE_STOP = "start", "stop"  # profiler: step = the first / the last profiled step
 VERIFIED, REJECTED = "verified", "rejected"  # spec_decode: a request's drafts checked; some were rejected

@@ -11,11 +11,14 @@ from kernels.access import access_map
 from kernels.apply_token_bitmask import apply_token_bitmask
 from kernels.block_table import PAD_SLOT_ID, compute_slot_mappings, gather_block_tables
 from kernels.config import AttentionConfig, CacheConfig, choose_cache_config, choose_config
+from kernels.fused_moe import fused_moe
 from kernels.gumbel_sample import gumbel_sample
 from kernels.input_batch import post_update, prepare_pos_seq_lens, prepare_prefill_inputs
+from kernels.moe_align_block_size import moe_align_block_size
 from kernels.reference import (
     apply_token_bitmask_ref,
     compute_slot_mappings_ref,
+    fused_moe_ref,
     gather_block_tables_ref,
     gumbel_sample_ref,
     post_update_ref,
@@ -43,9 +46,12 @@ __all__ = [
     "choose_config",
     "compute_slot_mappings",
     "compute_slot_mappings_ref",
+    "fused_moe",
+    "fused_moe_ref",
     "gather_block_tables",
     "gather_block_tables_ref",
     "instrument",
+    "moe_align_block_size",
     "PAD_SLOT_ID",
     "post_update",
     "post_update_ref",

@@ -153,6 +153,11 @@ def current_tags() -> dict[str, Any]:
     return dict(_state.frames[-1].tags) if _state.frames else {}
 
 
+def observed() -> bool:
+    """Whether anyone observes this thread's launches (to compute what only a record needs)."""
+    return bool(_state.frames)
+
+
 def pending_launch() -> tuple[str, dict[str, Any]] | None:
     """Inside a ``before_launch`` callback: (name, arguments) of the launch about to be made by
     this thread (a viewer holding the engine there may re-run it on other inputs); else None."""
@@ -179,8 +184,10 @@ def launch(
     reason: str = "",
     access: Callable[..., list[ProgramAccess]] | None = None,
     access_args: tuple = (),
+    info: dict[str, Any] | None = None,
 ) -> None:
-    """Launch ``kernel[grid](**args, **meta)``, recording it if anyone observes.
+    """Launch ``kernel[grid](**args, **meta)``, recording it if anyone observes. ``info``: facts
+    the record's ``meta`` carries besides the kernel's meta-parameters (not passed to the kernel).
 
     ``access(*access_args)`` computes the per-program access map; tensors in ``access_args`` are
     cloned at launch time (the engine reuses its metadata buffers) but the map itself is only
@@ -190,10 +197,10 @@ def launch(
     if not frames:
         kernel[grid](**args, **meta)
         return
-    _observed_launch(frames, name, kernel, grid, args, meta, reason, access, access_args)
+    _observed_launch(frames, name, kernel, grid, args, meta, reason, access, access_args, info)
 
 
-def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, access_args):
+def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, access_args, info=None):
     grid = tuple(int(g) for g in grid)
     _before(frames, name, grid, dict(meta), args)
     described, on_gpu = _describe(args)
@@ -216,7 +223,8 @@ def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, acc
     if access is not None and any(f.access for f in frames):
         snap = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in access_args)
         access_fn = functools.partial(access, *snap)
-    _publish(frames, name, grid, dict(meta) if meta else {}, described, duration_ns, timing, reason, end_ns, access_fn)
+    meta = {**meta, **info} if info else dict(meta) if meta else {}
+    _publish(frames, name, grid, meta, described, duration_ns, timing, reason, end_ns, access_fn)
 
 
 def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str = "",

@@ -148,6 +148,13 @@ def all_gather(args: Args, meta: dict) -> tuple[int, int]:
     return 0, n * nbytes(x)
 
 
+def reduce_scatter(args: Args, meta: dict) -> tuple[int, int]:
+    """Sum over N ranks, each keeping 1/N of the result (a ring): each rank adds (N−1)/N of the
+    tensor's elements and sends (N−1)/N of its bytes; ``bytes`` is that traffic."""
+    x, n = args["tensor"], int(meta.get("world_size") or 1)
+    return numel(x[0]) * (n - 1) // n, nbytes(x) * (n - 1) // n
+
+
 def token_bitmask(args: Args, meta: dict) -> tuple[int, int]:
     """Structured outputs' mask: one select per logit of the masked rows (counted over the whole
     logits); bytes: logits read and written, the bitmask read."""
@@ -193,6 +200,41 @@ def gumbel(args: Args, meta: dict) -> tuple[int, int]:
     return 6 * numel(lg[0]), nbytes(lg) + 8 * numel(lg[0][:-1])
 
 
+def _experts_used(meta: dict, num_experts: int, num_pairs: int) -> int:
+    """The experts some token chose (the launch's meta says; else at most one per pair)."""
+    return int(meta.get("experts_used") or min(num_experts, num_pairs))
+
+
+def fused_moe(args: Args, meta: dict) -> tuple[int, int]:
+    """A mixture of experts' SwiGLU MLP, hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], top_k
+    experts a token: per (token, expert) pair 2·H·2I FLOPs for gate and up, 5·I for silu·mul,
+    2·I·H for down and H for the routing weight; the top_k outputs' sum, (top_k − 1)·H a token.
+    Bytes: the hidden states read and the output written, and the weights of the experts used
+    only (``meta["experts_used"]``, every expert some token chose): an idle expert's weights are
+    never read, which is why decode, reading U·3·H·I weights for a few tokens, is memory-bound."""
+    x, w13, w2 = args["hidden_states"], args["w13"], args["w2"]
+    t, h = x[0]
+    e, i2, _ = w13[0]
+    k = int(meta.get("top_k") or args["topk_ids"][0][-1])
+    pairs, i = t * k, i2 // 2
+    used = _experts_used(meta, e, pairs)
+    flops = pairs * (4 * h * i + 5 * i + 2 * i * h + h) + t * (k - 1) * h
+    weights = used * (nbytes(w13) + nbytes(w2)) // max(e, 1)
+    return flops, 2 * nbytes(x) + weights + nbytes(args.get("topk_ids")) + nbytes(args.get("topk_weights"))
+
+
+def fused_moe_gemm(args: Args, meta: dict) -> tuple[int, int]:
+    """One of the Triton kernel's two grouped GEMMs, c [pairs, N] from a's rows and b [E, N', K]:
+    2·K·N FLOPs a pair (w13: N' = 2N, gate and up, plus 5·N for silu·mul; w2: N for the routing
+    weight); bytes: a read, c written, and the weights of the experts used only."""
+    a, b, c = args["a"], args["b"], args["c"]
+    e, n_b, k = b[0]
+    pairs, n = c[0]
+    used = _experts_used(meta, e, pairs)
+    flops = pairs * (2 * k * n_b + (5 * n if meta.get("SILU_AND_MUL") else n))
+    return flops, nbytes(a) + nbytes(c) + used * nbytes(b) // max(e, 1)
+
+
 COSTS: dict[str, Callable[[Args, dict], tuple[int, int]]] = {
     "matmul": matmul, "layer_norm": layer_norm, "rms_norm": rms_norm, "embedding": embedding,
     "gelu_new": gelu_new, "silu_and_mul": silu_and_mul, "argmax": argmax, "log_softmax": log_softmax,
@@ -205,8 +247,11 @@ KERNELS: dict[str, tuple[str, Callable[[Args, dict], tuple[int, int]] | None]] =
     "unified_attention": (ATTENTION, None), "unified_attention_split_kv": (ATTENTION, None),
     "unified_attention_ref": (ATTENTION, None), "rotary_embedding": (ELEMENTWISE, rotary_embedding),
     "all_reduce": (COLLECTIVE, all_reduce), "all_gather": (COLLECTIVE, all_gather),
+    "reduce_scatter": (COLLECTIVE, reduce_scatter),
     "apply_token_bitmask": (SAMPLER, token_bitmask), "apply_token_bitmask_ref": (SAMPLER, token_bitmask),
     "gumbel_sample": (SAMPLER, gumbel), "gumbel_sample_ref": (SAMPLER, gumbel),
+    "fused_moe_ref": (MATMUL, fused_moe), "fused_moe_w13": (MATMUL, fused_moe_gemm),
+    "fused_moe_w2": (MATMUL, fused_moe_gemm),
 }
 
 

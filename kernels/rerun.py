@@ -1,4 +1,4 @@
-"""Run one attention call's inputs through our Triton kernel and say what its launch did.
+"""Run one attention (or fused-MoE) call's inputs through our Triton kernel and say what its launch did.
 
 The CPU default backend is the PyTorch reference, whose launches have no program grid. A
 viewer held before such an attention call can hand its inputs here: the Triton kernel runs on
@@ -15,10 +15,12 @@ import time
 import torch
 
 from kernels import instrument
-from kernels.reference import unified_attention_ref
+from kernels.fused_moe import fused_moe
+from kernels.reference import fused_moe_ref, unified_attention_ref
 from kernels.unified_attention import unified_attention
 
 ATTENTION_INPUTS = ("query", "key_cache", "value_cache", "query_start_loc", "seq_lens", "block_tables", "scale")
+MOE_INPUTS = ("hidden_states", "w13", "w2", "topk_weights", "topk_ids", "expert_map")
 
 
 def attention_inputs(args: dict) -> dict:
@@ -55,3 +57,33 @@ def attention_on_triton(query, key_cache, value_cache, query_start_loc, seq_lens
                 seconds=seconds, interpreted=instrument.INTERPRETED, num_programs=math.prod(launch.grid),
                 programs=programs, max_abs_diff=float(diff.max()) if diff.numel() else 0.0,
                 num_tokens=int(query.shape[0]), num_seqs=int(seq_lens.shape[0]))
+
+
+def moe_inputs(args: dict) -> dict:
+    """The inputs of a fused-MoE reference call (``fused_moe_ref``'s arguments), cloned."""
+    missing = [k for k in MOE_INPUTS if k not in args]
+    if missing:
+        raise ValueError(f"not a fused-MoE call: no {', '.join(missing)}")
+    return {k: args[k].clone() if isinstance(args[k], torch.Tensor) else args[k] for k in MOE_INPUTS}
+
+
+def moe_on_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map=None) -> dict:
+    """Run fused_moe (Triton: its two grouped GEMMs) and fused_moe_ref on the same inputs; the
+    same plain data as attention_on_triton, of the first GEMM (w13), each program's ``blocks``
+    being its expert, and ``launches``: both GEMMs' name, grid and meta."""
+    records: list[instrument.LaunchRecord] = []
+    t0 = time.perf_counter()
+    with torch.inference_mode(), instrument.observe(records.append):
+        out = fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
+    seconds = time.perf_counter() - t0
+    with torch.inference_mode():
+        ref = fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
+    first = records[0]
+    programs = [dict(pid=list(a.pid), request=None, rows=list(a.rows), kv_heads=[], blocks=list(a.blocks),
+                     kv_positions=None, segment=None, q_heads=[])
+                for pid in sorted(first.access_map) for a in first.access_map[pid]]
+    diff = (out.float() - ref.float()).abs()
+    return dict(name=first.name, grid=list(first.grid), meta=dict(first.meta), reason=first.reason, seconds=seconds,
+                interpreted=instrument.INTERPRETED, num_programs=math.prod(first.grid), programs=programs,
+                max_abs_diff=float(diff.max()) if diff.numel() else 0.0, num_tokens=int(hidden_states.shape[0]),
+                num_seqs=None, launches=[dict(name=r.name, grid=list(r.grid), meta=dict(r.meta)) for r in records])

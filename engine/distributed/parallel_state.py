@@ -49,6 +49,7 @@ class TPGroup:
     world_size: int = 1
     groups: dict = field(default_factory=dict)  # "fast" / "stepping" -> torch.distributed ProcessGroup
     active: str = "fast"  # which of them this step's collectives use (the executor says, per step)
+    enable_expert_parallel: bool = False  # a mixture of experts: E/N whole experts a rank (fused_moe/layer.py)
 
     @property
     def is_driver(self) -> bool:

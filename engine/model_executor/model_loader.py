@@ -98,6 +98,13 @@ class LlamaConfig:
     qk_norm: bool
     eos_token_id: int | None
     torch_dtype: str | None = None
+    # mixtures of experts (Qwen3MoeForCausalLM, MixtralForCausalLM); 0 experts: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's width (Mixtral: its intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # Qwen3-MoE: layer i has experts if (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (a dense MLP there)
 
     num_layers = property(lambda self: self.num_hidden_layers)
     num_heads = property(lambda self: self.num_attention_heads)
@@ -192,6 +199,7 @@ def _llama_config(raw: dict, path: Path, arch: str) -> LlamaConfig:
         raise UnsupportedCheckpointError(f"{path}: rope_scaling type {rope_type!r} is not implemented; "
                                          f"implemented: {', '.join(ROPE_TYPES)}")
     heads = raw["num_attention_heads"]
+    moe = _moe_fields(raw, path, arch)
     return LlamaConfig(
         architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
@@ -200,9 +208,27 @@ def _llama_config(raw: dict, path: Path, arch: str) -> LlamaConfig:
         max_position_embeddings=raw["max_position_embeddings"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=None if rope_type == "default" else {"rope_type": rope_type, **rope},
         attention_bias=bool(raw.get("attention_bias", False)), mlp_bias=bool(raw.get("mlp_bias", False)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), qk_norm=arch == "Qwen3ForCausalLM",
-        eos_token_id=_eos(raw), torch_dtype=_dtype(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), eos_token_id=_eos(raw), torch_dtype=_dtype(raw),
+        **moe,
     )
+
+
+def _moe_fields(raw: dict, path: Path, arch: str) -> dict:
+    """The expert fields of a Qwen3-MoE or Mixtral config.json; {} for a dense model. Hub
+    Qwen3-MoE configs name the expert count num_experts, transformers 5 num_local_experts."""
+    if arch == "MixtralForCausalLM":
+        if raw.get("sliding_window"):
+            raise UnsupportedCheckpointError(f"{path}: sliding-window attention is not supported")
+        return dict(num_experts=raw["num_local_experts"], num_experts_per_tok=raw["num_experts_per_tok"],
+                    moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True)
+    if arch == "Qwen3MoeForCausalLM":
+        return dict(num_experts=raw.get("num_experts") or raw["num_local_experts"],
+                    num_experts_per_tok=raw["num_experts_per_tok"], moe_intermediate_size=raw["moe_intermediate_size"],
+                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                    decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
+                    mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
+    return {}
 
 
 def _eos(raw: dict) -> int | None:

@@ -28,11 +28,12 @@ import kernels
 from engine.core.sched.output import GrammarOutput, SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
+from engine.model_executor.layers.fused_moe.layer import moe_layers
 from engine.outputs import DraftTokenIds, ModelRunnerOutput
 from engine.sample.rejection_sampler import RejectionSampler, requests_after_drafts, spec_logprobs
 from engine.sample.sampler import Sampler
 from engine.spec_decode.ngram_proposer import NgramProposer
-from engine.trace_names import BATCH, DRAFT_PREFIX, KERNEL, MODEL_RUNNER
+from engine.trace_names import BATCH, DRAFT_PREFIX, KERNEL, MODEL_RUNNER, ROUTING
 from engine.worker.block_table import BlockTables
 from engine.worker.input_batch import InputBatch, InputBuffers, InputKernels, make_input_batch
 from engine.worker.profiler import Profiler
@@ -82,6 +83,7 @@ class ModelRunner:
         self.rejection_sampler: RejectionSampler | None = None  # made on the first step with draft tokens
         self.drafter = None  # a DraftModelProposer (set by the Worker) or an NgramProposer: runs after sampling
         self.rope = getattr(model, "rope", None)  # what the positions rotate by (None: a learned position table)
+        self.moe_layers = moe_layers(model)  # (layer index, FusedMoE) of a mixture of experts' sparse layers
         self.hooks = hooks or Hooks()
         # numpy array -> tensor on the model's device (no copy on the CPU)
         self._tensor = torch.from_numpy if device.type == "cpu" else lambda a: torch.from_numpy(a).to(device)
@@ -140,6 +142,22 @@ class ModelRunner:
                         seq_lens=batch.seq_lens_np.tolist(), query_start_loc=batch.query_start_loc_np.tolist(),
                         block_tables=batch.block_tables.tolist(), request_ids=batch.req_ids, rope=self.rope,
                         slots=batch.idx_mapping_np.tolist())
+
+    def _trace_routing(self, step: int, batch: InputBatch) -> None:
+        """One event per MoE layer: how many of the step's tokens each expert received (under
+        expert parallelism also each rank's share, rank r holding experts [r·E/N, (r+1)·E/N)), and
+        each request's tokens' experts (best first) and routing weights."""
+        qsl = batch.query_start_loc_np.tolist()
+        for layer_idx, moe in self.moe_layers:
+            ids, weights = moe.last_topk_ids.tolist(), moe.last_topk_weights.tolist()
+            counts = torch.bincount(moe.last_topk_ids.flatten(), minlength=moe.num_experts).tolist()
+            e = moe.local_num_experts
+            self.hooks.emit(MODEL_RUNNER, ROUTING, step=step, layer_idx=layer_idx, num_experts=moe.num_experts,
+                            top_k=moe.top_k, expert_counts=counts,
+                            rank_counts=[sum(counts[r * e:(r + 1) * e]) for r in range(moe.ep_size)],
+                            topk_ids={r: ids[qsl[i]:qsl[i + 1]] for i, r in enumerate(batch.req_ids)},
+                            topk_weights={r: [[round(w, 4) for w in row] for row in weights[qsl[i]:qsl[i + 1]]]
+                                          for i, r in enumerate(batch.req_ids)})
 
     def model_input(self, input_ids, positions, slots, seq_lens, qsl, tables, logits_rows=None) -> ModelInput:
         """A batch as the model takes it, from plain lists (the warm-up's, a draft model's passes):
@@ -265,6 +283,8 @@ class ModelRunner:
         finally:
             if self._launches:
                 self._publish_launches()
+        if self.hooks.active and self.moe_layers and self.rank == 0:  # the same routing on every rank
+            self._trace_routing(sched.step, batch)
         self._pending = _Pending(sched, batch, inp, requests, logits, prompt_logits, spans)
 
     @torch.inference_mode()
@@ -434,11 +454,13 @@ class ModelRunner:
         """While a gate holds the engine before an attention launch: run that launch's inputs
         through the Triton kernel (kernels.rerun); plain data back. Called from another thread
         (the engine's is the one held); the inputs are copied first."""
-        from kernels.rerun import attention_inputs, attention_on_triton
+        from kernels.rerun import attention_inputs, attention_on_triton, moe_inputs, moe_on_triton
 
         held = self._held
+        if held is not None and held[0] == "fused_moe_ref":  # a mixture of experts' layer: its grouped GEMMs
+            return moe_on_triton(**moe_inputs(held[1]))
         if held is None or not held[0].startswith("unified_attention"):
-            raise ValueError("the engine is not held before an attention launch (press k until it is)")
+            raise ValueError("the engine is not held before an attention or fused-MoE launch (press k until it is)")
         return attention_on_triton(**attention_inputs(held[1]))
 
     def _publish_launches(self) -> None:

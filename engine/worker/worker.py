@@ -23,6 +23,7 @@ from engine.distributed.parallel_state import TPGroup
 from engine.hooks import Hooks
 from engine.model_executor import model_loader
 from engine.model_executor.layers.attention import AttentionBackend
+from engine.model_executor.layers.fused_moe.layer import moe_layers
 from engine.model_executor.model_loader import ModelArchConfig, load_state_dict
 from engine.model_executor.models.registry import model_class
 from engine.outputs import DraftTokenIds, ModelRunnerOutput
@@ -99,6 +100,7 @@ class Worker:
     def load_model(self, progress=None) -> dict:
         torch.manual_seed(self.config.model.seed)
         backend = AttentionBackend(self.attention_backend)
+        self.tp.enable_expert_parallel = self.config.parallel.enable_expert_parallel
         self.model = model_class(self.model_config.architecture)(self.model_config, backend, self.tp)
         self.model.load_hf_weights(load_state_dict(self.model_path, progress))
         self.model.to(device=self.device, dtype=self.dtype).eval()
@@ -110,6 +112,11 @@ class Worker:
                     heads=list(tp.shard(cfg.num_heads)), kv_heads=list(tp.shard(cfg.num_kv_heads)),
                     mlp=list(tp.shard(cfg.intermediate_size)), vocab=list(embed.shard_range),
                     vocab_padded=embed.num_embeddings_padded, torch_threads=torch.get_num_threads())
+        moe = moe_layers(self.model)
+        if moe:  # a mixture of experts: [first, end) of the experts this rank holds, and how it holds them
+            experts = moe[0][1]
+            info["experts"] = [experts.expert_start, experts.expert_start + experts.local_num_experts]
+            info["expert_parallel"] = experts.ep_size > 1
         if self.draft_path is not None:  # unsharded, on this rank alone
             self.draft_model = model_class(self.draft_config.architecture)(self.draft_config, backend, TPGroup())
             self.draft_model.load_hf_weights(load_state_dict(self.draft_path))

@@ -101,3 +101,22 @@ def test_a_launch_inside_an_op_is_not_counted_twice():
     inner, op = seen
     assert (inner.name, op.name) == ("all_reduce", "c_proj") and gates == ["c_proj", "all_reduce"]
     assert inner.duration_ns >= 50e6 and 20e6 <= op.duration_ns < 50e6  # its own 20 ms, not the all-reduce's
+
+
+def test_fused_moe_counts_the_experts_used():
+    # 2 tokens, top-2 of 8 experts, hidden 64, expert width 32: 4 pairs, 3 experts chosen
+    args = {"hidden_states": ((2, 64), F32), "w13": ((8, 64, 64), F32), "w2": ((8, 64, 32), F32),
+            "topk_weights": ((2, 2), F32), "topk_ids": ((2, 2), I64)}
+    per_pair = 4 * 64 * 32 + 5 * 32 + 2 * 32 * 64 + 64  # gate and up, silu·mul, down, the routing weight
+    weights = 3 * (64 * 64 + 64 * 32) * 4  # 3 experts' w13 and w2, not 8
+    assert op_cost.fused_moe(args, {"top_k": 2, "experts_used": 3}) == (
+        4 * per_pair + 2 * 64, 2 * 2 * 64 * 4 + weights + 2 * 2 * 8 + 2 * 2 * 4)
+    assert launch_cost("fused_moe_ref", None, args, {"experts_used": 3})[0] == "matmul"
+    # the Triton kernel's two GEMMs: w13 with silu·mul into [4, 32], w2 with the routing weight into [4, 64]
+    w13 = {"a": ((2, 64), F32), "b": ((8, 64, 64), F32), "c": ((4, 32), F32)}
+    assert op_cost.fused_moe_gemm(w13, {"SILU_AND_MUL": True, "experts_used": 3}) == (
+        4 * (2 * 64 * 64 + 5 * 32), 2 * 64 * 4 + 4 * 32 * 4 + 3 * 64 * 64 * 4)
+    w2 = {"a": ((4, 32), F32), "b": ((8, 64, 32), F32), "c": ((4, 64), F32)}
+    assert op_cost.fused_moe_gemm(w2, {"SILU_AND_MUL": False})[0] == 4 * (2 * 32 * 64 + 64)  # 4 experts at most
+    # expert parallelism's combine over 2 ranks: half the elements added, half the bytes sent
+    assert op_cost.reduce_scatter({"tensor": ((4, 64), F32)}, {"world_size": 2}) == (128, 512)

@@ -87,7 +87,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.attention_cls(cfg, layer_idx, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = self.make_mlp(cfg, layer_idx, backend, tp)
+
+    def make_mlp(self, cfg: LlamaConfig, layer_idx: int, backend: AttentionBackend, tp: TPGroup) -> nn.Module:
+        return LlamaMLP(cfg, tp)  # a mixture of experts in its place: qwen3_moe.py, mixtral.py
 
     def forward(self, positions, x, kv_cache, meta):
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)

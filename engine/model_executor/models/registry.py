@@ -11,9 +11,12 @@ MODELS = {
     "GPT2LMHeadModel": ("gpt2", "GPT2Model"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
 }
 # checkpoints old enough to lack `architectures` still name their model_type
-MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def architecture_of(raw_config: dict, path: Path | str = "the checkpoint") -> str:
@@ -44,3 +47,6 @@ def check_tp_size(cfg, tp_size: int) -> None:
                          f"heads); choose one of {sizes}")
     if cfg.intermediate_size % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} must divide the MLP's {cfg.intermediate_size} features")
+    if getattr(cfg, "moe_intermediate_size", 0) % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide each expert's {cfg.moe_intermediate_size} "
+                         "features")
