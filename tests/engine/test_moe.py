@@ -6,7 +6,14 @@ and Triton backends, under preemption, chunked prefill and prefix caching, over 
 tensor-parallel ranks, with expert parallelism (disjoint experts per rank) and with the core in
 its own process. The Qwen3-MoE one renormalises its top-k weights and has a dense layer
 (mlp_only_layers); the Mixtral one 4 experts, top-2. Also: the routing events, the profile's
-cost of the experts used, the Triton launches' expert blocks, `t` on a held fused-MoE launch."""
+cost of the experts used, the Triton launches' expert blocks, `t` on a held fused-MoE launch.
+
+The settings that start an engine per case (preemption, chunked prefill, prefix caching, TP=2,
+expert parallelism) run on the Qwen3-MoE checkpoint only: its router path is the richer one
+(renormalised top-k over 8 experts, a dense layer between sparse ones), and each case is a
+tensor-parallel start or a transformers reference of its own, the costs this suite keeps down.
+Both checkpoints run every path through the layer: both weight layouts, both backends, and the
+core in its own process."""
 from __future__ import annotations
 
 import asyncio
@@ -54,10 +61,24 @@ def _save(path: Path, model, fused: bool) -> str:
     return str(path)
 
 
+_SAVED: dict[str, str] = {}
+
+
+def _checkpoint(arch: str, tmp_path_factory) -> str:
+    """The per-expert checkpoint (what save_pretrained writes), once per architecture."""
+    if arch not in _SAVED:
+        _SAVED[arch] = _save(tmp_path_factory.mktemp(arch), _hf_model(arch), fused=False)
+    return _SAVED[arch]
+
+
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def moe(request, tmp_path_factory):
-    """The per-expert checkpoint (what save_pretrained writes)."""
-    return _save(tmp_path_factory.mktemp(request.param), _hf_model(request.param), fused=False)
+    return _checkpoint(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return _checkpoint("qwen3_moe", tmp_path_factory)
 
 
 def _generate(path, prompts, **kwargs):
@@ -113,7 +134,8 @@ def test_triton_backend_equals_transformers(moe):
 
 
 @pytest.mark.parametrize("setting", ["preemption", "chunked_prefill", "prefix_caching"])
-def test_scheduling_settings_equal_transformers(moe, setting):
+def test_scheduling_settings_equal_transformers(qwen3_moe, setting):
+    moe = qwen3_moe
     kwargs = dict(preemption=dict(num_kv_blocks=10, block_size=16), chunked_prefill=dict(max_num_batched_tokens=16),
                   prefix_caching=dict(enable_prefix_caching=True))[setting]
     prompts = _prompts(n=10, shared_prefix=32 if setting == "prefix_caching" else 0)
@@ -123,7 +145,8 @@ def test_scheduling_settings_equal_transformers(moe, setting):
     assert_greedy_equal(got, moe, prompts, MAX_NEW)
 
 
-def test_tensor_parallel_equals_transformers(moe):
+def test_tensor_parallel_equals_transformers(qwen3_moe):
+    moe = qwen3_moe
     prompts = _prompts(n=8)
     got, _ = _generate(moe, prompts, tensor_parallel_size=2)
     assert_greedy_equal(got, moe, prompts, MAX_NEW)
@@ -232,7 +255,8 @@ def test_triton_launches_carry_their_expert_blocks(moe):
         assert a["grid"][0] >= sum(a["meta"]["expert_blocks"])
 
 
-def test_expert_parallel_equals_transformers_with_disjoint_experts(moe):
+def test_expert_parallel_equals_transformers_with_disjoint_experts(qwen3_moe):
+    moe = qwen3_moe
     hooks, events = Hooks(), []
     hooks.subscribe(lambda *e: events.append(e), lambda evs, at_ns=None: events.extend(evs))
     prompts = _prompts(n=6)
