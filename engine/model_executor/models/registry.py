@@ -11,9 +11,13 @@ MODELS = {
     "GPT2LMHeadModel": ("gpt2", "GPT2Model"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
+    "MinistralForCausalLM": ("mistral", "MinistralForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
 }
 # checkpoints old enough to lack `architectures` still name their model_type
-MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "ministral": "MinistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def architecture_of(raw_config: dict, path: Path | str = "the checkpoint") -> str:
