@@ -47,9 +47,9 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
-        self.block_ids: list[int] = []  # the block table: logical block i -> physical block
+        # its block table in each KV-cache group: logical block i -> physical block (one group: dense)
+        self.kv_block_ids: list[list[int]] = [[]]
         self.block_hashes: list[int] = []  # hash of each full block, a chain over the tokens
-        self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.num_preemptions = 0
         self.prompt_logprobs: list[list] = []  # with params.prompt_logprobs: for prompt positions 1.. so far
         self.spec_token_ids: list[int] = []  # speculative decoding: drafts to verify in the next step
@@ -62,6 +62,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The block table of the first KV-cache group (a dense model's only one)."""
+        return self.kv_block_ids[0]
 
     @property
     def num_tokens(self) -> int:

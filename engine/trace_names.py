@@ -25,6 +25,7 @@ ENCODE = "encode"  # tokenizer
 FAN_OUT = "fan_out"  # api: a request with n > 1 became n child requests (parallel sampling)
 SCHEDULE = "schedule"  # scheduler: a span, with a snapshot (the queues and the batch) before its end
 ALLOCATE, FREE, EVICT, CACHE_HIT, CACHE_MISS = "allocate", "free", "evict", "cache_hit", "cache_miss"  # block_manager
+FREE_WINDOW = "free_window"  # block_manager: blocks a sliding window has passed, back to the pool
 BATCH = "batch"  # model_runner: the step's flattened batch
 ROUTING = "routing"  # model_runner: one MoE layer's routing in a step (tokens per expert, each token's top-k)
 EXECUTE_MODEL, WORKER_READY = "execute_model", "ready"  # worker: the step it received; up and serving

@@ -89,7 +89,7 @@ SHORT_QUERY = 8
 
 
 def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   block_size: int) -> AttentionPlan:
+                   block_size: int, sliding_window: int | None = None) -> AttentionPlan:
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
     # Decodes form one group (splitting them by context length measured no faster). Prefill
@@ -106,11 +106,12 @@ def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
             groups.append([i])
     groups = [g for g in groups if g]
     tables = block_tables.cpu().numpy()
-    return AttentionPlan([_group(g, qsl, q_lens, lens, tables, block_size, block_tables.device) for g in groups])
+    return AttentionPlan([_group(g, qsl, q_lens, lens, tables, block_size, block_tables.device, sliding_window)
+                          for g in groups])
 
 
 def _group(reqs: list[int], qsl: list[int], q_lens: list[int], lens: list[int], tables: np.ndarray,
-           block_size: int, device: torch.device) -> AttentionGroup:
+           block_size: int, device: torch.device, sliding_window: int | None = None) -> AttentionGroup:
     # Built with numpy: on these small arrays it costs a fraction of the same torch ops.
     n, q = len(reqs), max(q_lens[i] for i in reqs)
     nblk = -(-max(lens[i] for i in reqs) // block_size)
@@ -122,7 +123,11 @@ def _group(reqs: list[int], qsl: list[int], q_lens: list[int], lens: list[int], 
     rows = np.arange(q)
     last = np.minimum(seq - qn + rows, seq - 1)  # [n, q]
     # Additive float mask: SDPA turns a boolean one into this on every call (every layer).
-    mask = np.where(np.arange(nblk * block_size) <= last[:, None, :, None], np.float32(0), np.float32(-np.inf))
+    keys = np.arange(nblk * block_size)
+    visible = keys <= last[:, None, :, None]
+    if sliding_window:  # and no further back than the window (blocks before it may be another request's now)
+        visible &= keys > last[:, None, :, None] - sliding_window
+    mask = np.where(visible, np.float32(0), np.float32(-np.inf))
     span = src = keep = dst = None
     if reqs == list(range(reqs[0], reqs[-1] + 1)) and all(q_lens[i] == q for i in reqs):
         span = (qsl[reqs[0]], qsl[reqs[-1] + 1])
@@ -150,11 +155,13 @@ def unified_attention_ref(
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
     workspace: Workspace | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole (paged) context.
 
-    Query row i of request r sits at absolute position ``context_len + i`` where
-    ``context_len = seq_len - query_len``; it sees keys at positions ``<= context_len + i``.
+    Query row i of request r sits at absolute position ``p = context_len + i`` where
+    ``context_len = seq_len - query_len``; it sees keys at positions ``<= p`` (with a sliding
+    window, only those ``> p - sliding_window``: the block table may hold the null block before).
     Softmax is computed in fp32. ``plan`` (from ``plan_attention``) may be passed to reuse
     the indexing across layers, and ``workspace`` to gather K/V into reused buffers.
     """
@@ -164,7 +171,7 @@ def unified_attention_ref(
     if out is None:
         out = torch.empty_like(query)
     if plan is None:
-        plan = plan_attention(query_start_loc, seq_lens, block_tables, block_size)
+        plan = plan_attention(query_start_loc, seq_lens, block_tables, block_size, sliding_window)
     for g in plan.groups:
         q = query[g.span[0]:g.span[1]] if g.span else query.index_select(0, g.src)
         # Whole blocks are gathered (one index_select copying block_size contiguous rows per

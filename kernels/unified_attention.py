@@ -17,6 +17,10 @@ through each request's block table (this step's tokens were written there first)
 * Each loop iteration gathers TILE_N keys per query block (TILE_N / BLOCK_SIZE block-table
   entries at once) and runs an fp32 online softmax under the causal mask
   ``key_pos <= context_len + query_index``.
+* Sliding window (SLIDING_WINDOW > 0, Mistral, Gemma 3's local layers): a query at position p
+  also masks keys at or before ``p - SLIDING_WINDOW``, and a program starts at the tile of the
+  first key its first query reads: the tiles before, whose blocks the scheduler may already have
+  given to another request (the table holds the null block there), are never loaded.
 * Split-KV (flash-decoding): a third grid axis cuts the tiles into segments; each program writes
   its unnormalised accumulator, running max and exp-sum, and a reduce kernel merges them.
 """
@@ -50,7 +54,7 @@ def _attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     QH_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, Q_BLOCKS: tl.constexpr,
-    TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
 ):
     # Index math is int64: no overflow for big caches, and the interpreter skips its (costly)
     # int32 overflow checks.
@@ -100,6 +104,10 @@ def _attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_tiles
+    if SLIDING_WINDOW > 0:  # skip the tiles wholly before the window of the program's earliest query
+        first_key = col_start + tl.load(seq_lens_ptr + col_req, mask=col_has, other=0) - col_end - SLIDING_WINDOW + 1
+        first_key = tl.min(tl.where(col_has, first_key, 1 << 40), 0)
+        tile_lo = tl.maximum(tile_lo, tl.maximum(first_key, 0) // TILE_N)
 
     k_cols = (kv_head0 + col_head) * stride_kh + dim
     v_cols = (kv_head0 + col_head) * stride_vh + dim
@@ -118,6 +126,8 @@ def _attention_kernel(
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [WIDTH, Q_BLOCKS * TILE_N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # fp32
         visible = same_qb & (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -196,6 +206,7 @@ def unified_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     config: AttentionConfig | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.reference.unified_attention_ref` (same semantics).
 
@@ -255,7 +266,7 @@ def unified_attention(
     meta = dict(
         HEAD_SIZE=head_size, HEAD_PAD=head_pad, GROUP=group, HEADS_PER_PROG=hp, QH_PAD=next_pow2(hp * group),
         BLOCK_SIZE=block_size, BLOCK_Q=config.block_q, Q_BLOCKS=config.q_blocks_per_program,
-        TILE_N=config.tile_n, NUM_SEGMENTS=segments,
+        TILE_N=config.tile_n, NUM_SEGMENTS=segments, SLIDING_WINDOW=sliding_window or 0,
         # fp32 caches: tl.dot would otherwise round inputs to tf32 on GPUs (~1e-3 relative error).
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -263,7 +274,8 @@ def unified_attention(
     instrument.launch(
         "unified_attention" if segments == 1 else "unified_attention_split_kv",
         _attention_kernel, grid, args, meta, reason=reason, access=_access_map,
-        access_args=(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens, group),
+        access_args=(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens, group,
+                     sliding_window or 0),
     )
     if segments > 1:
         heads_block = config.reduce_heads_per_program
@@ -278,9 +290,11 @@ def unified_attention(
     return out
 
 
-def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens, group=1):
+def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens, group=1,
+                sliding_window=0):
     """Replay the kernel's program -> work mapping on the host, from the launch's metadata.
-    group = num_queries_per_kv: the program of KV heads [a, b) does query heads [a·group, b·group)."""
+    group = num_queries_per_kv: the program of KV heads [a, b) does query heads [a·group, b·group).
+    With a sliding window a program starts at the tile of its earliest query's first key."""
     qsl, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()  # one copy each
     bq, qbp, hp, tile = config.block_q, config.q_blocks_per_program, config.heads_per_program, config.tile_n
     nseg = config.num_segments
@@ -299,9 +313,15 @@ def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, b
     for x, blocks_of_program in sorted(work.items()):
         # A program runs as many tiles as its longest query block needs.
         tiles = triton.cdiv(max(kv for *_, kv in blocks_of_program), tile)
+        first_tile = 0
+        if sliding_window:  # the first query of a block sits at kv_len - (row1 - row0)
+            first_tile = max(0, min(kv - (r1 - r0) - sliding_window + 1 for _, r0, r1, kv in blocks_of_program)) // tile
         for seg in range(nseg):
             lo = seg * tiles_per_segment if nseg > 1 else 0
             hi = min(lo + tiles_per_segment, tiles) if nseg > 1 else tiles
+            lo = max(lo, first_tile)
+            if lo >= hi and sliding_window:
+                continue  # a segment wholly before the window loads nothing
             for r, row0, row1, kv_len in blocks_of_program:
                 pos = (min(lo * tile, kv_len), min(hi * tile, kv_len))
                 logical = range(pos[0] // block_size, triton.cdiv(pos[1], block_size))

@@ -47,6 +47,7 @@ from engine.trace_names import (
     FAN_OUT,
     FINISHED,
     FREE,
+    FREE_WINDOW,
     GRAMMAR_COMPILED,
     HTTP,
     IPC,
@@ -497,7 +498,7 @@ def _block_manager(s: TraceState, ev: Event) -> None:
     if ev.request_id is None:
         return
     req = s.request(ev.request_id)
-    if ev.name == ALLOCATE:
+    if ev.name in (ALLOCATE, FREE_WINDOW):  # (a sliding window's passed blocks: the null block in their place)
         req.block_table = list(a.get("block_table", req.block_table))
         s.cached_free.difference_update(req.block_table)  # new blocks, and prefix hits taken back
     elif ev.name == FREE:

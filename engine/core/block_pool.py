@@ -10,9 +10,11 @@
   Blocks whose contents are still in the prefix cache stay here (they count as free) until they are
   reused: taking one for a new purpose *evicts* it from the cache.
 - Reference counts let requests share prefix blocks.
-- ``cached_block_hash_to_block``: block hash -> physical block id. A full block's hash chains its
-  parent's hash and its token ids, so a hash names the whole prefix up to that block; a hit is
-  verified against the tokens the block stores.
+- ``cached_block_hash_to_block``: block hash (with its KV-cache group) -> physical block id. A full
+  block's hash chains its parent's hash and its token ids, so a hash names the whole prefix up to
+  that block; a hit is verified against the tokens the block stores. The same tokens have one block
+  in each KV-cache group (a hybrid model's groups keep different layers' K/V), so a key is the hash
+  with its group's id (V1's ``BlockHashWithGroupId``); group 0's key is the hash itself.
 """
 from __future__ import annotations
 
@@ -32,6 +34,11 @@ class KVCacheBlock:
     ref_cnt: int = 0
     block_hash: int | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens behind `block_hash`, to verify hits
+
+
+def block_hash_with_group_id(block_hash: int, group_id: int) -> int:
+    """A block's key in the prefix cache's map: its hash, and for groups past the first its group's id."""
+    return block_hash if group_id == 0 else hash((block_hash, group_id))
 
 
 def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -67,21 +74,22 @@ class BlockPool:
         block is not counted, as in vLLM's ``get_usage``)."""
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
-    def get_cached_block(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """The cached block with this hash, if it holds these tokens (a hash collision is a miss)."""
-        bid = self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: int, token_ids: tuple[int, ...], group_id: int = 0) -> int | None:
+        """The group's cached block with this hash, if it holds these tokens (a hash collision is a miss)."""
+        bid = self.cached_block_hash_to_block.get(block_hash_with_group_id(block_hash, group_id))
         if bid is None or self.blocks[bid].token_ids != token_ids:
             return None
         return bid
 
     def cache_full_blocks(self, block_ids: list[int], block_hashes: list[int], all_token_ids: list[int],
-                          num_cached_blocks: int, num_full_blocks: int, block_size: int) -> None:
+                          num_cached_blocks: int, num_full_blocks: int, block_size: int, group_id: int = 0) -> None:
         """Register blocks num_cached_blocks..num_full_blocks-1 of a block table (their K/V are written
-        this step) in the cache; a hash already cached keeps its first block."""
+        this step) in the cache; a hash already cached keeps its first block. The null block (where a
+        sliding window has passed) holds nothing to register."""
         for i in range(num_cached_blocks, num_full_blocks):
             block = self.blocks[block_ids[i]]
-            if block.block_hash is None:
-                block.block_hash = block_hashes[i]
+            if block.block_hash is None and block is not self.null_block:
+                block.block_hash = block_hash_with_group_id(block_hashes[i], group_id)
                 block.token_ids = tuple(all_token_ids[i * block_size:(i + 1) * block_size])
                 self.cached_block_hash_to_block.setdefault(block.block_hash, block.block_id)
 

@@ -4,19 +4,41 @@ heads are cached: with grouped-query attention (Llama 3 8B: 32 query heads, 8 KV
 is smaller by the group factor num_heads / num_kv_heads, and that many times more tokens fit in
 the same memory (lesson 20 measures it). With tensor parallelism each rank holds the K/V of its
 own KV heads (num_kv_heads / N of them) for every block: the block ids, and so the block
-tables, are the same on every rank."""
+tables, are the same on every rank.
+
+A hybrid model (sliding-window and full-attention layers) has several KV-cache groups
+(engine/core/kv_cache_interface.py) of the same number of layers; layer j of every group shares
+K/V tensor j, so a block holds the K/V of group_size layers, and the pool's blocks serve whichever
+group takes them."""
 from __future__ import annotations
 
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig
+from engine.core.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    get_kv_cache_groups,
+    num_tensors,
+    tensor_of_layer,
+)
 from engine.model_executor.model_loader import ModelArchConfig
 
 
+def kv_cache_groups_of(model: ModelArchConfig, block_size: int) -> list[KVCacheGroupSpec]:
+    """The model's layers grouped by KV-cache spec (each layer's sliding window, or full attention)."""
+    windows = getattr(model, "layer_sliding_windows", None) or [None] * model.num_layers
+    return get_kv_cache_groups([SlidingWindowSpec(block_size, w) if w else FullAttentionSpec(block_size)
+                                for w in windows])
+
+
 def bytes_per_block(model: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """K and V, all layers, one block (on one rank: its num_kv_heads / tp_size KV heads)."""
+    """K and V, one block, all the layers that share it (on one rank: its num_kv_heads / tp_size KV
+    heads): every layer for a dense model, one group's for a hybrid one."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * (model.num_kv_heads // tp_size) * model.head_size * elem
+    layers = num_tensors(kv_cache_groups_of(model, block_size))
+    return 2 * layers * block_size * (model.num_kv_heads // tp_size) * model.head_size * elem
 
 
 def num_blocks_for(cache: CacheConfig, model: ModelArchConfig, dtype: torch.dtype, device: torch.device,
@@ -49,6 +71,10 @@ def num_blocks_for(cache: CacheConfig, model: ModelArchConfig, dtype: torch.dtyp
 
 def allocate_kv_cache(num_blocks: int, block_size: int, model: ModelArchConfig, dtype: torch.dtype,
                       device: torch.device, tp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) tensors; layers of different KV-cache groups share them (see above)."""
     shape = (num_blocks, block_size, model.num_kv_heads // tp_size, model.head_size)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.num_layers)]
+    groups = kv_cache_groups_of(model, block_size)
+    tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+               for _ in range(num_tensors(groups))]
+    tensor = tensor_of_layer(groups)
+    return [tensors[tensor[i]] for i in range(model.num_layers)]

@@ -32,6 +32,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_utils import kv_cache_groups_of
 from engine.core.sched.async_scheduler import AsyncScheduler
 from engine.core.sched.output import SchedulerOutput, diff_summary
 from engine.core.sched.scheduler import Scheduler
@@ -108,6 +109,10 @@ class EngineCore:
             self.eos_token_id = self.tokenizer.eos_token_id
 
         spec = config.speculative
+        if spec is not None and spec.method == "draft_model" and any(
+                getattr(self.model_config, "layer_sliding_windows", None) or ()):
+            raise ValueError("a draft model needs a target without sliding-window layers (its proposer reads the "
+                             "target's full-attention block table); use speculative method 'ngram'")
         if spec is not None and spec.method == "draft_model":  # checked here, before any worker loads it
             with self._stage("resolve_draft_model", model=spec.model) as info:
                 draft_path, draft = resolve_draft_model(spec, self.model_config, self.tokenizer, self.max_model_len)
@@ -128,7 +133,8 @@ class EngineCore:
             info |= self.model_executor.initialize_kv_cache(num_blocks)
             info["reason"] = why
 
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks,
+                                               kv_cache_groups_of(self.model_config, cc.block_size))
         # grammars for structured outputs: xgrammar is imported by the first one, on the compile thread
         self.structured_output_manager = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id, config.scheduler.max_num_seqs)
@@ -422,6 +428,8 @@ class EngineCore:
         """The engine's visible state, as plain data (taken at schedule time when traced)."""
         # Dict displays in one comprehension, not dict(...) or a call per request: taken every step
         # for every request while traced.
+        hybrid = self.kv_cache_manager.num_kv_cache_groups > 1  # each group's table too
+
         def rows(reqs) -> list[dict]:
             return [
                 {
@@ -435,6 +443,7 @@ class EngineCore:
                     "num_cached_tokens": r.num_cached_tokens,
                     "num_preemptions": r.num_preemptions,
                     "priority": r.priority,
+                    **({"kv_block_tables": [b.copy() for b in r.kv_block_ids]} if hybrid else {}),
                 }
                 for r in reqs
             ]

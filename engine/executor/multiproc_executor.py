@@ -286,7 +286,8 @@ class MultiprocExecutor(Executor):
         return dict(num_blocks=num_blocks, block_size=first["block_size"], bytes=sum(r["bytes"] for r in ranks),
                     bytes_per_block=sum(r["bytes_per_block"] for r in ranks),
                     tensor_parallel_size=self.tensor_parallel_size, ranks=ranks,
-                    **{k: first[k] for k in ("num_heads", "num_kv_heads", "head_size", "num_layers")})
+                    **{k: first[k] for k in ("num_heads", "num_kv_heads", "head_size", "num_layers", "kv_cache_groups")
+                       if k in first})
 
     def warm_up(self, max_model_len: int) -> dict:
         replies = self._all("warm", max_model_len, "warm", STARTUP_TIMEOUT_S)

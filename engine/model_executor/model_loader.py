@@ -17,6 +17,7 @@ and cast where the model is built (float32 on the CPU; bfloat16 kept on CUDA, se
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -105,11 +106,23 @@ class LlamaConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1  # Qwen3-MoE: layer i has experts if (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (a dense MLP there)
+    sliding_window: int | None = None  # Mistral: every layer reads the last sliding_window positions only
+    layer_types: list[str] | None = None  # "sliding_attention" / "full_attention" per layer (None: all sliding)
+    query_pre_attn_scalar: float | None = None  # Gemma 3: attention scaled by its -1/2 power, not head_dim's
+    rope_local_theta: float | None = None  # Gemma 3: the sliding-window layers' RoPE base
 
     num_layers = property(lambda self: self.num_hidden_layers)
     num_heads = property(lambda self: self.num_attention_heads)
     num_kv_heads = property(lambda self: self.num_key_value_heads)
     head_size = property(lambda self: self.head_dim)
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention)."""
+        if not self.sliding_window:
+            return [None] * self.num_hidden_layers
+        types = self.layer_types or ["sliding_attention"] * self.num_hidden_layers
+        return [self.sliding_window if t == "sliding_attention" else None for t in types]
 
 
 ModelArchConfig = GPT2Config | LlamaConfig
@@ -160,6 +173,8 @@ def read_config(path: Path) -> ModelArchConfig:
         raise UnsupportedCheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
     arch = architecture_of(raw, path)
     try:
+        if arch == "Gemma3ForCausalLM":
+            return _gemma3_config(raw, path)
         return _gpt2_config(raw, path) if arch == "GPT2LMHeadModel" else _llama_config(raw, path, arch)
     except KeyError as e:
         raise UnsupportedCheckpointError(f"{cfg_file} ({arch}) has no {e.args[0]!r}") from None
@@ -185,11 +200,24 @@ def _gpt2_config(raw: dict, path: Path) -> GPT2Config:
 ROPE_TYPES = ("default", "linear", "llama3")  # implemented in layers/rotary_embedding.py
 
 
+SLIDING_WINDOW_ARCHS = ("MistralForCausalLM", "MinistralForCausalLM")  # Llama's layers with config.sliding_window
+
+
 def _llama_config(raw: dict, path: Path, arch: str) -> LlamaConfig:
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedCheckpointError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
     if raw.get("use_sliding_window"):
-        raise UnsupportedCheckpointError(f"{path}: sliding-window attention is not supported")
+        raise UnsupportedCheckpointError(f"{path}: use_sliding_window (Qwen's windowed layers) is not supported; "
+                                         f"sliding windows run with MistralForCausalLM")
+    window = raw.get("sliding_window") if arch in SLIDING_WINDOW_ARCHS else None
+    layer_types = raw.get("layer_types") if window else None
+    if layer_types is not None and arch == "MistralForCausalLM":
+        raise UnsupportedCheckpointError(f"{path}: transformers' MistralForCausalLM ignores layer_types (a window on "
+                                         f"every layer); name the architecture MinistralForCausalLM to mix them")
+    if layer_types is not None and (len(layer_types) != raw["num_hidden_layers"]
+                                    or set(layer_types) - {"sliding_attention", "full_attention"}):
+        raise UnsupportedCheckpointError(f"{path}: layer_types must name sliding_attention or full_attention for "
+                                         f"each of the {raw['num_hidden_layers']} layers")
     # transformers 5 writes rope_parameters {"rope_type", "rope_theta", ...}; 4.x wrote rope_theta
     # and rope_scaling {"type" or "rope_type", ...} (most hub checkpoints still do)
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -210,7 +238,7 @@ def _llama_config(raw: dict, path: Path, arch: str) -> LlamaConfig:
         attention_bias=bool(raw.get("attention_bias", False)), mlp_bias=bool(raw.get("mlp_bias", False)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), eos_token_id=_eos(raw), torch_dtype=_dtype(raw),
-        **moe,
+        sliding_window=window, layer_types=layer_types, **moe,
     )
 
 
@@ -229,6 +257,34 @@ def _moe_fields(raw: dict, path: Path, arch: str) -> dict:
                     decoder_sparse_step=raw.get("decoder_sparse_step") or 1,
                     mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()))
     return {}
+
+
+def _gemma3_config(raw: dict, path: Path) -> LlamaConfig:
+    """Gemma3ForCausalLM (text): Llama's fields, plus each layer's type, the window, the scalar its
+    attention scales by and the local layers' RoPE base; what it does not implement is refused."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise UnsupportedCheckpointError(f"{path}: Gemma 3 with {key}={raw[key]} is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedCheckpointError(f"{path}: Gemma 3 with use_bidirectional_attention is not supported")
+    if raw.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UnsupportedCheckpointError(f"{path}: hidden_activation {raw['hidden_activation']!r} is not supported "
+                                         f"(only gelu_pytorch_tanh)")
+    # transformers 5: rope_parameters per layer type; 4.x: rope_theta, rope_scaling, rope_local_base_freq
+    rope = raw.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or raw.get("rope_scaling") or {})
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    local = dict(rope.get("sliding_attention") or {"rope_theta": raw.get("rope_local_base_freq", 10_000.0)})
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedCheckpointError(f"{path}: scaled RoPE on Gemma 3's sliding-window layers is not supported")
+    n = raw["num_hidden_layers"]
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % raw.get("sliding_window_pattern", 6)
+                                       else "full_attention" for i in range(n)]
+    llama = _llama_config({**raw, "hidden_act": "silu", "rope_parameters": full, "tie_word_embeddings":
+                           raw.get("tie_word_embeddings", True)}, path, "Gemma3ForCausalLM")
+    return dataclasses.replace(llama, sliding_window=raw.get("sliding_window"), layer_types=types,
+                               query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+                               rope_local_theta=float(local.get("rope_theta", 10_000.0)))
 
 
 def _eos(raw: dict) -> int | None:

@@ -6,7 +6,8 @@ kernels/block_table.py).
 it, one launch per array: ``prepare_prefill_inputs`` the input token ids (prompt or recomputed
 tokens from the slot's token buffer, then any drafts to verify), ``prepare_pos_seq_lens`` the
 positions and seq_lens from where its computed tokens end, ``gather_block_tables`` its block
-table row, ``compute_slot_mappings`` each token's slot in the paged KV cache. With the triton
+table row, ``compute_slot_mappings`` each token's slot in the paged KV cache (these two once per
+KV-cache group: a hybrid model's groups have their own tables). With the triton
 backend these are our Triton kernels; otherwise their PyTorch references (vectorised: a few
 tensor ops per launch whatever the batch), each a launch the Kernels panel lists.
 
@@ -88,6 +89,9 @@ class InputBatch:
     block_tables: torch.Tensor  # [num_reqs, max blocks] int32, padded with the null block (0)
     logits_indices: np.ndarray  # the rows projected to logits: each request's last, or every draft's and its last
     draft_token_ids: list[list[int]]  # per request, the drafts it verifies
+    # per KV-cache group (the first: block_tables, slot_mapping; more for a hybrid model)
+    block_tables_by_group: list[torch.Tensor] | None = None
+    slot_mappings_by_group: list[torch.Tensor] | None = None
 
 
 def resolve_placeholder_drafts(spec: dict[str, list[int]], last_drafts: dict[str, list[int]]) -> dict:
@@ -132,14 +136,23 @@ def make_input_batch(sched: SchedulerOutput, states: RequestState, tables: Block
                                   num_computed_tokens=num_computed, draft_tokens=tensor(draft_tokens))
     launch.prepare_pos_seq_lens(idx_mapping=idx_t, query_start_loc=qsl_t, num_computed_tokens=num_computed,
                                 pos=positions, seq_lens=seq_lens)
-    slot_tables = buffers("block_tables", tables.block_tables)
-    launch.gather_block_tables(idx_mapping=idx_t, block_tables=slot_tables,
-                               num_blocks=buffers("num_blocks", tables.num_blocks), out=block_tables)
-    launch.compute_slot_mappings(idx_mapping=idx_t, query_start_loc=qsl_t, positions=positions,
-                                 block_tables=slot_tables, block_size=block_size, slot_mapping=slot_mapping)
+    tables_by_group, slots_by_group = [block_tables], [slot_mapping]
+    for g in range(tables.num_kv_cache_groups):  # each KV-cache group has its own tables (a hybrid model)
+        if g:
+            tables_by_group.append(torch.empty(num_reqs, int(tables.group_num_blocks[g][idx].max()),
+                                               dtype=torch.int32, device=device))
+            slots_by_group.append(torch.empty(num_tokens, dtype=torch.int64, device=device))
+        name = f"block_tables{g or ''}"
+        slot_tables = buffers(name, tables.group_block_tables[g])
+        launch.gather_block_tables(idx_mapping=idx_t, block_tables=slot_tables,
+                                   num_blocks=buffers(f"num_blocks{g or ''}", tables.group_num_blocks[g]),
+                                   out=tables_by_group[g])
+        launch.compute_slot_mappings(idx_mapping=idx_t, query_start_loc=qsl_t, positions=positions,
+                                     block_tables=slot_tables, block_size=block_size, slot_mapping=slots_by_group[g])
     if any(drafts):  # every draft's row is scored, not only the last
         logits_indices = np.concatenate([np.arange(qsl[i + 1] - 1 - len(d), qsl[i + 1]) for i, d in enumerate(drafts)])
     else:
         logits_indices = qsl[1:].astype(np.int64) - 1
     return InputBatch(req_ids, idx_t, idx, num_sched, qsl_t, qsl, seq_lens, states.num_computed_tokens[idx] + num_sched,
-                      input_ids, positions, slot_mapping, block_tables, logits_indices.astype(np.int64), drafts)
+                      input_ids, positions, slot_mapping, block_tables, logits_indices.astype(np.int64), drafts,
+                      tables_by_group, slots_by_group)

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 import kernels
+from engine.core.kv_cache_interface import group_of_layer
+from engine.core.kv_cache_utils import kv_cache_groups_of
 from engine.core.sched.output import GrammarOutput, SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
@@ -76,7 +78,11 @@ class ModelRunner:
         self.device = device
         self.max_model_len = max_model_len
         self.req_states = RequestState(max_num_reqs, max_model_len)
-        self.block_tables = BlockTables(max_num_reqs, -(-max_model_len // block_size))
+        # the model's KV-cache groups: one block table each (a hybrid model's sliding-window and full layers)
+        groups = kv_cache_groups_of(model.cfg, block_size) if hasattr(model, "cfg") else []
+        self.sliding_windows = [g.kv_cache_spec.sliding_window for g in groups] or [None]
+        self.layer_group = group_of_layer(groups) if len(groups) > 1 else {}
+        self.block_tables = BlockTables(max_num_reqs, -(-max_model_len // block_size), len(self.sliding_windows))
         self.input_kernels = InputKernels(model.backend.name)  # what builds each step's inputs from those
         self.input_buffers = InputBuffers(device)  # those buffers as the kernels read them
         self.sampler = Sampler(model.backend.name)  # every live request's sampling settings, by slot
@@ -173,22 +179,29 @@ class ModelRunner:
 
     def model_input_of(self, batch: InputBatch) -> ModelInput:
         """The step's batch as the model takes it (the kernels' tensors, already on its device)."""
-        meta = AttentionMetadata(
-            slot_mapping=batch.slot_mapping, query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-            block_tables=batch.block_tables, max_query_len=int(batch.num_scheduled_tokens.max()),
-            max_seq_len=int(batch.seq_lens_np.max()))
+        meta = self._metadata(batch.slot_mappings_by_group or [batch.slot_mapping], batch.query_start_loc,
+                              batch.seq_lens, batch.block_tables_by_group or [batch.block_tables],
+                              int(batch.num_scheduled_tokens.max()), int(batch.seq_lens_np.max()))
         return ModelInput(input_ids=batch.input_ids, positions=batch.positions, meta=meta,
                           logits_indices=self._tensor(batch.logits_indices),
                           all_last=len(batch.input_ids) == len(batch.req_ids))
 
     def _model_input(self, input_ids, positions, slots, seq_lens, qsl, block_tables, logits_indices) -> ModelInput:
+        """(Every KV-cache group gets the same table and slots: the warm-up's dummy sequence.)"""
         tensor = self._tensor
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots), query_start_loc=tensor(qsl), seq_lens=tensor(seq_lens),
-            block_tables=tensor(block_tables), max_query_len=int((qsl[1:] - qsl[:-1]).max()),
-            max_seq_len=int(seq_lens.max()))
+        meta = self._metadata([tensor(slots)] * len(self.sliding_windows), tensor(qsl), tensor(seq_lens),
+                              [tensor(block_tables)] * len(self.sliding_windows),
+                              int((qsl[1:] - qsl[:-1]).max()), int(seq_lens.max()))
         return ModelInput(input_ids=tensor(input_ids), positions=tensor(positions), meta=meta,
                           logits_indices=tensor(logits_indices), all_last=len(input_ids) == len(seq_lens))
+
+    def _metadata(self, slot_mappings, qsl, seq_lens, block_tables, max_query_len, max_seq_len) -> AttentionMetadata:
+        """The first KV-cache group's metadata, holding the others' (one per group: its tables, slots, window)."""
+        metas = [AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+                                   max_query_len=max_query_len, max_seq_len=max_seq_len, sliding_window=window)
+                 for slots, tables, window in zip(slot_mappings, block_tables, self.sliding_windows)]
+        metas[0].group_metadata, metas[0].layer_group = metas[1:], self.layer_group
+        return metas[0]
 
     # ---- the step -------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

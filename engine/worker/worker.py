@@ -17,7 +17,7 @@ import hashlib
 import msgspec
 import torch
 
-from engine.core.kv_cache_utils import allocate_kv_cache, bytes_per_block, num_blocks_for
+from engine.core.kv_cache_utils import allocate_kv_cache, bytes_per_block, kv_cache_groups_of, num_blocks_for
 from engine.core.sched.output import GrammarOutput, SchedulerOutput
 from engine.distributed.parallel_state import TPGroup
 from engine.hooks import Hooks
@@ -162,6 +162,10 @@ class Worker:
                     num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_size, num_layers=cfg.num_layers)
         if self.draft_model is not None:
             info["draft_bytes"] = num_blocks * bytes_per_block(self.draft_config, cc.block_size, self.dtype)
+        groups = kv_cache_groups_of(cfg, cc.block_size)
+        if len(groups) > 1 or groups[0].kv_cache_spec.sliding_window:  # the layers' KV-cache groups, and windows
+            info["kv_cache_groups"] = [dict(layers=g.layer_ids, sliding_window=g.kv_cache_spec.sliding_window)
+                                       for g in groups]
         return info
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

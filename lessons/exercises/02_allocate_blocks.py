@@ -120,7 +120,7 @@ def by_hand(fn, g: Grader) -> None:
             f"returned {ok!r}, block table {big.block_ids}, free queue {before[0]} -> {state(bm)[0]}")
     # prefix-cache hits: A's first two blocks hold tokens 0..7
     c = _req("C", list(range(10)))
-    hits = bm.get_computed_blocks(c)
+    hits = bm.get_computed_blocks(c)[0][0]  # (the hit's blocks in the one KV-cache group)
     ok = allocate(fn, bm, c, 10 - 4 * len(hits), hits)
     g.check(ok is True and hits == [1, 2] and c.block_ids[:2] == [1, 2] and len(c.block_ids) == 3
             and bm.block_pool.blocks[1].ref_cnt == 2, "a request with A's first 8 tokens shares A's blocks 1 and 2 "
@@ -130,7 +130,7 @@ def by_hand(fn, g: Grader) -> None:
     bm.free(a)
     bm.free(c)
     d = _req("D", list(range(10)))
-    hits = bm.get_computed_blocks(d)
+    hits = bm.get_computed_blocks(d)[0][0]
     free_before = bm.num_free_blocks
     allocate(fn, bm, d, 10 - 4 * len(hits), hits)
     g.check(hits == [1, 2] and d.block_ids[:2] == [1, 2] and not {1, 2} & set(state(bm)[0])
@@ -167,7 +167,7 @@ def grade(fn, g: Grader, model: str = "tiny-gpt2") -> None:
     engine = LLM(model, **kw).llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     bm, original = core.kv_cache_manager, core.kv_cache_manager.allocate_slots
-    bm.allocate_slots = lambda req, n, computed=(): allocate(fn, bm, req, n, computed)
+    bm.allocate_slots = lambda req, n, computed=None: allocate(fn, bm, req, n, computed[0] if computed else ())
     problems = []
 
     def after_step(reqs):

@@ -47,8 +47,7 @@ def test_allocate_free_conserves_blocks(ops, num_blocks, block_size, prefix, voc
         if op == "alloc" and slot not in live:
             # tiny vocabularies make shared prefixes (and so cache hits) likely
             req = _req(n, [(n * 7 + i) % vocab for i in range(amount)])
-            computed = bm.get_computed_blocks(req)
-            num_cached = len(computed) * block_size
+            computed, num_cached = bm.get_computed_blocks(req)
             if bm.allocate_slots(req, req.num_tokens - num_cached, computed):
                 req.num_computed_tokens = req.num_tokens
                 live[slot] = req
@@ -88,8 +87,8 @@ def test_prefix_hit_shares_blocks_and_leaves_last_token():
     a = _req(0, list(range(8)))
     assert bm.allocate_slots(a, 8)
     b = _req(1, list(range(8)))  # identical prompt: at most 7 tokens may hit -> 1 full block
-    hit = bm.get_computed_blocks(b)
-    assert hit == a.block_ids[:1]
+    hit, num_hit = bm.get_computed_blocks(b)
+    assert hit == (a.block_ids[:1],) and num_hit == 4
     assert bm.allocate_slots(b, 8 - 4, hit)
     assert b.block_ids[0] == a.block_ids[0] and bm.block_pool.blocks[a.block_ids[0]].ref_cnt == 2
     assert bm.prefix_cache_hits == 4 and bm.prefix_cache_queries == 8
@@ -103,7 +102,7 @@ def test_hash_collision_is_verified():
     h = a.block_hashes[0]
     pool.blocks[a.block_ids[0]].token_ids = (9, 9)  # pretend the stored block holds other tokens
     assert cached[h] == a.block_ids[0]
-    assert bm.get_computed_blocks(_req(1, [1, 2, 3])) == []
+    assert bm.get_computed_blocks(_req(1, [1, 2, 3])) == (([],), 0)
 
 
 def test_freed_cached_blocks_count_as_free_and_are_evicted_lru():

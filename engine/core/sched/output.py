@@ -22,7 +22,7 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: tuple[list[int], ...]  # one list per KV-cache group (one group here)
+    block_ids: tuple[list[int], ...]  # one list per KV-cache group
     num_computed_tokens: int  # where this step's tokens start (prefix-cache hits are already computed)
     prefill_token_ids: list[int]  # every token to compute: the prompt, and after a preemption what it generated
     eos_token_id: int | None = None

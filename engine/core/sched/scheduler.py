@@ -80,7 +80,7 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager  # grammars: compiles, bitmasks, matchers
         # slots past a request's scheduled tokens, for a draft model's proposals (V1's num_lookahead_tokens)
         self.num_lookahead_tokens = num_lookahead_tokens
-        self._sent_blocks: dict[str, int] = {}  # request id -> blocks of its table the workers hold
+        self._sent_blocks: dict[str, tuple[int, ...]] = {}  # request id -> blocks of its tables the workers hold
         # request id -> how many tokens its grammar allowed at each position it scores (the last bitmask)
         self.grammar_allowed_per_pos: dict[str, list[int]] = {}
 
@@ -186,18 +186,19 @@ class Scheduler:
         for rid in out.num_scheduled_tokens:
             req = self.requests[rid]
             have = sent.get(rid)
-            sent[rid] = len(req.block_ids)
+            sent[rid] = tuple(map(len, req.kv_block_ids))
             if have is None:
                 out.scheduled_new_reqs.append(NewRequestData(
-                    rid, req.prompt_token_ids, req.params, (list(req.block_ids),), req.num_computed_tokens,
+                    rid, req.prompt_token_ids, req.params, tuple(map(list, req.kv_block_ids)), req.num_computed_tokens,
                     list(req.all_token_ids), req.eos_token_id, req.sampling_seed or 0))
                 if req.num_preemptions:
                     out.resumed.append(rid)
                 continue
-            new_blocks = req.block_ids[have:]
+            # a table only grows (blocks a window passed stay in the workers' copy: never read again)
+            new_blocks = tuple(blocks[n:] for blocks, n in zip(req.kv_block_ids, have))
             cached.req_ids.append(rid)
             cached.new_token_ids.append([])
-            cached.new_block_ids.append((list(new_blocks),) if new_blocks else None)
+            cached.new_block_ids.append(new_blocks if any(new_blocks) else None)
             cached.num_computed_tokens.append(req.num_computed_tokens)
             cached.num_output_tokens.append(len(req.output_token_ids) + req.num_output_placeholders)
 
@@ -297,8 +298,7 @@ class Scheduler:
 
     def _try_admit(self, req: Request, budget: int, out: SchedulerOutput) -> str | None:
         """Admit the head of `waiting`, or return why not."""
-        computed = self.kv_cache_manager.get_computed_blocks(req)
-        num_cached = len(computed) * self.kv_cache_manager.block_size
+        computed, num_cached = self.kv_cache_manager.get_computed_blocks(req)
         n = req.num_tokens - num_cached
         if n > budget and not self.config.enable_chunked_prefill:
             return "token budget too small for the whole prompt (chunked prefill off)"
@@ -313,7 +313,7 @@ class Scheduler:
         out.num_scheduled_tokens[req.request_id] = n
         return None
 
-    def _allocate(self, req: Request, n: int, end: int, computed: list[int] = ()) -> bool:
+    def _allocate(self, req: Request, n: int, end: int, computed: tuple[list[int], ...] | None = None) -> bool:
         """The KV-cache manager's allocate_slots for n more tokens of req (computed up to `end` after
         this step), and with a draft model num_lookahead_tokens slots past them when the step reaches
         req's last token (the draft then proposes from it), within max_model_len. Lookahead slots that
@@ -390,6 +390,8 @@ class Scheduler:
             self.spec_stats.observe(len(drafts), len(generated) - 1)
             if self.hooks.active:
                 self._trace_verified(req, step, drafts, generated)
+        if not stale:  # its tokens are computed: blocks its sliding windows passed go back now, not next step
+            self.kv_cache_manager.remove_skipped_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
         prompt_logprobs = mro.prompt_logprobs_dict.get(rid)
         if prompt_logprobs is not None:
             _add_prompt_logprobs(req, *prompt_logprobs)

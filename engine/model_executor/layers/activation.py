@@ -1,5 +1,6 @@
 """Activation functions as modules (vLLM's ``model_executor/layers/activation.py``): GPT-2's
-``gelu_new`` (GELU, tanh approximation) and Llama's ``SiluAndMul`` (SwiGLU's gate). Modules,
+``gelu_new`` (GELU, tanh approximation), Llama's ``SiluAndMul`` (SwiGLU's gate) and Gemma's
+``GeluAndMul`` (GeGLU's, tanh approximation). Modules,
 not bare functions, so that profiling (engine/worker/profiler.py) sees each as an op of its own."""
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ class SiluAndMul(nn.Module):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+
+
+class GeluAndMul(nn.Module):
+    """x = [gate | up] (2·F features) -> gelu_tanh(gate) · up (F features): Gemma's gelu_pytorch_tanh."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

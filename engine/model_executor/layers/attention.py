@@ -4,10 +4,15 @@ The model runner builds one ``AttentionMetadata`` per step and passes it explici
 model (no hidden globals). A backend is two functions with the kernels' signatures: write the
 step's K/V into the paged cache, then attend. ``torch`` uses the PyTorch references,
 ``triton`` our Triton kernels (see kernels/).
+
+A hybrid model's KV-cache groups (sliding-window and full-attention layers) each have their own
+block tables and slot mapping, hence their own metadata: the batch's (the first group's) holds the
+others', and a layer takes its group's with ``meta.for_layer(layer_idx)``. A group's
+``sliding_window`` is what its layers attend over.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +26,15 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     plan: object = None  # backend-specific indexing computed once per step (see prepare)
+    sliding_window: int | None = None  # this group's layers read the last sliding_window positions only
+    # a hybrid model: the other KV-cache groups' metadata (groups 1, 2, ...), and layer -> group
+    group_metadata: list[AttentionMetadata] = field(default_factory=list)
+    layer_group: dict[int, int] = field(default_factory=dict)
+
+    def for_layer(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata of the layer's KV-cache group."""
+        g = self.layer_group.get(layer_idx, 0)
+        return self if g == 0 else self.group_metadata[g - 1]
 
 
 class AttentionBackend:
@@ -37,12 +51,16 @@ class AttentionBackend:
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Once per step, before the layers: work every layer would otherwise repeat (while
-        profiling, an op of its own: ``plan_attention``)."""
+        profiling, an op of its own: ``plan_attention``), once per KV-cache group."""
         if self.name == "torch":
-            meta.plan = self._kernels.instrument.op(
-                "plan_attention", "other", self._kernels.reference.plan_attention,
-                dict(query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens, block_tables=meta.block_tables,
-                     block_size=block_size), reason="the torch backend's gather indices and masks, for every layer")
+            for m in (meta, *meta.group_metadata):
+                args = dict(query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_tables=m.block_tables,
+                            block_size=block_size)
+                if m.sliding_window:
+                    args["sliding_window"] = m.sliding_window
+                m.plan = self._kernels.instrument.op(
+                    "plan_attention", "other", self._kernels.reference.plan_attention, args,
+                    reason="the torch backend's gather indices and masks, for every layer")
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kn = self._kernels
@@ -50,7 +68,7 @@ class AttentionBackend:
             kn.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
             return kn.unified_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                         meta.block_tables, scale, max_query_len=meta.max_query_len,
-                                        max_seq_len=meta.max_seq_len)
+                                        max_seq_len=meta.max_seq_len, sliding_window=meta.sliding_window)
         call = kn.instrument.call
         call("reshape_and_cache_ref", kn.reshape_and_cache_ref, dict(
             key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping),
@@ -58,7 +76,7 @@ class AttentionBackend:
         return call("unified_attention_ref", kn.unified_attention_ref, dict(
             query=q, key_cache=key_cache, value_cache=value_cache, query_start_loc=meta.query_start_loc,
             seq_lens=meta.seq_lens, block_tables=meta.block_tables, scale=scale, plan=meta.plan,
-            workspace=self.workspace),
+            workspace=self.workspace, **({"sliding_window": meta.sliding_window} if meta.sliding_window else {})),
             reason="attention_backend=torch: PyTorch reference")
 
 

@@ -108,12 +108,13 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             instrument.set_tags(layer=i)  # labels kernel launches; a no-op unless observed
-            x = layer(positions, x, kv_caches[i], meta)
+            x = layer(positions, x, kv_caches[i], meta.for_layer(i))  # its KV-cache group's tables and window
         instrument.set_tags(layer=None)  # nor does the LM head's all-gather
         return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls = LlamaModel
     decoder_layer = LlamaDecoderLayer
     # (our fused parameter, Hugging Face's tensor, shard): vLLM's stacked_params_mapping
     stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
@@ -125,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg, self.backend = cfg, backend
         self.tp = tp = tp or TPGroup()
         check_tp_size(cfg, tp.world_size)
-        self.model = LlamaModel(cfg, backend, tp, self.decoder_layer)
+        self.model = self.model_cls(cfg, backend, tp, self.decoder_layer)
         # the LM head: its own rows of the (padded) vocabulary on this rank, or the embedding's when tied
         self.lm_head = (self.model.embed_tokens if cfg.tie_word_embeddings else
                         VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, "lm_head"))
