@@ -112,7 +112,7 @@ def run(lesson) -> None:
                "through an `InprocClient`. The `EngineCore` builds everything below: the executor with its "
                "worker, model runner, model and KV cache, then the scheduler with its KV-cache manager. So the "
                "stages are the `EngineCore`'s: `llm.llm_engine.engine_core.engine_core.startup`.")
-    llm, session = lesson.engine()
+    llm, session = lesson.engine(hand_steps=False)  # startup only: no step is taken apart
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     info = {name: (sec, d) for name, sec, d in core.startup}
@@ -196,7 +196,7 @@ def run(lesson) -> None:
 
     lesson.predict("With block_size 8 instead of 16 and the same budget, how many blocks fit?",
                    "Twice as many, each half the size: the number of token slots does not change.")
-    llm8, _ = lesson.engine(block_size=8)
+    llm8, _ = lesson.engine(block_size=8, hand_steps=False)
     kv8 = llm8.llm_engine.engine_core.engine_core.startup[-1][2]
     lesson.check(kv8["bytes_per_block"] * 2 == per_block and kv8["num_blocks"] * 8 == capacity,
                  f"block_size 8: {kv8['num_blocks']} blocks of {kv8['bytes_per_block']:,} bytes, "

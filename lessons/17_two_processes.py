@@ -42,7 +42,7 @@ def run(lesson) -> None:
     # ---- one process -----------------------------------------------------------------------
     # In both setups the engine steps on a thread of its own, as under `serve` (on a busy machine,
     # torch's threads behave very differently on the main thread and on another one).
-    one, one_session = lesson.engine(num_kv_blocks=256)
+    one, one_session = lesson.engine(num_kv_blocks=256, hand_steps=False)  # generates, as `serve` does
     _on_a_thread(one.generate, prompts, params, use_tqdm=False)  # a warm-up run: first-use costs are not the point
     since = one_session.bus.next_seq
     t0 = time.perf_counter()

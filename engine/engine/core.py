@@ -383,7 +383,10 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if self.hooks.active:
             self._trace_schedule(sched)
-        return sched, self.model_executor.execute_model(sched, non_block=True)
+        future = self.model_executor.execute_model(sched, non_block=True)
+        if self.hooks.gated:  # a controller's next stop (grammar_bitmask) comes after the forward pass, as in step()
+            future.result()
+        return sched, future
 
     def _sample_async(self, sched: SchedulerOutput):
         if self.hooks.gated:
@@ -457,7 +460,8 @@ class EngineCore:
         rows = []
         for rid, n in sched.num_scheduled_tokens.items():
             req, start = requests[rid], starts[rid]
-            prefill = len(req.all_token_ids) - start > 1 or not req.output_token_ids
+            known = len(req.all_token_ids)  # async scheduling: a decode may start past them, at a placeholder
+            prefill = known - start > 1 or (start < known and not req.output_token_ids)
             rows.append({"request_id": rid, "num_tokens": n, "num_computed_before": start,
                          "kind": "prefill" if prefill else "decode"})
         return rows
