@@ -54,10 +54,23 @@ def held_text(frame: Frame) -> str:
     layer = info.get("layer_idx", "?")  # None: a launch of no layer (building the inputs, sampling)
     what = POINTS[c.get("point")].format(step=step, point=c.get("point"), name=info.get("name", "?"),
                                          layer="" if layer is None else f" (layer {layer})")
+    if c.get("point") == "step" and info.get("schedules") is False:  # async: the call only waits for a step
+        what = f"before the call that executes step {step} (nothing left to schedule): n runs it"
     if c.get("point") == "kernel" and str(info.get("name", "")).startswith("unified_attention"):
         what += ", t runs it on Triton"
     reason = c.get("reason") or ""
+    did = last_call_text(frame.state)
+    if reason == "step step" and did:  # async scheduling: n is one step_with_batch_queue call
+        return f"held {what} (n ran one call: {did})"
     return f"held {what} ({WHY.get(reason, reason)})"
+
+
+def last_call_text(s) -> str:
+    """Async scheduling: what the last step_with_batch_queue call did: 'scheduled step 13', 'executed
+    step 12' (its outputs are out) or 'both: scheduled step 13, executed step 12' ('' without one)."""
+    call = s.last_call or {}
+    did = [f"{key} step {call[key]}" for key in ("scheduled", "executed") if call.get(key) is not None]
+    return "both: " + ", ".join(did) if len(did) == 2 else "".join(did)
 
 
 def in_flight_text(s, shown_step: int | None) -> str:
