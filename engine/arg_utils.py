@@ -83,7 +83,7 @@ class EngineArgs:
                                   "request's priority (lower first, ties by arrival), and preemption takes the "
                                   "lowest priority", choices=SCHEDULING_POLICIES)
     async_scheduling: bool = _arg(SchedulerConfig.async_scheduling, "schedule step N+1 while step N's forward "
-                                  "pass runs (two batches in flight, as vLLM schedules)")
+                                  "pass runs (two batches in flight, as vLLM does)")
     attention_backend: str | None = _arg(EngineConfig.attention_backend, "paged-attention implementation (default: "
                                          "triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS)
     dtype: str | None = _arg(ModelConfig.dtype, "weights and KV cache (default: float32 on CPU; on CUDA float16, "

@@ -66,7 +66,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "priority": lowest priority value first, ties by arrival (vLLM V1)
     # schedule step N+1 while step N's forward pass runs (AsyncScheduler, EngineCore.step_with_batch_queue)
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check(self.policy in SCHEDULING_POLICIES,

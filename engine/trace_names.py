@@ -21,6 +21,8 @@ FRONTEND_LAYERS = frozenset({CLI, HTTP, API, TOKENIZER, DETOKENIZER})
 
 # event names the tracer folds, filters or draws, by layer
 CONFIG, STEP = "config", "step"  # engine: its configuration at startup; one engine step (a span)
+BATCH_QUEUE = "batch_queue"  # engine, async scheduling: what one step_with_batch_queue call did (an instant)
+UPDATE_FROM_OUTPUT = "update_from_output"  # scheduler, async scheduling: a step's outputs applied (a span)
 ENCODE = "encode"  # tokenizer
 FAN_OUT = "fan_out"  # api: a request with n > 1 became n child requests (parallel sampling)
 SCHEDULE = "schedule"  # scheduler: a span, with a snapshot (the queues and the batch) before its end

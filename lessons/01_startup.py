@@ -112,7 +112,7 @@ def run(lesson) -> None:
                "through an `InprocClient`. The `EngineCore` builds everything below: the executor with its "
                "worker, model runner, model and KV cache, then the scheduler with its KV-cache manager. So the "
                "stages are the `EngineCore`'s: `llm.llm_engine.engine_core.engine_core.startup`.")
-    llm, session = lesson.engine()
+    llm, session = lesson.engine(hand_steps=False)  # startup only: no step is taken apart
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     info = {name: (sec, d) for name, sec, d in core.startup}
@@ -120,6 +120,14 @@ def run(lesson) -> None:
         [name, f"{sec * 1000:.1f}", ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("path", "reason"))]
         for name, sec, d in core.startup], title="EngineCore.startup, measured in this process"))
     lesson.check([n for n, _, _ in core.startup] == STAGES, "the engine records the same four stages, in order")
+    lesson.say("What async scheduling (vLLM's default; lesson 25) changes here: the scheduler built is an "
+               "`AsyncScheduler`, which counts the tokens of a step still in flight as placeholders, and the "
+               "loop's step is `step_with_batch_queue`, which schedules the next step while the executor runs "
+               "the forward pass on a thread of its own. The startup stages are the same.")
+    lesson.check(type(core.scheduler).__name__ == "AsyncScheduler" and core.step_fn == core.step_with_batch_queue
+                 and core.model_executor.async_scheduling,
+                 "this engine schedules asynchronously: an AsyncScheduler, step_with_batch_queue as its step, "
+                 "the forward pass on the executor's thread")
     spans = [e for e in events_of(session) if e.layer == "engine" and e.kind == END and e.name in STAGES]
     lesson.check([e.name for e in spans] == STAGES and all(e.get("seconds") > 0 for e in spans),
                  "the tracer saw each stage as a timed span (BEGIN/END events)")
@@ -196,7 +204,7 @@ def run(lesson) -> None:
 
     lesson.predict("With block_size 8 instead of 16 and the same budget, how many blocks fit?",
                    "Twice as many, each half the size: the number of token slots does not change.")
-    llm8, _ = lesson.engine(block_size=8)
+    llm8, _ = lesson.engine(block_size=8, hand_steps=False)
     kv8 = llm8.llm_engine.engine_core.engine_core.startup[-1][2]
     lesson.check(kv8["bytes_per_block"] * 2 == per_block and kv8["num_blocks"] * 8 == capacity,
                  f"block_size 8: {kv8['num_blocks']} blocks of {kv8['bytes_per_block']:,} bytes, "

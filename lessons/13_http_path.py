@@ -58,6 +58,11 @@ def run(lesson) -> None:
     server, thread, url = start_background(app)
     try:
         lesson.check(server.ready.is_set(), f"the server is up at {url}")
+        lesson.check(async_engine.config.scheduler.async_scheduling,
+                     "the engine core schedules asynchronously, as `serve` does by default (lesson 25): its loop "
+                     "calls step_with_batch_queue, which schedules step N+1 while step N's forward pass runs and "
+                     "returns step N's tokens, so a request's tokens reach its HTTP handler one step behind the "
+                     "schedule that made them")
         _lesson_body(lesson, session, url, async_engine.core_pid)
     finally:
         server.should_exit = True

@@ -12,6 +12,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 import msgspec
 
 from engine import LLM, Hooks, SamplingParams
+from engine.arg_utils import engine_config
 from engine.engine.async_llm import AsyncLLM
 from engine.engine.core_types import EngineCoreRequest
 from engine.engine.input_processor import wire_params
@@ -42,20 +43,28 @@ def run(lesson) -> None:
     # ---- one process -----------------------------------------------------------------------
     # In both setups the engine steps on a thread of its own, as under `serve` (on a busy machine,
     # torch's threads behave very differently on the main thread and on another one).
-    one, one_session = lesson.engine(num_kv_blocks=256)
+    one, one_session = lesson.engine(num_kv_blocks=256)  # synchronous: one step's outputs per call
     _on_a_thread(one.generate, prompts, params, use_tqdm=False)  # a warm-up run: first-use costs are not the point
     since = one_session.bus.next_seq
     t0 = time.perf_counter()
     one_outs = _on_a_thread(one.generate, prompts, params, use_tqdm=False)
     one_s = time.perf_counter() - t0
     one_steps = _step_ms([e for e in events_of(one_session) if e.seq >= since])
+    lesson.say("Both engines here schedule synchronously, so that each call's outputs are one step's and the "
+               "boundary's cost can be read step by step. `serve` schedules asynchronously by default (lesson "
+               "25): the core's loop calls `step_with_batch_queue`, which schedules step N+1 while step N's "
+               "forward pass runs and returns step N's outputs, so what crosses the boundary after a call is the "
+               "step before the one just scheduled.")
+    one_core = one.llm_engine.engine_core.engine_core
+    lesson.check(engine_config(lesson.model).scheduler.async_scheduling and one_core.batch_queue is None,
+                 "an engine configured with the defaults schedules asynchronously; this one does not")
 
     # ---- two processes ---------------------------------------------------------------------
     hooks = Hooks()
     session = TraceSession(hooks, control=False, model=lesson.model)
     lesson.sessions.append(session)
     t_start = time.perf_counter()
-    two = LLM(lesson.model, num_kv_blocks=256, hooks=hooks, multiprocess=True)
+    two = LLM(lesson.model, num_kv_blocks=256, hooks=hooks, multiprocess=True, async_scheduling=False)
     started_s = time.perf_counter() - t_start
     try:
         _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, params)

@@ -116,16 +116,19 @@ class Lesson:
         self.presenter.emit(Panel(Markdown(summary), title="What you learned", border_style="green"))
 
     # ---- the engine -------------------------------------------------------------------------
-    def engine(self, trace_file: str | None = None, **llm_kwargs) -> tuple[LLM, TraceSession]:
-        """A real engine on the lesson's model, with a trace session recording its events (synchronous
-        scheduling unless the lesson passes async_scheduling=True)."""
+    def engine(self, trace_file: str | None = None, hand_steps: bool = True, **llm_kwargs) -> tuple[LLM, TraceSession]:
+        """A real engine on the lesson's model, with a trace session recording its events. hand_steps: the
+        lesson calls engine.step() and reads one whole step per call, so scheduling is synchronous unless it
+        passes async_scheduling=True; a lesson that only generates (hand_steps=False) gets the engine's
+        default, async scheduling."""
         hooks = Hooks()
         session = TraceSession(hooks, trace_file=trace_file, control=False, model=self.model)
         self.sessions.append(session)
         llm_kwargs.setdefault("model", self.model)
-        # the lessons take the step apart, one whole step per engine.step(): async scheduling (vLLM's
-        # default, two steps in flight, a call returning the older one's outputs) only where a lesson asks
-        llm_kwargs.setdefault("async_scheduling", False)
+        # a lesson that takes the step apart needs one whole step per engine.step(): under async scheduling
+        # (two steps in flight) a call may return before its step ran, or with the step before's outputs
+        if hand_steps:
+            llm_kwargs.setdefault("async_scheduling", False)
         llm = LLM(hooks=hooks, **llm_kwargs)
         self.llms.append(llm)
         return llm, session

@@ -148,7 +148,7 @@ def _convert(b: _Builder, events: Iterable[Event]) -> None:
     step_marks: dict[int, dict] = {}  # step -> ts of its phase boundaries, and its batch
     steps_end: dict[int, int] = {}  # steps track -> where its last step ended
     kernel_end: dict[int, int] = {}  # rank -> where its track's last launch ended
-    profiled: dict[int, set[int]] = {}  # step -> the ranks whose profiled launches it has
+    profiled: dict[int, dict[int, list[int]]] = {}  # step -> rank -> [first start, last end] of its profiled launches
     last_ts = 0
 
     for ev in events:
@@ -182,8 +182,10 @@ def _convert(b: _Builder, events: Iterable[Event]) -> None:
                 if tid == STEPS2_TID:
                     b.threads[STEPS2_TID] = "engine steps (second batch in flight)"
                 _step_slices(b, ev.step, begin, ev.ts_ns, step_marks.pop(ev.step, {}), tid)
-                for r in sorted(profiled.pop(ev.step, ())):  # the parent of the step's ops on each kernels track
-                    b.x(RANK_KERNELS_TID + r if r else KERNELS_TID, f"step {ev.step}", begin, ev.ts_ns,
+                # the parent of the step's ops on each kernels track: around its launches, not the whole step
+                # (under async scheduling the next step's launches come before this step's end)
+                for r, (first, last) in sorted(profiled.pop(ev.step, {}).items()):
+                    b.x(RANK_KERNELS_TID + r if r else KERNELS_TID, f"step {ev.step}", first, last,
                         {"profiled": True}, cat=ENGINE)
                 _counters(b, ev.ts_ns, a.get("stats", {}))
         elif ev.layer == SCHEDULER and ev.name == SCHEDULE and ev.step in step_marks:
@@ -213,7 +215,8 @@ def _convert(b: _Builder, events: Iterable[Event]) -> None:
             if rank:
                 b.threads[KERNELS_TID], b.threads[tid] = "kernels rank 0", f"kernels rank {rank}"
             if a.get("profiled") and ev.step is not None:
-                profiled.setdefault(ev.step, set()).add(rank)
+                span = profiled.setdefault(ev.step, {}).setdefault(rank, [start, kernel_end[rank]])
+                span[1] = kernel_end[rank]
             b.x(tid, ev.name, start, kernel_end[rank], json_safe(dict(a, step=ev.step)), cat=KERNEL)
         # ---- any other layer's spans (startup stages, HTTP handlers, ...)
         elif ev.kind == BEGIN:

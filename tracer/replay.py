@@ -115,7 +115,8 @@ class Replay:
 
     @property
     def step(self) -> int | None:
-        return self.state.step
+        """The step whose end the position is at (async scheduling: the next one may be in flight)."""
+        return self.state.done_step if self.state.done_step is not None else self.state.step
 
     def seek(self, index: int) -> TraceState:
         """The state after the first `index` events."""

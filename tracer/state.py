@@ -31,6 +31,7 @@ from engine.trace_names import (
     ALLOCATE,
     API,
     BATCH,
+    BATCH_QUEUE,
     BITMASK,
     BLOCK_MANAGER,
     CACHE_HIT,
@@ -71,6 +72,7 @@ from engine.trace_names import (
     STRUCTURED_OUTPUT,
     TOKENIZER,
     TRACER,
+    UPDATE_FROM_OUTPUT,
     VERIFIED,
     WORKER,
     WORKER_READY,
@@ -186,6 +188,18 @@ class TraceState:
     profiler_dir: str | None = None  # where torch.profiler writes the same window, if asked
     step_start_ns: int | None = None  # trace time the step in progress began
     step_ns: int | None = None  # wall time of the last step that ended
+    # async scheduling: the steps scheduled whose outputs are not in yet, oldest first, as [step, status]
+    # (status: scheduled, executing, sampled); the step shown (`step`) is the newest. older_kernels: the
+    # launches of the step before it, which may still run (its forward pass overlaps the next schedule)
+    in_flight: list[list] = field(default_factory=list)
+    done_step: int | None = None  # the last step whose outputs are in (under async scheduling `step` may be ahead)
+    last_call: dict | None = None  # async scheduling: what the last step_with_batch_queue call did
+    # the two rows of the timeline, the latest TIMELINE_SPANS spans: [row, name, step, begin_ns, end_ns (None:
+    # open)], row "core" (schedule, grammar_bitmask, update_from_output) or "forward" (execute_model)
+    timeline: list[list] = field(default_factory=list)
+    # the requests each step in flight samples for, [[step, [request ids]]]: their tokens are placeholders
+    pending: list[list] = field(default_factory=list)
+    older_kernels: list[dict] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -221,6 +235,8 @@ class TraceState:
         c.requests = {rid: r.copy() for rid, r in self.requests.items()}
         c.waiting, c.running, c.finished = list(self.waiting), list(self.running), list(self.finished)
         c.kernels, c.startup, c.stats = list(self.kernels), list(self.startup), dict(self.stats)
+        c.in_flight, c.older_kernels = [list(f) for f in self.in_flight], list(self.older_kernels)
+        c.timeline, c.pending = [list(t) for t in self.timeline], list(self.pending)
         c.cached_free, c.kv_usage_history = set(self.cached_free), list(self.kv_usage_history)
         c.verified, c.drafts_cut = dict(self.verified), {step: dict(cut) for step, cut in self.drafts_cut.items()}
         c.kernel_history = {k: list(v) for k, v in self.kernel_history.items()}
@@ -369,29 +385,92 @@ def _http(s: TraceState, ev: Event) -> None:
 
 def _step(s: TraceState, ev: Event) -> None:
     if ev.kind == BEGIN:
+        s.older_kernels = s.kernels if any(f[0] == s.step for f in s.in_flight) else []
+        s.in_flight.append([ev.step, "scheduled"])
         s.step, s.phase, s.step_start_ns, s.step_ns = ev.step, "schedule", ev.ts_ns, None
         s.batch, s.kernels, s.sampled, s.verified, s.grammar_mask = None, [], None, {}, None
         if s.drafts_cut:
             s.drafts_cut = {step: cut for step, cut in s.drafts_cut.items() if step >= ev.step}
     elif ev.kind == END:
+        older = _older(s, ev.step)
+        s.in_flight, s.done_step = [f for f in s.in_flight if f[0] != ev.step], ev.step
+        s.pending = [p for p in s.pending if p[0] != ev.step]
+        s.stats = _attrs(ev).get("stats", s.stats)
+        _append_bounded(s.kv_usage_history, s.kv_cache_usage)
+        if older:  # async scheduling: an older step's outputs, while the step shown is in flight
+            _kernel_history(s, s.older_kernels)
+            s.older_kernels = []
+            return
         s.phase = "done"
         if s.step_start_ns is not None:
             s.step_ns = ev.ts_ns - s.step_start_ns
-        s.stats = _attrs(ev).get("stats", s.stats)
-        _append_bounded(s.kv_usage_history, s.kv_cache_usage)
-        per_name: dict[str, int] = {}
-        for k in s.kernels:
-            if k.get("rank", 0) != 0:
-                continue  # the sparklines follow rank 0: the same work on every rank, not N times over
-            per_name[k["name"]] = per_name.get(k["name"], 0) + (k.get("duration_ns") or 0)
-        for name, ns in per_name.items():
-            _append_bounded(s.kernel_history.setdefault(name, []), ns)
+        _kernel_history(s, s.kernels)
         # what postprocess did: every token scheduled this step is now computed
         if s.snapshot is not None and s.snapshot_step == ev.step:
             for sch in s.snapshot.get("scheduled", []):
                 req = s.requests.get(sch["request_id"])
                 if req is not None and not req.status.startswith(FINISHED):
                     req.num_computed_tokens = sch["num_computed_before"] + sch["num_tokens"]
+
+
+IN_FLIGHT = ("scheduled", "executing", "sampled")  # a step in flight, in order
+
+
+def _older(s: TraceState, step: int | None) -> bool:
+    """Async scheduling: is `step` in flight behind the step shown (its events come after the next one began)?"""
+    return step != s.step and any(f[0] == step for f in s.in_flight)
+
+
+TIMELINE_SPANS = 48  # about the last eight steps: schedule, bitmask, update and forward pass each
+
+
+def _span(s: TraceState, ev: Event, row: str, duration_ns: int | None) -> None:
+    """A span on the timeline: opened by BEGIN, closed by END; an instant of duration_ns (ending now)."""
+    if (_attrs(ev).get("rank") or 0) != 0:
+        return  # rank 0's forward pass stands for every rank's
+    if ev.kind == END:
+        for t in reversed(s.timeline):
+            if t[:3] == [row, ev.name, ev.step] and t[4] is None:
+                t[4] = ev.ts_ns
+                return
+        return
+    begin = ev.ts_ns - duration_ns if duration_ns else ev.ts_ns
+    s.timeline.append([row, ev.name, ev.step, begin, ev.ts_ns if ev.kind != BEGIN else None])
+    del s.timeline[:-TIMELINE_SPANS]
+
+
+def _pending(s: TraceState, ev: Event, snap: dict) -> None:
+    """The requests this step samples for (a decode, or a prefill's last chunk): placeholders until its end."""
+    known = {r["request_id"]: r["num_tokens"] for r in snap.get("running", [])}
+    samples = [r["request_id"] for r in snap.get("scheduled", [])
+               if r["num_computed_before"] + r["num_tokens"] >= known.get(r["request_id"], 0)]
+    s.pending = [p for p in s.pending if p[0] != ev.step] + [[ev.step, samples]]
+
+
+def placeholders(s: TraceState, request_id: str) -> int:
+    """How many of a request's tokens are in flight (async scheduling), not known yet."""
+    return sum(request_id in rids for step, rids in s.pending)
+
+
+def _batch_queue(s: TraceState, ev: Event) -> None:
+    a = _attrs(ev)
+    s.last_call = {"scheduled": a.get("scheduled"), "executed": a.get("executed")}
+
+
+def _in_flight(s: TraceState, step: int | None, status: str) -> None:
+    for f in s.in_flight:
+        if f[0] == step and IN_FLIGHT.index(f[1]) < IN_FLIGHT.index(status):
+            f[1] = status
+
+
+def _kernel_history(s: TraceState, kernels: list[dict]) -> None:
+    per_name: dict[str, int] = {}
+    for k in kernels:
+        if k.get("rank", 0) != 0:
+            continue  # the sparklines follow rank 0: the same work on every rank, not N times over
+        per_name[k["name"]] = per_name.get(k["name"], 0) + (k.get("duration_ns") or 0)
+    for name, ns in per_name.items():
+        _append_bounded(s.kernel_history.setdefault(name, []), ns)
 
 
 def _engine(s: TraceState, ev: Event) -> None:
@@ -484,8 +563,12 @@ def _scheduled_chunk(req: RequestView, sch: dict, ev: Event) -> None:
 
 
 def _schedule_span(s: TraceState, ev: Event) -> None:
+    if ev.kind != SNAPSHOT:
+        _span(s, ev, "core", 0)
     if ev.kind == SNAPSHOT:
         _snapshot(s, ev)
+        if any(f[0] == ev.step for f in s.in_flight):
+            _pending(s, ev, _attrs(ev))
     elif ev.kind == BEGIN:
         # a new schedule: the last one's table and model inputs are not this one's (a lesson may
         # schedule by hand twice in a step: the Step panel showed one schedule beside the other's inputs)
@@ -528,6 +611,9 @@ def _freed(s: TraceState, req: RequestView, freed) -> None:
 
 
 def _batch(s: TraceState, ev: Event) -> None:
+    _in_flight(s, ev.step, "executing")
+    if _older(s, ev.step):
+        return  # async scheduling: the inputs of the step before the one shown
     s.batch, s.phase = _attrs(ev), "execute"
     for rid, slot in zip(s.batch.get("request_ids", ()), s.batch.get("slots", ())):
         s.request(rid).worker_slot = slot
@@ -536,9 +622,15 @@ def _batch(s: TraceState, ev: Event) -> None:
 def _kernel(s: TraceState, ev: Event) -> None:
     if ev.step is None:
         return  # the startup warm-up's launches belong to no step
+    if _older(s, ev.step):  # async scheduling: the forward pass of the step before the one shown
+        if ev.kind != BEGIN:
+            s.older_kernels.append({"name": ev.name, **_attrs(ev)})
+        _in_flight(s, ev.step, "executing")
+        return
     if ev.kind != BEGIN:  # a launch is one instant, or a begin/end pair counted once, at its end
         s.kernels.append({"name": ev.name, **_attrs(ev)})
     s.phase = "execute"
+    _in_flight(s, ev.step, "executing")
 
 
 def rank_of(launch: dict) -> int:
@@ -595,6 +687,9 @@ def _sampled(s: TraceState, ev: Event) -> None:
     a = _attrs(ev)
     if a.get("rank"):  # every tensor-parallel rank samples the same tokens: the view follows rank 0
         return
+    _in_flight(s, ev.step, "sampled")
+    if _older(s, ev.step):
+        return  # async scheduling: the step before the one shown
     s.sampled, s.phase = a, "postprocess"
 
 
@@ -628,6 +723,7 @@ def _grammar_compiled(s: TraceState, ev: Event) -> None:
 
 
 def _grammar_bitmask(s: TraceState, ev: Event) -> None:
+    _span(s, ev, "core", _attrs(ev).get("fill_ns") or 0)
     s.grammar_mask = _attrs(ev) | {"step": ev.step}
     for rid, n in (s.grammar_mask.get("num_allowed") or {}).items():
         req = s.requests.get(rid)
@@ -660,6 +756,9 @@ _HANDLERS = {
     (ENGINE, FINISHED): _finished,
     (ENGINE, ABORTED): _finished,
     (ENGINE, STEP): _step,
+    (ENGINE, BATCH_QUEUE): _batch_queue,
+    (MODEL_RUNNER, EXECUTE_MODEL): lambda s, ev: _span(s, ev, "forward", 0),
+    (SCHEDULER, UPDATE_FROM_OUTPUT): lambda s, ev: _span(s, ev, "core", 0),
     (SCHEDULER, SCHEDULED): _scheduled,
     (SCHEDULER, PREEMPTED): _preempted,
     (SCHEDULER, SCHEDULE): _schedule_span,

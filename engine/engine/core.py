@@ -51,6 +51,7 @@ from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import load_tokenizer
 from engine.trace_names import (
     ABORTED,
+    BATCH_QUEUE,
     CONFIG,
     ENGINE,
     FINISHED,
@@ -62,6 +63,7 @@ from engine.trace_names import (
     SCHEDULED,
     SCHEDULER,
     STEP,
+    UPDATE_FROM_OUTPUT,
 )
 from engine.worker.model_runner import ModelRunner
 from engine.worker.worker import Worker
@@ -348,18 +350,28 @@ class EngineCore:
         (pending_structured_output_tokens) runs its forward pass at once but computes its bitmask
         and samples after the previous step's update_from_output (deferred).
 
-        Hooks and gates as step()'s, per step: "step" before it is scheduled, "execute" after its
-        snapshot, "grammar_bitmask" and "sample_tokens" before those calls, "postprocess" before its
-        update_from_output and "step_end" after; engine/step begins when it is scheduled and ends
-        when its outputs are in, so two steps' spans overlap. While a step controller may stop the
-        engine (hooks.gated) a call drains the queue and then runs one step whole, so pause, n and s
-        keep their meaning (a step is scheduled after the one before it has ended)."""
-        queue, deferred = self.batch_queue, None
-        gated = self.hooks.gated  # a step controller may stop the engine: one step at a time
-        if self.scheduler.has_unfinished_requests() and not (gated and queue):
+        Hooks and gates as step()'s, per step: "execute" after its snapshot, "grammar_bitmask" and
+        "sample_tokens" before those calls, "postprocess" before its update_from_output and
+        "step_end" after; "step" at the start of each call (info: the step it schedules, or finishes
+        if it schedules none, and the steps in flight). engine/step begins when a step is scheduled
+        and ends when its outputs are in, so two steps' spans overlap; engine/batch_queue at the end
+        of a call says what it did (scheduled, executed: the step whose outputs it returned). While a
+        step controller may stop the engine (hooks.gated) the calls come in the same order, two steps
+        in flight, but the forward pass and sampling a call launches are waited for before its next
+        gate: a hold sees them done, and only one thread (the core's or the executor's, at a kernel)
+        is ever held."""
+        queue, deferred, scheduled = self.batch_queue, None, None
+        schedules = self.scheduler.has_unfinished_requests()
+        if not schedules and not queue:
+            return EngineCoreOutputs(outputs=[])
+        if self.hooks.gated:
+            self.hooks.gate("step", step=self.scheduler.num_scheduled_steps if schedules else queue[-1][1].step,
+                            in_flight=[s.step for _, s, _ in reversed(queue)], schedules=schedules)
+        if schedules:
             if self.scheduler.waiting_for_grammars() and not queue:
                 self.structured_output_manager.wait_for_compile(self.scheduler.waiting, GRAMMAR_WAIT_S)
             sched, exec_future = self._schedule_and_execute()
+            scheduled = sched.step
             if sched.is_empty:
                 future = exec_future
             elif sched.pending_structured_output_tokens:
@@ -368,28 +380,35 @@ class EngineCore:
                 future = self._sample_async(sched)
             if deferred is None:
                 queue.appendleft((future, sched, exec_future))
-                if len(queue) < BATCH_QUEUE_SIZE and not gated and (
-                        not sched.is_empty or self.scheduler.has_unfinished_requests()):
-                    return EngineCoreOutputs(outputs=[])  # room for one more: schedule it before blocking
-        elif not queue:
-            return EngineCoreOutputs(outputs=[])
+                if len(queue) < BATCH_QUEUE_SIZE and (not sched.is_empty or self.scheduler.has_unfinished_requests()):
+                    if self.hooks.active:  # room for one more: schedule it before blocking
+                        self._trace_batch_queue(scheduled, None)
+                    return EngineCoreOutputs(outputs=[])
         future, sched, exec_future = queue.pop()
         exec_future.result()  # the forward pass's error, if it raised
         outputs = self._update(sched, future.result())
         if deferred is not None:  # the tokens it waited for are in: its bitmask, then its sampling
-            sched, exec_future = deferred
-            queue.appendleft((self._sample_async(sched), sched, exec_future))
+            deferred_sched, exec_future = deferred
+            queue.appendleft((self._sample_async(deferred_sched), deferred_sched, exec_future))
+        if self.hooks.active:
+            self._trace_batch_queue(scheduled, sched.step)
         return outputs
 
+    def _trace_batch_queue(self, scheduled: int | None, executed: int | None) -> None:
+        in_flight = [s.step for _, s, _ in reversed(self.batch_queue)]
+        self.hooks.emit(ENGINE, BATCH_QUEUE, step=scheduled if scheduled is not None else executed,
+                        scheduled=scheduled, executed=executed, in_flight=in_flight)
+
     def _schedule_and_execute(self):
-        if self.hooks.gated:
-            self.hooks.gate("step", step=self.scheduler.num_scheduled_steps)
         if self.hooks.active:
             self.hooks.emit(ENGINE, STEP, BEGIN, step=self.scheduler.num_scheduled_steps)
         sched = self.scheduler.schedule()
         if self.hooks.active:
             self._trace_schedule(sched)
-        return sched, self.model_executor.execute_model(sched, non_block=True)
+        future = self.model_executor.execute_model(sched, non_block=True)
+        if self.hooks.gated:  # a controller's next stop (grammar_bitmask) comes after the forward pass, as in step()
+            future.result()
+        return sched, future
 
     def _sample_async(self, sched: SchedulerOutput):
         if self.hooks.gated:
@@ -397,13 +416,19 @@ class EngineCore:
         grammar_output = self.scheduler.get_grammar_bitmask(sched)
         if self.hooks.gated:
             self.hooks.gate("sample_tokens", step=sched.step)
-        return self.model_executor.sample_tokens(grammar_output, non_block=True)
+        future = self.model_executor.sample_tokens(grammar_output, non_block=True)
+        if self.hooks.gated:  # the next gate comes after the sampling (a hold sees its tokens)
+            future.result()
+        return future
 
     def _update(self, sched: SchedulerOutput, model_output) -> EngineCoreOutputs:
         if self.hooks.gated:
             self.hooks.gate("postprocess", step=sched.step)
+        if self.hooks.active:  # on the core's thread, beside the next step's forward pass
+            self.hooks.emit(SCHEDULER, UPDATE_FROM_OUTPUT, BEGIN, step=sched.step)
         outputs = self.scheduler.update_from_output(sched, model_output)
         if self.hooks.active:
+            self.hooks.emit(SCHEDULER, UPDATE_FROM_OUTPUT, END, step=sched.step)
             self._trace_step_end(sched, outputs)
         return outputs
 
@@ -466,7 +491,8 @@ class EngineCore:
         rows = []
         for rid, n in sched.num_scheduled_tokens.items():
             req, start = requests[rid], starts[rid]
-            prefill = len(req.all_token_ids) - start > 1 or not req.output_token_ids
+            known = len(req.all_token_ids)  # async scheduling: a decode may start past them, at a placeholder
+            prefill = known - start > 1 or (start < known and not req.output_token_ids)
             rows.append({"request_id": rid, "num_tokens": n, "num_computed_before": start,
                          "kind": "prefill" if prefill else "decode"})
         return rows

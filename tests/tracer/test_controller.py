@@ -53,9 +53,11 @@ def test_start_paused_step_and_requests_arriving_while_paused(mode):
         stop = ctl.wait_until_paused(T)
         assert (stop.point, stop.step) == ("step", 1)
         view = session.state.view()
-        assert view.step == 0 and view.phase == "done" and view.running == ["a", "b"]
-        assert len(view.requests["a"].output_token_ids) == 1
-        assert view.paused_at == {"point": "step", "reason": "step step", "info": {}}
+        # async scheduling: n ran one call, which scheduled step 0 (sampled); its tokens come with the next
+        assert view.step == 0 and view.phase == "postprocess" and view.running == ["a", "b"]
+        assert view.in_flight == [[0, "sampled"]] and view.requests["a"].output_token_ids == []
+        # the call about to run schedules step 1, with step 0 in flight
+        assert view.paused_at == {"point": "step", "reason": "step step", "info": {"in_flight": [0], "schedules": True}}
         ctl.step(2)
         assert ctl.wait_until_paused(T).step == 3
         ctl.resume()
@@ -68,23 +70,61 @@ def test_start_paused_step_and_requests_arriving_while_paused(mode):
     assert steps in (6, 7) and not engine.has_unfinished_requests()
 
 
-def test_step_into_phases(mode):
-    session, engine = make(mode=mode)
+# EngineCore.step as vLLM 0.33's: schedule -> execute_model -> grammar bitmask -> sample_tokens ->
+# update_from_output. At "execute" the schedule is decided (snapshot in view) but nothing has run yet.
+SYNC_PHASES = [("execute", 0, "schedule"), ("grammar_bitmask", 0, "execute"), ("sample_tokens", 0, "execute"),
+               ("postprocess", 0, "postprocess"), ("step", 1, "done"), ("execute", 1, "schedule")]
+# step_with_batch_queue: step 0 launched, the call returns; the next schedules step 1 before step 0's
+# update_from_output (postprocess 0 comes after step 1's sample_tokens): two steps in flight
+ASYNC_PHASES = [("execute", 0, "schedule", [[0, "scheduled"]]), ("grammar_bitmask", 0, "execute", [[0, "executing"]]),
+                ("sample_tokens", 0, "execute", [[0, "executing"]]), ("step", 1, "postprocess", [[0, "sampled"]]),
+                ("execute", 1, "schedule", [[0, "sampled"], [1, "scheduled"]]),
+                ("grammar_bitmask", 1, "execute", [[0, "sampled"], [1, "executing"]]),
+                ("sample_tokens", 1, "execute", [[0, "sampled"], [1, "executing"]]),
+                ("postprocess", 0, "postprocess", [[0, "sampled"], [1, "sampled"]]),
+                ("step", 2, "postprocess", [[1, "sampled"]])]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_step_into_phases(mode, async_scheduling):
+    session, engine = make(mode=mode, async_scheduling=async_scheduling)
     ctl = session.controller
     engine.add_request("a", "phases", greedy(2))
+    loop = start_loop(engine)
+    want = ASYNC_PHASES if async_scheduling else SYNC_PHASES
+    try:
+        ctl.wait_until_paused(T)
+        seen = []
+        for _ in want:
+            ctl.step(1, "phase")
+            stop = ctl.wait_until_paused(T)
+            view = session.state.view()
+            seen.append((stop.point, stop.step, view.phase) + ((view.in_flight,) if async_scheduling else ()))
+        assert seen == want
+        ctl.resume()
+        loop.join(T)
+    finally:
+        session.close()
+
+
+def test_n_runs_one_batch_queue_call_and_says_what_it_did(mode):
+    """Async scheduling: n is one step_with_batch_queue call. The first schedules step 0 and returns;
+    each later one schedules a step and executes (returns the outputs of) the one before it."""
+    session, engine = make(mode=mode)
+    ctl = session.controller
+    engine.add_request("a", "one call at a time", greedy(3))
     loop = start_loop(engine)
     try:
         ctl.wait_until_paused(T)
         seen = []
-        for _ in range(6):
-            ctl.step(1, "phase")
+        for _ in range(3):
+            ctl.step(1, "step")
             stop = ctl.wait_until_paused(T)
             view = session.state.view()
-            seen.append((stop.point, stop.step, view.phase))
-        # EngineCore.step as vLLM 0.33's: schedule -> execute_model -> grammar bitmask -> sample_tokens ->
-        # update_from_output. At "execute" the schedule is decided (snapshot in view) but nothing has run yet.
-        assert seen == [("execute", 0, "schedule"), ("grammar_bitmask", 0, "execute"), ("sample_tokens", 0, "execute"),
-                        ("postprocess", 0, "postprocess"), ("step", 1, "done"), ("execute", 1, "schedule")]
+            seen.append((stop.point, stop.step, view.last_call, view.in_flight, view.done_step))
+        assert seen == [("step", 1, {"scheduled": 0, "executed": None}, [[0, "sampled"]], None),
+                        ("step", 2, {"scheduled": 1, "executed": 0}, [[1, "sampled"]], 0),
+                        ("step", 3, {"scheduled": 2, "executed": 1}, [[2, "sampled"]], 1)]
         ctl.resume()
         loop.join(T)
     finally:

@@ -15,9 +15,7 @@ def trace(tmp_path_factory):
     path = tmp_path_factory.mktemp("export") / "trace.jsonl"
     hooks = Hooks()
     with TraceSession(hooks, trace_file=path, control=False, model="tiny-gpt2"):
-        # synchronous steps (test_async_trace exports an async run)
-        llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=10, max_num_batched_tokens=64,
-                  async_scheduling=False)
+        llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, num_kv_blocks=10, max_num_batched_tokens=64)
         llm.generate(["one two three four five", "six seven", "eight nine ten eleven twelve"],
                      SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
     return path

@@ -14,7 +14,8 @@ from tracer.state import TraceState, fold, snapshot_view
 def run(tmp_path_factory):
     """A run that preempts (few blocks), hits the prefix cache and chunks a prefill."""
     path = tmp_path_factory.mktemp("replay") / "trace.jsonl"
-    outs, session = traced_run(path, num_kv_blocks=14, max_num_batched_tokens=24)
+    # synchronous: "at step k" is read against step k's own snapshot (async, step k + 1 is scheduled by then)
+    outs, session = traced_run(path, num_kv_blocks=14, max_num_batched_tokens=24, async_scheduling=False)
     return path, outs, session
 
 

@@ -15,7 +15,8 @@ SHARED = "A shared prefix, a shared prefix! "
 def run_engine(**kw):
     hooks = Hooks()
     session = TraceSession(hooks, control=False)
-    llm = LLM("tiny-gpt2", hooks=hooks, async_scheduling=False, block_size=4, **kw)
+    kw.setdefault("async_scheduling", False)  # the fold is checked against the engine after each whole step
+    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, **kw)
     engine = llm.llm_engine
     return session, engine
 
@@ -48,7 +49,7 @@ def test_cached_free_blocks_match_the_block_pool_at_every_step():
 
 
 def test_timeline_follows_the_request_through_prefill_chunks_decode_and_finish():
-    session, engine = run_engine(max_num_batched_tokens=8)
+    session, engine = run_engine(max_num_batched_tokens=8, async_scheduling=True)
     engine.add_request("r", "x" * 20, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     EngineThread(engine).start().join()
     req = session.state.view().requests["r"]
@@ -63,12 +64,13 @@ def test_timeline_follows_the_request_through_prefill_chunks_decode_and_finish()
 
 
 def test_histories_are_per_step_and_bounded():
-    session, engine = run_engine()
+    session, engine = run_engine(async_scheduling=True)
     engine.add_request("r", "hello", SamplingParams(max_tokens=HISTORY + 10, temperature=0, ignore_eos=True))
     EngineThread(engine).start().join()
     state = session.state.view()
     assert len(state.kv_usage_history) == HISTORY and 0 < max(state.kv_usage_history) < 1
-    assert set(state.kernel_history) == {k["name"] for k in state.kernels}
+    launched = {e.name for e in session.bus.read(0)[0] if e.layer == "kernel" and e.step is not None}
+    assert set(state.kernel_history) == launched
     assert all(len(v) == HISTORY and min(v) > 0 for v in state.kernel_history.values())
     session.close()
 

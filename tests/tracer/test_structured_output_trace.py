@@ -15,7 +15,7 @@ def test_compile_and_masks_are_traced_and_folded():
     hooks, events = Hooks(), []
     hooks.subscribe(lambda *e: events.append(e))
     session = TraceSession(hooks)
-    llm = LLM("tiny-gpt2", hooks=hooks, async_scheduling=False)
+    llm = LLM("tiny-gpt2", hooks=hooks)
     try:
         so = StructuredOutputsParams(choice=["yes", "no"])
         out = llm.generate("Is it?", SamplingParams(temperature=0, max_tokens=5, structured_outputs=so),
@@ -43,7 +43,7 @@ def test_waiting_for_fsm_in_the_snapshot_and_the_step_mark():
 
     hooks = Hooks()
     session = TraceSession(hooks)
-    engine = LLM("tiny-gpt2", hooks=hooks, async_scheduling=False).llm_engine
+    engine = LLM("tiny-gpt2", hooks=hooks).llm_engine
     try:
         engine.add_request("g", "Pick:", SamplingParams(temperature=0, max_tokens=8, structured_outputs=
                                                        StructuredOutputsParams(regex="[ab]{4}")))
@@ -70,7 +70,7 @@ def test_breakpoint_on_structured_output_events(text):
     assert cond.matches(STRUCTURED_OUTPUT, GRAMMAR_COMPILED, "1") == text.endswith("*")
     hooks = Hooks()
     session = TraceSession(hooks, start_paused=False)
-    engine = LLM("tiny-gpt2", hooks=hooks, async_scheduling=False).llm_engine
+    engine = LLM("tiny-gpt2", hooks=hooks).llm_engine
     ctl = session.controller
     engine.add_request("1", "x", SamplingParams(temperature=0, max_tokens=3,
                                                  structured_outputs=StructuredOutputsParams(choice=["ok"])))

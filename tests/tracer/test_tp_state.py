@@ -74,7 +74,8 @@ def test_a_real_two_rank_run_folds_to_the_engines_shards():
 
     hooks = Hooks()
     session = TraceSession(hooks, control=False)
-    llm = LLM("tiny-gpt2", hooks=hooks, async_scheduling=False, block_size=4, tensor_parallel_size=2)
+    # synchronous: the checks read the last step's launches (async scheduling ends on an empty step)
+    llm = LLM("tiny-gpt2", hooks=hooks, block_size=4, tensor_parallel_size=2, async_scheduling=False)
     try:
         llm.generate(["Hello there", "x"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
         s = session.state.view()

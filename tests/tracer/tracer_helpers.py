@@ -15,8 +15,6 @@ def traced_run(path, prompts=PROMPTS, max_tokens=10, **llm_kwargs):
     hooks = Hooks()
     session = TraceSession(hooks, trace_file=path, control=False)
     llm_kwargs.setdefault("block_size", 4)
-    # one whole step per engine step: these tests read each step's trace (test_async_trace runs async)
-    llm_kwargs.setdefault("async_scheduling", False)
     llm = LLM("tiny-gpt2", hooks=hooks, **llm_kwargs)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
                         use_tqdm=False)

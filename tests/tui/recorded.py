@@ -21,8 +21,10 @@ def record(path: Path) -> Path:
     raw = path.with_suffix(".raw.jsonl")
     hooks = Hooks()
     session = TraceSession(hooks, trace_file=raw, control=False, model=MODEL)
+    # synchronous: under async scheduling the executor thread's events interleave with the core's in an
+    # order that varies from run to run, and the snapshots need one order
     llm = LLM(MODEL, hooks=hooks, block_size=4, num_kv_blocks=25, max_num_batched_tokens=24,
-              attention_backend="triton", device="cpu")
+              attention_backend="triton", device="cpu", async_scheduling=False)
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     for rid, prompt in PROMPTS.items():

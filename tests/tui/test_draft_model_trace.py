@@ -23,7 +23,8 @@ def draft_trace(tmp_path_factory):
     path = tmp_path_factory.mktemp("draft") / "trace.jsonl"
     hooks = Hooks()
     session = TraceSession(hooks, trace_file=path, control=False, model="tiny-gpt2")
-    llm = LLM("tiny-gpt2", hooks=hooks, num_kv_blocks=32, speculative_config=DRAFT)
+    # synchronous: replay at step k shows step k's launches (async, step k + 1 is under way by then)
+    llm = LLM("tiny-gpt2", hooks=hooks, num_kv_blocks=32, speculative_config=DRAFT, async_scheduling=False)
     llm.generate(["The list of the", "Return a new"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                  use_tqdm=False)
     session.close()

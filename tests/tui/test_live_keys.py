@@ -73,8 +73,15 @@ async def test_held_requests_wait_then_n_runs_exactly_one_step_and_fills_the_blo
             n = len(prompt)  # the built-in model's tokenizer is one token per character
             assert state.requests[rid].block_table == tables[rid]
             assert len(state.requests[rid].block_table) == -(-n // 4)
-            assert cells(live.app, rid)[1:4] == ["running", f"{n}/{n}", "1/4"]
+            # async scheduling: n is one step_with_batch_queue call; step 0's tokens come with the next one
+            assert cells(live.app, rid)[1:4] == ["running", f"{n}/{n}", "0/4"]
         assert "step 0" in header(live.app) and "running 3" in header(live.app)
+        assert "(n ran one call: scheduled step 0)" in header(live.app)
+        await pilot.press("n")
+        stop = await live.held()
+        await live.settle(pilot, until=lambda: cells(live.app, "r0")[3] == "1/4")
+        assert stop.step == 2 and all(cells(live.app, rid)[3] == "1/4" for rid in ("r0", "r1", "r2"))
+        assert "(n ran one call: both: scheduled step 1, executed step 0)" in header(live.app)
 
 
 async def test_space_resumes_then_pauses_at_the_next_step(live):
@@ -106,8 +113,9 @@ async def test_s_steps_into_the_phases_of_a_step(live):
                 await live.settle(pilot, until=lambda: "before sample_tokens" in header(live.app))
                 assert "after the grammar bitmask of step 0, before sample_tokens" in header(live.app)
         await live.settle(pilot)
-        # schedule | execute_model | grammar bitmask | sample_tokens | update_from_output | next step
-        assert points == ["execute", "grammar_bitmask", "sample_tokens", "postprocess", "step"]
+        # schedule | execute_model | grammar bitmask | sample_tokens, then (async scheduling: two steps in
+        # flight) the next call, which schedules step 1 before step 0's update_from_output
+        assert points == ["execute", "grammar_bitmask", "sample_tokens", "step", "execute"]
 
 
 async def test_k_stops_before_each_kernel_launch_and_the_kernels_panel_says_which(live):
@@ -141,7 +149,7 @@ async def test_k_after_the_forward_pass_runs_to_the_next_steps_first_launch(live
         for _ in range(4):
             await pilot.press("s")
             stop = await live.held()
-        assert stop.point == "postprocess"
+        assert (stop.point, stop.step) == ("step", 1)  # step 0's forward pass and sampling done (async: in flight)
         await pilot.press("k")
         stop = await live.held()
         assert (stop.point, stop.step, stop.info["name"]) == ("kernel", 1, "prepare_prefill_inputs_ref")
@@ -398,7 +406,8 @@ async def test_the_tui_opens_the_overview_when_work_arrives_unless_a_panel_was_j
         await live.held()
         await live.settle(pilot, until=lambda: "kernels of step 0" in body.text)
         text = body.text
-        assert "out 1/4" in text and "prefill 11" in text and "batch: 3 requests" in text
+        # async scheduling: n ran one call, which scheduled step 0; its tokens come with the next call
+        assert "out 0/4" in text and "prefill 11" in text and "batch: 3 requests" in text
         assert "kernels of step 0" in text and "unified_attention_ref" in text
         line = header(live.app).splitlines()[0]
         assert "waiting 0 · running 3" not in line and "W0 R3 F0" in line  # 80 columns: abbreviated, one line

@@ -122,7 +122,7 @@ def real_trace(tmp_path_factory):
     path = tmp_path_factory.mktemp("profiled") / "trace.jsonl"
     hooks = Hooks()
     session = TraceSession(hooks, trace_file=path, control=False, model="tiny-gpt2")
-    llm = LLM("tiny-gpt2", hooks=hooks, device="cpu")
+    llm = LLM("tiny-gpt2", hooks=hooks, device="cpu", async_scheduling=False)  # one whole step per step()
     llm.llm_engine.add_request("a", {"prompt_token_ids": list(range(5, 45))},
                                SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     llm.start_profile()

@@ -28,8 +28,10 @@ def record_scene(path: Path) -> Path:
     raw = path.with_suffix(".raw.jsonl")
     hooks = Hooks()
     session = TraceSession(hooks, trace_file=raw, control=False, model="tiny-gpt2")
+    # synchronous: under async scheduling the executor thread's events interleave with the core's in an
+    # order that varies from run to run, and the picture needs one order
     engine = LLM("tiny-gpt2", hooks=hooks, max_num_seqs=3, num_kv_blocks=64, device="cpu",
-                 attention_backend="torch").llm_engine
+                 attention_backend="torch", async_scheduling=False).llm_engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"cmpl-{i}", prompt, SamplingParams(max_tokens=12 + 4 * i, temperature=0, ignore_eos=True))
     while engine.has_unfinished_requests():

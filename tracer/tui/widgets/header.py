@@ -54,10 +54,31 @@ def held_text(frame: Frame) -> str:
     layer = info.get("layer_idx", "?")  # None: a launch of no layer (building the inputs, sampling)
     what = POINTS[c.get("point")].format(step=step, point=c.get("point"), name=info.get("name", "?"),
                                          layer="" if layer is None else f" (layer {layer})")
+    if c.get("point") == "step" and info.get("schedules") is False:  # async: the call only waits for a step
+        what = f"before the call that executes step {step} (nothing left to schedule): n runs it"
     if c.get("point") == "kernel" and str(info.get("name", "")).startswith("unified_attention"):
         what += ", t runs it on Triton"
     reason = c.get("reason") or ""
+    did = last_call_text(frame.state)
+    if reason == "step step" and did:  # async scheduling: n is one step_with_batch_queue call
+        return f"held {what} (n ran one call: {did})"
     return f"held {what} ({WHY.get(reason, reason)})"
+
+
+def last_call_text(s) -> str:
+    """Async scheduling: what the last step_with_batch_queue call did: 'scheduled step 13', 'executed
+    step 12' (its outputs are out) or 'both: scheduled step 13, executed step 12' ('' without one)."""
+    call = s.last_call or {}
+    did = [f"{key} step {call[key]}" for key in ("scheduled", "executed") if call.get(key) is not None]
+    return "both: " + ", ".join(did) if len(did) == 2 else "".join(did)
+
+
+def in_flight_text(s, shown_step: int | None) -> str:
+    """Async scheduling: 'in flight: step 12 (executing), step 13 (scheduled)'; '' while no step but
+    the one shown is in flight (its phase says it all)."""
+    if all(step == shown_step for step, _ in s.in_flight):
+        return ""
+    return "in flight: " + ", ".join(f"step {step} ({status})" for step, status in s.in_flight)
 
 
 def queue_counts(frame: Frame, short: bool) -> str:
@@ -78,10 +99,12 @@ class StatusHeader(FixedText):
     def show(self, frame: Frame, stepping: bool = False) -> None:
         s, c, info = frame.state, frame.controller, self.info
         label, style = engine_mode(frame, stepping, info.mode, self.connection is None)
-        step = "-" if s.step is None else str(s.step)
+        shown_step = s.done_step if info.mode == "replay" and s.done_step is not None else s.step
+        step = "-" if shown_step is None else str(shown_step)
         # the phase of the step shown, as the Step panel says it (where a hold is, line two says);
         # a replay moves from step to step, each done
         where = s.phase if info.mode != "replay" else None
+        flight = in_flight_text(s, shown_step)
         travel = (f"/{c['first_step']}..{c['last_step']}" if info.mode == "replay" and c.get("last_step") is not None
                   else "")
         width = self.size.width or 80
@@ -95,6 +118,8 @@ class StatusHeader(FixedText):
                               (f" step {step}", "bold"))
             if where and url is not None:
                 t.append(f" ({where})", "dim")
+            if flight and url is not None:
+                t.append(f"  {flight}", "dim" if short else "")
             t.append(travel, "dim")
             if s.profiling:  # every op of the forward pass is a launch (p, or POST /start_profile)
                 t.append(" ")
