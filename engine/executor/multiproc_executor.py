@@ -294,8 +294,13 @@ class MultiprocExecutor(Executor):
         return replies[0].data
 
     def profile(self, is_start: bool) -> list[dict]:
-        """Every rank starts or stops profiling (V1's ``collective_rpc("profile")``), between steps."""
-        return [dict(r.data) for r in self._all("profile", is_start, "profile", STARTUP_TIMEOUT_S)]
+        """Every rank starts or stops profiling (V1's ``collective_rpc("profile")``), between steps:
+        under async scheduling on the executor thread, after the step still in flight (whose replies
+        that thread is reading)."""
+        def call() -> list[dict]:
+            return [dict(r.data) for r in self._all("profile", is_start, "profile", STARTUP_TIMEOUT_S)]
+
+        return self._submit(call).result() if self._thread is not None else call()
 
     # ---- steps ---------------------------------------------------------------------------------
     def _execute_model(self, scheduler_output: SchedulerOutput) -> None:
