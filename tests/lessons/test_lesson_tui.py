@@ -189,9 +189,10 @@ async def test_no_pause_runs_another_lesson_straight_through(name):
 @pytest.mark.asyncio
 async def test_a_false_claim_shows_the_failed_check_and_exits_1(monkeypatch):
     """Break the KV-cache manager (one block too many per request): the first block-count check fails."""
-    from engine.core.kv_cache_manager import KVCacheManager
-    original = KVCacheManager.blocks_needed
-    monkeypatch.setattr(KVCacheManager, "blocks_needed", lambda self, n: original(self, n) + 1)
+    from engine.core.single_type_kv_cache_manager import SingleTypeKVCacheManager as Manager
+    original = Manager.allocate_new_blocks
+    monkeypatch.setattr(Manager, "allocate_new_blocks",  # every table one block longer than its tokens need
+                        lambda self, request, num_tokens: original(self, request, num_tokens + self.block_size))
     mod = module("paged_kv_cache")
     lesson = new_lesson(mod, pause=False)
     app = LessonApp(lesson, mod.run)

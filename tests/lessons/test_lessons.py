@@ -20,9 +20,10 @@ def test_lesson_runs_and_its_checks_pass(info, capsys):
 
 def test_paged_kv_cache_lesson_fails_if_blocks_are_over_allocated(monkeypatch, capsys):
     """Break the KV-cache manager: every request gets one block more than it needs."""
-    from engine.core.kv_cache_manager import KVCacheManager
-    original = KVCacheManager.blocks_needed
-    monkeypatch.setattr(KVCacheManager, "blocks_needed", lambda self, n: original(self, n) + 1)
+    from engine.core.single_type_kv_cache_manager import SingleTypeKVCacheManager as Manager
+    original = Manager.allocate_new_blocks
+    monkeypatch.setattr(Manager, "allocate_new_blocks",  # every table one block longer than its tokens need
+                        lambda self, request, num_tokens: original(self, request, num_tokens + self.block_size))
     module = importlib.import_module(lessons.find("paged_kv_cache").module)
     assert main(vars(module), ["--no-pause"]) == 1
     assert "the engine disagrees" in capsys.readouterr().out
