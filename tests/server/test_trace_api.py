@@ -36,7 +36,9 @@ def traced(model_cache, tmp_path_factory, request):
     path = tmp_path_factory.mktemp("trace") / "serve.jsonl"
     hooks = Hooks()
     session = TraceSession(hooks, trace_file=path, model="tiny-gpt2", remote_control=mode == "mp")
-    async_engine = make_engine(mode, hooks, session.core_options(), num_kv_blocks=64)
+    # synchronous: these tests count whole engine steps over HTTP (one /trace/step, one step's token);
+    # what a step call does under async scheduling is tests/tracer/test_controller.py's
+    async_engine = make_engine(mode, hooks, session.core_options(), num_kv_blocks=64, async_scheduling=False)
     if mode == "mp":
         session.bind(async_engine)
     else:
