@@ -53,10 +53,12 @@ def qwen3(tmp_path_factory):
     return _save(tmp_path_factory.mktemp("qwen3"), Qwen3ForCausalLM(cfg))
 
 
-def _generate(path, prompts, **kwargs):
+def _generate(path, prompts, params=GREEDY, **kwargs):
+    """Greedy token ids of prompts through a fresh engine, and its stats (no block leaked); for every
+    checkpoint family's oracle tests."""
     llm = LLM(path, dtype="float32", **kwargs)  # transformers' reference runs in float32 (CUDA's default is 16-bit)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         stats = llm.llm_engine.engine_core.engine_core.stats()
         assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
         return [o.outputs[0].token_ids for o in outs], stats

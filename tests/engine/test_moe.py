@@ -29,6 +29,7 @@ from engine.model_executor.layers.fused_moe import FusedMoE
 from engine.trace_names import BATCH, KERNEL, MODEL_RUNNER, ROUTING
 from tests.engine.hf_reference import assert_greedy_equal
 from tests.engine.test_hf_equivalence import _prompts
+from tests.engine.test_llama_family import _generate as generate
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -82,14 +83,7 @@ def qwen3_moe(tmp_path_factory):
 
 
 def _generate(path, prompts, **kwargs):
-    llm = LLM(path, dtype="float32", **kwargs)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        stats = llm.llm_engine.engine_core.engine_core.stats()
-        assert stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
-        return [o.outputs[0].token_ids for o in outs], stats
-    finally:
-        llm.shutdown()
+    return generate(path, prompts, GREEDY, **kwargs)  # MAX_NEW tokens each
 
 
 def test_saved_checkpoint_has_one_tensor_per_expert(moe):
