@@ -156,3 +156,15 @@ def test_the_tui_imports_no_torch_so_serve_draws_before_the_engine_loads():
             "print(sorted(m for m in ('torch', 'triton', 'kernels') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]
+
+
+def test_ctrl_c_while_the_commands_load_is_one_line_and_status_130(monkeypatch, capsys):
+    """Loading the commands' modules takes a second on a busy machine: a Ctrl-C then is the same one line
+    as later (CI saw a traceback and a shell killed by the re-raised SIGINT)."""
+    import tracer.cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tracer.cli, "build_parser", interrupted)
+    assert main(["serve", "tiny-gpt2"]) == 130
+    assert capsys.readouterr().err == "vllm-trace serve: interrupted\n"

@@ -50,18 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "handler", None):
-        parser.print_help()
-        return 2
+    argv = sys.argv[1:] if argv is None else argv
+    # Named before anything slow: a Ctrl-C while the commands' modules load (a second on a busy machine)
+    # is the same one line and status 130 as one while the command runs, never a traceback.
+    command = next((arg for arg in argv if not arg.startswith("-")), "")
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "handler", None):
+            parser.print_help()
+            return 2
         return args.handler(args) or 0
     except KeyboardInterrupt:
-        print(f"vllm-trace {args.command}: interrupted", file=sys.stderr)
+        print(f"vllm-trace {command}: interrupted" if command else "vllm-trace: interrupted", file=sys.stderr)
         return 130
     except (UserError, ValueError) as e:  # bad input: one clear line, no traceback
-        print(f"vllm-trace {args.command}: error: {e}", file=sys.stderr)
+        print(f"vllm-trace {command}: error: {e}", file=sys.stderr)
         return 2
 
 
