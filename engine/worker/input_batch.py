@@ -12,7 +12,8 @@ backend these are our Triton kernels; otherwise their PyTorch references (vector
 tensor ops per launch whatever the batch), each a launch the Kernels panel lists.
 
 The per-slot buffers are numpy arrays on the host: on the CPU the kernels read them in place
-(``InputBuffers``: torch views sharing their memory); on a GPU they are copied to it each step.
+(``InputBuffers``: torch views sharing their memory); on a GPU they are copied to it each step, and
+what ``post_update`` writes there after sampling is copied back.
 """
 from __future__ import annotations
 
@@ -71,6 +72,11 @@ class InputBuffers:
         if view is None or view[0] is not array:
             view = self._views[name] = (array, torch.from_numpy(array))
         return view[1]
+
+    def write_back(self, array: np.ndarray, tensor: torch.Tensor) -> None:
+        """A kernel wrote tensor in place: on a GPU (a copy) its values go back to the host array."""
+        if self.device.type != "cpu":
+            array[...] = tensor.cpu().numpy()
 
 
 @dataclass

@@ -3,11 +3,12 @@ scheduler's diff in, one flattened batch, one forward pass, sampled tokens out.
 
 It keeps every live request by slot (``RequestState``, ``BlockTables``: engine/worker/states.py,
 block_table.py), filled from each ``SchedulerOutput`` by finish_requests, add_requests and
-update_requests: the requests' tokens (it appends what it samples), where their computed tokens
+update_requests: the requests' tokens (post_update appends what it samples), where their computed tokens
 end, their block tables and sampling settings. ``execute_model`` builds the step's ``InputBatch``
 from those buffers by slot and runs the forward pass; ``sample_tokens(grammar_output)`` applies the
-grammar bitmask, samples (verifying drafts), records the new tokens and returns the
-``ModelRunnerOutput``; a proposer then drafts for the next step (``take_draft_token_ids``).
+grammar bitmask, samples (verifying drafts), writes the new tokens into the slots' buffers (the
+``post_update`` launch, after the sampler's) and returns the ``ModelRunnerOutput``; a proposer then
+drafts for the next step (``take_draft_token_ids``).
 
 All scheduled tokens of all requests are concatenated (no padding). For each token we know its
 position and its slot in the paged cache (slot = physical block * block_size + offset, looked up
@@ -312,11 +313,11 @@ class ModelRunner:
         out = self.sampler(sample_logits, requests if last_rows is None else requests_after_drafts(requests, drafts))
         kept = self._verify(logits, drafts, requests, out.token_ids) if last_rows is not None else None
         spec_lps = spec_logprobs(logits, drafts, requests, kept) if kept is not None else None
-        if self._launches:  # the sampler's (a grammar's mask, a verification; every step's op while profiling)
+        result = self._postprocess(batch, requests, out, kept, spec_lps)
+        if self._launches:  # the sampler's (a grammar's mask, a verification, post_update; every op while profiling)
             self._publish_launches()
         if self.hooks.active:
             self._trace_sampled(p.sched.step, batch.req_ids, out.token_ids)
-        result = self._postprocess(batch, requests, out, kept, spec_lps)
         if p.prompt_logits is not None:
             result.prompt_logprobs_dict = _prompt_logprobs(p.prompt_logits, p.spans, requests)
         if self.drafter is not None and self.rank == 0:
@@ -326,7 +327,7 @@ class ModelRunner:
     def _postprocess(self, batch: InputBatch, requests: list, out, kept, spec_lps) -> ModelRunnerOutput:
         """Each request's new tokens, recorded in its state (none for a chunk that does not end its
         prefill: its token is discarded)."""
-        sampled, logprobs, states = [], None, self.req_states
+        sampled, logprobs = [], None
         ends = batch.seq_lens_np.tolist()
         for i, req in enumerate(requests):
             d = batch.draft_token_ids[i]
@@ -336,11 +337,31 @@ class ModelRunner:
             tokens = kept[i] if d else [out.token_ids[i]]
             sampled.append(tokens)
             req.all_token_ids += tokens
-            states.append_token_ids(req.slot, tokens)
             if out.logprobs[i] is not None:
                 logprobs = logprobs or [None] * len(requests)
                 logprobs[i] = spec_lps[i] if d else [(out.logprobs[i], out.ranks[i])]
+        self._post_update(batch, sampled)
         return ModelRunnerOutput(batch.req_ids, {rid: i for i, rid in enumerate(batch.req_ids)}, sampled, logprobs)
+
+    def _post_update(self, batch: InputBatch, sampled: list[list[int]]) -> None:
+        """The post_update launch (V1 0.33's _post_update_kernel): each row's sampled tokens written
+        after its slot's tokens, and its computed tokens advanced by its query less its rejected drafts."""
+        states, buffers, n = self.req_states, self.input_buffers, len(sampled)
+        num_sampled = np.fromiter(map(len, sampled), np.int32, n)
+        num_rejected = np.fromiter((len(d) + 1 - len(s) if d and s else 0
+                                    for d, s in zip(batch.draft_token_ids, sampled)), np.int32, n)
+        tokens = np.zeros((n, max(1, int(num_sampled.max(initial=0)))), np.int64)
+        for i, s in enumerate(sampled):
+            tokens[i, :len(s)] = s
+        states.reserve(int((states.num_tokens[batch.idx_mapping_np] + num_sampled).max(initial=0)))
+        all_token_ids, total_len, computed = (buffers(name, getattr(states, name))
+                                              for name in ("token_ids", "num_tokens", "num_computed_tokens"))
+        self.input_kernels.post_update(idx_mapping=batch.idx_mapping, num_computed_tokens=computed,
+                                       sampled_tokens=self._tensor(tokens), num_sampled=self._tensor(num_sampled),
+                                       num_rejected=self._tensor(num_rejected), query_start_loc=batch.query_start_loc,
+                                       all_token_ids=all_token_ids, total_len=total_len)
+        for name, tensor in (("token_ids", all_token_ids), ("num_tokens", total_len), ("num_computed_tokens", computed)):
+            buffers.write_back(getattr(states, name), tensor)
 
     def _propose_draft_token_ids(self, sched: SchedulerOutput, batch: InputBatch, requests: list,
                                  result: ModelRunnerOutput) -> DraftTokenIds:

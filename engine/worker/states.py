@@ -92,10 +92,14 @@ class RequestState:
         """Write tokens after the slot's last (the buffer's rows grow up to max_model_len)."""
         start = int(self.num_tokens[slot])
         end = start + len(token_ids)
-        if end > self.token_ids.shape[1]:
-            width = min(self.max_model_len, max(end, 2 * self.token_ids.shape[1]))
+        self.reserve(end)
+        self.token_ids[slot, start:end] = token_ids
+        self.num_tokens[slot] = end
+
+    def reserve(self, num_tokens: int) -> None:
+        """Rows at least num_tokens wide (a new, wider buffer: doubled, at most max_model_len)."""
+        if num_tokens > self.token_ids.shape[1]:
+            width = min(self.max_model_len, max(num_tokens, 2 * self.token_ids.shape[1]))
             grown = np.zeros((self.token_ids.shape[0], width), np.int64)
             grown[:, :self.token_ids.shape[1]] = self.token_ids
             self.token_ids = grown
-        self.token_ids[slot, start:end] = token_ids
-        self.num_tokens[slot] = end

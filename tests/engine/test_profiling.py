@@ -20,9 +20,10 @@ from tests.engine.test_llama_family import llama, qwen3  # noqa: F401 (fixtures)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [list(range(10, 30)), list(range(40, 47))]
-# the step's inputs, built by the input kernels' references before the first layer (kernels/input_batch.py)
+# the input kernels' references (kernels/input_batch.py): four build the step's inputs before the first layer,
+# post_update writes its sampled tokens back after sampling
 INPUTS = {"prepare_prefill_inputs_ref", "prepare_pos_seq_lens_ref", "gather_block_tables_ref",
-          "compute_slot_mappings_ref"}
+          "compute_slot_mappings_ref", "post_update_ref"}
 GPT2_DECODE = INPUTS | {"wte", "wpe", "plan_attention", "ln_1", "c_attn", "reshape_and_cache_ref",
                         "unified_attention_ref", "attn.c_proj", "ln_2", "c_fc", "gelu_new", "mlp.c_proj", "ln_f",
                         "lm_head", "argmax"}

@@ -55,9 +55,10 @@ def test_kernel_launches_reach_the_hooks():
     kernels = [e for e in events if e[0] == "kernel"]
     n_layers, inputs = 4, INPUT_KERNELS[:4]  # post_update runs after sampling
     # two steps (prefill, decode), each: the input-building launches, then in each layer one cache
-    # write and one attention launch
+    # write and one attention launch, then (after sampling) post_update writing the tokens back
     per_step = [(name, None) for name in inputs] + [
-        (name, layer) for layer in range(n_layers) for name in ("reshape_and_cache", "unified_attention")]
+        (name, layer) for layer in range(n_layers) for name in ("reshape_and_cache", "unified_attention")] + [
+        ("post_update", None)]
     assert [(e[1], e[2], e[3]["layer_idx"]) for e in kernels] == [
         (name, step, layer) for step in (0, 1) for name, layer in per_step]
     first_attention = kernels[len(inputs) + 1][3]
@@ -71,7 +72,7 @@ def test_kernel_launches_reach_the_hooks():
     assert [r.name for r in records] == [e[1] for e in kernels]
     for (_, name, step, attrs), rec in zip(kernels, records):
         assert access_map(name, attrs["meta"], attrs["grid"], batches[step]) == rec.access_map
-        assert bool(rec.access_map) == (name not in inputs)  # the input kernels read no KV blocks
+        assert bool(rec.access_map) == (name not in INPUT_KERNELS)  # the input kernels read no KV blocks
     access = records[len(inputs) + 1].access_map
     assert {a.request for accesses in access.values() for a in accesses} == {0, 1}
     assert [g[1]["name"] for g in gates if g[0] == "kernel"][:5] == [*inputs, "reshape_and_cache"]

@@ -374,11 +374,14 @@ def test_launch_events_keep_the_time_each_launch_ended():
         ev = {(e.layer, e.name): e for e in events if e.step == step and e.layer in ("model_runner", "sampler")}
         kernels = [e for e in events if e.layer == "kernel" and e.step == step]
         ts = [e.ts_ns for e in kernels]
-        assert len(kernels) == 12 and ts == sorted(set(ts))  # one launch after another, each its own time
-        # the batch event follows the four launches that built it, and precedes the layers' launches
+        assert len(kernels) == 13 and ts == sorted(set(ts))  # one launch after another, each its own time
+        # the batch event follows the four launches that built it, and precedes the layers' launches; after
+        # sampling, post_update writes the tokens back
         assert [e.name for e in kernels[:4]] == [f"{k}_ref" for k in INPUT_KERNELS[:4]]
+        assert kernels[-1].name == "post_update_ref"
         assert ts[3] < ev["model_runner", "batch"].ts_ns < ts[4] and ts[-1] <= ev["sampler", "sampled"].ts_ns
-        assert [e.seq for e in kernels] == list(range(kernels[0].seq, kernels[0].seq + 12))
+        # published together once the forward pass is done (post_update once sampling is)
+        assert [e.seq for e in kernels[:12]] == list(range(kernels[0].seq, kernels[0].seq + 12))
 
 
 def test_the_breakpoint_dialogs_kernel_example_stops_on_this_machine(mode):

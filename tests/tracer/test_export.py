@@ -39,13 +39,14 @@ def test_perfetto_export_is_structurally_valid(trace):
         {e["name"] for e in evs if e["ph"] == "C"}
     kernels = [e for e in evs if e["ph"] == "X" and e["cat"] == "kernel"]
     assert kernels and all("grid" in k["args"] and "launch" not in k["args"] for k in kernels)
-    # the torch backend's launches: the step's input kernels, a cache write and an attention call per layer
+    # the torch backend's launches: the step's input kernels, a cache write and an attention call per layer,
+    # and after sampling post_update
     inputs = {"prepare_prefill_inputs_ref", "prepare_pos_seq_lens_ref", "gather_block_tables_ref",
-              "compute_slot_mappings_ref"}
+              "compute_slot_mappings_ref", "post_update_ref"}
     assert {k["name"] for k in kernels} == inputs | {"reshape_and_cache_ref", "unified_attention_ref"}
     ran = [s for s in steps if s["args"]["batch"]]  # (async scheduling may add a last, empty step)
     assert len(steps) - len(ran) <= 1
-    assert len(kernels) == (2 * 4 + 4) * len(ran) and all(k["dur"] > 0 for k in kernels)  # + 4 input launches
+    assert len(kernels) == (2 * 4 + 5) * len(ran) and all(k["dur"] > 0 for k in kernels)  # + 5 input launches
     assert {k["args"]["layer_idx"] for k in kernels} == {0, 1, 2, 3, None}  # None: the input launches
     threads = {e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"engine steps", "kernels", "engine spans"} <= threads

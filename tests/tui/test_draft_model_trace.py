@@ -69,7 +69,8 @@ def test_a_kernel_gate_names_the_draft_models_launches():
     first = [name for step, name in held if step == 0]
     assert first[:4] == [f"{k}_ref" for k in INPUT_KERNELS[:4]]  # the target's inputs are built first
     assert first[4:12] == ["reshape_and_cache_ref", "unified_attention_ref"] * 4  # the target's 4 layers
-    assert first[12:] == ["draft:reshape_and_cache_ref", "draft:unified_attention_ref"] * 4  # 2 layers, 2 passes
+    assert first[12] == "post_update_ref"  # the target's tokens written back, before the draft proposes from them
+    assert first[13:] == ["draft:reshape_and_cache_ref", "draft:unified_attention_ref"] * 4  # 2 layers, 2 passes
 
 
 @pytest.mark.asyncio

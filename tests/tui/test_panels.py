@@ -34,7 +34,7 @@ async def test_every_panel_agrees_with_the_header_after_a_burst(live):
         state = live.source.refresh()
         last = state.step
         # async scheduling (the default) ends on an empty step: scheduled while the last tokens were in flight
-        launches = 12 if state.snapshot["total_num_scheduled_tokens"] else 0  # 4 input, 2 per layer
+        launches = 13 if state.snapshot["total_num_scheduled_tokens"] else 0  # 4 input, 2 per layer, post_update
         assert f"step {last} (done)" in shown(live.app.query_one(StatusHeader))
         assert shown(live.app.query_one("#step-left")).lstrip().startswith(f"step {last}  batch of")
         for key, panel, says in (("5", "#kernels-head", f"step {last}: {launches} launches"),
