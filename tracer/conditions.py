@@ -5,6 +5,7 @@ kernel name. The same condition is written as text in the TUI and over HTTP:
 
     arrive[:ID]   finish[:ID]   preempt[:ID]   request:ID   layer:LAYER   kernel:NAME   event:LAYER.NAME
     event:LAYER.*   (any event of that layer: event:structured_output.* stops at grammars and masks)
+    expert:L:E      (a mixture of experts: a step in which expert E of decoder layer L receives tokens)
 
 ``kernel:NAME`` names a kernel's family: it also stops at ``NAME_ref``, the PyTorch reference
 that the torch backend launches in its place (on a CPU, ``kernel:unified_attention`` stops at
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.trace_names import ABORTED, ENGINE, FINISHED, KERNEL, PREEMPTED, QUEUED, SCHEDULER
+from engine.trace_names import ABORTED, ENGINE, FINISHED, KERNEL, MODEL_RUNNER, PREEMPTED, QUEUED, ROUTING, SCHEDULER
 from tracer.events import LAYERS
 
 
@@ -25,11 +26,14 @@ class Condition:
     names: tuple[str, ...] = ()  # alternatives to `name` (FINISHED or ABORTED)
     request_id: str | None = None
     label: str = ""
+    expert: tuple[int, int] | None = None  # (decoder layer, expert): a routing event where it receives tokens
 
-    def matches(self, layer: str, name: str, request_id: str | None) -> bool:
+    def matches(self, layer: str, name: str, request_id: str | None, attrs: dict | None = None) -> bool:
         if self.layer is not None and layer != self.layer:
             return False
         if self.name is not None and name != self.name and name not in self.names:
+            return False
+        if self.expert is not None and not _routes_to(attrs or {}, *self.expert):
             return False
         return self.request_id is None or request_id == self.request_id
 
@@ -72,6 +76,23 @@ def on_event(layer: str, name: str) -> Condition:
     return Condition(layer, None if name == "*" else name, label=f"event:{layer}.{name}")
 
 
+def on_expert(layer_idx: int, expert: int) -> Condition:
+    """expert:L:E: the routing event of decoder layer L in a step where expert E receives tokens."""
+    return Condition(MODEL_RUNNER, ROUTING, label=f"expert:{layer_idx}:{expert}", expert=(layer_idx, expert))
+
+
+def _routes_to(attrs: dict, layer_idx: int, expert: int) -> bool:
+    counts = attrs.get("expert_counts") or ()
+    return attrs.get("layer_idx") == layer_idx and expert < len(counts) and counts[expert] > 0
+
+
+def _parse_expert(text: str, arg: str | None) -> Condition:
+    layer_idx, colon, expert = (arg or "").partition(":")
+    if not (colon and layer_idx.strip().isdigit() and expert.strip().isdigit()):
+        raise ValueError(f"bad condition {text!r}: write expert:LAYER:EXPERT with two numbers (expert:0:3)")
+    return on_expert(int(layer_idx), int(expert))
+
+
 def _label(kind: str, arg: str | None) -> str:
     return kind if arg is None else f"{kind}:{arg}"
 
@@ -87,7 +108,9 @@ def parse_condition(text: str) -> Condition:
         return simple[kind](arg)
     if kind in ("request", "layer") and arg:
         return on_request(arg) if kind == "request" else on_layer(arg)
+    if kind == "expert":
+        return _parse_expert(text, arg)
     if kind == "event" and arg and all(part.strip() for part in arg.split(".", 1)) and "." in arg:
         return on_event(*arg.split(".", 1))
     raise ValueError(f"bad condition {text!r}: use arrive[:ID], finish[:ID], preempt[:ID], request:ID, "
-                     f"layer:LAYER, kernel:NAME or event:LAYER.NAME")
+                     f"layer:LAYER, kernel:NAME, event:LAYER.NAME or expert:LAYER:EXPERT")

@@ -304,12 +304,12 @@ class StepController(BaseStepController):
         if layer == KERNEL and self._kernel_gates:
             return  # already matched before the launch, at its gate
         with self._cond:
-            reason = self._match((layer, name, request_id))
+            reason = self._match((layer, name, request_id, attrs))
             if reason:
                 self._hit = reason
             self._watch()  # a hit needs the gate; a consumed run-until, perhaps no listener
 
-    def _match(self, event: tuple[str, str, str | None]) -> str | None:  # holding self._cond
+    def _match(self, event: tuple[str, str, str | None, dict | None]) -> str | None:  # holding self._cond
         if self._until is not None and self._until.matches(*event):
             until, self._until = self._until, None  # (callers _watch() once the hit is kept)
             return f"until {until}"

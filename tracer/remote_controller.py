@@ -27,12 +27,13 @@ CORE_INSTALL = "tracer.remote_controller:install_in_core"
 
 
 def _wire(cond: Condition) -> list:
-    return [cond.layer, cond.name, list(cond.names), cond.request_id, cond.label]
+    return [cond.layer, cond.name, list(cond.names), cond.request_id, cond.label,
+            list(cond.expert) if cond.expert else None]
 
 
 def _unwire(fields: list) -> Condition:
-    layer, name, names, request_id, label = fields
-    return Condition(layer, name, tuple(names), request_id, label)
+    layer, name, names, request_id, label, expert = fields
+    return Condition(layer, name, tuple(names), request_id, label, tuple(expert) if expert else None)
 
 
 def install_in_core(hooks: Hooks, core, options: dict) -> dict:
@@ -150,11 +151,11 @@ class RemoteStepController(BaseStepController):
         if layer not in FRONTEND_LAYERS or not (self._breakpoints or self._until) or self._client is None:
             return
         until = self._until
-        if until is not None and until.matches(layer, name, request_id):
+        if until is not None and until.matches(layer, name, request_id, attrs):
             self._until = None
             self._client.call("control", "hit", f"until {until}", _wire(until), wait=False)
             return
         for bp in self._breakpoints:
-            if bp.matches(layer, name, request_id):
+            if bp.matches(layer, name, request_id, attrs):
                 self._client.call("control", "hit", f"breakpoint {bp}", None, wait=False)
                 return

@@ -62,6 +62,7 @@ from engine.trace_names import (
     PROFILER,
     QUEUED,
     RESUMED,
+    ROUTING,
     SAMPLED,
     SAMPLER,
     SCHEDULE,
@@ -159,6 +160,10 @@ class TraceState:
     # verifies ("draft" proposed, "kept", "cut"); made at the end of the step before, kept while it is shown
     drafts_cut: dict = field(default_factory=dict)
     grammar_mask: dict | None = None  # this step's grammar bitmask: allowed tokens per request, vocab_size, fill_ns
+    # a mixture of experts: the latest step's routing (routing_step), per decoder layer its routing event
+    # (expert_counts, rank_counts, each request's tokens' topk_ids and topk_weights); replaced, never changed in place
+    routing: dict = field(default_factory=dict)
+    routing_step: int | None = None
     stats: dict = field(default_factory=dict)  # latest EngineStats
     num_blocks: int | None = None
     startup: list[dict] = field(default_factory=list)  # finished startup stages
@@ -722,6 +727,13 @@ def _grammar_compiled(s: TraceState, ev: Event) -> None:
     req.grammar, req.grammar_compile_s = a.get("kind"), a.get("compile_s")
 
 
+def _routing(s: TraceState, ev: Event) -> None:
+    a = _attrs(ev)
+    if ev.step != s.routing_step:
+        s.routing, s.routing_step = {}, ev.step
+    s.routing = {**s.routing, a.get("layer_idx"): a}
+
+
 def _grammar_bitmask(s: TraceState, ev: Event) -> None:
     _span(s, ev, "core", _attrs(ev).get("fill_ns") or 0)
     s.grammar_mask = _attrs(ev) | {"step": ev.step}
@@ -764,6 +776,7 @@ _HANDLERS = {
     (SCHEDULER, SCHEDULE): _schedule_span,
     (BLOCK_MANAGER, EVICT): _evict,
     (MODEL_RUNNER, BATCH): _batch,
+    (MODEL_RUNNER, ROUTING): _routing,
     (SAMPLER, SAMPLED): _sampled,
     (DETOKENIZER, NEW_TOKENS): _new_tokens,
     (STRUCTURED_OUTPUT, GRAMMAR_COMPILED): _grammar_compiled,

@@ -222,7 +222,8 @@ class Breakpoint(BaseModel):
 
 class ConditionBody(BaseModel):
     condition: Text = Field(description="arrive[:ID], finish[:ID], preempt[:ID], request:ID, layer:LAYER, "
-                                        "kernel:NAME or event:LAYER.NAME", examples=["finish"])
+                                        "kernel:NAME, event:LAYER.NAME or expert:LAYER:EXPERT",
+                            examples=["finish"])
 
 
 def _condition(text: str) -> Condition:

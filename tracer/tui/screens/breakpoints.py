@@ -10,8 +10,10 @@ from textual.widgets.option_list import Option
 
 from tracer.conditions import parse_condition
 
-SYNTAX = ("arrive[:ID]  finish[:ID]  preempt[:ID]  request:ID  layer:LAYER  kernel:NAME  event:LAYER.NAME\n"
-          "e.g. 'finish' (any request finishes), 'preempt', 'kernel:unified_attention', 'request:cmpl-3'")
+SYNTAX = ("arrive[:ID]  finish[:ID]  preempt[:ID]  request:ID  layer:LAYER  kernel:NAME  event:LAYER.NAME  "
+          "expert:LAYER:EXPERT\n"
+          "e.g. 'finish' (any request finishes), 'preempt', 'kernel:unified_attention', 'request:cmpl-3', "
+          "'expert:0:3' (a mixture of experts: layer 0's expert 3 receives tokens)")
 
 
 class BreakpointsScreen(ModalScreen):

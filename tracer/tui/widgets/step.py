@@ -23,6 +23,7 @@ from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import LinesView
 from tracer.tui.widgets.panel import Panel
 from tracer.tui.widgets.request_detail import block_size
+from tracer.tui.widgets.routing import RoutingView
 from tracer.tui.widgets.timeline import AsyncTimeline
 
 BUSY_HZ = 4  # redraws per second at most while the engine runs (every step when paused or stepping)
@@ -196,6 +197,7 @@ def flattened_inputs(frame: Frame) -> Group | Text:
 class StepPanel(Panel):
     def compose(self):
         yield AsyncTimeline(id="step-timeline")  # async scheduling only: the core's thread beside the forward pass
+        yield RoutingView(id="step-routing")  # a mixture of experts only: tokens per expert, per layer
         with Horizontal(id="step-columns"):
             yield LinesView(id="step-left")
             yield LinesView(id="step-right")
@@ -211,13 +213,14 @@ class StepPanel(Panel):
         s = frame.state
         received = tuple((w.get("execute_model") or {}).get("step") for w in s.workers)
         key = (s.step, s.phase, s.snapshot_step, s.batch is not None, frame.selected, len(s.requests), received,
-               s.timeline[-1:] and tuple(s.timeline[-1]), s.done_step)
+               s.timeline[-1:] and tuple(s.timeline[-1]), s.done_step, s.routing_step, len(s.routing))
         now = time.monotonic()
         if not force and (key == self._key or (not frame.controller.get("paused")
                                                and now - self._drawn_at < 1 / BUSY_HZ)):
             return  # (a skipped change is drawn by a later refresh: the key still differs then)
         self._key, self._drawn_at = key, now
         self.query_one(AsyncTimeline).show(frame)
+        self.query_one(RoutingView).show(frame)
         workers = workers_received(frame)
         left = (batch_table(frame), decisions(frame)) + ((Text(""), workers) if workers is not None else ())
         self.query_one("#step-left", LinesView).update(Group(*left))
