@@ -360,8 +360,9 @@ class ModelRunner:
                                        sampled_tokens=self._tensor(tokens), num_sampled=self._tensor(num_sampled),
                                        num_rejected=self._tensor(num_rejected), query_start_loc=batch.query_start_loc,
                                        all_token_ids=all_token_ids, total_len=total_len)
-        for name, tensor in (("token_ids", all_token_ids), ("num_tokens", total_len), ("num_computed_tokens", computed)):
-            buffers.write_back(getattr(states, name), tensor)
+        for array, tensor in zip((states.token_ids, states.num_tokens, states.num_computed_tokens),
+                                 (all_token_ids, total_len, computed)):
+            buffers.write_back(array, tensor)
 
     def _propose_draft_token_ids(self, sched: SchedulerOutput, batch: InputBatch, requests: list,
                                  result: ModelRunnerOutput) -> DraftTokenIds:
