@@ -53,6 +53,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # a mixture of experts, since the engine started: per MoE decoder layer, the tokens each expert received;
+    # and the expert-parallel ranks the experts are split over (rank r holds experts [r·E/N, (r+1)·E/N))
+    moe_expert_tokens: dict[int, list[int]] = field(default_factory=dict)
+    moe_ep_size: int = 1
 
 
 # ---- worker -> engine core (vLLM V1's ``v1/outputs.py``) -----------------------------------------
@@ -69,6 +73,9 @@ class ModelRunnerOutput:
     # request id -> (first position, [[[prompt token at position + 1, logprob, rank], [top id, logprob, rank],
     # ...], ...]) for requests that asked for prompt logprobs and computed prompt tokens this step
     prompt_logprobs_dict: dict[str, tuple[int, list]] = field(default_factory=dict)
+    # a mixture of experts (ours: vLLM's EPLB counts the same in its worker): per MoE decoder layer, the
+    # tokens each expert received this step
+    expert_load: dict[int, list[int]] | None = None
 
 
 @dataclass

@@ -123,6 +123,7 @@ class EngineCore:
         self._loaded = 0  # weight bytes last reported (see _load_progress)
         tp = config.parallel.tensor_parallel_size
         check_tp_size(self.model_config, tp)
+        self.ep_size = tp if config.parallel.enable_expert_parallel else 1  # ranks a mixture's experts are split over
         with self._stage("model_load", path=str(self.model_path), device=str(self.device),
                          attention_backend=self.attention_backend) as info:
             if self.device.type == "cpu" and tp == 1:  # (each worker places its own under tensor parallelism)
@@ -447,6 +448,8 @@ class EngineCore:
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
+            moe_expert_tokens={k: list(v) for k, v in self.scheduler.expert_load.num_tokens.items()},
+            moe_ep_size=self.ep_size,
         )
 
     def snapshot(self, sched: SchedulerOutput | None = None) -> dict:

@@ -64,6 +64,7 @@ class _Pending:
     logits: torch.Tensor
     prompt_logits: torch.Tensor | None
     spans: list[tuple[int, int, int]]
+    expert_load: dict[int, list[int]] | None = None  # a mixture of experts: tokens per expert, per MoE layer
 
 
 class ModelRunner:
@@ -150,14 +151,14 @@ class ModelRunner:
                         block_tables=batch.block_tables.tolist(), request_ids=batch.req_ids, rope=self.rope,
                         slots=batch.idx_mapping_np.tolist())
 
-    def _trace_routing(self, step: int, batch: InputBatch) -> None:
+    def _trace_routing(self, step: int, batch: InputBatch, load: dict[int, list[int]]) -> None:
         """One event per MoE layer: how many of the step's tokens each expert received (under
         expert parallelism also each rank's share, rank r holding experts [r·E/N, (r+1)·E/N)), and
         each request's tokens' experts (best first) and routing weights."""
         qsl = batch.query_start_loc_np.tolist()
         for layer_idx, moe in self.moe_layers:
             ids, weights = moe.last_topk_ids.tolist(), moe.last_topk_weights.tolist()
-            counts = torch.bincount(moe.last_topk_ids.flatten(), minlength=moe.num_experts).tolist()
+            counts = load[layer_idx]
             e = moe.local_num_experts
             self.hooks.emit(MODEL_RUNNER, ROUTING, step=step, layer_idx=layer_idx, num_experts=moe.num_experts,
                             top_k=moe.top_k, expert_counts=counts,
@@ -297,9 +298,15 @@ class ModelRunner:
         finally:
             if self._launches:
                 self._publish_launches()
+        load = self._expert_load() if self.moe_layers else None
         if self.hooks.active and self.moe_layers and self.rank == 0:  # the same routing on every rank
-            self._trace_routing(sched.step, batch)
-        self._pending = _Pending(sched, batch, inp, requests, logits, prompt_logits, spans)
+            self._trace_routing(sched.step, batch, load)
+        self._pending = _Pending(sched, batch, inp, requests, logits, prompt_logits, spans, load)
+
+    def _expert_load(self) -> dict[int, list[int]]:
+        """Per MoE layer, the tokens each expert received in the forward pass just run."""
+        return {layer_idx: torch.bincount(moe.last_topk_ids.flatten(), minlength=moe.num_experts).tolist()
+                for layer_idx, moe in self.moe_layers}
 
     @torch.inference_mode()
     def _sample_step(self, p: _Pending, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
@@ -314,6 +321,7 @@ class ModelRunner:
         kept = self._verify(logits, drafts, requests, out.token_ids) if last_rows is not None else None
         spec_lps = spec_logprobs(logits, drafts, requests, kept) if kept is not None else None
         result = self._postprocess(batch, requests, out, kept, spec_lps)
+        result.expert_load = p.expert_load
         if self._launches:  # the sampler's (a grammar's mask, a verification, post_update; every op while profiling)
             self._publish_launches()
         if self.hooks.active:

@@ -76,6 +76,7 @@ class Scheduler:
         self.num_scheduled_steps = 0  # ahead of step_count while a step is in flight (async scheduling)
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
+        self.expert_load = ExpertLoadStats()  # a mixture of experts: tokens per expert, per layer
         self.finished_req_ids: set[str] = set()  # handed to the next SchedulerOutput
         self.structured_output_manager = structured_output_manager  # grammars: compiles, bitmasks, matchers
         # slots past a request's scheduled tokens, for a draft model's proposals (V1's num_lookahead_tokens)
@@ -371,6 +372,8 @@ class Scheduler:
                     out = self._update_request(req, scheduler_output, model_runner_output, now)
                     if out is not None:
                         outputs.append(out)
+            if model_runner_output.expert_load:
+                self.expert_load.observe(model_runner_output.expert_load)
         self.step_count += 1
         return EngineCoreOutputs(outputs=outputs)
 
@@ -487,6 +490,20 @@ class SpecDecodingStats:
         per_pos += [0] * (num_draft_tokens - len(per_pos))
         for j in range(num_accepted):
             per_pos[j] += 1
+
+
+class ExpertLoadStats:
+    """A mixture of experts' load since the engine started: per MoE decoder layer, the tokens each
+    expert received (the per-expert load metrics vLLM users ask for; its EPLB keeps the same counts)."""
+
+    def __init__(self):
+        self.num_tokens: dict[int, list[int]] = {}
+
+    def observe(self, expert_load: dict[int, list[int]]) -> None:
+        for layer_idx, counts in expert_load.items():
+            total = self.num_tokens.setdefault(int(layer_idx), [0] * len(counts))
+            for e, n in enumerate(counts):
+                total[e] += n
 
 
 def _priority(req: Request) -> tuple[int, float]:

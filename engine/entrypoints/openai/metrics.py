@@ -7,11 +7,15 @@ that produced its first token. Gauges are read from the engine's latest publishe
 scrape time, so a request queued while the engine is paused shows in
 ``vllm:num_requests_waiting`` at once. Each app has its own registry (tests build several).
 
-One counter is ours, not vLLM's, and named so: ``vllm_trace:request_abort_total``, the requests
+Three counters are ours, not vLLM's, and named so. ``vllm_trace:request_abort_total``: the requests
 aborted (a client that went away, an explicit abort). vLLM counts no such thing: its
 ``OutputProcessor.abort_requests`` (``vllm/v1/engine/output_processor.py``) drops an aborted
 request's state without recording its stats, so ``vllm:request_success_total`` does not move
-for it; neither does ours.
+for it; neither does ours. For a mixture of experts, ``vllm_trace:moe_expert_tokens_total``
+(labels ``layer``, ``expert``): the tokens routed to each expert of each MoE decoder layer, and
+``vllm_trace:moe_ep_rank_tokens_total`` (label ``rank``): under expert parallelism, those computed
+by each rank's experts, all layers together. vLLM exports no expert load (its EPLB keeps the
+counts inside the workers).
 """
 from __future__ import annotations
 
@@ -76,6 +80,12 @@ class ServerMetrics:
                                      "Speculative draft tokens accepted.").labels(*ids)
         self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted draft tokens, by position in the draft.", [*m, "position"])
+        self.expert_tokens = counter("vllm_trace:moe_expert_tokens",
+                                     "Tokens routed to each expert, per MoE decoder layer (ours).",
+                                     [*m, "layer", "expert"])
+        self.rank_tokens = counter("vllm_trace:moe_ep_rank_tokens",
+                                   "Tokens computed by each expert-parallel rank's experts, all MoE layers (ours).",
+                                   [*m, "rank"])
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_BUCKETS)
         self.model_name = model_name
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens so far, last token time)
@@ -119,6 +129,8 @@ class ServerMetrics:
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
         if stats.spec_num_drafts != last.spec_num_drafts:
             self._spec(stats, last)
+        if stats.moe_expert_tokens != last.moe_expert_tokens:
+            self._expert_load(stats, last)
 
     def _spec(self, stats: EngineStats, last: EngineStats) -> None:
         self.spec_drafts.inc(stats.spec_num_drafts - last.spec_num_drafts)
@@ -128,6 +140,16 @@ class ServerMetrics:
         for pos, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
             gained = n - (before[pos] if pos < len(before) else 0)
             self.spec_accepted_per_pos.labels(self.model_name, ENGINE_INDEX, str(pos)).inc(gained)
+
+    def _expert_load(self, stats: EngineStats, last: EngineStats) -> None:
+        ranks = stats.moe_ep_size
+        for layer_idx, counts in stats.moe_expert_tokens.items():
+            before = last.moe_expert_tokens.get(layer_idx) or [0] * len(counts)
+            per_rank = max(1, len(counts) // ranks)
+            for e, (n, b) in enumerate(zip(counts, before)):
+                if n > b:
+                    self.expert_tokens.labels(self.model_name, ENGINE_INDEX, str(layer_idx), str(e)).inc(n - b)
+                    self.rank_tokens.labels(self.model_name, ENGINE_INDEX, str(e // per_rank)).inc(n - b)
 
     def render(self) -> bytes:
         stats = self.engine.stats
