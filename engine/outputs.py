@@ -53,9 +53,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    # a mixture of experts, since the engine started: per MoE decoder layer, the tokens each expert received;
-    # and the expert-parallel ranks the experts are split over (rank r holds experts [r·E/N, (r+1)·E/N))
-    moe_expert_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # a mixture of experts, since the engine started: per MoE decoder layer (its index, as a string: plain JSON
+    # in every snapshot), the tokens each expert received; and the expert-parallel ranks the experts are split
+    # over (rank r holds experts [r·E/N, (r+1)·E/N))
+    moe_expert_tokens: dict[str, list[int]] = field(default_factory=dict)
     moe_ep_size: int = 1
 
 

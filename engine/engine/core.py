@@ -448,7 +448,7 @@ class EngineCore:
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
-            moe_expert_tokens={k: list(v) for k, v in self.scheduler.expert_load.num_tokens.items()},
+            moe_expert_tokens={str(k): list(v) for k, v in self.scheduler.expert_load.num_tokens.items()},
             moe_ep_size=self.ep_size,
         )
 

@@ -269,7 +269,7 @@ def test_expert_parallel_equals_transformers_with_disjoint_experts(qwen3_moe):
     load: dict[int, list[int]] = {}  # the engine's expert load equals the routing events' counts, summed
     for a in (e[5] for e in events if (e[0], e[1]) == (MODEL_RUNNER, ROUTING)):
         load[a["layer_idx"]] = [x + y for x, y in zip(load.get(a["layer_idx"], [0] * e), a["expert_counts"])]
-    assert stats.moe_expert_tokens == load and stats.moe_ep_size == 2
+    assert stats.moe_expert_tokens == {str(k): v for k, v in load.items()} and stats.moe_ep_size == 2
     exchanges = [(e[1], e[5]["meta"]["site"]) for e in events if e[0] == KERNEL and e[5]["meta"].get("site")
                  == "mlp.experts"]
     assert {name for name, _ in exchanges} == {"all_gather", "reduce_scatter"}  # dispatch; combine

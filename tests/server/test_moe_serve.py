@@ -56,7 +56,7 @@ def test_expert_parallel_ranks_count_their_own_experts():
         stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0)
 
     metrics = ServerMetrics(Engine(), "moe")
-    load = {0: [3, 0, 1, 2], 2: [0, 4, 1, 1]}
+    load = {"0": [3, 0, 1, 2], "2": [0, 4, 1, 1]}
     metrics.on_step([], EngineStats(1, 0, 0, 0, 0, 0, 0, 0, 0.0, moe_expert_tokens=load, moe_ep_size=2), [])
     text = metrics.render().decode()
     assert _series(text, "vllm_trace:moe_ep_rank_tokens_total", "rank") == {("0",): 3 + 4, ("1",): 3 + 2}
