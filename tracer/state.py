@@ -104,6 +104,9 @@ class RequestView:
     num_output_tokens: int = 0
     text: str = ""  # generated text so far
     block_table: list[int] = field(default_factory=list)
+    # a hybrid model (sliding-window and full-attention layers): one table per KV-cache group, the null
+    # block (0) where a window has passed; empty for one group (block_table is its table)
+    kv_block_tables: list[list[int]] = field(default_factory=list)
     finish_reason: str | None = None
     preempt_reason: str | None = None
     waiting_reason: str | None = None  # why the scheduler did not admit it this step
@@ -133,8 +136,8 @@ class RequestView:
 
     def copy(self) -> "RequestView":
         c = copy.copy(self)
-        for name in ("prompt_token_ids", "prompt_pieces", "output_token_ids", "block_table", "layers",
-                     "cache_hit_blocks", "spec_history", "num_allowed", "grammar_pieces"):
+        for name in ("prompt_token_ids", "prompt_pieces", "output_token_ids", "block_table", "kv_block_tables",
+                     "layers", "cache_hit_blocks", "spec_history", "num_allowed", "grammar_pieces"):
             setattr(c, name, list(getattr(self, name)))
         c.timeline = [dict(t) for t in self.timeline]  # fold extends the last decode entry in place
         return c
@@ -588,10 +591,13 @@ def _block_manager(s: TraceState, ev: Event) -> None:
     req = s.request(ev.request_id)
     if ev.name in (ALLOCATE, FREE_WINDOW):  # (a sliding window's passed blocks: the null block in their place)
         req.block_table = list(a.get("block_table", req.block_table))
+        req.kv_block_tables = [list(t) for t in a.get("kv_block_tables", req.kv_block_tables)]
         s.cached_free.difference_update(req.block_table)  # new blocks, and prefix hits taken back
+        for table in req.kv_block_tables[1:]:
+            s.cached_free.difference_update(table)
     elif ev.name == FREE:
         _freed(s, req, a.get("block_ids", ()))
-        req.block_table = []
+        req.block_table, req.kv_block_tables = [], []
     elif ev.name == CACHE_HIT:
         req.num_cached_tokens = a.get("hit_tokens", 0)
         req.cache_hit_blocks = list(a.get("block_ids", ()))  # found; taken only if it is admitted
@@ -610,7 +616,8 @@ def _freed(s: TraceState, req: RequestView, freed) -> None:
     if not cfg.get("enable_prefix_caching", True) or not cfg.get("block_size"):
         return
     written = req.num_tokens if s.phase == "postprocess" else req.num_computed_tokens
-    hashed = {b for i, b in enumerate(req.block_table) if (i + 1) * cfg["block_size"] <= written}
+    hashed = {b for table in [req.block_table, *req.kv_block_tables[1:]] for i, b in enumerate(table)
+              if (i + 1) * cfg["block_size"] <= written}
     hashed.update(req.cache_hit_blocks)  # hits are cached blocks by definition
     s.cached_free.update(b for b in freed if b in hashed)
 
@@ -653,6 +660,16 @@ def worker(s: TraceState, rank: int) -> dict:
     while len(s.workers) <= rank:
         s.workers.append({"rank": len(s.workers)})
     return s.workers[rank]
+
+
+def hybrid_cache(s: TraceState) -> dict:
+    """A hybrid model's KV-cache groups (layers, sliding window) and how many requests of max_model_len
+    tokens fit, against full attention everywhere: the engine's kv_cache_alloc says it ({} for one group)."""
+    for st in reversed(s.startup):
+        if st["stage"] == "kv_cache_alloc" and st.get("kv_cache_groups"):
+            return {k: st.get(k) for k in ("kv_cache_groups", "blocks_per_request", "requests_at_max_len",
+                                          "requests_at_max_len_full_attention")}
+    return {}
 
 
 def kv_shards(s: TraceState) -> list[dict]:

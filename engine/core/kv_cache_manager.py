@@ -163,11 +163,12 @@ class KVCacheManager:
                         query_tokens=request.num_tokens, **extra)
 
     def _trace_allocate(self, request: Request, new: KVCacheBlocks) -> None:
-        extra = {} if len(new) == 1 else {"kv_cache_groups": [list(b) for b in request.kv_block_ids]}
+        extra = {} if len(new) == 1 else {"kv_block_tables": [list(b) for b in request.kv_block_ids]}  # per group
         self.hooks.emit(BLOCK_MANAGER, ALLOCATE, request_id=request.request_id, step=self.step,
                         block_ids=[b for group in new for b in group], block_table=list(request.block_ids), **extra)
 
     def _trace_window(self, request: Request, passed: KVCacheBlocks) -> None:
         self.hooks.emit(BLOCK_MANAGER, FREE_WINDOW, request_id=request.request_id, step=self.step,
                         block_ids=[b for group in passed for b in group], block_table=list(request.block_ids),
-                        kv_cache_groups=[list(b) for b in passed], num_computed_tokens=request.num_computed_tokens)
+                        kv_block_tables=[list(b) for b in request.kv_block_ids], passed=[list(b) for b in passed],
+                        num_computed_tokens=request.num_computed_tokens)

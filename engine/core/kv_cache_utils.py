@@ -33,6 +33,23 @@ def kv_cache_groups_of(model: ModelArchConfig, block_size: int) -> list[KVCacheG
                                 for w in windows])
 
 
+def hybrid_capacity(groups: list[KVCacheGroupSpec], num_blocks: int, max_model_len: int) -> dict:
+    """For a hybrid model (more than one KV-cache group): each group's layers and window, and how many
+    requests of max_model_len tokens the cache holds at once, against the same memory with full attention
+    on every layer (one group of all the layers: blocks as many times larger as there are groups, and a
+    full table each). {} for one group."""
+    if len(groups) < 2:
+        return {}
+    block_size = groups[0].kv_cache_spec.block_size
+    full = -(-max_model_len // block_size)
+    per_request = sum(g.kv_cache_spec.max_memory_blocks(max_model_len) if g.kv_cache_spec.sliding_window else full
+                      for g in groups)
+    return {"kv_cache_groups": [{"layers": g.layer_ids, "sliding_window": g.kv_cache_spec.sliding_window}
+                                for g in groups],
+            "blocks_per_request": per_request, "requests_at_max_len": num_blocks // per_request,
+            "requests_at_max_len_full_attention": num_blocks // (len(groups) * full)}
+
+
 def bytes_per_block(model: ModelArchConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
     """K and V, one block, all the layers that share it (on one rank: its num_kv_heads / tp_size KV
     heads): every layer for a dense model, one group's for a hybrid one."""

@@ -32,7 +32,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_cache_utils import kv_cache_groups_of
+from engine.core.kv_cache_utils import hybrid_capacity, kv_cache_groups_of
 from engine.core.sched.async_scheduler import AsyncScheduler
 from engine.core.sched.output import SchedulerOutput, diff_summary
 from engine.core.sched.scheduler import Scheduler
@@ -135,6 +135,8 @@ class EngineCore:
             num_blocks, why = self.model_executor.determine_num_blocks()
             info |= self.model_executor.initialize_kv_cache(num_blocks)
             info["reason"] = why
+            info |= hybrid_capacity(kv_cache_groups_of(self.model_config, cc.block_size), num_blocks,
+                                    self.max_model_len)
 
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks,
                                                kv_cache_groups_of(self.model_config, cc.block_size))

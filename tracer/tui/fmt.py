@@ -140,3 +140,12 @@ def shard_details(stage: str, info: dict) -> str:
                 f"{fmt_span(info.get('vocab'))}" + (f" · {info['threads']}" if info.get("threads") else ""))
     return (f"{info.get('num_blocks')} blocks × {fmt_bytes(info.get('bytes_per_block'))} = "
             f"{fmt_bytes(info.get('bytes'))} · heads {fmt_span(info.get('heads'))}")
+
+
+def hybrid_text(h: dict) -> str:
+    """A hybrid model's groups, and the requests of max_model_len tokens that fit, against full attention."""
+    groups = ", ".join((f"sliding window {g['sliding_window']}" if g.get("sliding_window") else "full attention")
+                       + f" (layers {' '.join(map(str, g.get('layers') or []))})" for g in h["kv_cache_groups"])
+    return (f"{len(h['kv_cache_groups'])} KV-cache groups: {groups}; {h['requests_at_max_len']} requests of "
+            f"max_model_len fit at once ({h['blocks_per_request']} blocks each), "
+            f"{h['requests_at_max_len_full_attention']} with full attention on every layer")

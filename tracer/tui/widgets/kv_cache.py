@@ -13,6 +13,10 @@ With tensor parallelism each rank's worker holds its own shard: the KV of its at
 for every block. The block ids (and the block tables) are the same on every rank, so one
 grid stands for all of them; the summary adds a line per rank with its heads and bytes.
 
+A hybrid model (sliding-window and full-attention layers: Mistral, Gemma 3) has a block table per
+KV-cache group in one pool: every group's blocks are drawn, and the summary names the groups and how
+many requests of max_model_len fit at once against full attention on every layer.
+
 With grouped-query attention (Llama, Qwen3) the summary says how many query heads share each
 KV head and what a block costs: only KV heads are cached, so a block is smaller by that factor.
 """
@@ -24,8 +28,8 @@ from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
 
-from tracer.state import kv_shards
-from tracer.tui.fmt import fmt_bytes, sparkline
+from tracer.state import hybrid_cache, kv_shards
+from tracer.tui.fmt import fmt_bytes, hybrid_text, sparkline
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import FixedText, LinesView
 from tracer.tui.widgets.panel import Panel
@@ -39,8 +43,10 @@ def block_owners(frame: Frame) -> dict[int, list[str]]:
     owners: dict[int, list[str]] = {}
     for rid, r in s.requests.items():
         if r.block_table and not r.status.startswith("FINISHED"):
-            for b in r.block_table:
-                owners.setdefault(b, []).append(rid)
+            for table in [r.block_table, *r.kv_block_tables[1:]]:  # a hybrid model: every group's blocks
+                for b in table:
+                    if b:  # (0: the null block, where a sliding window has passed)
+                        owners.setdefault(b, []).append(rid)
     return owners
 
 
@@ -143,7 +149,10 @@ class KVCachePanel(Panel):
         usage = used / total if total else 0.0
         bar_w = max(10, min(40, width - 56))
         filled = round(usage * bar_w)
-        shards = gqa_line(s.startup) + shard_lines(kv_shards(s))
+        hybrid = hybrid_cache(s)
+        shards = gqa_line(s.startup) + shard_lines(kv_shards(s)) + (
+            "\nhybrid: " + hybrid_text(hybrid) + "; sliding-window blocks go back to the pool as the window passes"
+            if hybrid else "")
         grid_rows = max(4, (self.size.height or 20) - 5 - shards.count("\n"))
         k = blocks_per_cell(total, width, grid_rows) if total else 1
         legend = ("\n█ owned  ▓ shared prefix  ░ cached, free  · free" if k == 1 else

@@ -7,7 +7,7 @@ import time
 from rich.console import Group
 from rich.text import Text
 
-from tracer.state import RequestView
+from tracer.state import RequestView, hybrid_cache
 from tracer.tui.fmt import fmt_age, status_text
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.lines import LinesView
@@ -107,6 +107,26 @@ def block_table(r: RequestView, bs: int | None) -> Text:
     return t
 
 
+def group_tables(frame: Frame, r: RequestView) -> Text:
+    """A hybrid model: the request's table in each KV-cache group, ∅ (the null block) where its window passed."""
+    groups = hybrid_cache(frame.state).get("kv_cache_groups") or []
+    t = Text()
+    for g, table in enumerate(r.kv_block_tables):
+        spec = groups[g] if g < len(groups) else {}
+        window = spec.get("sliding_window")
+        t.append(f"\ngroup {g} ", "bold")
+        t.append((f"sliding window {window}" if window else "full attention")
+                 + (f", layers {' '.join(map(str, spec.get('layers') or []))}: " if spec else ": "), "dim")
+        for logical, physical in enumerate(table):
+            t.append(f"{logical}→", "dim" if not physical else "")
+            t.append("∅" if not physical else str(physical), "dim" if not physical else "")
+            t.append(" ")
+        passed = sum(1 for b in table if not b)
+        if passed:
+            t.append(f" ({passed} passed by the window: back in the pool)", "yellow")
+    return t
+
+
 STREAM_HZ = 4  # redraws per second while the shown request only streams tokens
 
 
@@ -128,6 +148,7 @@ class RequestDetail(LinesView):
         r = frame.state.requests.get(rid) if rid else None
         key = (rid, None if r is None else (r.status, r.num_tokens, r.num_computed_tokens, len(r.timeline),
                                             tuple(r.block_table), len(r.prompt_pieces), r.waiting_reason, r.worker_slot,
+                                            tuple(map(tuple, r.kv_block_tables)),
                                             bool(frame.controller.get("paused"))))
         if key == self._key:
             return
@@ -175,5 +196,7 @@ class RequestDetail(LinesView):
                   if r.grammar else ()),
                 Text("\ntimeline", "bold"), timeline_table(r),
                 Text("\nblock table (logical → physical)", "bold"), block_table(r, block_size(frame)),
+                *((Text("\nper KV-cache group (a hybrid model)", "bold"), group_tables(frame, r))
+                  if r.kv_block_tables else ()),
                 Text("\nprefix cache", "bold"), Text(hits, "cyan" if r.num_cached_tokens else "dim"))),
         ])

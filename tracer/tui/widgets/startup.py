@@ -15,7 +15,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import ProgressBar, Static
 
 from tracer.defaults import sample_body
-from tracer.tui.fmt import fmt_bytes, shard_details, speculation, stage_label
+from tracer.tui.fmt import fmt_bytes, hybrid_text, shard_details, speculation, stage_label
 from tracer.tui.frame import Frame
 from tracer.tui.widgets.panel import Panel
 
@@ -30,6 +30,8 @@ def stage_details(stage: dict) -> str:
         per_block = fmt_bytes(stage.get("bytes_per_block"))
         text = (f"{stage['num_blocks']} blocks × {stage['block_size']} tokens × {per_block}"
                 f" = {fmt_bytes(stage.get('bytes'))}")
+        if stage.get("kv_cache_groups"):  # a hybrid model: sliding-window groups recycle their blocks
+            text += "; " + hybrid_text(stage)
         if stage.get("draft_bytes"):  # speculative decoding with a draft model: the same budget, fewer blocks
             text += (f", + {fmt_bytes(stage['draft_bytes'])} for the draft model's cache: each block also holds "
                      "the draft's keys and values, so the same memory holds fewer blocks")
