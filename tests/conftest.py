@@ -1,3 +1,4 @@
+import gc
 import os
 
 # OpenMP's threads sleep between parallel regions instead of spinning (set before torch loads libgomp;
@@ -35,3 +36,16 @@ def _model_cache(tmp_path_factory):
     if "VLLM_TRACE_CACHE" not in os.environ:
         os.environ["VLLM_TRACE_CACHE"] = str(tmp_path_factory.mktemp("vllm-trace-cache"))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _free_engines_dropped_without_shutdown():
+    """LLM() freezes the heap once its engine is up, as vLLM's EngineCore does, and gc.freeze keeps
+    frozen cycles forever: an LLM a test drops without shutdown() would keep its model and KV cache
+    (256 MiB by default on a CPU) for the rest of the session. The suite's process grew past 11 GiB
+    that way and was killed for memory. After a test that froze the heap, thaw it and collect (a
+    tenth of a second, only after tests that started an engine)."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()

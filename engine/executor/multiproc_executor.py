@@ -115,6 +115,9 @@ class Executor:
         """fn(*args) on the executor thread, after every call submitted before it."""
         if self._thread is None:
             self._thread = ExecutorThread()
+            # an executor no one holds (an LLM dropped without shutdown()) ends its thread: the thread
+            # holds nothing of it between calls, so its model and KV cache go with it
+            weakref.finalize(self, self._thread.close)
         return self._thread.submit(fn, *args)
 
     def _stop_thread(self) -> None:
@@ -136,6 +139,10 @@ class ExecutorThread:
         self._calls.put((fut, fn, args))
         return fut
 
+    def close(self) -> None:
+        """End the thread after the calls submitted so far, without waiting for it."""
+        self._calls.put(None)
+
     def stop(self, timeout: float = 30.0) -> None:
         """End the thread after the calls submitted so far, and wait for it: a process that exits
         while the thread is inside a torch op is aborted ("terminate called ...")."""
@@ -151,6 +158,9 @@ class ExecutorThread:
                     fut.set_result(fn(*args))
                 except BaseException as e:  # the caller's result() raises it
                     fut.set_exception(e)
+            # waiting for the next call, hold nothing of this one: a bound method would keep its executor,
+            # model and KV cache alive (256 MiB and more per LLM dropped without shutdown())
+            del call, fut, fn, args
 
 
 class UniProcExecutor(Executor):
