@@ -67,8 +67,45 @@ class Live:
             await pilot.pause()
 
 
+class SpareCore:
+    """One engine-core process spawned ahead of need: it imports torch and the engine, then waits for
+    its arguments on stdin (``spawn_core_process``, as ``serve`` starts it early). Each "mp" engine
+    takes the spare spawned during the test before it and spawns the next, so a core's ~3 s of
+    imports (10 s and more on two busy cores) overlap a test instead of being waited for. Every
+    engine is still a fresh process: these tests count steps and requests from a fresh start."""
+
+    def __init__(self):
+        self.proc = None
+
+    def take(self, spawn_next: bool):
+        from engine.engine.core_client import spawn_core_process
+
+        proc = self.proc if self.proc is not None and self.proc.poll() is None else spawn_core_process()
+        self.proc = spawn_core_process() if spawn_next else None
+        return proc
+
+    def close(self):
+        if self.proc is not None:  # it exits at the end of its stdin, before any engine is built
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def spare_core():
+    spare = SpareCore()
+    yield spare
+    spare.close()
+
+
+def _mp_later(request) -> bool:
+    """Whether a test after this one in the session runs the "mp" engine (a spare is spawned only for it)."""
+    items = request.session.items
+    later = items[items.index(request.node) + 1:]
+    return any("spare_core" in item.fixturenames and item.callspec.params.get("live") == "mp" for item in later)
+
+
 @pytest.fixture(params=["inproc", "mp"])
-def live(model_cache, request):
+def live(model_cache, spare_core, request):
     """A held engine and a TUI on it: the engine on a thread here ("inproc"), or the engine core
     in its own process ("mp", as `serve` runs it), stepped through the remote controller."""
     hooks = Hooks()
@@ -78,7 +115,8 @@ def live(model_cache, request):
     if mp:
         from engine.arg_utils import engine_config
         config = engine_config("tiny-gpt2-random", block_size=4, num_kv_blocks=64)
-        engine = AsyncLLM(config, hooks, drain_timeout=0, core_options=session.core_options()).start()
+        engine = AsyncLLM(config, hooks, drain_timeout=0, core_options=session.core_options(),
+                          core_proc=spare_core.take(_mp_later(request))).start()
         session.bind(engine)
     else:
         llm = LLM("tiny-gpt2-random", hooks=hooks, block_size=4, num_kv_blocks=64)
