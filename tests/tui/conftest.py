@@ -105,29 +105,61 @@ def _mp_later(request) -> bool:
     return any("spare_core" in item.fixturenames and item.callspec.params.get("live") == "mp" for item in later)
 
 
-@pytest.fixture(params=["inproc", "mp"])
-def live(model_cache, spare_core, request):
-    """A held engine and a TUI on it: the engine on a thread here ("inproc"), or the engine core
-    in its own process ("mp", as `serve` runs it), stepped through the remote controller."""
+def _held_engine(mode: str, core_proc=None):
+    """A TraceSession holding a fresh engine from the start, and the AsyncLLM on it: the engine on a
+    thread here ("inproc"), or the engine core in its own process ("mp", as `serve` runs it), stepped
+    through the remote controller."""
     hooks = Hooks()
     # the byte-level random model: these tests count prompt tokens as bytes
-    mp = request.param == "mp"
+    mp = mode == "mp"
     session = TraceSession(hooks, start_paused=True, model="tiny-gpt2-random", remote_control=mp)
     if mp:
         from engine.arg_utils import engine_config
         config = engine_config("tiny-gpt2-random", block_size=4, num_kv_blocks=64)
         engine = AsyncLLM(config, hooks, drain_timeout=0, core_options=session.core_options(),
-                          core_proc=spare_core.take(_mp_later(request))).start()
+                          core_proc=core_proc).start()
         session.bind(engine)
     else:
         llm = LLM("tiny-gpt2-random", hooks=hooks, block_size=4, num_kv_blocks=64)
         engine = AsyncLLM.from_engine_core(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
+    return session, engine
+
+
+def _live(session, engine) -> Live:
     source = LiveSource(session, SourceInfo("live", "tiny-gpt2-random", "cpu", "torch"), engine)
-    yield Live(session, engine, source, TraceApp(source, initial_pane="requests"))
+    return Live(session, engine, source, TraceApp(source, initial_pane="requests"))
+
+
+@pytest.fixture(params=["inproc", "mp"])
+def live(model_cache, spare_core, request):
+    """A held engine of its own and a TUI on it (see _held_engine)."""
+    core_proc = spare_core.take(_mp_later(request)) if request.param == "mp" else None
+    session, engine = _held_engine(request.param, core_proc)
+    yield _live(session, engine)
     session.close()
     engine.stop(drain_timeout=0)
 
 
+@pytest.fixture(scope="module", params=["inproc", "mp"])
+def _idle_engine(model_cache, request):
+    session, engine = _held_engine(request.param)
+    yield session, engine
+    session.close()
+    engine.stop(drain_timeout=0)
+
+
+@pytest.fixture
+def idle_live(_idle_engine):
+    """A fresh TUI on an engine shared by a module's tests that never step it, send it a request or
+    set a breakpoint (keys, help, panels, quitting): one that did would leave its steps, requests or
+    breakpoints to the next test. Each test starts from a held, empty engine, as checked here."""
+    session, engine = _idle_engine
+    live = _live(session, engine)
+    state = live.source.refresh()
+    assert state.step is None and not state.waiting and not state.running and not state.finished
+    status = live.controller.status()
+    assert live.controller.breakpoints == () and (status["paused"] or status["pause_requested"]), status
+    yield live
 @pytest.fixture(scope="session")
 def recorded_trace(model_cache, tmp_path_factory):
     from tests.tui.recorded import record
