@@ -298,6 +298,8 @@ class EngineCoreProc:
 if __name__ == "__main__":
     import pickle
 
+    import engine.engine.core  # noqa: F401  torch and the engine now, while the front end starts (spawned early)
+
     try:
         core_args = pickle.load(sys.stdin.buffer)  # spawned early: this waits while the front end starts
     except EOFError:  # the front end stopped (a bad flag, Ctrl-C) before it sent our arguments

@@ -24,6 +24,10 @@ from tests.engine.test_hf_equivalence import _prompts
 MAX_NEW = 16
 WINDOW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+# Room for every request at once (12 requests of up to 63 tokens: at most 16 blocks of 4 per group, four
+# groups in Gemma 3): no preemption, as with the default 256 MiB cache, which holds ~100,000 blocks of these
+# tiny models and costs each engine seconds to build its block pool and to free it again.
+ROOMY = 1024
 COMMON = dict(vocab_size=257, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=256, eos_token_id=256,
               initializer_range=0.25, sliding_window=WINDOW, tie_word_embeddings=False)
@@ -89,7 +93,8 @@ HYBRID = ["ministral", "gemma3"]
 def test_torch_backend_equals_transformers(arch, request):
     path = request.getfixturevalue(arch)
     prompts = _prompts(n=12)  # up to 47 tokens, + 16 generated: far past the 12-token window
-    got, _ = _generate(path, prompts, block_size=4)
+    got, stats = _generate(path, prompts, block_size=4, num_kv_blocks=ROOMY)
+    assert stats.num_preemptions == 0
     assert_greedy_equal(got, path, prompts, MAX_NEW)
 
 
@@ -106,13 +111,16 @@ def test_preemption_equals_transformers(arch, num_kv_blocks, request):
 def test_chunked_prefill_equals_transformers(arch, request):
     path = request.getfixturevalue(arch)
     prompts = _prompts(n=12)
-    got, _ = _generate(path, prompts, block_size=4, max_num_batched_tokens=10)
+    got, stats = _generate(path, prompts, block_size=4, max_num_batched_tokens=10, num_kv_blocks=ROOMY)
+    assert stats.num_preemptions == 0
     assert_greedy_equal(got, path, prompts, MAX_NEW)
 
 
 def test_async_scheduling_hybrid_equals_transformers(ministral):
     prompts = _prompts(n=8)  # a step in flight still reads its window: blocks go back a step later
-    got, _ = _generate(ministral, prompts, block_size=4, max_num_batched_tokens=10, async_scheduling=True)
+    got, stats = _generate(ministral, prompts, block_size=4, max_num_batched_tokens=10, async_scheduling=True,
+                           num_kv_blocks=ROOMY)
+    assert stats.num_preemptions == 0
     assert_greedy_equal(got, ministral, prompts, MAX_NEW)
 
 
@@ -120,8 +128,9 @@ def test_async_scheduling_hybrid_equals_transformers(ministral):
 def test_prefix_caching_equals_transformers(arch, request):
     path = request.getfixturevalue(arch)
     prompts = _prompts(shared_prefix=30, n=8, seed=3)
-    got, stats = _generate(path, prompts, block_size=4, enable_prefix_caching=True, max_num_seqs=2)
-    assert stats.prefix_cache_hits > 0
+    got, stats = _generate(path, prompts, block_size=4, enable_prefix_caching=True, max_num_seqs=2,
+                           num_kv_blocks=ROOMY)
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions == 0
     assert_greedy_equal(got, path, prompts, MAX_NEW)
 
 
@@ -146,7 +155,7 @@ def test_tensor_parallel_hybrid_equals_transformers(arch, num_kv_blocks, request
 def test_core_process_hybrid_equals_transformers(arch, request):
     path = request.getfixturevalue(arch)
     prompts = _prompts(n=8)
-    got, _ = _generate(path, prompts, block_size=4, multiprocess=True)
+    got, _ = _generate(path, prompts, block_size=4, multiprocess=True, num_kv_blocks=ROOMY)
     assert_greedy_equal(got, path, prompts, MAX_NEW)
 
 

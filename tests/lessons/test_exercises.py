@@ -56,12 +56,19 @@ def test_stub_fails_cleanly_solution_passes_wrong_fails(info, tmp_path):
     assert rc == 1 and "check failed" in out and claim in out, out
 
 
-def test_cli_start_then_check_the_stub_and_bad_input(tmp_path):
-    def run(*a):
-        return subprocess.run([sys.executable, "-m", "tracer.cli", "exercise", *a],
-                              capture_output=True, text=True, cwd=tmp_path)
+def test_cli_start_then_check_the_stub_and_bad_input(tmp_path, monkeypatch, capsys):
+    from tracer.cli import main
 
-    r = run("1", "--start")
+    def run(*a):
+        """`vllm-trace exercise ARGS` through the CLI's main here: each new interpreter costs seconds of
+        imports (the one subprocess below covers the real entry point); a traceback would fail the test."""
+        code = main(["exercise", *a])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(a, code, out, err)
+
+    monkeypatch.chdir(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "tracer.cli", "exercise", "1", "--start"],
+                       capture_output=True, text=True, cwd=tmp_path)
     stub = tmp_path / "exercise_01_slot_mapping.py"
     assert r.returncode == 0 and stub.is_file()
     r = run("1", "--start")

@@ -67,28 +67,99 @@ class Live:
             await pilot.pause()
 
 
-@pytest.fixture(params=["inproc", "mp"])
-def live(model_cache, request):
-    """A held engine and a TUI on it: the engine on a thread here ("inproc"), or the engine core
-    in its own process ("mp", as `serve` runs it), stepped through the remote controller."""
+class SpareCore:
+    """One engine-core process spawned ahead of need: it imports torch and the engine, then waits for
+    its arguments on stdin (``spawn_core_process``, as ``serve`` starts it early). Each "mp" engine
+    takes the spare spawned during the test before it and spawns the next, so a core's imports overlap
+    a test instead of being waited for (measured on two busy cores: an mp engine up in 0.7-2.8 s from a
+    spare, 5.5-8.7 s from nothing). Every engine is still a fresh process: these tests count steps,
+    requests, breakpoints and trace events from a fresh start, which one shared core would not give."""
+
+    def __init__(self):
+        self.proc = None
+
+    def take(self, spawn_next: bool):
+        from engine.engine.core_client import spawn_core_process
+
+        proc = self.proc if self.proc is not None and self.proc.poll() is None else spawn_core_process()
+        self.proc = spawn_core_process() if spawn_next else None
+        return proc
+
+    def close(self):
+        if self.proc is not None:  # it exits at the end of its stdin, before any engine is built
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def spare_core():
+    spare = SpareCore()
+    yield spare
+    spare.close()
+
+
+def _mp_later(request) -> bool:
+    """Whether a test after this one in the session runs the "mp" engine (a spare is spawned only for it)."""
+    items = request.session.items
+    later = items[items.index(request.node) + 1:]
+    return any("spare_core" in item.fixturenames and item.callspec.params.get("live") == "mp" for item in later)
+
+
+def _held_engine(mode: str, core_proc=None):
+    """A TraceSession holding a fresh engine from the start, and the AsyncLLM on it: the engine on a
+    thread here ("inproc"), or the engine core in its own process ("mp", as `serve` runs it), stepped
+    through the remote controller."""
     hooks = Hooks()
     # the byte-level random model: these tests count prompt tokens as bytes
-    mp = request.param == "mp"
+    mp = mode == "mp"
     session = TraceSession(hooks, start_paused=True, model="tiny-gpt2-random", remote_control=mp)
     if mp:
         from engine.arg_utils import engine_config
         config = engine_config("tiny-gpt2-random", block_size=4, num_kv_blocks=64)
-        engine = AsyncLLM(config, hooks, drain_timeout=0, core_options=session.core_options()).start()
+        engine = AsyncLLM(config, hooks, drain_timeout=0, core_options=session.core_options(),
+                          core_proc=core_proc).start()
         session.bind(engine)
     else:
         llm = LLM("tiny-gpt2-random", hooks=hooks, block_size=4, num_kv_blocks=64)
         engine = AsyncLLM.from_engine_core(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
+    return session, engine
+
+
+def _live(session, engine) -> Live:
     source = LiveSource(session, SourceInfo("live", "tiny-gpt2-random", "cpu", "torch"), engine)
-    yield Live(session, engine, source, TraceApp(source, initial_pane="requests"))
+    return Live(session, engine, source, TraceApp(source, initial_pane="requests"))
+
+
+@pytest.fixture(params=["inproc", "mp"])
+def live(model_cache, spare_core, request):
+    """A held engine of its own and a TUI on it (see _held_engine)."""
+    core_proc = spare_core.take(_mp_later(request)) if request.param == "mp" else None
+    session, engine = _held_engine(request.param, core_proc)
+    yield _live(session, engine)
     session.close()
     engine.stop(drain_timeout=0)
 
 
+@pytest.fixture(scope="module", params=["inproc", "mp"])
+def _idle_engine(model_cache, request):
+    session, engine = _held_engine(request.param)
+    yield session, engine
+    session.close()
+    engine.stop(drain_timeout=0)
+
+
+@pytest.fixture
+def idle_live(_idle_engine):
+    """A fresh TUI on an engine shared by a module's tests that never step it, send it a request or
+    set a breakpoint (keys, help, panels, quitting): one that did would leave its steps, requests or
+    breakpoints to the next test. Each test starts from a held, empty engine, as checked here."""
+    session, engine = _idle_engine
+    live = _live(session, engine)
+    state = live.source.refresh()
+    assert state.step is None and not state.waiting and not state.running and not state.finished
+    status = live.controller.status()
+    assert live.controller.breakpoints == () and (status["paused"] or status["pause_requested"]), status
+    yield live
 @pytest.fixture(scope="session")
 def recorded_trace(model_cache, tmp_path_factory):
     from tests.tui.recorded import record

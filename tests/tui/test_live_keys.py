@@ -1,5 +1,10 @@
 """Every key of the TUI, driven with Textual's Pilot against a real engine (no mocks):
-the engine starts held, so each test decides when a step runs and checks what it did."""
+the engine starts held, so each test decides when a step runs and checks what it did.
+
+A test that steps the engine, sends it requests or sets a breakpoint takes `live`, an engine of its own:
+it counts steps from step 0, names its requests r0, r1, ... and reads the trace from the engine's start,
+none of which a shared engine could give it. A test that only presses keys takes `idle_live`, a new TUI
+on one engine per module and mode (tests/tui/conftest.py checks that it is still held and empty)."""
 from __future__ import annotations
 
 import asyncio
@@ -216,11 +221,11 @@ async def test_b_adds_a_breakpoint_that_holds_the_engine_and_removes_it(live):
             assert [o async for o in s][-1].finished
 
 
-async def test_bad_breakpoint_is_explained_and_nothing_is_added(live):
-    async with live.app.run_test() as pilot:
+async def test_bad_breakpoint_is_explained_and_nothing_is_added(idle_live):
+    async with idle_live.app.run_test() as pilot:
         await pilot.press("b", *"finsh", "enter")
-        assert "bad condition" in shown(live.app.screen.query_one("#bp-error"))
-        assert live.controller.breakpoints == ()
+        assert "bad condition" in shown(idle_live.app.screen.query_one("#bp-error"))
+        assert idle_live.controller.breakpoints == ()
 
 
 async def test_enter_opens_the_request_with_its_tokens_timeline_and_blocks(live):
@@ -305,18 +310,18 @@ async def test_slash_filters_the_log_by_layer_and_request(live):
         assert {"engine", "scheduler", "block_manager", "kernel"} <= layers
 
 
-async def test_question_mark_explains_every_panel_and_key(live):
-    async with live.app.run_test() as pilot:
+async def test_question_mark_explains_every_panel_and_key(idle_live):
+    async with idle_live.app.run_test() as pilot:
         await pilot.press("question_mark")
-        assert isinstance(live.app.screen, HelpScreen)
-        text = live.app.screen.query_one("Markdown").source
+        assert isinstance(idle_live.app.screen, HelpScreen)
+        text = idle_live.app.screen.query_one("Markdown").source
         for word in ("Overview", "Requests", "KV cache", "Step", "Kernels", "Log", "Startup", "`space`", "`n`", "`s`",
                      "`k`", "`t`", "`tab`",
                      "`b`", "`enter`", "`/`", "`ctrl+p`", "`q`"):
             assert word in text
         assert "| `←` / `→`, `home` / `end` |" not in text  # time travel is the replay's (its help lists it)
         await pilot.press("escape")
-        assert not isinstance(live.app.screen, HelpScreen)
+        assert not isinstance(idle_live.app.screen, HelpScreen)
 
 
 async def test_q_asks_first_while_requests_are_in_flight(live):
@@ -331,11 +336,11 @@ async def test_q_asks_first_while_requests_are_in_flight(live):
         assert not live.app.is_running
 
 
-async def test_q_quits_at_once_when_nothing_is_in_flight(live):
-    async with live.app.run_test() as pilot:
+async def test_q_quits_at_once_when_nothing_is_in_flight(idle_live):
+    async with idle_live.app.run_test() as pilot:
         await pilot.press("q")
         await pilot.pause()
-        assert not live.app.is_running
+        assert not idle_live.app.is_running
 
 
 async def test_palette_sends_a_test_request_and_exports_a_replayable_trace(live, tmp_path, monkeypatch):
@@ -362,16 +367,16 @@ async def test_palette_sends_a_test_request_and_exports_a_replayable_trace(live,
         assert replay.steps == [0] and "tui-1" in replay.final().running
 
 
-async def test_number_keys_and_tab_switch_panels_whatever_has_focus(live):
+async def test_number_keys_and_tab_switch_panels_whatever_has_focus(idle_live):
     panes = ("overview", "requests", "kv", "step", "kernels", "log", "startup")
-    async with live.app.run_test() as pilot:
-        tabs = live.app.query_one("#panes")
+    async with idle_live.app.run_test() as pilot:
+        tabs = idle_live.app.query_one("#panes")
         await pilot.pause()  # (TabbedContent applies its initial tab after the app's first frame)
         for key, pane in zip("1234567", panes):
             await pilot.press(key)
             assert tabs.active == pane
             await pilot.pause()
-            focused = live.app.focused
+            focused = idle_live.app.focused
             assert focused is None or pane in [a.id for a in focused.ancestors if a.id]  # its list has the keys
         await pilot.press("2", "tab")  # tab cycles the panels (README and help say so)...
         assert tabs.active == "kv"
@@ -379,9 +384,9 @@ async def test_number_keys_and_tab_switch_panels_whatever_has_focus(live):
         assert tabs.active == "step"
         await pilot.press("2")
         await pilot.pause()
-        assert live.app.focused.id == "requests-table"  # opening a panel focuses its list
+        assert idle_live.app.focused.id == "requests-table"  # opening a panel focuses its list
         await pilot.press("slash", "3", "1")  # typing in a filter: digits are text, not panels
-        assert tabs.active == "requests" and live.app.query_one("#requests-filter").value == "31"
+        assert tabs.active == "requests" and idle_live.app.query_one("#requests-filter").value == "31"
         await pilot.press("escape", "5")
         assert tabs.active == "kernels"
 
