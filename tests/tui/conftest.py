@@ -160,6 +160,8 @@ def idle_live(_idle_engine):
     status = live.controller.status()
     assert live.controller.breakpoints == () and (status["paused"] or status["pause_requested"]), status
     yield live
+
+
 @pytest.fixture(scope="session")
 def recorded_trace(model_cache, tmp_path_factory):
     from tests.tui.recorded import record
