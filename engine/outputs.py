@@ -69,6 +69,17 @@ class ModelRunnerOutput:
     # request id -> (first position, [[[prompt token at position + 1, logprob, rank], [top id, logprob, rank],
     # ...], ...]) for requests that asked for prompt logprobs and computed prompt tokens this step
     prompt_logprobs_dict: dict[str, tuple[int, list]] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None  # a KV connector's transfers that finished
+
+
+@dataclass
+class KVConnectorOutput:
+    """What a worker's KV connector reports after a step (V1's fields)."""
+    finished_sending: set[str] | None = None  # requests whose blocks were sent: free them now
+    finished_recving: set[str] | None = None  # requests whose blocks arrived: schedule them now
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving)
 
 
 @dataclass

@@ -70,6 +70,8 @@ from engine.worker.worker import Worker
 
 # how long a step waits for a grammar when nothing else can run (short: an abort or a new request may come)
 GRAMMAR_WAIT_S = 0.05
+# how long an empty step waits while only a KV connector's transfers are under way (they run on its threads)
+KV_TRANSFER_WAIT_S = 0.002
 BATCH_QUEUE_SIZE = 2  # async scheduling: steps in flight at most (V1's batch_queue_size without pipeline parallelism)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -144,16 +146,32 @@ class EngineCore:
         lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
         sched_args = (config.scheduler, self.kv_cache_manager, self.max_model_len, self.hooks,
                       self.structured_output_manager)
+        connector = self._make_kv_connector()
         if config.scheduler.async_scheduling:  # two batches in flight: step_with_batch_queue
-            self.scheduler = AsyncScheduler(*sched_args, num_lookahead_tokens=lookahead,
+            self.scheduler = AsyncScheduler(*sched_args, num_lookahead_tokens=lookahead, connector=connector,
                                             num_spec_tokens=spec.num_speculative_tokens if spec else 0)
             self.batch_queue: deque | None = deque()
         else:
-            self.scheduler = Scheduler(*sched_args, num_lookahead_tokens=lookahead)
+            self.scheduler = Scheduler(*sched_args, num_lookahead_tokens=lookahead, connector=connector)
             self.batch_queue = None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue  # V1's
         self._rng = random.Random(mc.seed)
         self.profiling_since: int | None = None  # the first profiled step, while profiling
+
+    def _make_kv_connector(self):
+        """The KV connector's scheduler side (its worker side is the Worker's), or None."""
+        if self.config.kv_transfer_config is None:
+            return None
+        from engine.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from engine.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        if self.config.parallel.tensor_parallel_size > 1 or self.kv_cache_manager.num_kv_cache_groups > 1 \
+                or self.kv_cache_manager.has_sliding_window:
+            raise ValueError("kv_transfer_config needs tensor_parallel_size=1 and a model with one full-attention "
+                             "KV-cache group (no sliding-window layers)")
+        connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.SCHEDULER)
+        connector.hooks = self.hooks
+        return connector
 
     def _make_executor(self) -> Executor:
         args = (self.config, self.model_path, self.model_config, self.device, self.dtype, self.attention_backend)
@@ -190,6 +208,8 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any (also at exit). Safe to call twice."""
         self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
 
     @property
     def step_count(self) -> int:
@@ -212,7 +232,8 @@ class EngineCore:
             raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab - 1}]")
         max_tokens = self._check_lengths(ids, params)
         req = Request(rid, request.prompt, ids, params, self.eos_token_id, max_tokens,
-                      arrival_time=request.arrival_time or time.monotonic(), priority=request.priority)
+                      arrival_time=request.arrival_time or time.monotonic(), priority=request.priority,
+                      kv_transfer_params=request.kv_transfer_params)
         # every request has a seed (MRv2's): its draws are keyed by (seed, position)
         req.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         if params.structured_outputs is not None:  # waits in the queue until its grammar compiles
@@ -321,9 +342,13 @@ class EngineCore:
         if self.hooks.active:
             self._trace_schedule(scheduler_output)
         model_output = None
-        if not scheduler_output.is_empty or scheduler_output.finished_req_ids:  # the workers free finished slots
+        # the workers free finished slots; a KV connector's transfers go on while nothing is scheduled
+        connector = self.scheduler.connector is not None
+        if not scheduler_output.is_empty or scheduler_output.finished_req_ids or connector:
             self.model_executor.execute_model(scheduler_output)
-        if not scheduler_output.is_empty:
+        if connector and scheduler_output.is_empty:  # only transfers under way: let their threads run
+            time.sleep(KV_TRANSFER_WAIT_S)
+        if not scheduler_output.is_empty or connector:
             if self.hooks.gated:
                 self.hooks.gate("grammar_bitmask", step=scheduler_output.step)
             grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
@@ -372,7 +397,7 @@ class EngineCore:
                 self.structured_output_manager.wait_for_compile(self.scheduler.waiting, GRAMMAR_WAIT_S)
             sched, exec_future = self._schedule_and_execute()
             scheduled = sched.step
-            if sched.is_empty:
+            if sched.is_empty and self.scheduler.connector is None:
                 future = exec_future
             elif sched.pending_structured_output_tokens:
                 deferred = (sched, exec_future)  # its bitmask needs the tokens of the step before
@@ -406,6 +431,8 @@ class EngineCore:
         if self.hooks.active:
             self._trace_schedule(sched)
         future = self.model_executor.execute_model(sched, non_block=True)
+        if sched.is_empty and self.scheduler.connector is not None:  # only transfers under way: let them run
+            time.sleep(KV_TRANSFER_WAIT_S)
         if self.hooks.gated:  # a controller's next stop (grammar_bitmask) comes after the forward pass, as in step()
             future.result()
         return sched, future

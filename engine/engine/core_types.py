@@ -28,6 +28,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float  # time.monotonic(): one clock for both processes on Linux
     prompt: str | None = None  # only to show in the trace and the TUI; the core never tokenizes
     priority: int = 0  # with scheduling_policy "priority": lower first
+    kv_transfer_params: dict[str, Any] | None = None  # for the KV connector (disaggregated prefill)
 
 
 class EngineCoreAbort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -54,6 +55,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     metrics: dict[str, Any] | None = None  # on the first token and at the finish
     # with the first token, if asked: per prompt position 1..: [[token id, logprob, rank], ...], its own first
     new_prompt_logprobs: list[list[list[Any]]] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # the KV connector's, with the last output
 
     @property
     def finished(self) -> bool:
