@@ -35,6 +35,7 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)  # arrival / first token / finish times (monotonic s)
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then per token id -> Logprob
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    kv_transfer_params: dict | None = None  # a KV connector's, on the finished output (disaggregated prefill)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class KVConnectorOutput:
     """What a worker's KV connector reports after a step (V1's fields)."""
     finished_sending: set[str] | None = None  # requests whose blocks were sent: free them now
     finished_recving: set[str] | None = None  # requests whose blocks arrived: schedule them now
+    invalid_block_ids: set[int] | None = None  # blocks whose load failed: their tokens are computed instead
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving)

@@ -233,7 +233,7 @@ class EngineCore:
         max_tokens = self._check_lengths(ids, params)
         req = Request(rid, request.prompt, ids, params, self.eos_token_id, max_tokens,
                       arrival_time=request.arrival_time or time.monotonic(), priority=request.priority,
-                      kv_transfer_params=request.kv_transfer_params)
+                      kv_transfer_params=(params.extra_args or {}).get("kv_transfer_params"))
         # every request has a seed (MRv2's): its draws are keyed by (seed, position)
         req.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         if params.structured_outputs is not None:  # waits in the queue until its grammar compiles

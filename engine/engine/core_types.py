@@ -28,7 +28,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float  # time.monotonic(): one clock for both processes on Linux
     prompt: str | None = None  # only to show in the trace and the TUI; the core never tokenizes
     priority: int = 0  # with scheduling_policy "priority": lower first
-    kv_transfer_params: dict[str, Any] | None = None  # for the KV connector (disaggregated prefill)
 
 
 class EngineCoreAbort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -233,10 +233,11 @@ class ModelRunner:
         connector = self.kv_connector
         connector.wait_for_save()
         sending, recving = connector.get_finished(sched.finished_req_ids)
+        invalid = connector.get_block_ids_with_load_errors()
         connector.clear_connector_metadata()
         if self.hooks.active:
             connector.publish_records(sched.step)
-        self._kv_connector_output = KVConnectorOutput(sending, recving)
+        self._kv_connector_output = KVConnectorOutput(sending, recving, invalid or None)
         return None
 
     def _execute(self, sched: SchedulerOutput) -> None:

@@ -86,6 +86,7 @@ class Scheduler:
         # a KV connector's scheduler side (engine/distributed/kv_transfer), or None
         self.connector = connector
         self.finished_recving_kv_req_ids: set[str] = set()  # their remote KV arrived: schedule them
+        self.failed_kv_block_ids: set[int] = set()  # blocks whose remote KV did not arrive: computed instead
         self._delayed_frees: dict[str, Request] = {}  # finished, blocks kept until the connector sent them
 
     def add_request(self, req: Request) -> None:
@@ -312,7 +313,7 @@ class Scheduler:
         """Admit the head of `waiting`, or return why not. With a KV connector, the tokens it delivers
         past the prefix-cache hit count as computed (loaded in this step, or, asynchronously, before the
         request is scheduled: it then waits as WAITING_FOR_REMOTE_KVS with its blocks allocated)."""
-        if req.num_computed_tokens:  # its remote KV arrived (_update_waiting_for_remote_kv)
+        if any(req.kv_block_ids):  # its blocks were allocated while its remote KV arrived (WAITING_FOR_REMOTE_KVS)
             computed, num_cached, num_external, load_async = None, req.num_computed_tokens, 0, False
         else:
             computed, num_cached = self.kv_cache_manager.get_computed_blocks(req)
@@ -358,6 +359,11 @@ class Scheduler:
         if req.request_id not in self.finished_recving_kv_req_ids:
             return False
         self.finished_recving_kv_req_ids.discard(req.request_id)
+        failed = [i for i, b in enumerate(req.block_ids) if b in self.failed_kv_block_ids]
+        if failed:  # (V1's load errors, recompute policy) its tokens from the first failed block are computed
+            self.failed_kv_block_ids.difference_update(req.block_ids)
+            req.num_external_computed_tokens = 0
+            req.num_cached_tokens = min(req.num_cached_tokens, failed[0] * self.kv_cache_manager.block_size)
         num_computed = min(req.num_cached_tokens, req.num_tokens - 1)
         self.kv_cache_manager.cache_blocks(req, num_computed)
         req.num_computed_tokens = num_computed
@@ -503,6 +509,7 @@ class Scheduler:
         its request's blocks."""
         self.connector.update_connector_output(kv_output)
         self.finished_recving_kv_req_ids.update(kv_output.finished_recving or ())
+        self.failed_kv_block_ids.update(kv_output.invalid_block_ids or ())
         for rid in kv_output.finished_sending or ():
             req = self._delayed_frees.pop(rid, None)
             if req is not None:

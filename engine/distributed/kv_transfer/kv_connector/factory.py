@@ -29,3 +29,4 @@ class KVConnectorFactory:
 
 
 KVConnectorFactory.register_connector("ExampleConnector", _V1 + "example_connector", "ExampleConnector")
+KVConnectorFactory.register_connector("P2pZmqConnector", _V1 + "p2p_zmq_connector", "P2pZmqConnector")

@@ -22,6 +22,7 @@ Worker side, called by engine/worker/model_runner.py and the attention backend:
     save_kv_layer(layer_name, kv_layer, attn_metadata)  after a layer wrote its KV
     wait_for_save()  after the forward pass
     get_finished(finished_req_ids)  (request ids whose sends finished, ids whose receives finished)
+    get_block_ids_with_load_errors()  blocks whose load failed (their tokens are computed instead)
 
 Each transfer is recorded (``record``) and published as one ``kv_transfer`` trace event per request
 and kind (save, load, send, recv) with its blocks, bytes and seconds.
@@ -119,6 +120,10 @@ class KVConnectorBase_V1:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(Requests whose asynchronous sends finished, requests whose asynchronous receives finished.)"""
         return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call: the scheduler has their tokens computed instead."""
+        return set()
 
     def shutdown(self) -> None:
         """Stop background threads and close sockets."""
