@@ -54,6 +54,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # a KV connector (vLLM V1's vllm:external_prefix_cache_*): tokens of admitted requests it was asked
+    # about, and tokens it delivered
+    connector_prefix_cache_queries: int = 0
+    connector_prefix_cache_hits: int = 0
 
 
 # ---- worker -> engine core (vLLM V1's ``v1/outputs.py``) -----------------------------------------

@@ -474,6 +474,8 @@ class EngineCore:
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
+            connector_prefix_cache_queries=self.scheduler.connector_prefix_cache_queries,
+            connector_prefix_cache_hits=self.scheduler.connector_prefix_cache_hits,
         )
 
     def snapshot(self, sched: SchedulerOutput | None = None) -> dict:

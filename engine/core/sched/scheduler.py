@@ -88,6 +88,7 @@ class Scheduler:
         self.finished_recving_kv_req_ids: set[str] = set()  # their remote KV arrived: schedule them
         self.failed_kv_block_ids: set[int] = set()  # blocks whose remote KV did not arrive: computed instead
         self._delayed_frees: dict[str, Request] = {}  # finished, blocks kept until the connector sent them
+        self.connector_prefix_cache_queries = self.connector_prefix_cache_hits = 0  # tokens asked, delivered
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -322,6 +323,8 @@ class Scheduler:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_cached)
                 if num_external is None:
                     return "the KV connector is still looking its tokens up"
+                self.connector_prefix_cache_queries += req.num_tokens
+                self.connector_prefix_cache_hits += num_external
         if load_async:
             return self._allocate_for_remote_kvs(req, computed, num_cached, num_external)
         n = req.num_tokens - num_cached - num_external

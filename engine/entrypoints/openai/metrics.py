@@ -56,6 +56,10 @@ class ServerMetrics:
         ).labels(*ids)
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.").labels(*ids)
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.").labels(*ids)
+        self.external_queries = counter("vllm:external_prefix_cache_queries", "Tokens a KV connector was asked "
+                                        "about (other instances' caches).").labels(*ids)
+        self.external_hits = counter("vllm:external_prefix_cache_hits", "Tokens a KV connector delivered "
+                                     "(computed by another instance).").labels(*ids)
         self.preemptions = counter("vllm:num_preemptions", "Preemptions.").labels(*ids)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(*ids)
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(*ids)
@@ -117,6 +121,8 @@ class ServerMetrics:
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.external_queries.inc(max(0, stats.connector_prefix_cache_queries - last.connector_prefix_cache_queries))
+        self.external_hits.inc(max(0, stats.connector_prefix_cache_hits - last.connector_prefix_cache_hits))
         if stats.spec_num_drafts != last.spec_num_drafts:
             self._spec(stats, last)
 
