@@ -132,6 +132,10 @@ class EngineArgs:
                                     "also capture the profiled window with torch.profiler, one Chrome-trace "
                                     "JSON file per rank in DIR (Perfetto opens them; default: "
                                     "$VLLM_TORCH_PROFILER_DIR, else none)", PROFILE_GROUP, metavar="DIR")
+    kv_offloading_size: float | None = _arg(CacheConfig.kv_offloading_size,
+                                            "GiB of host memory behind the KV cache: blocks the device evicts are "
+                                            "loaded back from there on a prefix hit (OffloadingConnector)",
+                                            KV_GROUP, metavar="GiB")
     kv_transfer_config: dict | None = _arg(EngineConfig.kv_transfer_config,
                                            "a KV connector, as JSON with vLLM's keys: e.g. '{\"kv_connector\": "
                                            "\"ExampleConnector\", \"kv_role\": \"kv_both\", "
@@ -174,7 +178,8 @@ class EngineArgs:
                               seed=self.seed),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               kv_cache_memory=self.kv_cache_memory, gpu_memory_utilization=self.gpu_memory_utilization,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              kv_offloading_size=self.kv_offloading_size),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
@@ -188,12 +193,22 @@ class EngineArgs:
             speculative=SpeculativeConfig.from_dict(_json_object(self.speculative_config))
             if self.speculative_config else None,
             profiler_dir=self.profiler_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None,
-            kv_transfer_config=KVTransferConfig.from_dict(_json_object(self.kv_transfer_config, "kv_transfer_config"))
-            if self.kv_transfer_config else None,
+            kv_transfer_config=self._kv_transfer(),
         )
 
+    def _kv_transfer(self) -> KVTransferConfig | None:
+        """--kv-transfer-config, or with --kv-offloading-size the OffloadingConnector (vLLM's)."""
+        if self.kv_offloading_size is not None:
+            if self.kv_transfer_config:
+                raise ConfigError("set kv_offloading_size or kv_transfer_config, not both")
+            return KVTransferConfig("OffloadingConnector", "kv_both",
+                                    {"cpu_bytes": int(self.kv_offloading_size * 2 ** 30)})
+        if self.kv_transfer_config:
+            return KVTransferConfig.from_dict(_json_object(self.kv_transfer_config, "kv_transfer_config"))
+        return None
 
-_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
+
+_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, "str": str, "str | None": str}
 
 
 def engine_config(model: str = EngineArgs.model, **kwargs) -> EngineConfig:

@@ -43,6 +43,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes for K and V of all layers (None: DEFAULT_CPU_KV_CACHE_MEMORY on a CPU)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the process may use
     enable_prefix_caching: bool = True
+    kv_offloading_size: float | None = None  # GiB of host memory behind the KV cache (OffloadingConnector)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.block_size, int) and self.block_size >= 1 and
@@ -52,6 +53,8 @@ class CacheConfig:
                f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}")
         _check(self.kv_cache_memory is None or self.kv_cache_memory > 0,
                f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        _check(self.kv_offloading_size is None or self.kv_offloading_size > 0,
+               f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

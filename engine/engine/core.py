@@ -32,7 +32,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_cache_utils import kv_cache_groups_of
+from engine.core.kv_cache_utils import bytes_per_block, kv_cache_groups_of
 from engine.core.sched.async_scheduler import AsyncScheduler
 from engine.core.sched.output import SchedulerOutput, diff_summary
 from engine.core.sched.scheduler import Scheduler
@@ -171,6 +171,8 @@ class EngineCore:
                              "KV-cache group (no sliding-window layers)")
         connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.SCHEDULER)
         connector.hooks = self.hooks
+        if hasattr(connector, "set_num_cpu_blocks"):  # a host-memory tier: its blocks, as the worker counts them
+            connector.set_num_cpu_blocks(bytes_per_block(self.model_config, self.config.cache.block_size, self.dtype))
         return connector
 
     def _make_executor(self) -> Executor:
