@@ -80,3 +80,26 @@ def test_offloading_settings_errors():
         LLM(NAME, kv_offloading_size=1, kv_transfer_config={"kv_connector": "ExampleConnector"})
     with pytest.raises(ValueError, match="holds no block"):
         LLM(NAME, kv_offloading_size=1e-9)
+
+
+def test_multi_connector_loads_from_files_then_from_host_memory(tmp_path):
+    """MultiConnector [OffloadingConnector, ExampleConnector]: a prompt another instance saved to files is
+    loaded from them; evicted from the device, it is then loaded from host memory (the first that has it)."""
+    a, *others = _prompts(5)
+    example = {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    LLM(NAME, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, kv_transfer_config=example).generate(
+        [{"prompt_token_ids": a}], GREEDY, use_tqdm=False)  # the files
+    multi = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
+        {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes": 16 * 65536}}, example]}}
+    events = []
+    llm = _llm(NAME, events, kv_transfer_config=multi)
+    first = _one(llm, a)
+    for p in others:
+        _one(llm, p)
+    again = _one(llm, a)
+    loads = [(rid, attrs["connector"], len(attrs["block_ids"])) for name, rid, attrs in events if name == KV_LOAD]
+    assert loads == [(first.request_id, "ExampleConnector", 2), (again.request_id, "OffloadingConnector", 2)]
+    assert first.num_cached_tokens == again.num_cached_tokens == 32
+    want = LLM(NAME, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK).generate([{"prompt_token_ids": a}], GREEDY,
+                                                                          use_tqdm=False)[0].outputs[0].token_ids
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == want

@@ -31,3 +31,4 @@ class KVConnectorFactory:
 KVConnectorFactory.register_connector("ExampleConnector", _V1 + "example_connector", "ExampleConnector")
 KVConnectorFactory.register_connector("P2pZmqConnector", _V1 + "p2p_zmq_connector", "P2pZmqConnector")
 KVConnectorFactory.register_connector("OffloadingConnector", _V1 + "offloading_connector", "OffloadingConnector")
+KVConnectorFactory.register_connector("MultiConnector", _V1 + "multi_connector", "MultiConnector")
