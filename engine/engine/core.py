@@ -233,9 +233,10 @@ class EngineCore:
         if not ids or any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab - 1}]")
         max_tokens = self._check_lengths(ids, params)
+        kv_params = (params.extra_args or {}).get("kv_transfer_params")  # (copied: a connector updates its own)
         req = Request(rid, request.prompt, ids, params, self.eos_token_id, max_tokens,
                       arrival_time=request.arrival_time or time.monotonic(), priority=request.priority,
-                      kv_transfer_params=(params.extra_args or {}).get("kv_transfer_params"))
+                      kv_transfer_params=dict(kv_params) if kv_params else None)
         # every request has a seed (MRv2's): its draws are keyed by (seed, position)
         req.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         if params.structured_outputs is not None:  # waits in the queue until its grammar compiles

@@ -152,3 +152,24 @@ def test_a_finished_request_without_do_remote_decode_frees_its_blocks_at_once():
         assert not _core(prefill).scheduler.has_unfinished_requests()
     finally:
         prefill.shutdown()
+
+
+def test_a_request_aborted_while_its_kv_is_on_its_way_keeps_its_blocks_until_it_arrives():
+    """The worker writes into the blocks of a request waiting for remote KV: they stay allocated after an
+    abort until the pull is over (here: it fails, nobody listens), then they are freed."""
+    decode = _engine(NAME, "kv_consumer", [], timeout_s=2)
+    core = _core(decode)
+    try:
+        nobody = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_request_id": "r",
+                  "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1", "remote_port": _free_port()}
+        params = SamplingParams(temperature=0.0, max_tokens=2, extra_args={"kv_transfer_params": nobody})
+        decode.llm_engine.add_request("a", {"prompt_token_ids": _prompts()[4]}, params)
+        decode.llm_engine.step()
+        req = core.scheduler.requests["a"]
+        assert req.status.name == "WAITING_FOR_REMOTE_KVS" and req.block_ids
+        decode.llm_engine.abort_request(["a"])
+        assert core.scheduler.has_unfinished_requests()  # its blocks are still the worker's
+        assert core.stats().num_free_blocks < core.stats().num_total_blocks
+        _step_until_freed(decode)
+    finally:
+        decode.shutdown()

@@ -488,6 +488,10 @@ class Scheduler:
             req = self.requests.pop(rid, None)
             if req is None or req.status.finished:
                 continue
+            # its KV on its way: the worker still writes into its blocks (unless it has arrived already)
+            receiving = (req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                         and rid not in self.finished_recving_kv_req_ids)
+            self.finished_recving_kv_req_ids.discard(rid)
             req.status = finished_status
             self.finished_req_ids.add(rid)
             self._sent_blocks.pop(rid, None)
@@ -495,17 +499,19 @@ class Scheduler:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
-            if self.connector is not None and self._connector_finished(req):
-                continue  # its blocks are freed once the connector has sent them
+            if self.connector is not None and self._connector_finished(req, receiving):
+                continue  # its blocks are freed once the connector is done with them
             self.kv_cache_manager.free(req)
 
-    def _connector_finished(self, req: Request) -> bool:
+    def _connector_finished(self, req: Request, receiving: bool) -> bool:
         """V1's: the connector sees the finished request before its blocks are freed; True: it keeps
-        them (until its worker side reports them sent). Its kv_transfer_params go out with its output."""
+        them (until its worker side reports them sent). Its kv_transfer_params go out with its output.
+        A request aborted while its KV is on its way keeps its blocks until it has arrived (the worker
+        writes into them)."""
         delay, req.kv_transfer_params = self.connector.request_finished(req, list(req.block_ids))
-        if delay:
+        if delay or receiving:
             self._delayed_frees[req.request_id] = req
-        return delay
+        return delay or receiving
 
     def _update_from_kv_xfer_finished(self, kv_output) -> None:
         """The workers' finished transfers: received KV makes its request schedulable, sent KV frees
@@ -513,6 +519,12 @@ class Scheduler:
         self.connector.update_connector_output(kv_output)
         self.finished_recving_kv_req_ids.update(kv_output.finished_recving or ())
         self.failed_kv_block_ids.update(kv_output.invalid_block_ids or ())
+        for rid in kv_output.finished_recving or ():  # aborted while receiving: its blocks are free now
+            req = self._delayed_frees.get(rid)
+            if req is not None and req.status.finished:
+                self.finished_recving_kv_req_ids.discard(rid)
+                self.failed_kv_block_ids.difference_update(req.block_ids)
+                self.kv_cache_manager.free(self._delayed_frees.pop(rid))
         for rid in kv_output.finished_sending or ():
             req = self._delayed_frees.pop(rid, None)
             if req is not None:
