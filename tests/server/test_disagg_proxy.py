@@ -133,6 +133,18 @@ def test_the_decode_instance_receives_the_prompt_and_the_prefill_instance_frees_
     assert sent[0]["attrs"]["bytes"] == received[0]["attrs"]["bytes"] > 0
 
 
+def test_a_request_that_stops_at_its_first_token_is_answered_by_the_decode_instance(disagg):
+    """The prefill instance keeps no blocks for it (it did not stop at max_tokens): the decode instance
+    computes the prompt itself, and the answer is one instance's."""
+    first = _complete(disagg["d"], PROMPTS[0], max_tokens=1)
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stop": [first]}
+    via_proxy = httpx.post(disagg["x"] + "/v1/completions", json=body, timeout=TIMEOUT)
+    direct = httpx.post(disagg["d"] + "/v1/completions", json=body, timeout=TIMEOUT)
+    assert via_proxy.status_code == 200, via_proxy.text
+    assert via_proxy.json()["choices"] == direct.json()["choices"]
+    assert via_proxy.json()["choices"][0]["finish_reason"] == "stop"
+
+
 def _long_stream(url: str, out: dict) -> None:
     """A streamed completion of 400 tokens; out["started"] is set at its first event, out["events"] its data."""
     events = out["events"] = []

@@ -10,7 +10,10 @@ P2pZmqConnector (``kv_producer`` on the prefill side, ``kv_consumer`` on the dec
 
 An instance that cannot be reached is a 503 naming it; one that fails mid-request a 502 (in a
 stream: an error event, then ``[DONE]``); a request the instance refuses keeps that instance's status
-and message. The client never waits on a dead instance.
+and message. A request the prefill instance ends at its first token (EOS, a stop string) goes to the
+decode instance without kv_transfer_params: it computes the prompt itself. The client's
+Authorization header goes on to both instances (their --api-key). The client never waits on a dead
+instance.
 """
 
 import argparse
@@ -54,18 +57,22 @@ class Upstream:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S),
                                         trust_env=all(trust_env(u) for u in self.prefill + self.decode))
 
-    async def prefill_hop(self, path: str, body: dict) -> dict:
-        """The prefill instance's kv_transfer_params for the request (raises ProxyError)."""
+    async def prefill_hop(self, path: str, body: dict, headers: dict) -> dict | None:
+        """The prefill instance's kv_transfer_params for the request (raises ProxyError); None if it
+        stopped at its first token (EOS, a stop string): the decode instance then computes the prompt."""
         url = next(self._next_prefill)
         req = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         if "max_completion_tokens" in req:
             req["max_completion_tokens"] = 1
         req.pop("stream_options", None)
         req.pop("min_tokens", None)
-        resp = await self._send(url, path, req)
+        resp = await self._send(url, path, req, headers)
         if resp.status_code != 200:
             raise ProxyError(resp.status_code, _message(resp), upstream=True)
-        params = resp.json().get("kv_transfer_params")
+        answer = resp.json()
+        params = answer.get("kv_transfer_params")
+        if not params and answer["choices"][0].get("finish_reason") != "length":
+            return None
         if not params:
             raise ProxyError(502, f"the prefill instance at {url} answered no kv_transfer_params: start it with "
                                   "--kv-transfer-config naming P2pZmqConnector (kv_role kv_producer)")
@@ -74,9 +81,9 @@ class Upstream:
     def decode_url(self) -> str:
         return next(self._next_decode)
 
-    async def _send(self, url: str, path: str, body: dict) -> httpx.Response:
+    async def _send(self, url: str, path: str, body: dict, headers: dict) -> httpx.Response:
         try:
-            return await self.client.post(url + path, json=body)
+            return await self.client.post(url + path, json=body, headers=headers)
         except httpx.ConnectError as e:
             raise ProxyError(503, f"the instance at {url} is down ({type(e).__name__}): start it, or proxy to "
                                   "another one") from None
@@ -117,13 +124,15 @@ def build_app(upstream: Upstream):
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
             return JSONResponse(ProxyError(400, f"invalid JSON body: {e}").body(), status_code=400)
+        # the instances' --api-key, if any: the client's key goes on to both
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
-            params = await upstream.prefill_hop(path, body)
+            params = await upstream.prefill_hop(path, body, headers)
             url = upstream.decode_url()
-            body = dict(body, kv_transfer_params=params)
+            body = dict(body, kv_transfer_params=params) if params else body
             if body.get("stream"):
-                return StreamingResponse(_stream(upstream, url, path, body), media_type="text/event-stream")
-            resp = await upstream._send(url, path, body)
+                return StreamingResponse(_stream(upstream, url, path, body, headers), media_type="text/event-stream")
+            resp = await upstream._send(url, path, body, headers)
         except ProxyError as e:
             return JSONResponse(e.body(), status_code=e.status)
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
@@ -137,9 +146,10 @@ def build_app(upstream: Upstream):
         return await handle(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         try:
-            resp = await upstream.client.get(upstream.decode[0] + "/v1/models")
+            resp = await upstream.client.get(upstream.decode[0] + "/v1/models", headers=headers)
         except httpx.HTTPError as e:
             err = ProxyError(503, f"the instance at {upstream.decode[0]} is down ({type(e).__name__})")
             return JSONResponse(err.body(), status_code=503)
@@ -152,10 +162,10 @@ def build_app(upstream: Upstream):
     return app
 
 
-async def _stream(upstream: Upstream, url: str, path: str, body: dict):
+async def _stream(upstream: Upstream, url: str, path: str, body: dict, headers: dict):
     """The decode instance's server-sent events as they come; if it fails, an error event and [DONE]."""
     try:
-        async with upstream.client.stream("POST", url + path, json=body) as resp:
+        async with upstream.client.stream("POST", url + path, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 raise ProxyError(resp.status_code, _message(resp), upstream=True)
