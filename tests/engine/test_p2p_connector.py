@@ -173,3 +173,14 @@ def test_a_request_aborted_while_its_kv_is_on_its_way_keeps_its_blocks_until_it_
         _step_until_freed(decode)
     finally:
         decode.shutdown()
+
+
+def test_a_taken_kv_port_is_one_clear_error():
+    port = _free_port()
+    kv = {"kv_connector": "P2pZmqConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"kv_port": port}}
+    first = LLM(NAME, num_kv_blocks=16, kv_transfer_config=kv)
+    try:
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port} .*set \"kv_port\""):
+            LLM(NAME, num_kv_blocks=16, kv_transfer_config=kv)
+    finally:
+        first.shutdown()
