@@ -88,9 +88,10 @@ def _complete(url: str, prompt: str, stream: bool = False, chat: bool = False, m
     return "".join(text)
 
 
-def _metric(url: str, name: str) -> float:
+def _metric(url: str, name: str, label: str = "") -> float:
+    """The sum of a metric's series (those whose labels hold `label`, e.g. 'source="local_compute"')."""
     text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
-    return sum(float(m) for m in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+    return sum(float(v) for labels, v in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M) if label in labels)
 
 
 def _trace(url: str, layer: str, want: int) -> list[dict]:
@@ -123,6 +124,11 @@ def test_the_decode_instance_receives_the_prompt_and_the_prefill_instance_frees_
     # tests before sent) from the decode instance's own prefix cache
     external = _metric(disagg["d"], "vllm:external_prefix_cache_hits_total") - hits
     assert external > 0 and external + _metric(disagg["d"], "vllm:prefix_cache_hits_total") - local == n - 1
+    by_source = {s: _metric(disagg["d"], "vllm:prompt_tokens_by_source_total", f'source="{s}"')
+                 for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    # (vLLM's sources of prompt tokens, counted at each request's first token)
+    assert by_source["external_kv_transfer"] == _metric(disagg["d"], "vllm:external_prefix_cache_hits_total")
+    assert by_source["local_compute"] > 0
     deadline = time.monotonic() + 60
     while _metric(disagg["p"], "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
         time.sleep(0.2)

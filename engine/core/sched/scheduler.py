@@ -609,6 +609,8 @@ def _output(req: Request, new_token_ids: list[int], new_logprobs: list | None) -
         metrics = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
                        first_token_time=req.first_token_time, finished_time=req.finished_time,
                        num_preemptions=req.num_preemptions)
+        if req.num_external_computed_tokens:  # a KV connector delivered them (V1's prompt-token sources)
+            metrics["num_external_computed_tokens"] = req.num_external_computed_tokens
     prompt_logprobs = None
     if req.num_output_tokens == len(new_token_ids) and req.params.prompt_logprobs is not None:
         prompt_logprobs = req.prompt_logprobs

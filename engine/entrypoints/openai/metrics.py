@@ -60,6 +60,11 @@ class ServerMetrics:
                                         "about (other instances' caches).").labels(*ids)
         self.external_hits = counter("vllm:external_prefix_cache_hits", "Tokens a KV connector delivered "
                                      "(computed by another instance).").labels(*ids)
+        by_source = counter("vllm:prompt_tokens_by_source", "Prompt tokens by source: computed here "
+                            "(local_compute), found in the prefix cache (local_cache_hit) or delivered by a KV "
+                            "connector (external_kv_transfer).", [*m, "source"])
+        self.prompt_by_source = {s: by_source.labels(*ids, s)
+                                 for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
         self.preemptions = counter("vllm:num_preemptions", "Preemptions.").labels(*ids)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(*ids)
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(*ids)
@@ -86,6 +91,13 @@ class ServerMetrics:
         self._last = engine.stats
         engine.step_listeners.append(self.on_step)
 
+    def _by_source(self, out: RequestOutput) -> None:
+        cached = min(out.num_cached_tokens, len(out.prompt_token_ids))
+        external = min(out.metrics.get("num_external_computed_tokens", 0), cached)
+        self.prompt_by_source["local_compute"].inc(len(out.prompt_token_ids) - cached)
+        self.prompt_by_source["local_cache_hit"].inc(cached - external)
+        self.prompt_by_source["external_kv_transfer"].inc(external)
+
     def on_step(self, outputs: list[RequestOutput], stats: EngineStats, aborted: list[str]) -> None:
         """Engine thread, after each step."""
         now, step_tokens = time.monotonic(), 0
@@ -99,6 +111,7 @@ class ServerMetrics:
                 if before == 0:  # first token: its prompt was processed in this step
                     step_tokens += len(out.prompt_token_ids)
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    self._by_source(out)
                     self.ttft.observe(m["first_token_time"] - m["arrival_time"])
                     self.queue_time.observe(m["first_scheduled_time"] - m["arrival_time"])
                 else:
