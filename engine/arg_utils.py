@@ -24,6 +24,7 @@ from engine.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -35,28 +36,34 @@ SPEC_GROUP = ("speculative decoding", "propose tokens cheaply, verify them in on
               "(see lessons/ on speculative decoding)")
 PROFILE_GROUP = ("profiling", "POST /start_profile and /stop_profile, or LLM.start_profile() / stop_profile(): "
                  "every op of the forward pass a kernel launch, with its FLOPs and bytes")
+KV_GROUP = ("KV transfer", "move KV caches between instances: disaggregated prefill and decode "
+            "(vllm-trace proxy), a shared-storage KV cache")
 TP_GROUP = ("tensor parallelism", "split every layer over N worker processes (gloo on the CPU, NCCL on CUDA); "
             "see lessons/18_tensor_parallelism.py")
 
 
-def _json_object(value) -> dict:
-    """A dict, or JSON text of one (the CLI's --speculative-config)."""
+def _json_object(value, name: str = "speculative_config") -> dict:
+    """A dict, or JSON text of one (the CLI's --speculative-config, --kv-transfer-config)."""
     if isinstance(value, dict):
         return value
     try:
         parsed = json.loads(value)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"speculative_config must be a JSON object: {e}") from None
+        raise ConfigError(f"{name} must be a JSON object: {e}") from None
     if not isinstance(parsed, dict):
-        raise ConfigError(f"speculative_config must be a JSON object, got {value!r}")
+        raise ConfigError(f"{name} must be a JSON object, got {value!r}")
     return parsed
 
 
-def _json_arg(text: str) -> dict:
+def _json_arg(text: str, name: str = "speculative_config") -> dict:
     try:
-        return _json_object(text)
+        return _json_object(text, name)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _kv_json_arg(text: str) -> dict:
+    return _json_arg(text, "kv_transfer_config")
 
 
 def _arg(default, help: str, group: tuple[str, str] = ENGINE_GROUP, **cli) -> object:
@@ -125,6 +132,15 @@ class EngineArgs:
                                     "also capture the profiled window with torch.profiler, one Chrome-trace "
                                     "JSON file per rank in DIR (Perfetto opens them; default: "
                                     "$VLLM_TORCH_PROFILER_DIR, else none)", PROFILE_GROUP, metavar="DIR")
+    kv_offloading_size: float | None = _arg(CacheConfig.kv_offloading_size,
+                                            "GiB of host memory behind the KV cache: blocks the device evicts are "
+                                            "loaded back from there on a prefix hit (OffloadingConnector)",
+                                            KV_GROUP, metavar="GiB")
+    kv_transfer_config: dict | None = _arg(EngineConfig.kv_transfer_config,
+                                           "a KV connector, as JSON with vLLM's keys: e.g. '{\"kv_connector\": "
+                                           "\"ExampleConnector\", \"kv_role\": \"kv_both\", "
+                                           "\"kv_connector_extra_config\": {\"shared_storage_path\": \"/tmp/kv\"}}' "
+                                           "(default: off)", KV_GROUP, type=_kv_json_arg, metavar="JSON")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model: bool = False) -> argparse.ArgumentParser:
@@ -162,7 +178,8 @@ class EngineArgs:
                               seed=self.seed),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               kv_cache_memory=self.kv_cache_memory, gpu_memory_utilization=self.gpu_memory_utilization,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              kv_offloading_size=self.kv_offloading_size),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
@@ -176,10 +193,22 @@ class EngineArgs:
             speculative=SpeculativeConfig.from_dict(_json_object(self.speculative_config))
             if self.speculative_config else None,
             profiler_dir=self.profiler_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None,
+            kv_transfer_config=self._kv_transfer(),
         )
 
+    def _kv_transfer(self) -> KVTransferConfig | None:
+        """--kv-transfer-config, or with --kv-offloading-size the OffloadingConnector (vLLM's)."""
+        if self.kv_offloading_size is not None:
+            if self.kv_transfer_config:
+                raise ConfigError("set kv_offloading_size or kv_transfer_config, not both")
+            return KVTransferConfig("OffloadingConnector", "kv_both",
+                                    {"cpu_bytes": int(self.kv_offloading_size * 2 ** 30)})
+        if self.kv_transfer_config:
+            return KVTransferConfig.from_dict(_json_object(self.kv_transfer_config, "kv_transfer_config"))
+        return None
 
-_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
+
+_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float, "str": str, "str | None": str}
 
 
 def engine_config(model: str = EngineArgs.model, **kwargs) -> EngineConfig:

@@ -43,6 +43,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes for K and V of all layers (None: DEFAULT_CPU_KV_CACHE_MEMORY on a CPU)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory the process may use
     enable_prefix_caching: bool = True
+    kv_offloading_size: float | None = None  # GiB of host memory behind the KV cache (OffloadingConnector)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.block_size, int) and self.block_size >= 1 and
@@ -52,6 +53,8 @@ class CacheConfig:
                f"num_kv_blocks must be >= 2 (block 0 is the null block), got {self.num_kv_blocks}")
         _check(self.kv_cache_memory is None or self.kv_cache_memory > 0,
                f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        _check(self.kv_offloading_size is None or self.kv_offloading_size > 0,
+               f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -166,6 +169,55 @@ class SpeculativeConfig:
         return cls(**d)
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """KV transfer between instances (vLLM's ``kv_transfer_config``): ``kv_connector`` names a
+    connector of engine/distributed/kv_transfer/kv_connector/factory.py; ``kv_role`` whether this
+    instance produces KV (a prefill instance), consumes it (a decode instance) or both;
+    ``kv_connector_extra_config`` the connector's own settings (e.g. ExampleConnector's
+    ``shared_storage_path``)."""
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    engine_id: str | None = None  # this instance's name in kv_transfer_params (None: a random one)
+
+    def __post_init__(self) -> None:
+        from engine.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        names = KVConnectorFactory.names()
+        _check(self.kv_connector in names,
+               f"kv_transfer_config: unknown kv_connector {self.kv_connector!r}; known: {', '.join(names)}")
+        _check(self.kv_role in KV_ROLES, f"kv_transfer_config: kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        _check(isinstance(self.kv_connector_extra_config, dict),
+               "kv_transfer_config: kv_connector_extra_config must be a JSON object")
+        if self.engine_id is None:
+            import uuid
+            self.engine_id = uuid.uuid4().hex[:12]
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def get_from_extra_config(self, key: str, default):
+        return self.kv_connector_extra_config.get(key, default)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVTransferConfig:
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "engine_id"}
+        unknown = set(d) - known
+        _check(not unknown, f"kv_transfer_config: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        _check("kv_connector" in d, 'kv_transfer_config needs "kv_connector", e.g. '
+                                    '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}')
+        return cls(**d)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -175,6 +227,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: triton on CUDA, torch on CPU (measured faster)
     speculative: SpeculativeConfig | None = None
     profiler_dir: str | None = None  # where profiling also writes torch.profiler traces (one file per rank)
+    kv_transfer_config: KVTransferConfig | None = None  # a KV connector (disaggregated prefill, shared storage)
 
     def __post_init__(self) -> None:
         _check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,

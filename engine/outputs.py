@@ -35,6 +35,7 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)  # arrival / first token / finish times (monotonic s)
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then per token id -> Logprob
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    kv_transfer_params: dict | None = None  # a KV connector's, on the finished output (disaggregated prefill)
 
 
 @dataclass
@@ -58,6 +59,10 @@ class EngineStats:
     # over (rank r holds experts [r·E/N, (r+1)·E/N))
     moe_expert_tokens: dict[str, list[int]] = field(default_factory=dict)
     moe_ep_size: int = 1
+    # a KV connector (vLLM V1's vllm:external_prefix_cache_*): tokens of admitted requests it was asked
+    # about, and tokens it delivered
+    connector_prefix_cache_queries: int = 0
+    connector_prefix_cache_hits: int = 0
 
 
 # ---- worker -> engine core (vLLM V1's ``v1/outputs.py``) -----------------------------------------
@@ -77,6 +82,18 @@ class ModelRunnerOutput:
     # a mixture of experts (ours: vLLM's EPLB counts the same in its worker): per MoE decoder layer, the
     # tokens each expert received this step
     expert_load: dict[int, list[int]] | None = None
+    kv_connector_output: KVConnectorOutput | None = None  # a KV connector's transfers that finished
+
+
+@dataclass
+class KVConnectorOutput:
+    """What a worker's KV connector reports after a step (V1's fields)."""
+    finished_sending: set[str] | None = None  # requests whose blocks were sent: free them now
+    finished_recving: set[str] | None = None  # requests whose blocks arrived: schedule them now
+    invalid_block_ids: set[int] | None = None  # blocks whose load failed: their tokens are computed instead
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving)
 
 
 @dataclass

@@ -13,6 +13,8 @@ class RequestStatus(enum.Enum):
     # in waiting, its grammar still compiling: the scheduler passes over it
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
     RUNNING = "RUNNING"
+    # in waiting, its blocks allocated, while a KV connector receives their KV from another instance
+    WAITING_FOR_REMOTE_KVS = "WAITING_FOR_REMOTE_KVS"
     PREEMPTED = "PREEMPTED"  # back in waiting; its blocks were freed, it will be recomputed
     FINISHED_STOPPED = "FINISHED_STOPPED"
     FINISHED_LENGTH = "FINISHED_LENGTH"
@@ -40,13 +42,15 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # with scheduling_policy "priority": lower values are scheduled first
+    kv_transfer_params: dict | None = None  # a KV connector's: in with the request, out with its last output
 
     def __post_init__(self) -> None:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
+        self.num_cached_tokens = 0  # of those, found in the prefix cache (or delivered by a KV connector) at admission
+        self.num_external_computed_tokens = 0  # of those, delivered by a KV connector
         # its block table in each KV-cache group: logical block i -> physical block (one group: dense)
         self.kv_block_ids: list[list[int]] = [[]]
         self.block_hashes: list[int] = []  # hash of each full block, a chain over the tokens

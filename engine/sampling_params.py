@@ -112,6 +112,8 @@ class SamplingParams:
     # JSON schema, regex, choice or grammar the output must follow (a dict here becomes the dataclass:
     # what crosses the wire to the engine core and to the workers)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: arguments for extensions, e.g. {"kv_transfer_params": {...}} for a KV connector
+    extra_args: dict | None = None
     stop_strs: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

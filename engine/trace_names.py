@@ -14,8 +14,9 @@ SPEC_DECODE = "spec_decode"  # speculative decoding: drafts verified, accepted, 
 WORKER = "worker"  # a tensor-parallel rank's own process (its startup, the step it received)
 STRUCTURED_OUTPUT = "structured_output"  # the engine core's StructuredOutputManager: grammars and their masks
 PROFILER = "profiler"  # profiling on demand: its window (start, stop); the profiled ops are kernel launches
+KV_TRANSFER = "kv_transfer"  # a KV connector's transfers: blocks saved, loaded, sent, received
 LAYERS = (CLI, HTTP, API, TOKENIZER, IPC, ENGINE, SCHEDULER, STRUCTURED_OUTPUT, BLOCK_MANAGER, WORKER, MODEL_RUNNER,
-          KERNEL, SAMPLER, SPEC_DECODE, DETOKENIZER, PROFILER, TRACER)
+          KERNEL, SAMPLER, SPEC_DECODE, DETOKENIZER, PROFILER, KV_TRANSFER, TRACER)
 # where each runs with the engine core in its own process (in one process: all here)
 FRONTEND_LAYERS = frozenset({CLI, HTTP, API, TOKENIZER, DETOKENIZER})
 
@@ -41,6 +42,9 @@ DRAFT_PREFIX = "draft:"  # kernel events of a draft model's forward passes: "dra
 # a sampled token the grammar refused
 GRAMMAR_COMPILED, BITMASK, GRAMMAR_REJECTED = "compiled", "bitmask", "refused"
 DRAFTS_VALIDATED = "drafts_validated"  # structured_output: a request's drafts checked by its grammar (prefix kept)
+# kv_transfer: per request and step, its blocks written to / read from the connector's store, sent to /
+# received from another instance (block ids, bytes, seconds)
+KV_SAVE, KV_LOAD, KV_SEND, KV_RECV = "save", "load", "send", "recv"
 EVENTS_LOST = "events_lost"  # tracer: a reader fell behind the ring and missed this many events
 # request lifecycle (engine, scheduler)
 QUEUED, SCHEDULED, PREEMPTED, FINISHED, ABORTED = "QUEUED", "SCHEDULED", "PREEMPTED", "FINISHED", "ABORTED"

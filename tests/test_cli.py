@@ -51,7 +51,8 @@ def test_lesson_and_exercise_come_from_the_lessons_entry_point(monkeypatch):
 
 def test_without_the_entry_point_the_tracer_has_only_its_own_commands(monkeypatch):
     _entry_points(monkeypatch)
-    assert list(_subcommands()) == ["generate", "serve", "attach", "replay", "send", "bench", "export", "roofline"]
+    assert list(_subcommands()) == ["generate", "serve", "attach", "replay", "send", "bench", "export", "roofline",
+                                    "proxy"]
 
 
 def test_a_broken_entry_point_is_one_line_and_the_rest_still_work(monkeypatch, capsys):

@@ -16,7 +16,7 @@ import sys
 from tracer.errors import UserError
 
 # One module per subcommand, in the order `--help` lists them.
-COMMANDS = ["generate", "serve", "attach", "replay", "send", "bench", "export", "roofline"]
+COMMANDS = ["generate", "serve", "attach", "replay", "send", "bench", "export", "roofline", "proxy"]
 ENTRY_POINT_GROUP = "vllm_trace.commands"
 
 

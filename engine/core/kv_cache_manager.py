@@ -106,12 +106,13 @@ class KVCacheManager:
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: KVCacheBlocks | None = None,
-                       num_lookahead_tokens: int = 0) -> bool:
+                       num_lookahead_tokens: int = 0, delay_cache_blocks: bool = False) -> bool:
         """Make room for num_new_tokens more tokens of the request (after its computed ones and any
         prefix-cache hits, new_computed_blocks), and num_lookahead_tokens slots after them (where a
         draft model writes its proposals: vLLM V1's name). First the blocks its windows have passed go
         back to the pool (even if the rest does not fit). Returns False, changing nothing else, if
-        there are not enough blocks in all groups together."""
+        there are not enough blocks in all groups together. delay_cache_blocks: their KV arrives later
+        (a KV connector's asynchronous load): not in the prefix cache until then (cache_blocks)."""
         if len(request.kv_block_ids) != self.num_kv_cache_groups:  # (a request's first allocation)
             request.kv_block_ids = [[] for _ in range(self.num_kv_cache_groups)]
         new_computed = new_computed_blocks or self.coordinator.empty_blocks()
@@ -126,7 +127,8 @@ class KVCacheManager:
         if any(new) and self.hooks.active:
             self._trace_allocate(request, new)
         # draft tokens' slots (lookahead) hold nothing to share yet
-        self.cache_blocks(request, min(total, request.num_tokens))
+        if not delay_cache_blocks:
+            self.cache_blocks(request, min(total, request.num_tokens))
         return True
 
     def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:

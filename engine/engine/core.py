@@ -32,7 +32,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_cache_utils import hybrid_capacity, kv_cache_groups_of
+from engine.core.kv_cache_utils import bytes_per_block, hybrid_capacity, kv_cache_groups_of
 from engine.core.sched.async_scheduler import AsyncScheduler
 from engine.core.sched.output import SchedulerOutput, diff_summary
 from engine.core.sched.scheduler import Scheduler
@@ -70,6 +70,8 @@ from engine.worker.worker import Worker
 
 # how long a step waits for a grammar when nothing else can run (short: an abort or a new request may come)
 GRAMMAR_WAIT_S = 0.05
+# how long an empty step waits while only a KV connector's transfers are under way (they run on its threads)
+KV_TRANSFER_WAIT_S = 0.002
 BATCH_QUEUE_SIZE = 2  # async scheduling: steps in flight at most (V1's batch_queue_size without pipeline parallelism)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -147,16 +149,34 @@ class EngineCore:
         lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
         sched_args = (config.scheduler, self.kv_cache_manager, self.max_model_len, self.hooks,
                       self.structured_output_manager)
+        connector = self._make_kv_connector()
         if config.scheduler.async_scheduling:  # two batches in flight: step_with_batch_queue
-            self.scheduler = AsyncScheduler(*sched_args, num_lookahead_tokens=lookahead,
+            self.scheduler = AsyncScheduler(*sched_args, num_lookahead_tokens=lookahead, connector=connector,
                                             num_spec_tokens=spec.num_speculative_tokens if spec else 0)
             self.batch_queue: deque | None = deque()
         else:
-            self.scheduler = Scheduler(*sched_args, num_lookahead_tokens=lookahead)
+            self.scheduler = Scheduler(*sched_args, num_lookahead_tokens=lookahead, connector=connector)
             self.batch_queue = None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue  # V1's
         self._rng = random.Random(mc.seed)
         self.profiling_since: int | None = None  # the first profiled step, while profiling
+
+    def _make_kv_connector(self):
+        """The KV connector's scheduler side (its worker side is the Worker's), or None."""
+        if self.config.kv_transfer_config is None:
+            return None
+        from engine.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from engine.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        if self.config.parallel.tensor_parallel_size > 1 or self.kv_cache_manager.num_kv_cache_groups > 1 \
+                or self.kv_cache_manager.has_sliding_window:
+            raise ValueError("kv_transfer_config needs tensor_parallel_size=1 and a model with one full-attention "
+                             "KV-cache group (no sliding-window layers)")
+        connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.SCHEDULER)
+        connector.hooks = self.hooks
+        if hasattr(connector, "set_num_cpu_blocks"):  # a host-memory tier: its blocks, as the worker counts them
+            connector.set_num_cpu_blocks(bytes_per_block(self.model_config, self.config.cache.block_size, self.dtype))
+        return connector
 
     def _make_executor(self) -> Executor:
         args = (self.config, self.model_path, self.model_config, self.device, self.dtype, self.attention_backend)
@@ -193,6 +213,8 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any (also at exit). Safe to call twice."""
         self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
 
     @property
     def step_count(self) -> int:
@@ -214,8 +236,10 @@ class EngineCore:
         if not ids or any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt must be a non-empty list of token ids in [0, {vocab - 1}]")
         max_tokens = self._check_lengths(ids, params)
+        kv_params = (params.extra_args or {}).get("kv_transfer_params")  # (copied: a connector updates its own)
         req = Request(rid, request.prompt, ids, params, self.eos_token_id, max_tokens,
-                      arrival_time=request.arrival_time or time.monotonic(), priority=request.priority)
+                      arrival_time=request.arrival_time or time.monotonic(), priority=request.priority,
+                      kv_transfer_params=dict(kv_params) if kv_params else None)
         # every request has a seed (MRv2's): its draws are keyed by (seed, position)
         req.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         if params.structured_outputs is not None:  # waits in the queue until its grammar compiles
@@ -324,9 +348,13 @@ class EngineCore:
         if self.hooks.active:
             self._trace_schedule(scheduler_output)
         model_output = None
-        if not scheduler_output.is_empty or scheduler_output.finished_req_ids:  # the workers free finished slots
+        # the workers free finished slots; a KV connector's transfers go on while nothing is scheduled
+        connector = self.scheduler.connector is not None
+        if not scheduler_output.is_empty or scheduler_output.finished_req_ids or connector:
             self.model_executor.execute_model(scheduler_output)
-        if not scheduler_output.is_empty:
+        if connector and scheduler_output.is_empty:  # only transfers under way: let their threads run
+            time.sleep(KV_TRANSFER_WAIT_S)
+        if not scheduler_output.is_empty or connector:
             if self.hooks.gated:
                 self.hooks.gate("grammar_bitmask", step=scheduler_output.step)
             grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
@@ -375,7 +403,7 @@ class EngineCore:
                 self.structured_output_manager.wait_for_compile(self.scheduler.waiting, GRAMMAR_WAIT_S)
             sched, exec_future = self._schedule_and_execute()
             scheduled = sched.step
-            if sched.is_empty:
+            if sched.is_empty and self.scheduler.connector is None:
                 future = exec_future
             elif sched.pending_structured_output_tokens:
                 deferred = (sched, exec_future)  # its bitmask needs the tokens of the step before
@@ -409,6 +437,8 @@ class EngineCore:
         if self.hooks.active:
             self._trace_schedule(sched)
         future = self.model_executor.execute_model(sched, non_block=True)
+        if sched.is_empty and self.scheduler.connector is not None:  # only transfers under way: let them run
+            time.sleep(KV_TRANSFER_WAIT_S)
         if self.hooks.gated:  # a controller's next stop (grammar_bitmask) comes after the forward pass, as in step()
             future.result()
         return sched, future
@@ -452,6 +482,8 @@ class EngineCore:
             spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos),
             moe_expert_tokens={str(k): list(v) for k, v in self.scheduler.expert_load.num_tokens.items()},
             moe_ep_size=self.ep_size,
+            connector_prefix_cache_queries=self.scheduler.connector_prefix_cache_queries,
+            connector_prefix_cache_hits=self.scheduler.connector_prefix_cache_hits,
         )
 
     def snapshot(self, sched: SchedulerOutput | None = None) -> dict:

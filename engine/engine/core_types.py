@@ -54,6 +54,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     metrics: dict[str, Any] | None = None  # on the first token and at the finish
     # with the first token, if asked: per prompt position 1..: [[token id, logprob, rank], ...], its own first
     new_prompt_logprobs: list[list[list[Any]]] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # the KV connector's, with the last output
 
     @property
     def finished(self) -> bool:

@@ -36,6 +36,7 @@ class RequestState:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     text: str = ""
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # V1's shape: None for the first token
     parent: ParentRequest | None = None  # n > 1: this is one of its children
@@ -124,6 +125,7 @@ class OutputProcessor:
         if out.metrics:
             st.metrics |= out.metrics
         st.num_cached_tokens = out.num_cached_tokens
+        st.kv_transfer_params = out.kv_transfer_params
         return "".join(pieces)
 
     def _match_stop(self, st: RequestState, new_chars: int) -> str | None:
@@ -143,7 +145,7 @@ class OutputProcessor:
                                       list(st.logprobs) if st.params.logprobs is not None else None,
                                       finish, stop_reason)
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion], finish is not None,
-                             st.num_cached_tokens, dict(st.metrics), st.prompt_logprobs)
+                             st.num_cached_tokens, dict(st.metrics), st.prompt_logprobs, st.kv_transfer_params)
 
 
 class RequestOutputCollector:

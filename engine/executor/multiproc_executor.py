@@ -202,6 +202,7 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         self._stop_thread()
+        self.worker.shutdown()
 
 
 def _how(code: int) -> str:

@@ -32,7 +32,7 @@ from engine.core.sched.output import GrammarOutput, SchedulerOutput
 from engine.hooks import INSTANT, Hooks
 from engine.model_executor.layers.attention import AttentionMetadata
 from engine.model_executor.layers.fused_moe.layer import moe_layers
-from engine.outputs import DraftTokenIds, ModelRunnerOutput
+from engine.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from engine.sample.rejection_sampler import RejectionSampler, requests_after_drafts, spec_logprobs
 from engine.sample.sampler import Sampler
 from engine.spec_decode.ngram_proposer import NgramProposer
@@ -103,6 +103,8 @@ class ModelRunner:
         self._pending: _Pending | None = None  # between execute_model and sample_tokens
         self._draft_token_ids: DraftTokenIds | None = None  # the last step's proposals, until taken
         self.last_draft_token_ids: dict[str, list[int]] = {}  # ... kept: they fill placeholder drafts
+        self.kv_connector = None  # a KV connector's worker side (set by the Worker), or None
+        self._kv_connector_output = None  # its finished transfers, for the step's ModelRunnerOutput
 
     # ---- the persistent state (Model Runner V2's add_requests / update_requests / finish_requests) ----
     def finish_requests(self, scheduler_output: SchedulerOutput) -> None:
@@ -184,6 +186,7 @@ class ModelRunner:
         meta = self._metadata(batch.slot_mappings_by_group or [batch.slot_mapping], batch.query_start_loc,
                               batch.seq_lens, batch.block_tables_by_group or [batch.block_tables],
                               int(batch.num_scheduled_tokens.max()), int(batch.seq_lens_np.max()))
+        meta.kv_connector = self.kv_connector
         return ModelInput(input_ids=batch.input_ids, positions=batch.positions, meta=meta,
                           logits_indices=self._tensor(batch.logits_indices),
                           all_last=len(batch.input_ids) == len(batch.req_ids))
@@ -218,9 +221,25 @@ class ModelRunner:
         self.add_requests(scheduler_output)
         self.update_requests(scheduler_output)
         self._pending = None
-        if scheduler_output.is_empty:
-            return None
-        self._observed(scheduler_output.step, lambda: self._lens(scheduler_output), self._execute, scheduler_output)
+        if self.kv_connector is not None:  # V1's KVConnectorModelRunnerMixin: loads start before the forward pass
+            self.kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+            self.kv_connector.start_load_kv()
+        if not scheduler_output.is_empty:
+            self._observed(scheduler_output.step, lambda: self._lens(scheduler_output), self._execute,
+                           scheduler_output)
+        if self.kv_connector is not None:  # ... and saves finish after it
+            self._finish_kv_connector(scheduler_output)
+
+    def _finish_kv_connector(self, sched: SchedulerOutput) -> None:
+        """After the forward pass (V1's): the step's saves done, the finished transfers for the scheduler."""
+        connector = self.kv_connector
+        connector.wait_for_save()
+        sending, recving = connector.get_finished(sched.finished_req_ids)
+        invalid = connector.get_block_ids_with_load_errors()
+        connector.clear_connector_metadata()
+        if self.hooks.active:
+            connector.publish_records(sched.step)
+        self._kv_connector_output = KVConnectorOutput(sending, recving, invalid or None)
         return None
 
     def _execute(self, sched: SchedulerOutput) -> None:
@@ -240,10 +259,13 @@ class ModelRunner:
         request, in batch order (none for a chunk that does not end its prefill). Hooks: the
         sampler's launches, sampler/sampled."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return None
+        kv_output, self._kv_connector_output = self._kv_connector_output, None
+        if pending is None:  # nothing ran; a KV connector may have finished transfers all the same
+            return None if kv_output is None else ModelRunnerOutput([], {}, [], kv_connector_output=kv_output)
         lens = pending.batch.num_scheduled_tokens.tolist(), pending.batch.seq_lens_np.tolist()
-        return self._observed(pending.sched.step, lambda: lens, self._sample_step, pending, grammar_output)
+        out = self._observed(pending.sched.step, lambda: lens, self._sample_step, pending, grammar_output)
+        out.kv_connector_output = kv_output
+        return out
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts proposed after the last step (V1's name), once."""

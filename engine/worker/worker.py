@@ -155,6 +155,8 @@ class Worker:
                 self.draft_model, draft_caches, cc.block_size, self.device,
                 self.config.speculative.num_speculative_tokens,
                 self.config.model.max_model_len or self.model_config.max_position_embeddings)
+        if self.config.kv_transfer_config is not None:
+            self.model_runner.kv_connector = self._make_kv_connector()
         per_block = bytes_per_block(cfg, cc.block_size, self.dtype, n)
         info = dict(num_blocks=num_blocks, block_size=cc.block_size, bytes=num_blocks * per_block,
                     bytes_per_block=per_block, heads=list(self.tp.shard(cfg.num_heads)),
@@ -167,6 +169,20 @@ class Worker:
             info["kv_cache_groups"] = [dict(layers=g.layer_ids, sliding_window=g.kv_cache_spec.sliding_window)
                                        for g in groups]
         return info
+
+    def _make_kv_connector(self):
+        """The KV connector's worker side (engine/distributed/kv_transfer), given this rank's caches."""
+        from engine.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from engine.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        connector = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER)
+        connector.hooks = self.hooks
+        connector.register_kv_caches({f"model.layers.{i}": kv for i, kv in enumerate(self.kv_caches)})
+        return connector
+
+    def shutdown(self) -> None:
+        if self.model_runner is not None and self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.shutdown()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         if self.hooks.active and self.tp.world_size > 1:

@@ -3,7 +3,8 @@
 - Every command runs in one working folder per document (`.venv` and `lessons/` link to this
   checkout), in document order, so a file one command writes is there for the next.
 - `serve` starts a server on a free port (a `--web-port` gets one too) and leaves it up until the
-  block ends, as terminal 1 would; the block's later commands reach it where they say port 8000.
+  block ends, as terminal 1 would; the block's later commands reach it where they say port 8000
+  (or, for a `serve --port N`, where they say port N). `proxy` is started and stopped as a server.
   A recording server (`--trace-file`) first serves one profiled request, as the user guide's
   profiling does, and is stopped (Ctrl-C, or `q` in its TUI) before a command reads its file.
   Blocks without a `serve` reach one shared `serve tiny-gpt2 --no-tui` (`send` and `bench`
@@ -123,6 +124,7 @@ class Runner:
     servers: list[Server] = field(default_factory=list)
     background: list[tuple[str, subprocess.Popen]] = field(default_factory=list)  # `cmd &`
     tmux: Tmux | None = None
+    ports: dict[str, int] = field(default_factory=dict)  # a server's --port in the document -> its real one
 
     def __post_init__(self):
         for link in (".venv", "lessons"):
@@ -163,7 +165,7 @@ class Runner:
     def run_one(self, cmd: Command, assignments: list[str]) -> None:
         if cmd.program == "make":
             raise AssertionError(f"`{cmd.text}`: make runs in a checkout, not here; mark the block skip and say why")
-        if cmd.subcommand == "serve":
+        if cmd.subcommand in ("serve", "proxy"):
             return self.serve(cmd)
         code = self.rewrite(cmd)
         if cmd.subcommand in TUIS or (cmd.subcommand == "lesson" and "--tui" in cmd.argv):
@@ -189,6 +191,8 @@ class Runner:
 
     def rewrite(self, cmd: Command) -> str:
         code, background = cmd.code.removesuffix("&").rstrip(), cmd.code.endswith("&")
+        for doc_port, port in self.ports.items():  # a server the document started on its own port
+            code = re.sub(rf"(localhost|127\.0\.0\.1):{doc_port}\b", f"127.0.0.1:{port}", code)
         if "8000" in code or cmd.subcommand in ("send", "bench"):
             url = self.url()
             code = re.sub(r"(https?://)?(localhost|127\.0\.0\.1):8000", url, code)
@@ -213,13 +217,15 @@ class Runner:
     # ---- servers ------------------------------------------------------------------------------
     def serve(self, cmd: Command) -> None:
         port = free_port()
-        code = cmd.code + f" --port {port}"
+        code = (self.rewrite(cmd) if cmd.subcommand == "proxy" else cmd.code) + f" --port {port}"
+        if cmd.option("--port") not in (None, "8000"):
+            self.ports[cmd.option("--port")] = port
         web = cmd.option("--web-port")
         if web:
             web_port = free_port()
             code = code.replace(f"--web-port {web}", f"--web-port {web_port}")
         server = Server(cmd, f"http://127.0.0.1:{port}", trace_file=cmd.option("--trace-file"))
-        if "--no-tui" in cmd.argv:
+        if "--no-tui" in cmd.argv or cmd.subcommand == "proxy":
             server.proc = subprocess.Popen(["bash", "-c", f"exec {code}"], cwd=self.workdir, env=self.env,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         else:

@@ -10,6 +10,7 @@ bitmask, computed after the forward pass was launched (``Scheduler.get_grammar_b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
     finished_req_ids: set[str] = field(default_factory=set)  # finished or aborted since the last step
     preempted_req_ids: set[str] = field(default_factory=set)  # the workers drop them (Model Runner V2)
+    kv_connector_metadata: Any = None  # a KV connector's plan for its worker side (a KVConnectorMetadata)
     # ours: the step, and for the trace who was admitted and why the others wait
     step: int = 0
     admitted: list[str] = field(default_factory=list)

@@ -64,7 +64,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
                  hooks: Hooks | None = None, structured_output_manager: StructuredOutputManager | None = None,
-                 num_lookahead_tokens: int = 0):
+                 num_lookahead_tokens: int = 0, connector=None):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -84,6 +84,12 @@ class Scheduler:
         self._sent_blocks: dict[str, tuple[int, ...]] = {}  # request id -> blocks of its tables the workers hold
         # request id -> how many tokens its grammar allowed at each position it scores (the last bitmask)
         self.grammar_allowed_per_pos: dict[str, list[int]] = {}
+        # a KV connector's scheduler side (engine/distributed/kv_transfer), or None
+        self.connector = connector
+        self.finished_recving_kv_req_ids: set[str] = set()  # their remote KV arrived: schedule them
+        self.failed_kv_block_ids: set[int] = set()  # blocks whose remote KV did not arrive: computed instead
+        self._delayed_frees: dict[str, Request] = {}  # finished, blocks kept until the connector sent them
+        self.connector_prefix_cache_queries = self.connector_prefix_cache_hits = 0  # tokens asked, delivered
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -93,7 +99,7 @@ class Scheduler:
             self.waiting.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._delayed_frees)
 
     def schedule(self) -> SchedulerOutput:
         """This step's batch, within max_num_batched_tokens and max_num_seqs, as the diff the
@@ -115,6 +121,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._schedule_waiting(out, budget)
         self._make_diff(out)
+        if self.connector is not None:  # V1's: the plan for the connector's worker side
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self._update_after_schedule(out)
         return out
 
@@ -167,16 +175,22 @@ class Scheduler:
             elif (self.waiting[0].status is RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
                   and not self._grammar_ready(out, skipped)):
                 continue  # passed over (its grammar is compiling) or finished (its grammar failed)
+            elif (self.waiting[0].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                  and not self._update_waiting_for_remote_kv(self.waiting[0])):
+                skipped.append(self.waiting.popleft())  # passed over: its KV is still on its way
+                continue
             else:
-                reason = self._try_admit(self.waiting[0], budget, out)
-                if reason is None:
+                head = self.waiting[0]
+                reason = self._try_admit(head, budget, out)
+                if head.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    skipped.append(self.waiting.popleft())  # its KV is on its way: passed over until it arrives
+                elif reason is None:
                     budget -= out.num_scheduled_tokens[out.admitted[-1]]
         if reason is not None:
             out.waiting_reasons = {r.request_id: reason for r in self.waiting}
         if skipped:
             self.waiting.extendleft(reversed(skipped))
-            out.waiting_reasons |= {r.request_id: "its grammar is compiling (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)"
-                                    for r in skipped}
+            out.waiting_reasons |= {r.request_id: _SKIPPED_WHY[r.status] for r in skipped}
 
     def _make_diff(self, out: SchedulerOutput) -> None:
         """What the workers do not know yet (Model Runner V2's protocol): a request they do not hold
@@ -298,21 +312,67 @@ class Scheduler:
                         num_allowed=num_allowed, allowed=preview, num_allowed_per_pos=per_pos, terminated=terminated)
 
     def _try_admit(self, req: Request, budget: int, out: SchedulerOutput) -> str | None:
-        """Admit the head of `waiting`, or return why not."""
-        computed, num_cached = self.kv_cache_manager.get_computed_blocks(req)
-        n = req.num_tokens - num_cached
+        """Admit the head of `waiting`, or return why not. With a KV connector, the tokens it delivers
+        past the prefix-cache hit count as computed (loaded in this step, or, asynchronously, before the
+        request is scheduled: it then waits as WAITING_FOR_REMOTE_KVS with its blocks allocated)."""
+        if any(req.kv_block_ids):  # its blocks were allocated while its remote KV arrived (WAITING_FOR_REMOTE_KVS)
+            computed, num_cached, num_external, load_async = None, req.num_computed_tokens, 0, False
+        else:
+            computed, num_cached = self.kv_cache_manager.get_computed_blocks(req)
+            num_external, load_async = 0, False
+            if self.connector is not None:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_cached)
+                if num_external is None:
+                    return "the KV connector is still looking its tokens up"
+                self.connector_prefix_cache_queries += req.num_tokens
+                self.connector_prefix_cache_hits += num_external
+        if load_async:
+            return self._allocate_for_remote_kvs(req, computed, num_cached, num_external)
+        n = req.num_tokens - num_cached - num_external
         if n > budget and not self.config.enable_chunked_prefill:
             return "token budget too small for the whole prompt (chunked prefill off)"
         n = min(n, budget)
-        if not self._allocate(req, n, num_cached + n, computed):
+        if not self._allocate(req, num_external + n, num_cached + num_external + n, computed):
             return "not enough free KV-cache blocks"
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(req, req.kv_block_ids, num_external)
         self.waiting.popleft()
-        req.num_computed_tokens = req.num_cached_tokens = num_cached
+        if not req.num_computed_tokens:
+            req.num_external_computed_tokens = num_external
+            req.num_computed_tokens = req.num_cached_tokens = num_cached + num_external
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.admitted.append(req.request_id)
         out.num_scheduled_tokens[req.request_id] = n
         return None
+
+    def _allocate_for_remote_kvs(self, req: Request, computed, num_cached: int, num_external: int) -> str | None:
+        """V1's asynchronous load: blocks for the delivered tokens now, not cached until they arrive; the
+        request stays in `waiting` as WAITING_FOR_REMOTE_KVS (passed over until then)."""
+        if not self.kv_cache_manager.allocate_slots(req, num_external, computed, delay_cache_blocks=True):
+            return "not enough free KV-cache blocks"
+        self.connector.update_state_after_alloc(req, req.kv_block_ids, num_external)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.num_external_computed_tokens = num_external
+        req.num_cached_tokens = num_cached + num_external
+        return None
+
+    def _update_waiting_for_remote_kv(self, req: Request) -> bool:
+        """Whether the request's remote KV has arrived; if so its blocks are cached and its delivered
+        tokens computed (all but its last token: the step samples from it), and it is WAITING again."""
+        if req.request_id not in self.finished_recving_kv_req_ids:
+            return False
+        self.finished_recving_kv_req_ids.discard(req.request_id)
+        failed = [i for i, b in enumerate(req.block_ids) if b in self.failed_kv_block_ids]
+        if failed:  # (V1's load errors, recompute policy) its tokens from the first failed block are computed
+            self.failed_kv_block_ids.difference_update(req.block_ids)
+            req.num_external_computed_tokens = 0
+            req.num_cached_tokens = min(req.num_cached_tokens, failed[0] * self.kv_cache_manager.block_size)
+        num_computed = min(req.num_cached_tokens, req.num_tokens - 1)
+        self.kv_cache_manager.cache_blocks(req, num_computed)
+        req.num_computed_tokens = num_computed
+        req.status = RequestStatus.WAITING
+        return True
 
     def _allocate(self, req: Request, n: int, end: int, computed: tuple[list[int], ...] | None = None) -> bool:
         """The KV-cache manager's allocate_slots for n more tokens of req (computed up to `end` after
@@ -374,6 +434,9 @@ class Scheduler:
                         outputs.append(out)
             if model_runner_output.expert_load:
                 self.expert_load.observe(model_runner_output.expert_load)
+        kv_output = model_runner_output.kv_connector_output if model_runner_output is not None else None
+        if kv_output is not None:
+            self._update_from_kv_xfer_finished(kv_output)
         self.step_count += 1
         return EngineCoreOutputs(outputs=outputs)
 
@@ -428,6 +491,10 @@ class Scheduler:
             req = self.requests.pop(rid, None)
             if req is None or req.status.finished:
                 continue
+            # its KV on its way: the worker still writes into its blocks (unless it has arrived already)
+            receiving = (req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                         and rid not in self.finished_recving_kv_req_ids)
+            self.finished_recving_kv_req_ids.discard(rid)
             req.status = finished_status
             self.finished_req_ids.add(rid)
             self._sent_blocks.pop(rid, None)
@@ -435,7 +502,36 @@ class Scheduler:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
+            if self.connector is not None and self._connector_finished(req, receiving):
+                continue  # its blocks are freed once the connector is done with them
             self.kv_cache_manager.free(req)
+
+    def _connector_finished(self, req: Request, receiving: bool) -> bool:
+        """V1's: the connector sees the finished request before its blocks are freed; True: it keeps
+        them (until its worker side reports them sent). Its kv_transfer_params go out with its output.
+        A request aborted while its KV is on its way keeps its blocks until it has arrived (the worker
+        writes into them)."""
+        delay, req.kv_transfer_params = self.connector.request_finished(req, list(req.block_ids))
+        if delay or receiving:
+            self._delayed_frees[req.request_id] = req
+        return delay or receiving
+
+    def _update_from_kv_xfer_finished(self, kv_output) -> None:
+        """The workers' finished transfers: received KV makes its request schedulable, sent KV frees
+        its request's blocks."""
+        self.connector.update_connector_output(kv_output)
+        self.finished_recving_kv_req_ids.update(kv_output.finished_recving or ())
+        self.failed_kv_block_ids.update(kv_output.invalid_block_ids or ())
+        for rid in kv_output.finished_recving or ():  # aborted while receiving: its blocks are free now
+            req = self._delayed_frees.get(rid)
+            if req is not None and req.status.finished:
+                self.finished_recving_kv_req_ids.discard(rid)
+                self.failed_kv_block_ids.difference_update(req.block_ids)
+                self.kv_cache_manager.free(self._delayed_frees.pop(rid))
+        for rid in kv_output.finished_sending or ():
+            req = self._delayed_frees.pop(rid, None)
+            if req is not None:
+                self.kv_cache_manager.free(req)
 
     def _trace_schedule_begin(self, step: int) -> None:
         self.hooks.emit(SCHEDULER, SCHEDULE, BEGIN, step=step, num_waiting=len(self.waiting),
@@ -530,8 +626,19 @@ def _output(req: Request, new_token_ids: list[int], new_logprobs: list | None) -
         metrics = dict(arrival_time=req.arrival_time, first_scheduled_time=req.first_scheduled_time,
                        first_token_time=req.first_token_time, finished_time=req.finished_time,
                        num_preemptions=req.num_preemptions)
+        if req.num_external_computed_tokens:  # a KV connector delivered them (V1's prompt-token sources)
+            metrics["num_external_computed_tokens"] = req.num_external_computed_tokens
     prompt_logprobs = None
     if req.num_output_tokens == len(new_token_ids) and req.params.prompt_logprobs is not None:
         prompt_logprobs = req.prompt_logprobs
     return EngineCoreOutput(req.request_id, new_token_ids, new_logprobs, req.finish_reason, req.stop_reason,
-                            req.num_cached_tokens, metrics, prompt_logprobs)
+                            req.num_cached_tokens, metrics, prompt_logprobs,
+                            req.kv_transfer_params if req.finished_time is not None else None)
+
+
+# why a request in `waiting` is passed over, by its status
+_SKIPPED_WHY = {
+    RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+        "its grammar is compiling (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)",
+    RequestStatus.WAITING_FOR_REMOTE_KVS: "its KV is on its way from another instance (WAITING_FOR_REMOTE_KVS)",
+}

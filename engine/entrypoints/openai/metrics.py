@@ -60,6 +60,15 @@ class ServerMetrics:
         ).labels(*ids)
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.").labels(*ids)
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.").labels(*ids)
+        self.external_queries = counter("vllm:external_prefix_cache_queries", "Tokens a KV connector was asked "
+                                        "about (other instances' caches).").labels(*ids)
+        self.external_hits = counter("vllm:external_prefix_cache_hits", "Tokens a KV connector delivered "
+                                     "(computed by another instance).").labels(*ids)
+        by_source = counter("vllm:prompt_tokens_by_source", "Prompt tokens by source: computed here "
+                            "(local_compute), found in the prefix cache (local_cache_hit) or delivered by a KV "
+                            "connector (external_kv_transfer).", [*m, "source"])
+        self.prompt_by_source = {s: by_source.labels(*ids, s)
+                                 for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
         self.preemptions = counter("vllm:num_preemptions", "Preemptions.").labels(*ids)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.").labels(*ids)
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(*ids)
@@ -92,6 +101,13 @@ class ServerMetrics:
         self._last = engine.stats
         engine.step_listeners.append(self.on_step)
 
+    def _by_source(self, out: RequestOutput) -> None:
+        cached = min(out.num_cached_tokens, len(out.prompt_token_ids))
+        external = min(out.metrics.get("num_external_computed_tokens", 0), cached)
+        self.prompt_by_source["local_compute"].inc(len(out.prompt_token_ids) - cached)
+        self.prompt_by_source["local_cache_hit"].inc(cached - external)
+        self.prompt_by_source["external_kv_transfer"].inc(external)
+
     def on_step(self, outputs: list[RequestOutput], stats: EngineStats, aborted: list[str]) -> None:
         """Engine thread, after each step."""
         now, step_tokens = time.monotonic(), 0
@@ -105,6 +121,7 @@ class ServerMetrics:
                 if before == 0:  # first token: its prompt was processed in this step
                     step_tokens += len(out.prompt_token_ids)
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
+                    self._by_source(out)
                     self.ttft.observe(m["first_token_time"] - m["arrival_time"])
                     self.queue_time.observe(m["first_scheduled_time"] - m["arrival_time"])
                 else:
@@ -127,6 +144,8 @@ class ServerMetrics:
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.external_queries.inc(max(0, stats.connector_prefix_cache_queries - last.connector_prefix_cache_queries))
+        self.external_hits.inc(max(0, stats.connector_prefix_cache_hits - last.connector_prefix_cache_hits))
         if stats.spec_num_drafts != last.spec_num_drafts:
             self._spec(stats, last)
         if stats.moe_expert_tokens != last.moe_expert_tokens:

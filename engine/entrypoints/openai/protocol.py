@@ -86,6 +86,7 @@ class SamplingRequest(RequestModel):
     bad_words: list[Text] | None = Field(None, description="words never generated (vLLM)")
     response_format: ResponseFormat | None = Field(None, description="json_object or json_schema (OpenAI)")
     structured_outputs: StructuredOutputs | None = Field(None, description="json, regex, choice or grammar (vLLM)")
+    kv_transfer_params: dict | None = Field(None, description="for the KV connector: disaggregated prefill (vLLM)")
     user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -165,6 +166,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict | None = None  # the prefill instance's, for the decode instance (vLLM)
 
 
 class TopLogprob(BaseModel):
@@ -201,6 +203,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict | None = None  # the prefill instance's, for the decode instance (vLLM)
 
 
 class DeltaMessage(BaseModel):

@@ -48,7 +48,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             logit_bias=_token_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
-            structured_outputs=structured_outputs)
+            structured_outputs=structured_outputs,
+            extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None)
     except SamplingParamsError as e:
         raise bad_request(e) from None
 

@@ -115,7 +115,7 @@ class _Ctx:
                               logprobs=self._logprobs(c.token_ids, c.logprobs), finish_reason=c.finish_reason,
                               stop_reason=c.stop_reason) for c in out.outputs]
         return ChatCompletionResponse(id=self.rid, created=self.created, model=self.state.model_name,
-                                      choices=choices, usage=_usage(out))
+                                      choices=choices, usage=_usage(out), kv_transfer_params=out.kv_transfer_params)
 
     def _chunk(self, index: int, delta: dict, logprobs: ChatLogprobs | None = None,
                finish_reason: str | None = None) -> bytes:

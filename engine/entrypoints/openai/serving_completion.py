@@ -135,7 +135,7 @@ class _Ctx:
             choices.append(CompletionChoice(index=i * b.n + c.index, text=text, logprobs=lp,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         return CompletionResponse(id=self.rid, created=self.created, model=self.state.model_name, choices=choices,
-                                  usage=_usage(finals))
+                                  usage=_usage(finals), kv_transfer_params=finals[0].kv_transfer_params)
 
     async def stream(self, streams):
         """SSE events: one chunk per new text, then usage (if asked), then [DONE]."""

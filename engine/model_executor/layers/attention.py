@@ -30,6 +30,7 @@ class AttentionMetadata:
     # a hybrid model: the other KV-cache groups' metadata (groups 1, 2, ...), and layer -> group
     group_metadata: list[AttentionMetadata] = field(default_factory=list)
     layer_group: dict[int, int] = field(default_factory=dict)
+    kv_connector: object = None  # a KV connector's worker side: each layer waits for its loads, then saves
 
     def for_layer(self, layer_idx: int) -> AttentionMetadata:
         """The metadata of the layer's KV-cache group."""
@@ -63,6 +64,17 @@ class AttentionBackend:
                     reason="the torch backend's gather indices and masks, for every layer")
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        connector = meta.kv_connector
+        if connector is None:
+            return self._forward(q, k, v, key_cache, value_cache, meta, scale)
+        # V1's wait_for_kv_layer_from_connector / maybe_save_kv_layer_to_connector around the attention op
+        layer_name = connector.layer_name(key_cache)
+        connector.wait_for_layer_load(layer_name)
+        o = self._forward(q, k, v, key_cache, value_cache, meta, scale)
+        connector.save_kv_layer(layer_name, (key_cache, value_cache), meta)
+        return o
+
+    def _forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kn = self._kernels
         if self.name == "triton":
             kn.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
