@@ -32,6 +32,16 @@ def test_paged_kv_cache_lesson_fails_if_blocks_are_over_allocated(monkeypatch, c
     assert "the engine disagrees" in capsys.readouterr().out
 
 
+def test_sliding_windows_lesson_fails_if_the_window_never_gives_blocks_back(monkeypatch, capsys):
+    """Break the sliding-window manager: blocks the window has passed stay in the request's table."""
+    from engine.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    monkeypatch.setattr(SlidingWindowManager, "remove_skipped_blocks", lambda self, request, num_computed_tokens: [])
+    module = importlib.import_module(lessons.find("sliding_windows").module)
+    assert main(vars(module), ["--no-pause"]) == 1
+    assert "the engine disagrees" in capsys.readouterr().out
+
+
 def test_lessons_are_listed_and_run_from_the_cli(capsys):
     from tracer.cli import main as cli
 
