@@ -306,11 +306,14 @@ class ModelRunner:
         drafts = batch.draft_token_ids
         last_rows = _last_rows(drafts) if any(drafts) else None
         if grammar_output is not None:  # every scored row: what the rejection sampler and the sampler see
-            self.apply_grammar_bitmask(grammar_output, logits, batch.req_ids, drafts)
+            self.apply_grammar_bitmask(grammar_output, logits, batch.req_ids, drafts,
+                                       {rid: len(d) for rid, d in p.sched.scheduled_spec_decode_tokens.items()})
         sample_logits = logits if last_rows is None else logits[last_rows]  # one row per request
         # the last row follows every draft: its token is drawn with them counted as output (penalties, min_tokens)
         out = self.sampler(sample_logits, requests if last_rows is None else requests_after_drafts(requests, drafts))
         kept = self._verify(logits, drafts, requests, out.token_ids) if last_rows is not None else None
+        if kept is not None and grammar_output is not None and grammar_output.num_acceptable_drafts is not None:
+            _keep_acceptable(kept, batch.req_ids, grammar_output)
         spec_lps = spec_logprobs(logits, drafts, requests, kept) if kept is not None else None
         if self._launches:  # the sampler's (a grammar's mask, a verification; every step's op while profiling)
             self._publish_launches()
@@ -377,23 +380,29 @@ class ModelRunner:
         return out
 
     def apply_grammar_bitmask(self, grammar_output: GrammarOutput, logits: torch.Tensor, req_ids: list[str],
-                              draft_token_ids: list[list[int]]) -> None:
+                              draft_token_ids: list[list[int]], num_scheduled_drafts: dict[str, int] | None = None
+                              ) -> None:
         """Structured outputs (V1's name): the tokens each constrained request's grammar forbids get
         -inf, in place, before any logits processor, verification or sampling. `logits` has one row
         per scored position (1 + its drafts per request); a constrained request's mask rows follow
-        grammar_output's order, one per position it scores. Our Triton kernel with the triton
-        backend, its PyTorch reference with torch; both are launches the Kernels panel lists."""
+        grammar_output's order, 1 + its scheduled drafts each (num_scheduled_drafts; under async
+        scheduling placeholders it had no draft for, whose rows go unused), the first ones for the
+        positions it scores. Our Triton kernel with the triton backend, its PyTorch reference with
+        torch; both are launches the Kernels panel lists."""
         first_logits_row, row = {}, 0
         for rid, d in zip(req_ids, draft_token_ids):
             first_logits_row[rid] = (row, 1 + len(d))
             row += 1 + len(d)
-        rows, mask_row = np.empty(len(grammar_output.grammar_bitmask), np.int32), 0
+        logit_rows, mask_rows, mask_row = [], [], 0
         for rid in grammar_output.structured_output_request_ids:
             start, n = first_logits_row[rid]
-            rows[mask_row:mask_row + n] = np.arange(start, start + n)
-            mask_row += n
-        indices = self._tensor(rows)
-        bitmask = self._tensor(np.ascontiguousarray(grammar_output.grammar_bitmask, np.int32))
+            logit_rows += range(start, start + n)
+            mask_rows += range(mask_row, mask_row + n)
+            mask_row += n if num_scheduled_drafts is None else 1 + num_scheduled_drafts.get(rid, 0)
+        indices = self._tensor(np.array(logit_rows, np.int32))
+        masks = grammar_output.grammar_bitmask
+        masks = masks if len(mask_rows) == len(masks) else masks[mask_rows]
+        bitmask = self._tensor(np.ascontiguousarray(masks, np.int32))
         if self.model.backend.name == "triton":
             kernels.apply_token_bitmask(logits, bitmask, indices)
         else:
@@ -546,6 +555,17 @@ def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[int, int, int]], re
         out[req.req_id] = (first, [[[t, own[j], ranks[j]], *([u, v, n + 1] for n, (u, v) in enumerate(zip(ids, lps)))]
                                    for j, (t, ids, lps) in enumerate(zip(targets, top_ids, top_lps))])
     return out
+
+
+def _keep_acceptable(kept: list, req_ids: list[str], grammar_output: GrammarOutput) -> None:
+    """V1's invalid drafts: a draft past the ones its request's grammar rows constrained (async
+    scheduling: after a -1) was verified against a row that allows every token, so none is kept past
+    them. The token at the first such position came from the grammar's own row: it stays."""
+    index = {rid: i for i, rid in enumerate(req_ids)}
+    for rid, n in zip(grammar_output.structured_output_request_ids, grammar_output.num_acceptable_drafts):
+        i = index[rid]
+        if kept[i] is not None and len(kept[i]) > n + 1:
+            kept[i] = kept[i][:n + 1]
 
 
 def _last_rows(drafts: list[list[int]]) -> list[int]:
