@@ -353,7 +353,10 @@ class EngineCore:
         So step N+1 is scheduled while step N's forward pass runs, against step N's placeholders
         (AsyncScheduler). A step with a grammar request whose tokens are in flight
         (pending_structured_output_tokens) runs its forward pass at once but computes its bitmask
-        and samples after the previous step's update_from_output (deferred).
+        and samples after the previous step's update_from_output (deferred). With speculation the
+        drafts proposed after a step are taken on the executor's thread right after its sampling, and
+        the scheduler learns them once that step is updated (_place_drafts): the worker has put them in
+        place of the next step's placeholder draft ids.
 
         Hooks and gates as step()'s, per step: "execute" after its snapshot, "grammar_bitmask" and
         "sample_tokens" before those calls, "postprocess" before its update_from_output and
