@@ -108,8 +108,8 @@ class StructuredOutputManager:
         drafts are accepted. Each matcher is advanced through its drafts to fill them and rolled
         back after: it ends where it started. Under async scheduling a -1 (a placeholder that is no
         draft) ends the constrained drafts: its own row is the mask after the drafts before it (the
-        bonus token's, or that of the draft the grammar refused: rejected), the rows after it allow
-        every token and the model runner accepts no draft there (num_acceptable_drafts). Returns
+        bonus token's), the rows after it allow every token and the model runner verifies no draft
+        there (num_acceptable_drafts). Returns
         the rows and how many tokens each allows."""
         num_rows = len(requests) + sum(map(len, spec_token_ids))
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:

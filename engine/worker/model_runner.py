@@ -304,36 +304,37 @@ class ModelRunner:
     def _sample_step(self, p: _Pending, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         batch, requests, logits = p.batch, p.requests, p.logits
         drafts = batch.draft_token_ids
-        last_rows = _last_rows(drafts) if any(drafts) else None
         if grammar_output is not None:  # every scored row: what the rejection sampler and the sampler see
             self.apply_grammar_bitmask(grammar_output, logits, batch.req_ids, drafts,
                                        {rid: len(d) for rid, d in p.sched.scheduled_spec_decode_tokens.items()})
+            if grammar_output.num_acceptable_drafts is not None:
+                drafts, logits = _acceptable_drafts(drafts, logits, batch.req_ids, grammar_output)
+        last_rows = _last_rows(drafts) if any(drafts) else None
         sample_logits = logits if last_rows is None else logits[last_rows]  # one row per request
         # the last row follows every draft: its token is drawn with them counted as output (penalties, min_tokens)
         out = self.sampler(sample_logits, requests if last_rows is None else requests_after_drafts(requests, drafts))
         kept = self._verify(logits, drafts, requests, out.token_ids) if last_rows is not None else None
-        if kept is not None and grammar_output is not None and grammar_output.num_acceptable_drafts is not None:
-            _keep_acceptable(kept, batch.req_ids, grammar_output)
         spec_lps = spec_logprobs(logits, drafts, requests, kept) if kept is not None else None
         if self._launches:  # the sampler's (a grammar's mask, a verification; every step's op while profiling)
             self._publish_launches()
         if self.hooks.active:
             self._trace_sampled(p.sched.step, batch.req_ids, out.token_ids)
-        result = self._postprocess(batch, requests, out, kept, spec_lps)
+        result = self._postprocess(batch, requests, out, kept, spec_lps, drafts)
         if p.prompt_logits is not None:
             result.prompt_logprobs_dict = _prompt_logprobs(p.prompt_logits, p.spans, requests)
         if self.drafter is not None and self.rank == 0:
             self._draft_token_ids = self._propose_draft_token_ids(p.sched, batch, requests, result)
         return result
 
-    def _postprocess(self, batch: InputBatch, requests: list, out, kept, spec_lps) -> ModelRunnerOutput:
+    def _postprocess(self, batch: InputBatch, requests: list, out, kept, spec_lps,
+                     verified: list[list[int]]) -> ModelRunnerOutput:
         """Each request's new tokens, recorded in its state (none for a chunk that does not end its
-        prefill: its token is discarded)."""
+        prefill: its token is discarded). `verified`: the drafts verified (those computed, or fewer)."""
         sampled, logprobs, states = [], None, self.req_states
         ends = batch.seq_lens_np.tolist()
         for i, req in enumerate(requests):
-            d = batch.draft_token_ids[i]
-            if ends[i] - len(d) < req.num_tokens:
+            d = verified[i]
+            if ends[i] - len(batch.draft_token_ids[i]) < req.num_tokens:
                 sampled.append([])
                 continue
             tokens = kept[i] if d else [out.token_ids[i]]
@@ -557,15 +558,22 @@ def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[int, int, int]], re
     return out
 
 
-def _keep_acceptable(kept: list, req_ids: list[str], grammar_output: GrammarOutput) -> None:
-    """V1's invalid drafts: a draft past the ones its request's grammar rows constrained (async
-    scheduling: after a -1) was verified against a row that allows every token, so none is kept past
-    them. The token at the first such position came from the grammar's own row: it stays."""
-    index = {rid: i for i, rid in enumerate(req_ids)}
-    for rid, n in zip(grammar_output.structured_output_request_ids, grammar_output.num_acceptable_drafts):
-        i = index[rid]
-        if kept[i] is not None and len(kept[i]) > n + 1:
-            kept[i] = kept[i][:n + 1]
+def _acceptable_drafts(drafts: list[list[int]], logits: torch.Tensor, req_ids: list[str],
+                       grammar_output: GrammarOutput) -> tuple[list[list[int]], torch.Tensor]:
+    """V1's invalid drafts: under async scheduling a constrained request may have computed drafts its
+    grammar then refused (or rows past a -1, which allow every token). Only the drafts its rows
+    constrain are verified (num_acceptable_drafts), and the row after them is sampled as the bonus
+    position, as the synchronous step, which never scheduled the others, samples it; the rest of its
+    rows are dropped. Returns the drafts verified and their logits rows."""
+    limit = dict(zip(grammar_output.structured_output_request_ids, grammar_output.num_acceptable_drafts))
+    cut = [d[:limit[rid]] if rid in limit else d for rid, d in zip(req_ids, drafts)]
+    if all(len(c) == len(d) for c, d in zip(cut, drafts)):
+        return drafts, logits
+    rows, start = [], 0
+    for c, d in zip(cut, drafts):
+        rows += range(start, start + len(c) + 1)
+        start += len(d) + 1
+    return cut, logits[rows]
 
 
 def _last_rows(drafts: list[list[int]]) -> list[int]:

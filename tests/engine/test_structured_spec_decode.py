@@ -198,11 +198,11 @@ def test_bitmask_rows_for_draft_positions_are_the_advanced_matchers_masks():
     sched.update_from_output(out, core.model_executor.sample_tokens(grammar_output))
 
 
-def test_rows_past_a_placeholder_that_is_no_draft_allow_every_token_and_accept_no_draft():
+def test_rows_past_a_placeholder_that_is_no_draft_allow_every_token_and_verify_no_draft():
     """Async scheduling (V1's): a -1 ends a request's constrained drafts. Its own row is the mask after
-    the drafts before it; the rows after allow every token, and the model runner keeps no draft
-    verified there (num_acceptable_drafts)."""
-    from engine.worker.model_runner import _keep_acceptable
+    the drafts before it; the rows after allow every token, and the model runner verifies no draft
+    there (num_acceptable_drafts): the row after the drafts it does verify is its bonus position."""
+    from engine.worker.model_runner import _acceptable_drafts
 
     llm, core = _engine_with("Say:", StructuredOutputsParams(regex=r"ab+a c"))
     req, sched = core.requests["g"], core.scheduler
@@ -216,11 +216,26 @@ def test_rows_past_a_placeholder_that_is_no_draft_allow_every_token_and_accept_n
     assert len(rows) == 4 and (rows[2:] == -1).all() and not (rows[:2] == -1).all(axis=1).any()
     assert sched.grammar_allowed_per_pos["g"][2:] == [core.structured_output_manager.vocab_size] * 2
     assert req.structured_output_request.grammar.validate_tokens([b, b]) == [b, b]  # the matcher stayed
-    kept = [[b, b, b, 7], None]
-    _keep_acceptable(kept, ["g", "p"], grammar_output)
-    assert kept == [[b, b], None]  # the second b was checked by row 1, the grammar's: kept; no more
+    # g computed 3 drafts (rows 0-3), p one (rows 4-5): g verifies the one its rows constrain, row 1 its bonus
+    drafts, logits = _acceptable_drafts([[b, b, b], [5]], torch.arange(6.0)[:, None], ["g", "p"], grammar_output)
+    assert drafts == [[b], [5]] and logits[:, 0].tolist() == [0, 1, 4, 5]
     core.model_executor.execute_model(out)
     sched.update_from_output(out, core.model_executor.sample_tokens(grammar_output))
+
+
+def test_seeded_sampling_with_speculation_is_the_same_with_async_scheduling_on_and_off():
+    """A draft the grammar refuses is never verified, with async scheduling on (the worker computed it) as off
+    (never scheduled): the position after the drafts kept is sampled as the bonus token either way."""
+    so, prompts = CONSTRAINTS["json"]
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=32, structured_outputs=so) for s in range(3)]
+    runs = []
+    for on in (True, False):
+        llm = LLM("tiny-gpt2", speculative_config=NGRAM, async_scheduling=on)
+        try:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("settings", ["preemption", "chunked"])

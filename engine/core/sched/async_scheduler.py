@@ -23,7 +23,7 @@ so a step that schedules a grammar request with tokens in flight is marked
 drafts filled with the worker's drafts, unchecked), and after the previous step's
 update_from_output checks those drafts against the grammar (update_draft_token_ids_in_output: the
 ones it refuses become -1 again), then computes the bitmask (a row per draft position; from the
-first -1 on the rows constrain nothing, and the worker accepts no draft there) and samples (V1's).
+first -1 on the rows constrain nothing, and the worker verifies no draft there) and samples (V1's).
 """
 from __future__ import annotations
 

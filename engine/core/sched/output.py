@@ -97,7 +97,7 @@ class GrammarOutput:
     structured_output_request_ids: list[str]
     grammar_bitmask: np.ndarray  # [rows, ceil(vocab / 32)] int32
     # per request, in the same order: how many leading drafts its rows constrain (the drafts before the
-    # first -1); a draft past them was checked against a permissive row and must not be accepted
+    # first -1); the model runner verifies no draft past them (its rows allow every token)
     num_acceptable_drafts: list[int] | None = None
 
 
