@@ -1,6 +1,7 @@
 """Serving: vLLM's own client, `vllm bench serve`, against our server and against vLLM's CPU build.
 
     python -m benchmarks.serving [--model DIR] [--concurrency 1 8 32 64] [--reps 3] [--servers vllm ours]
+    python -m benchmarks.serving --servers ours ours-sync --reference ours-sync --concurrency 64  # async ÷ sync
 
 Both servers are started the same way (benchmarks/parity/servers.py) on the same checkpoint, one after the
 other, and stay up; one is driven at a time while the other sits idle (both idle servers wait on their
@@ -32,11 +33,14 @@ from benchmarks.parity.servers import Server, chat_template_file
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"vllm": ("vllm", {}), "ours": ("ours", {}), "ours-bound": ("ours", {"VLLM_CPU_OMP_THREADS_BIND": "auto"}),
-            "ours-2threads": ("ours", {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})}
+            "ours-2threads": ("ours", {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}),
+            "ours-sync": ("ours", {})}
+EXTRA_ARGS = {"ours-sync": ("--no-async-scheduling",)}  # our server's flags beyond its defaults
 THREADS = {"vllm": "vLLM's defaults: worker bound to cpu 0 (VLLM_CPU_OMP_THREADS_BIND=auto, 1 core reserved)",
            "ours": "ours by default: engine core 1 torch thread, unbound, 1 core left to the API server",
            "ours-bound": "engine core 1 torch thread bound to cpu 0 (VLLM_CPU_OMP_THREADS_BIND=auto)",
-           "ours-2threads": "OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=nobind (an offline engine's)"}
+           "ours-2threads": "OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=nobind (an offline engine's)",
+           "ours-sync": "ours by default, with async scheduling off (--no-async-scheduling)"}
 FIELDS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms",
           "completed")
 
@@ -100,7 +104,7 @@ def run(vllm_bin: str, model: str, concurrencies: list[int], reps: int, servers:
             kind, env = VARIANTS[variant]
             bin_dir = vllm_bin if kind == "vllm" else os.path.dirname(sys.executable)
             up[variant] = stack.enter_context(Server(kind, bin_dir, model, 8701 + i, template,
-                                                     workdir / f"{variant}.log", env))
+                                                     workdir / f"{variant}.log", env, EXTRA_ARGS.get(variant, ())))
         for rep in range(reps):
             for c in concurrencies:
                 order = servers if (rep + concurrencies.index(c)) % 2 == 0 else servers[::-1]
@@ -123,8 +127,8 @@ def median_row(rows: list[dict]) -> dict:
 
 
 def table(results: dict, reference: str = "vllm") -> str:
-    """Markdown: per concurrency and server, medians, every run's tok/s, and ours ÷ vLLM."""
-    lines = ["| concurrency | server | output tok/s (median) | runs | ÷ vLLM | mean TTFT ms | mean TPOT ms | "
+    """Markdown: per concurrency and server, medians, every run's tok/s, and each ÷ the reference server's."""
+    lines = [f"| concurrency | server | output tok/s (median) | runs | ÷ {reference} | mean TTFT ms | mean TPOT ms | "
              "CPU ms/token by process |", "|---:|---|---:|---|---:|---:|---:|---|"]
     for c in next(iter(results.values())):
         ref = median_row(results[reference][c])["output_throughput"] if reference in results else None
@@ -146,6 +150,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--servers", nargs="+", default=["vllm", "ours"], choices=list(VARIANTS))
+    ap.add_argument("--reference", default="vllm", choices=list(VARIANTS),
+                    help="the server the ratio column divides by (ours-sync: async scheduling's gain)")
     ap.add_argument("--json", metavar="PATH", help="also write every run's numbers here")
     a = ap.parse_args()
     if not os.path.exists(os.path.join(a.vllm_bin, "vllm")):
@@ -154,7 +160,7 @@ def main() -> None:
         results = run(a.vllm_bin, a.model, a.concurrency, a.reps, a.servers, Path(d))
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
-    print(table(results))
+    print(table(results, a.reference))
 
 
 if __name__ == "__main__":

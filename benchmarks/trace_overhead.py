@@ -1,29 +1,27 @@
 """What tracing costs: the shared workload with tracing bypassed, off, on, and on with a
-TUI-like reader, in one process, their engines stepped in lockstep.
+TUI-like reader, each with async scheduling on and off, in one process.
 
-    python -m benchmarks.trace_overhead [--requests 32] [--reps 11] [--model tiny-gpt2]
+    python -m benchmarks.trace_overhead [--requests 32] [--reps 7] [--model tiny-gpt2]
 
   bypassed  Hooks whose `active` is never set: the engine's trace points cost one check
   off       the tracer attached and detached again: what `serve` costs with tracing off
   on        TraceSession: bus + recorder to a temp file + step controller (running freely)
   on+tui    on, plus a thread folding the bus into LiveState at 10 Hz, as the TUI does
 
-Targets: on >= 0.90x off; off within 2% of bypassed. Then one 64-request run checks that the
-recorder lost no event.
+Targets: on >= 0.90x off with async scheduling on (vLLM's default, and ours); off within 2% of
+bypassed. Then one 64-request run checks that the recorder lost no event.
 
-How it is measured. Each repetition builds one engine per mode, in one process, and steps them
-in lockstep: step k of every mode runs back to back (the first mode rotating from step to step)
-before step k + 1 of any, so the four samples of a step are taken within milliseconds of each
-other. The workload is greedy and seeded, so step k schedules the same batch in every mode. A
-mode's time is the sum over steps of that step's median over the repetitions, plus the median of
-its helpers' time: the recorder's final flush and the CPU time of its threads (the recorder's
-writer, the TUI reader), counted in full although much of it overlaps the engine's work.
-Whole-run medians are printed too. Why lockstep: a shared VM's speed drifts by tens of percent
-from one second to the next, and whole runs a third of a second apart (the previous method) left
-`off` and `bypassed`, the same engine code, up to 5-10 % apart in one invocation; paired steps
-cancel the drift. What still differs between modes is only their own work, and what their helper
-threads take from the interpreter lock while another mode steps (the TUI reader's 10 Hz folds land
-on every mode's steps alike, which understates on+tui's cost a little).
+How it is measured. Whole runs, interleaved: each repetition runs the workload once in every
+(async setting, mode), one after another, the order rotating from one repetition to the next, and
+a run is timed from tracing's start to the recorder's last flush (the TUI reader's thread and the
+recorder's writer take their share of the interpreter while it runs). Each async setting keeps
+two engines for the whole invocation: one with bypassed hooks, and one whose hooks the other
+modes share (a TraceSession attached for an `on` run and closed after it). A mode's figure is the
+median of its runs; a ratio is one of medians. Why whole runs: with async scheduling a step's
+forward pass runs on the executor's thread while the core schedules the next, so one step's time
+is no longer the engine's work (engines stepped in lockstep would run their forward passes over
+one another), and only a whole run says what tracing costs the overlap. A shared machine's speed
+drifts from one second to the next; interleaving the runs spreads that drift over every mode.
 """
 from __future__ import annotations
 
@@ -44,6 +42,7 @@ from tracer.events import read_trace
 from tracer.session import TraceSession
 
 MODES = ["bypassed", "off", "on", "on+tui"]
+ASYNC = [True, False]  # async scheduling on (the default), then off
 
 
 class BypassedHooks(Hooks):
@@ -92,7 +91,9 @@ class Mode:
         elif mode.startswith("on"):
             self.session = TraceSession(hooks, trace_file=trace_dir / f"{mode}.jsonl")
             self.reader = TuiReader(self.session) if mode == "on+tui" else None
-        self.engine = LLM(model, hooks=hooks).llm_engine
+        # stepped in lockstep with other engines (benchmarks/profiling.py): the synchronous step, whose
+        # time is its own work (an async step's forward pass would run over another engine's)
+        self.engine = LLM(model, hooks=hooks, async_scheduling=False).llm_engine
         self.ids = itertools.count()
         self.helpers = [t.thread for t in (self.session and self.session.recorder, self.reader) if t is not None]
         self.steps: list[float] = []
@@ -125,21 +126,57 @@ class Mode:
         return helper_seconds
 
 
-def run_lockstep(modes: list[str], model: str, workload, trace_dir: Path,
-                 rotate: int = 0) -> dict[str, tuple[list[float], float, int]]:
-    """Mode -> (each engine step's seconds, the helpers' seconds, generated tokens), the modes'
-    engines stepped in lockstep over the same workload."""
-    runs = {mode: Mode(mode, model, trace_dir) for mode in modes}
-    for run in runs.values():
-        run.add(workload)
-    k = rotate
-    while any(run.engine.has_unfinished_requests() for run in runs.values()):
-        for i in range(len(modes)):
-            run = runs[modes[(k + i) % len(modes)]]
-            if run.engine.has_unfinished_requests():
-                run.step()
-        k += 1
-    return {mode: (run.steps, run.finish(), run.tokens) for mode, run in runs.items()}
+class Engines:
+    """One async setting's engines, kept for the whole invocation: one with bypassed hooks, and one
+    whose hooks serve off (nothing attached) and on (a TraceSession attached for the run)."""
+
+    def __init__(self, model: str, async_scheduling: bool):
+        self.hooks = Hooks()
+        TraceSession(self.hooks).close()  # attached and detached: what `serve` costs with tracing off
+        self.bypassed = LLM(model, hooks=BypassedHooks(), async_scheduling=async_scheduling).llm_engine
+        self.traced = LLM(model, hooks=self.hooks, async_scheduling=async_scheduling).llm_engine
+        self.ids = itertools.count()
+
+    def run(self, mode: str, workload, trace_file: Path) -> tuple[float, int]:
+        """One whole run of the workload in `mode`: its seconds, and the tokens it generated."""
+        engine = self.bypassed if mode == "bypassed" else self.traced
+        session = TraceSession(self.hooks, trace_file=trace_file) if mode.startswith("on") else None
+        reader = TuiReader(session) if mode == "on+tui" else None
+        t = time.perf_counter()
+        for prompt, params in workload:  # as LLM.generate does: only finished requests produce an output
+            engine.add_request(str(next(self.ids)), {"prompt_token_ids": prompt},
+                               replace(params, output_kind="final_only"))
+        tokens = 0
+        while engine.has_unfinished_requests():
+            tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        core = engine.engine_core.engine_core
+        while core.batch_queue:  # async scheduling: the step still in flight is this run's too
+            core.step_fn()
+        for x in (reader, session):  # the recorder's final flush counts
+            if x is not None:
+                x.close()
+        return time.perf_counter() - t, tokens
+
+
+def run_interleaved(model: str, workload, reps: int, trace_dir: Path, modes: list[str] = MODES,
+                    log=None) -> dict[tuple[bool, str], list[float]]:
+    """(async scheduling, mode) -> each repetition's whole-run seconds; every run's tokens checked equal."""
+    engines = {a: Engines(model, a) for a in ASYNC}
+    runs = [(a, m) for a in ASYNC for m in modes]
+    seconds: dict[tuple[bool, str], list[float]] = {r: [] for r in runs}
+    want = sum(p.max_tokens for _, p in workload)
+    for rep in range(reps):
+        for a, mode in runs[rep % len(runs):] + runs[:rep % len(runs)]:
+            s, tokens = engines[a].run(mode, workload, trace_dir / f"{mode}.jsonl")
+            if tokens != want:
+                raise SystemExit(f"async={a} {mode}: {tokens} tokens, not the workload's {want}")
+            seconds[a, mode].append(s)
+            if log:
+                log(f"rep {rep} async {'on ' if a else 'off'} {mode:>8}: {tokens / s:8.1f} tokens/s ({s * 1e3:.0f} ms)")
+    for e in engines.values():
+        for engine in (e.bypassed, e.traced):
+            engine.engine_core.shutdown()
+    return seconds
 
 
 def check_no_loss(model: str, trace_dir: Path, num_requests: int = 64) -> str:
@@ -174,32 +211,24 @@ def lockstep_args(doc: str, requests: int, reps: int) -> argparse.Namespace:
 
 
 def main() -> None:
-    args = lockstep_args(__doc__, requests=32, reps=11)
+    args = lockstep_args(__doc__, requests=32, reps=7)
     workload = make_workload(args.requests)
-    steps: dict[str, list[list[float]]] = {m: [] for m in MODES}
-    helpers: dict[str, list[float]] = {m: [] for m in MODES}
-    tokens = 0
+    tokens = sum(p.max_tokens for _, p in workload)
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(tmp)
-        run_lockstep(MODES, args.model, make_workload(4), trace_dir)  # warm-up: model cache, allocator
-        for rep in range(args.reps):
-            for mode, (step_s, helper_s, tokens) in run_lockstep(MODES, args.model, workload, trace_dir, rep).items():
-                steps[mode].append(step_s)
-                helpers[mode].append(helper_s)
-                print(f"rep {rep} {mode:>8}: {tokens / (sum(step_s) + helper_s):8.1f} tokens/s ({len(step_s)} steps, "
-                      f"{sum(step_s) * 1e3:.0f} ms + helpers {helper_s * 1e3:.1f} ms)", flush=True)
+        run_interleaved(args.model, make_workload(4), 1, trace_dir)  # warm-up: model cache, allocator
+        seconds = run_interleaved(args.model, workload, args.reps, trace_dir, log=lambda line: print(line, flush=True))
         no_loss = check_no_loss(args.model, trace_dir)
-    if len({len(s) for runs in steps.values() for s in runs}) != 1:
-        raise SystemExit("runs took different numbers of steps: the per-step comparison needs the same schedule")
-    per_step = {m: sum(map(statistics.median, zip(*steps[m]))) + statistics.median(helpers[m]) for m in MODES}
-    whole = {m: statistics.median(sum(s) + h for s, h in zip(steps[m], helpers[m])) for m in MODES}
-    print(f"\n{args.requests} requests ({tokens} tokens), {args.reps} repetitions in lockstep, "
-          f"{args.threads} torch thread(s), {len(steps['off'][0])} steps a run")
-    for label, secs in (("sum of per-step medians (the measure)", per_step), ("median of whole runs", whole)):
-        print(f"{label}: " + ", ".join(f"{m} {tokens / secs[m]:.1f} tok/s" for m in MODES))
-        print(f"  on / off       = {secs['off'] / secs['on']:.3f}   (target >= 0.90)")
-        print(f"  on+tui / off   = {secs['off'] / secs['on+tui']:.3f}")
-        print(f"  off / bypassed = {secs['bypassed'] / secs['off']:.3f}   (target within 0.98 .. 1.02)")
+    med = {r: statistics.median(s) for r, s in seconds.items()}
+    print(f"\n{args.requests} requests ({tokens} tokens), {args.reps} interleaved whole runs per mode, "
+          f"{args.threads} torch thread(s); medians")
+    print("| | async on | async off |\n|---|---:|---:|")
+    for mode in MODES:
+        print(f"| {mode} tok/s | {tokens / med[True, mode]:.1f} | {tokens / med[False, mode]:.1f} |")
+    for label, num, den in (("on ÷ off (target >= 0.90)", "off", "on"), ("on+tui ÷ off", "off", "on+tui"),
+                            ("off ÷ bypassed (target 0.98 .. 1.02)", "bypassed", "off")):
+        print(f"| {label} | {med[True, num] / med[True, den]:.3f} | {med[False, num] / med[False, den]:.3f} |")
+    print(f"| async ÷ sync, tracing off | {med[False, 'off'] / med[True, 'off']:.3f} | |")
     print(f"no-loss check: {no_loss}")
 
 

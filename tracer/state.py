@@ -208,6 +208,10 @@ class TraceState:
     # the requests each step in flight samples for, [[step, [request ids]]]: their tokens are placeholders
     pending: list[list] = field(default_factory=list)
     older_kernels: list[dict] = field(default_factory=list)
+    older_snapshot: dict | None = None  # ... and its schedule snapshot
+    # the newest step that ran a batch, once its outputs were in: {"step", "snapshot", "kernels"} (under async
+    # scheduling the last step is often one that scheduled nothing: the Overview shows this one then)
+    last_batch: dict | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -393,7 +397,9 @@ def _http(s: TraceState, ev: Event) -> None:
 
 def _step(s: TraceState, ev: Event) -> None:
     if ev.kind == BEGIN:
-        s.older_kernels = s.kernels if any(f[0] == s.step for f in s.in_flight) else []
+        older = any(f[0] == s.step for f in s.in_flight)
+        s.older_kernels = s.kernels if older else []
+        s.older_snapshot = s.snapshot if older and s.snapshot_step == s.step else None
         s.in_flight.append([ev.step, "scheduled"])
         s.step, s.phase, s.step_start_ns, s.step_ns = ev.step, "schedule", ev.ts_ns, None
         s.batch, s.kernels, s.sampled, s.verified, s.grammar_mask = None, [], None, {}, None
@@ -407,18 +413,25 @@ def _step(s: TraceState, ev: Event) -> None:
         _append_bounded(s.kv_usage_history, s.kv_cache_usage)
         if older:  # async scheduling: an older step's outputs, while the step shown is in flight
             _kernel_history(s, s.older_kernels)
-            s.older_kernels = []
+            _last_batch(s, ev.step, s.older_snapshot, s.older_kernels)
+            s.older_kernels, s.older_snapshot = [], None
             return
         s.phase = "done"
         if s.step_start_ns is not None:
             s.step_ns = ev.ts_ns - s.step_start_ns
         _kernel_history(s, s.kernels)
+        _last_batch(s, ev.step, s.snapshot if s.snapshot_step == ev.step else None, s.kernels)
         # what postprocess did: every token scheduled this step is now computed
         if s.snapshot is not None and s.snapshot_step == ev.step:
             for sch in s.snapshot.get("scheduled", []):
                 req = s.requests.get(sch["request_id"])
                 if req is not None and not req.status.startswith(FINISHED):
                     req.num_computed_tokens = sch["num_computed_before"] + sch["num_tokens"]
+
+
+def _last_batch(s: TraceState, step: int, snapshot: dict | None, kernels: list[dict]) -> None:
+    if snapshot is not None and snapshot.get("scheduled"):
+        s.last_batch = {"step": step, "snapshot": snapshot, "kernels": list(kernels)}
 
 
 IN_FLIGHT = ("scheduled", "executing", "sampled")  # a step in flight, in order

@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -43,7 +44,7 @@ from engine.hooks import BEGIN, COUNTER, END, SNAPSHOT, Hooks
 from engine.model_executor import model_loader
 from engine.model_executor.layers.attention import default_backend
 from engine.model_executor.models.registry import check_tp_size
-from engine.outputs import EngineStats
+from engine.outputs import DraftTokenIds, EngineStats
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_model import resolve_draft_model
@@ -158,6 +159,10 @@ class EngineCore:
             self.scheduler = Scheduler(*sched_args, num_lookahead_tokens=lookahead, connector=connector)
             self.batch_queue = None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue  # V1's
+        # async scheduling with speculation: step -> Future of the drafts proposed after it, and drafts
+        # known but not yet written into the step whose placeholders the worker filled with them
+        self._draft_futures: dict[int, Future] = {}
+        self._unplaced_drafts: DraftTokenIds | None = None
         self._rng = random.Random(mc.seed)
         self.profiling_since: int | None = None  # the first profiled step, while profiling
 
@@ -379,7 +384,10 @@ class EngineCore:
         So step N+1 is scheduled while step N's forward pass runs, against step N's placeholders
         (AsyncScheduler). A step with a grammar request whose tokens are in flight
         (pending_structured_output_tokens) runs its forward pass at once but computes its bitmask
-        and samples after the previous step's update_from_output (deferred).
+        and samples after the previous step's update_from_output (deferred). With speculation the
+        drafts proposed after a step are taken on the executor's thread right after its sampling, and
+        the scheduler learns them once that step is updated (_place_drafts): the worker has put them in
+        place of the next step's placeholder draft ids.
 
         Hooks and gates as step()'s, per step: "execute" after its snapshot, "grammar_bitmask" and
         "sample_tokens" before those calls, "postprocess" before its update_from_output and
@@ -418,6 +426,7 @@ class EngineCore:
         future, sched, exec_future = queue.pop()
         exec_future.result()  # the forward pass's error, if it raised
         outputs = self._update(sched, future.result())
+        self._place_drafts(sched.step, deferred[0] if deferred else queue[-1][1] if queue else None)
         if deferred is not None:  # the tokens it waited for are in: its bitmask, then its sampling
             deferred_sched, exec_future = deferred
             queue.appendleft((self._sample_async(deferred_sched), deferred_sched, exec_future))
@@ -430,10 +439,25 @@ class EngineCore:
         self.hooks.emit(ENGINE, BATCH_QUEUE, step=scheduled if scheduled is not None else executed,
                         scheduled=scheduled, executed=executed, in_flight=in_flight)
 
+    def _place_drafts(self, step: int, next_sched: SchedulerOutput | None) -> None:
+        """Speculation under async scheduling: step `step` is updated, so the drafts proposed after it
+        are known; the worker put them in place of the placeholder draft ids of the next step that
+        runs (in flight, deferred, or not yet scheduled: then when it is). The scheduler learns them
+        there (update_draft_token_ids_in_output, V1's): what to count as proposed, what its grammar
+        bitmask constrains."""
+        drafts_future = self._draft_futures.pop(step, None)
+        if drafts_future is not None:
+            self._unplaced_drafts = drafts_future.result() or DraftTokenIds([], [])
+        if self._unplaced_drafts is not None and next_sched is not None and not next_sched.is_empty:
+            self.scheduler.update_draft_token_ids_in_output(self._unplaced_drafts, next_sched)
+            self._unplaced_drafts = None
+
     def _schedule_and_execute(self):
         if self.hooks.active:
             self.hooks.emit(ENGINE, STEP, BEGIN, step=self.scheduler.num_scheduled_steps)
         sched = self.scheduler.schedule()
+        if self._unplaced_drafts is not None:  # the drafts of the step before, already known
+            self._place_drafts(-1, sched)
         if self.hooks.active:
             self._trace_schedule(sched)
         future = self.model_executor.execute_model(sched, non_block=True)
@@ -450,6 +474,8 @@ class EngineCore:
         if self.hooks.gated:
             self.hooks.gate("sample_tokens", step=sched.step)
         future = self.model_executor.sample_tokens(grammar_output, non_block=True)
+        if self.config.speculative is not None:  # taken after this sampling, before the next step's
+            self._draft_futures[sched.step] = self.model_executor.take_draft_token_ids(non_block=True)
         if self.hooks.gated:  # the next gate comes after the sampling (a hold sees its tokens)
             future.result()
         return future

@@ -81,7 +81,7 @@ class Executor:
     determine_num_blocks() -> (n, why), the least over the ranks; initialize_kv_cache(n) ->
     dict; warm_up(max_model_len) -> dict; execute_model(scheduler_output, non_block) -> None or
     a Future of it; sample_tokens(grammar_output, non_block) -> ModelRunnerOutput (output_rank's)
-    or a Future of it; take_draft_token_ids(); profile(is_start) -> [each rank's answer];
+    or a Future of it; take_draft_token_ids(non_block); profile(is_start) -> [each rank's answer];
     held_attention_on_triton() -> dict; shutdown()."""
 
     tensor_parallel_size = 1
@@ -110,6 +110,14 @@ class Executor:
         if non_block:
             return self._submit(self._sample_tokens, grammar_output)
         return self._sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self, non_block: bool = False):
+        """The drafts proposed after the last sample_tokens, once (None without speculation). With
+        non_block a Future, run on the executor thread after the calls submitted before it: the
+        drafts of the step sampled just before, not of a later one."""
+        if non_block:
+            return self._submit(self._take_draft_token_ids)
+        return self._take_draft_token_ids()
 
     def _submit(self, fn, *args) -> Future:
         """fn(*args) on the executor thread, after every call submitted before it."""
@@ -189,7 +197,7 @@ class UniProcExecutor(Executor):
     def _sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | None:
         return self.worker.sample_tokens(grammar_output)
 
-    def take_draft_token_ids(self) -> DraftTokenIds | None:
+    def _take_draft_token_ids(self) -> DraftTokenIds | None:
         return self.worker.take_draft_token_ids()
 
     def profile(self, is_start: bool) -> list[dict]:
@@ -335,6 +343,7 @@ class MultiprocExecutor(Executor):
             msg.structured_output_request_ids = grammar_output.structured_output_request_ids
             msg.grammar_bitmask = np.ascontiguousarray(grammar_output.grammar_bitmask, np.int32).tobytes()
             msg.num_rows = len(grammar_output.grammar_bitmask)
+            msg.num_acceptable_drafts = grammar_output.num_acceptable_drafts
         data = self._round(b"sample", encoder().encode(msg), "sample")
         if data is None:
             return None
@@ -344,7 +353,7 @@ class MultiprocExecutor(Executor):
         self._last_drafts = dict(zip(d.req_ids, d.draft_token_ids)) if d is not None else {}
         return msgspec.convert(output, ModelRunnerOutput) if output is not None else None
 
-    def take_draft_token_ids(self) -> DraftTokenIds | None:
+    def _take_draft_token_ids(self) -> DraftTokenIds | None:
         drafts, self._draft_token_ids = self._draft_token_ids, None
         return drafts
 

@@ -142,7 +142,7 @@ class WorkerProc:
         grammar = None
         if msg.grammar_bitmask is not None:
             bitmask = np.frombuffer(bytearray(msg.grammar_bitmask), np.int32).reshape(msg.num_rows, -1)
-            grammar = GrammarOutput(msg.structured_output_request_ids, bitmask)
+            grammar = GrammarOutput(msg.structured_output_request_ids, bitmask, msg.num_acceptable_drafts)
         out = self._gated_call(self.worker.sample_tokens, grammar)
         data = None
         if self.rank == msg.output_rank:  # V1's unique_reply_rank

@@ -106,7 +106,11 @@ class StructuredOutputManager:
         """The bitmask rows of `requests` (each with a ready grammar), in order: per request one
         row for each of its drafts (validated) and one after them, row j the mask once the first j
         drafts are accepted. Each matcher is advanced through its drafts to fill them and rolled
-        back after: it ends where it started. Returns the rows and how many tokens each allows."""
+        back after: it ends where it started. Under async scheduling a -1 (a placeholder that is no
+        draft) ends the constrained drafts: its own row is the mask after the drafts before it (the
+        bonus token's), the rows after it allow every token and the model runner verifies no draft
+        there (num_acceptable_drafts). Returns
+        the rows and how many tokens each allows."""
         num_rows = len(requests) + sum(map(len, spec_token_ids))
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
             self._bitmask = self.backend.allocate_token_bitmask(max(num_rows, self.max_num_seqs))
@@ -115,11 +119,16 @@ class StructuredOutputManager:
             grammar = req.structured_output_request.grammar
             start = grammar.num_processed_tokens
             grammar.fill_bitmask(bitmask, row)
+            padded = False  # past a placeholder that is no draft (-1): its rows allow every token (V1's)
             for token_id in drafts:
-                if not grammar.accept_token(token_id):  # update_draft_token_ids keeps only what it accepts
+                padded = padded or token_id < 0
+                if not padded and not grammar.accept_token(token_id):  # validated drafts only
                     raise ValueError(f"request {req.request_id}: draft token {token_id} was not validated")
                 row += 1
-                grammar.fill_bitmask(bitmask, row)
+                if padded:
+                    bitmask[row] = -1
+                else:
+                    grammar.fill_bitmask(bitmask, row)
             row += 1
             grammar.rollback(grammar.num_processed_tokens - start)
         rows = bitmask[:num_rows].numpy().copy()  # the buffer is refilled next step

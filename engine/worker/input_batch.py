@@ -102,10 +102,14 @@ class InputBatch:
 
 def resolve_placeholder_drafts(spec: dict[str, list[int]], last_drafts: dict[str, list[int]]) -> dict:
     """Async scheduling: a request's placeholder draft ids (-1) become the drafts proposed after the
-    previous step, as many as it has (the rest stay -1: not verified)."""
-    if not any(d and d[0] < 0 for d in spec.values()):
+    previous step, position by position, as many as it has (the rest stay -1: not verified). A draft
+    already in place is one of those same drafts (the executor's, or the engine core's once it learned
+    them: update_draft_token_ids_in_output, possibly while this step runs), so the worker verifies its
+    own drafts whatever it finds there."""
+    if not any(-1 in d for d in spec.values()):
         return spec
-    return {rid: (last_drafts.get(rid, []) + d)[:len(d)] if d and d[0] < 0 else d for rid, d in spec.items()}
+    return {rid: [t if t >= 0 else o for t, o in zip(d, last_drafts.get(rid, []) + [-1] * len(d))] if -1 in d else d
+            for rid, d in spec.items()}
 
 
 def make_input_batch(sched: SchedulerOutput, states: RequestState, tables: BlockTables, block_size: int,

@@ -334,15 +334,18 @@ class ModelRunner:
     def _sample_step(self, p: _Pending, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         batch, requests, logits = p.batch, p.requests, p.logits
         drafts = batch.draft_token_ids
-        last_rows = _last_rows(drafts) if any(drafts) else None
         if grammar_output is not None:  # every scored row: what the rejection sampler and the sampler see
-            self.apply_grammar_bitmask(grammar_output, logits, batch.req_ids, drafts)
+            self.apply_grammar_bitmask(grammar_output, logits, batch.req_ids, drafts,
+                                       {rid: len(d) for rid, d in p.sched.scheduled_spec_decode_tokens.items()})
+            if grammar_output.num_acceptable_drafts is not None:
+                drafts, logits = _acceptable_drafts(drafts, logits, batch.req_ids, grammar_output)
+        last_rows = _last_rows(drafts) if any(drafts) else None
         sample_logits = logits if last_rows is None else logits[last_rows]  # one row per request
         # the last row follows every draft: its token is drawn with them counted as output (penalties, min_tokens)
         out = self.sampler(sample_logits, requests if last_rows is None else requests_after_drafts(requests, drafts))
         kept = self._verify(logits, drafts, requests, out.token_ids) if last_rows is not None else None
         spec_lps = spec_logprobs(logits, drafts, requests, kept) if kept is not None else None
-        result = self._postprocess(batch, requests, out, kept, spec_lps)
+        result = self._postprocess(batch, requests, out, kept, spec_lps, drafts)
         result.expert_load = p.expert_load
         if self._launches:  # the sampler's (a grammar's mask, a verification, post_update; every op while profiling)
             self._publish_launches()
@@ -354,14 +357,15 @@ class ModelRunner:
             self._draft_token_ids = self._propose_draft_token_ids(p.sched, batch, requests, result)
         return result
 
-    def _postprocess(self, batch: InputBatch, requests: list, out, kept, spec_lps) -> ModelRunnerOutput:
+    def _postprocess(self, batch: InputBatch, requests: list, out, kept, spec_lps,
+                     verified: list[list[int]]) -> ModelRunnerOutput:
         """Each request's new tokens, recorded in its state (none for a chunk that does not end its
-        prefill: its token is discarded)."""
+        prefill: its token is discarded). `verified`: the drafts verified (those computed, or fewer)."""
         sampled, logprobs = [], None
         ends = batch.seq_lens_np.tolist()
         for i, req in enumerate(requests):
-            d = batch.draft_token_ids[i]
-            if ends[i] - len(d) < req.num_tokens:
+            d = verified[i]
+            if ends[i] - len(batch.draft_token_ids[i]) < req.num_tokens:
                 sampled.append([])
                 continue
             tokens = kept[i] if d else [out.token_ids[i]]
@@ -429,23 +433,29 @@ class ModelRunner:
         return out
 
     def apply_grammar_bitmask(self, grammar_output: GrammarOutput, logits: torch.Tensor, req_ids: list[str],
-                              draft_token_ids: list[list[int]]) -> None:
+                              draft_token_ids: list[list[int]], num_scheduled_drafts: dict[str, int] | None = None
+                              ) -> None:
         """Structured outputs (V1's name): the tokens each constrained request's grammar forbids get
         -inf, in place, before any logits processor, verification or sampling. `logits` has one row
         per scored position (1 + its drafts per request); a constrained request's mask rows follow
-        grammar_output's order, one per position it scores. Our Triton kernel with the triton
-        backend, its PyTorch reference with torch; both are launches the Kernels panel lists."""
+        grammar_output's order, 1 + its scheduled drafts each (num_scheduled_drafts; under async
+        scheduling placeholders it had no draft for, whose rows go unused), the first ones for the
+        positions it scores. Our Triton kernel with the triton backend, its PyTorch reference with
+        torch; both are launches the Kernels panel lists."""
         first_logits_row, row = {}, 0
         for rid, d in zip(req_ids, draft_token_ids):
             first_logits_row[rid] = (row, 1 + len(d))
             row += 1 + len(d)
-        rows, mask_row = np.empty(len(grammar_output.grammar_bitmask), np.int32), 0
+        logit_rows, mask_rows, mask_row = [], [], 0
         for rid in grammar_output.structured_output_request_ids:
             start, n = first_logits_row[rid]
-            rows[mask_row:mask_row + n] = np.arange(start, start + n)
-            mask_row += n
-        indices = self._tensor(rows)
-        bitmask = self._tensor(np.ascontiguousarray(grammar_output.grammar_bitmask, np.int32))
+            logit_rows += range(start, start + n)
+            mask_rows += range(mask_row, mask_row + n)
+            mask_row += n if num_scheduled_drafts is None else 1 + num_scheduled_drafts.get(rid, 0)
+        indices = self._tensor(np.array(logit_rows, np.int32))
+        masks = grammar_output.grammar_bitmask
+        masks = masks if len(mask_rows) == len(masks) else masks[mask_rows]
+        bitmask = self._tensor(np.ascontiguousarray(masks, np.int32))
         if self.model.backend.name == "triton":
             kernels.apply_token_bitmask(logits, bitmask, indices)
         else:
@@ -598,6 +608,24 @@ def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[int, int, int]], re
         out[req.req_id] = (first, [[[t, own[j], ranks[j]], *([u, v, n + 1] for n, (u, v) in enumerate(zip(ids, lps)))]
                                    for j, (t, ids, lps) in enumerate(zip(targets, top_ids, top_lps))])
     return out
+
+
+def _acceptable_drafts(drafts: list[list[int]], logits: torch.Tensor, req_ids: list[str],
+                       grammar_output: GrammarOutput) -> tuple[list[list[int]], torch.Tensor]:
+    """V1's invalid drafts: under async scheduling a constrained request may have computed drafts its
+    grammar then refused (or rows past a -1, which allow every token). Only the drafts its rows
+    constrain are verified (num_acceptable_drafts), and the row after them is sampled as the bonus
+    position, as the synchronous step, which never scheduled the others, samples it; the rest of its
+    rows are dropped. Returns the drafts verified and their logits rows."""
+    limit = dict(zip(grammar_output.structured_output_request_ids, grammar_output.num_acceptable_drafts))
+    cut = [d[:limit[rid]] if rid in limit else d for rid, d in zip(req_ids, drafts)]
+    if all(len(c) == len(d) for c, d in zip(cut, drafts)):
+        return drafts, logits
+    rows, start = [], 0
+    for c, d in zip(cut, drafts):
+        rows += range(start, start + len(c) + 1)
+        start += len(d) + 1
+    return cut, logits[rows]
 
 
 def _last_rows(drafts: list[list[int]]) -> list[int]:

@@ -49,6 +49,7 @@ class SampleTokens(msgspec.Struct, array_like=True, gc=False):
     num_rows: int = 0
     output_rank: int = 0
     trace: bool = False
+    num_acceptable_drafts: list[int] | None = None  # per constrained request (GrammarOutput's)
 
 
 class WorkerReply(msgspec.Struct, array_like=True, gc=False):

@@ -52,6 +52,45 @@ def test_speculation_greedy_equals_transformers(spec, settings):
     assert [o[0] for o in got] == hf_greedy(str(builtin_path(NAME)), PROMPTS, MAX_NEW)
 
 
+def _spec_counters(llm: LLM) -> tuple[list, dict]:
+    """The engine's spec-decode statistics, and the same as /metrics counts them (vLLM's counter names)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from engine.entrypoints.openai.metrics import ServerMetrics
+
+    stats = _core(llm).stats()
+    engine = SimpleNamespace(stats=replace(stats, spec_num_drafts=0, spec_num_draft_tokens=0,
+                                           spec_num_accepted_tokens=0, spec_num_accepted_tokens_per_pos=[]),
+                             step_listeners=[])
+    metrics = ServerMetrics(engine, NAME)
+    metrics.on_step([], stats, [])
+    scraped = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.render().decode().splitlines()
+               if line.startswith("vllm:spec_decode")}
+    return [stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
+            stats.spec_num_accepted_tokens_per_pos], scraped
+
+
+def test_speculation_statistics_count_only_the_drafts_verified():
+    """Under async scheduling a step verifies placeholder drafts (-1) that the worker fills with its own
+    proposals, often fewer than num_speculative_tokens (an n-gram proposer finds no match, or a shorter
+    one): the ones it had no draft for are not counted as proposed, nor rejected. The counters, in the
+    engine's stats and on /metrics, are the synchronous step's; so are the tokens."""
+    runs = []
+    for on in (True, False):
+        llm = LLM(NAME, speculative_config=NGRAM, async_scheduling=on)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+            runs.append(([o.outputs[0].token_ids for o in outs], *_spec_counters(llm)))
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1]
+    tokens, (drafts, draft_tokens, accepted, _), scraped = runs[0]
+    assert tokens == hf_greedy(str(builtin_path(NAME)), PROMPTS, MAX_NEW)
+    assert 0 < accepted < draft_tokens < NGRAM["num_speculative_tokens"] * drafts  # some proposals were short
+    assert scraped[f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="{NAME}"}}'] == draft_tokens
+
+
 def test_seeded_sampling_n_and_priority_are_the_same_on_and_off():
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, n=2, max_tokens=16) for s in range(len(PROMPTS))]

@@ -46,7 +46,7 @@ def _valid(kind: str, text: str) -> bool:
 
 def _run(kind: str, max_tokens: int = 48, **llm_kwargs):
     """(token ids, finish reasons, texts) of the kind's prompts, greedy; the events it traced. The synchronous
-    step unless asked: under async scheduling a request with a grammar verifies no drafts."""
+    step unless asked."""
     llm_kwargs.setdefault("async_scheduling", False)
     so, prompts = CONSTRAINTS[kind]
     hooks, events = Hooks(), []
@@ -85,18 +85,14 @@ def hf_masked_greedy(llm: LLM, prompt: str, so: StructuredOutputsParams, max_tok
     return out
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("kind", ["json", "regex", "choice"])
-def test_greedy_with_speculation_and_async_scheduling_equals_without(kind):
-    """Async scheduling: the grammar requests' sampling waits for their previous tokens; same output."""
+def test_greedy_with_speculation_equals_without(kind, async_scheduling):
+    """Async scheduling (V1's): a constrained request verifies placeholder drafts the worker fills with its
+    own; its sampling waits for the step before it, then its grammar checks those drafts (the refused
+    ones and all after them are cut) and its bitmask has a row per draft position. Same output."""
     base, _, _ = _run(kind)
-    got, _, _ = _run(kind, speculative_config=NGRAM, async_scheduling=True)
-    assert got == base
-
-
-@pytest.mark.parametrize("kind", ["json", "regex", "choice"])
-def test_greedy_with_speculation_equals_without(kind):
-    base, _, _ = _run(kind)
-    got, events, llm = _run(kind, speculative_config=NGRAM)
+    got, events, llm = _run(kind, speculative_config=NGRAM, async_scheduling=async_scheduling)
     assert got == base
     for ids, finish, text in got:
         assert finish == "length" or _valid(kind, text), text
@@ -202,6 +198,46 @@ def test_bitmask_rows_for_draft_positions_are_the_advanced_matchers_masks():
     sched.update_from_output(out, core.model_executor.sample_tokens(grammar_output))
 
 
+def test_rows_past_a_placeholder_that_is_no_draft_allow_every_token_and_verify_no_draft():
+    """Async scheduling (V1's): a -1 ends a request's constrained drafts. Its own row is the mask after
+    the drafts before it; the rows after allow every token, and the model runner verifies no draft
+    there (num_acceptable_drafts): the row after the drafts it does verify is its bonus position."""
+    from engine.worker.model_runner import _acceptable_drafts
+
+    llm, core = _engine_with("Say:", StructuredOutputsParams(regex=r"ab+a c"))
+    req, sched = core.requests["g"], core.scheduler
+    b = _tokens(llm, "b")[0]
+    sched.update_draft_token_ids(DraftTokenIds(["g"], [[b, b, b]]))
+    out = sched.schedule()
+    out.scheduled_spec_decode_tokens["g"] = [b, -1, -1]  # as update_draft_token_ids_in_output leaves them
+    grammar_output = sched.get_grammar_bitmask(out)
+    assert grammar_output.num_acceptable_drafts == [1]
+    rows = grammar_output.grammar_bitmask
+    assert len(rows) == 4 and (rows[2:] == -1).all() and not (rows[:2] == -1).all(axis=1).any()
+    assert sched.grammar_allowed_per_pos["g"][2:] == [core.structured_output_manager.vocab_size] * 2
+    assert req.structured_output_request.grammar.validate_tokens([b, b]) == [b, b]  # the matcher stayed
+    # g computed 3 drafts (rows 0-3), p one (rows 4-5): g verifies the one its rows constrain, row 1 its bonus
+    drafts, logits = _acceptable_drafts([[b, b, b], [5]], torch.arange(6.0)[:, None], ["g", "p"], grammar_output)
+    assert drafts == [[b], [5]] and logits[:, 0].tolist() == [0, 1, 4, 5]
+    core.model_executor.execute_model(out)
+    sched.update_from_output(out, core.model_executor.sample_tokens(grammar_output))
+
+
+def test_seeded_sampling_with_speculation_is_the_same_with_async_scheduling_on_and_off():
+    """A draft the grammar refuses is never verified, with async scheduling on (the worker computed it) as off
+    (never scheduled): the position after the drafts kept is sampled as the bonus token either way."""
+    so, prompts = CONSTRAINTS["json"]
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=32, structured_outputs=so) for s in range(3)]
+    runs = []
+    for on in (True, False):
+        llm = LLM("tiny-gpt2", speculative_config=NGRAM, async_scheduling=on)
+        try:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("settings", ["preemption", "chunked"])
 def test_preemption_and_chunked_prefill(settings):
     kw = {"preemption": dict(num_kv_blocks=36, block_size=4), "chunked": dict(max_num_batched_tokens=8)}[settings]
@@ -219,7 +255,9 @@ def test_two_processes():
     assert got == base and any(e[:2] == (SPEC_DECODE, VERIFIED) and e[5]["accepted"] for e in events)
 
 
-def test_tensor_parallel_ranks_get_a_row_per_draft_position():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tensor_parallel_ranks_get_a_row_per_draft_position(async_scheduling):
     base, _, _ = _run("json", max_tokens=24)
-    got, events, _ = _run("json", max_tokens=24, speculative_config=NGRAM, tensor_parallel_size=2)
+    got, events, _ = _run("json", max_tokens=24, speculative_config=NGRAM, tensor_parallel_size=2,
+                          async_scheduling=async_scheduling)
     assert got == base and any(e[:2] == (SPEC_DECODE, VERIFIED) and e[5]["draft"] for e in events)

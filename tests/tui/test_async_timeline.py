@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.trace_names import KERNEL
 from tests.tui.helpers import shown
 from tracer.tui.widgets.header import StatusHeader
 from tracer.tui.widgets.timeline import timeline_rows
@@ -43,3 +44,34 @@ async def test_two_batches_in_flight_their_placeholders_and_the_overlap(live):
         core, forward = (line.plain for line in timeline_rows(state, 120))
         assert core.startswith("core thread") and forward.startswith("forward pass")
         assert "S" in core and "█" in forward
+
+
+@pytest.mark.asyncio
+async def test_the_overview_shows_the_last_step_that_ran_a_batch(live):
+    """Async scheduling: the last step is scheduled while the step before it samples its requests' last
+    tokens, so it schedules no request, and launches nothing; the Overview shows the step before it, the
+    last that ran a batch, with that step's launches."""
+    async with live.app.run_test(size=(140, 40)) as pilot:
+        streams = await live.submit()
+        await pilot.press("space")
+        for s in streams:
+            assert [o async for o in s][-1].finished
+
+        def trailing_step_done() -> bool:
+            state = live.source.refresh()
+            return (state.phase == "done" and not state.in_flight and state.snapshot_step == state.step
+                    and not state.snapshot.get("scheduled") and state.last_batch is not None)
+
+        await live.settle(pilot, until=trailing_step_done)
+        state = live.source.refresh()
+        empty, last = state.step, state.last_batch["step"]
+        assert last == empty - 1
+        await pilot.press("1")
+        body = live.app.query_one("#overview-body")
+        await live.settle(pilot, until=lambda: f"kernels of step {last}" in shown(body))
+        text = shown(body)
+        assert f"step {last} (done) batch: 3 requests" in text and f"step {empty} scheduled no request" in text
+        assert "batch: 0 requests" not in text and "kernels of the last step" not in text
+    events, _, _ = live.session.bus.read(0)
+    launches = [e.step for e in events if e.layer == KERNEL and e.step is not None]
+    assert last in launches and empty not in launches

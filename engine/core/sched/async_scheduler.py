@@ -12,12 +12,18 @@ slots of rejected drafts).
 Speculative decoding: the drafts proposed after step N are not known either, so step N+1 verifies
 ``num_speculative_tokens`` *placeholder draft ids* (-1); the worker (or, under tensor parallelism,
 the executor, with rank 0's proposals) puts its real drafts there and verifies as many as it has.
+Once they are known (after the step before it sampled), EngineCore hands them to
+``update_draft_token_ids_in_output``: the placeholders the worker had no draft for stay -1 and are
+counted in ``num_invalid_spec_tokens``, so the statistics count only the drafts really verified, as
+the synchronous step's do.
 
 Structured outputs: a request's grammar bitmask needs its previous tokens accepted by its matcher,
 so a step that schedules a grammar request with tokens in flight is marked
-``pending_structured_output_tokens``: EngineCore runs its forward pass at once but computes the
-bitmask and samples only after the previous step's update_from_output. Such a request verifies no
-placeholder drafts (its drafts must be checked by its grammar before they are scheduled).
+``pending_structured_output_tokens``: EngineCore runs its forward pass at once (its placeholder
+drafts filled with the worker's drafts, unchecked), and after the previous step's
+update_from_output checks those drafts against the grammar (update_draft_token_ids_in_output: the
+ones it refuses become -1 again), then computes the bitmask (a row per draft position; from the
+first -1 on the rows constrain nothing, and the worker verifies no draft there) and samples (V1's).
 """
 from __future__ import annotations
 
@@ -43,11 +49,11 @@ class AsyncScheduler(Scheduler):
                 scheduler_output.pending_structured_output_tokens = True
             # this step samples one token plus the drafts it verifies: none of them known yet
             req.num_output_placeholders += 1 + len(spec.get(rid, ()))
-            req.spec_token_ids = self._placeholder_drafts(req.num_computed_tokens, req.use_structured_output)
+            req.spec_token_ids = self._placeholder_drafts(req.num_computed_tokens)
 
-    def _placeholder_drafts(self, num_computed_tokens: int, structured: bool) -> list[int]:
+    def _placeholder_drafts(self, num_computed_tokens: int) -> list[int]:
         """The next step verifies the drafts proposed after this one, unknown yet: -1 each. As many as
         fit before max_model_len (the step's token, its drafts and the token it samples)."""
-        if structured or not self.num_spec_tokens:
+        if not self.num_spec_tokens:
             return []
         return [-1] * max(0, min(self.num_spec_tokens, self.max_model_len - num_computed_tokens - 2))

@@ -70,6 +70,10 @@ class SchedulerOutput:
     # async scheduling (V1's): a request with a grammar has tokens in flight, so its bitmask (and the
     # step's sampling) waits until the previous step's tokens are known
     pending_structured_output_tokens: bool = False
+    # async scheduling (V1's): request id -> how many of its placeholder draft ids turned out to be no
+    # draft (the worker had fewer, or its grammar refused them): -1 in scheduled_spec_decode_tokens, and
+    # not counted as proposed (update_draft_token_ids_in_output)
+    num_invalid_spec_tokens: dict[str, int] | None = None
 
     @property
     def req_ids(self) -> list[str]:
@@ -89,10 +93,14 @@ class SchedulerOutput:
 
 @dataclass
 class GrammarOutput:
-    """The step's grammar bitmask (V1's fields): one row per position a constrained request scores
-    (1 + its drafts), in structured_output_request_ids order; bit j of word w allows token 32 w + j."""
+    """The step's grammar bitmask (V1's fields): one row per position a constrained request may score
+    (1 + its scheduled drafts, placeholders included), in structured_output_request_ids order; bit j of
+    word w allows token 32 w + j."""
     structured_output_request_ids: list[str]
     grammar_bitmask: np.ndarray  # [rows, ceil(vocab / 32)] int32
+    # per request, in the same order: how many leading drafts its rows constrain (the drafts before the
+    # first -1); the model runner verifies no draft past them (its rows allow every token)
+    num_acceptable_drafts: list[int] | None = None
 
 
 def diff_summary(sched: SchedulerOutput) -> dict:

@@ -271,7 +271,8 @@ class Scheduler:
         t0 = time.perf_counter_ns()
         drafts = [scheduler_output.scheduled_spec_decode_tokens.get(r.request_id, []) for r in reqs]
         bitmask, allowed = self.structured_output_manager.grammar_bitmask(reqs, drafts)
-        grammar_output = GrammarOutput([r.request_id for r in reqs], bitmask)
+        grammar_output = GrammarOutput([r.request_id for r in reqs], bitmask,
+                                       [len(d) if -1 not in d else d.index(-1) for d in drafts])
         first_rows, row = {}, 0
         for r, d in zip(reqs, drafts):
             first_rows[r.request_id] = row
@@ -453,9 +454,13 @@ class Scheduler:
             rejected = len(drafts) + 1 - len(generated)
             req.num_computed_tokens -= rejected
             req.num_output_placeholders = max(0, req.num_output_placeholders - rejected)
-            self.spec_stats.observe(len(drafts), len(generated) - 1)
-            if self.hooks.active:
-                self._trace_verified(req, step, drafts, generated)
+            # V1's count: placeholders that were no draft (num_invalid_spec_tokens; -1 if never known) were not
+            # proposed, and a step that verified none is no draft
+            num_draft_tokens = len(drafts) - (sched.num_invalid_spec_tokens or {}).get(rid, drafts.count(-1))
+            if num_draft_tokens:
+                self.spec_stats.observe(num_draft_tokens, len(generated) - 1)
+                if self.hooks.active:
+                    self._trace_verified(req, step, drafts[:num_draft_tokens], generated)
         if not stale:  # its tokens are computed: blocks its sliding windows passed go back now, not next step
             self.kv_cache_manager.remove_skipped_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
         prompt_logprobs = mro.prompt_logprobs_dict.get(rid)
@@ -552,6 +557,30 @@ class Scheduler:
                 if self.hooks.active:
                     self._trace_drafts_validated(req, proposed, drafts)
             req.spec_token_ids = drafts
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: DraftTokenIds,
+                                         scheduler_output: SchedulerOutput) -> None:
+        """Async scheduling (V1's name): a step in flight was scheduled with placeholder draft ids (-1);
+        the worker put its drafts there, these. Each placeholder becomes its draft, cut (a request with a
+        grammar) to the prefix its grammar accepts; the rest stay -1 and are counted in
+        num_invalid_spec_tokens (also placeholders the worker had no draft for): the statistics do not
+        count them as proposed, and its bitmask constrains only the drafts before them."""
+        proposed = dict(zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids))
+        spec, invalid = scheduler_output.scheduled_spec_decode_tokens, {}
+        for rid, placeholders in spec.items():
+            req = self.requests.get(rid)
+            if req is None or not placeholders or placeholders[0] >= 0:
+                continue  # finished, or real drafts (scheduled when they were known)
+            drafts = list(proposed.get(rid, ()))[:len(placeholders)]
+            so = req.structured_output_request
+            if so is not None and drafts:
+                checked, drafts = drafts, so.grammar.validate_tokens(drafts)
+                if self.hooks.active:
+                    self._trace_drafts_validated(req, checked, drafts)
+            if len(drafts) < len(placeholders):
+                invalid[rid] = len(placeholders) - len(drafts)
+            spec[rid] = drafts + [-1] * (len(placeholders) - len(drafts))  # its length: the slots scheduled
+        scheduler_output.num_invalid_spec_tokens = invalid
 
     def _trace_drafts_validated(self, req: Request, proposed: list[int], kept: list[int]) -> None:
         self.hooks.emit(STRUCTURED_OUTPUT, DRAFTS_VALIDATED, request_id=req.request_id, step=self.step_count,

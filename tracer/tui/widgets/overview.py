@@ -45,17 +45,17 @@ def this_step(frame: Frame) -> dict:
     return {sch["request_id"]: f"{sch['kind']} {sch['num_tokens']}" for sch in snap.get("scheduled", [])}
 
 
-def rank0_launches(s) -> list[dict]:
-    return [k for k in s.kernels if rank_of(k) == 0]
+def rank0_launches(kernels: list[dict]) -> list[dict]:
+    return [k for k in kernels if rank_of(k) == 0]
 
 
-def kernel_lines(frame: Frame, limit: int) -> list[Text]:
-    """One line per kernel of the step's launches: how many, total time, time per launch (rank
+def kernel_lines(kernels: list[dict], limit: int) -> list[Text]:
+    """One line per kernel of a step's launches: how many, total time, time per launch (rank
     0's with tensor parallelism: every rank does the same launches), the longest ones first (the
     step's few input-building launches come before its layers'; a profiled step has every op as a
     launch)."""
     per: dict[str, list[int]] = {}
-    for k in rank0_launches(frame.state):
+    for k in rank0_launches(kernels):
         per.setdefault(k["name"], []).append(k.get("duration_ns") or 0)
     items = sorted(per.items(), key=lambda kv: -sum(kv[1]))
     lines = []
@@ -75,7 +75,8 @@ def overview(frame: Frame, width: int, height: int) -> Text:
     t.append(" " * max(3, width - len(head) - len(gauge)) if width >= len(head) + len(gauge) + 3 else "\n")
     t.append_text(gauge)
     # rows for the two queues: what is left after the fixed lines, shared, each at least 2
-    fixed = 10 + min(4, len({k["name"] for k in s.kernels}))
+    idle, *_, kernels = shown_step(s)
+    fixed = 10 + (idle is not None) + min(4, len({k["name"] for k in kernels}))
     budget = max(4, height - fixed)
     n_run = min(len(s.running), max(2, budget - min(len(s.waiting), budget // 2)))
     n_wait = min(len(s.waiting), max(2, budget - n_run))
@@ -120,41 +121,59 @@ def overview(frame: Frame, width: int, height: int) -> Text:
             t.append(f"  {plural(r.num_output_tokens, 'token')} out, {r.finish_reason or '?'}", "dim")
             t.append(f"  {r.text[:max(0, width - idw - 30)]!r}\n" if r.text else "\n", "green")
     t.append("\n")
-    snap = s.snapshot if s.snapshot_step == s.step and s.snapshot else None
-    if s.step is None:
-        t.append("step -", "bold")
-        t.append("  no step yet: send a request (the Startup panel, 7, has a curl line)\n", "dim")
-    elif snap is None:
-        t.append(f"step {s.step}", "bold")
-        t.append("  the scheduler has not run yet in this step\n", "dim")
-    else:
-        kinds = [sch["kind"] for sch in snap.get("scheduled", [])]
-        t.append(f"step {s.step}", "bold")
-        t.append(f" ({s.phase}) batch: {plural(len(kinds), 'request')}, {kinds.count('prefill')} prefill "
-                 f"{kinds.count('decode')} decode, {snap.get('total_num_scheduled_tokens', 0)}/"
-                 f"{snap.get('token_budget', 0)} tokens" + (" (Step, 4)\n" if width >= 100 else "\n"))
-    if s.kernels:
-        t.append(f"kernels of step {s.step}", "bold")
-        n = len(rank0_launches(s))
-        ranks = f" on rank 0 of {s.tensor_parallel_size}" if s.tensor_parallel_size > 1 else ""
-        t.append(f"  ({plural(n, 'launch')}{ranks}; Kernels, 5)\n", "dim")
-        for line in kernel_lines(frame, 4):
-            t.append_text(line)
-            t.append("\n")
-    elif s.kernel_history:  # mid-step (the launches are published once the forward pass is done): the last step's
-        t.append("kernels of the last step", "bold")
-        t.append("  (all layers; Kernels, 5)\n", "dim")
-        for name, times in list(s.kernel_history.items())[:4]:
-            t.append(f"  {name:<24}        {fmt_ns(times[-1]):>9} total\n")
-    elif s.step is not None:
-        t.append("kernels", "bold")
-        t.append("  no launch yet in this step\n", "dim")
+    step_lines(t, s, width)
     if c.get("replay"):  # no engine behind a recording: it can only be travelled through
         t.append("\nA recorded trace: ← / → move a step, home / end go to the first / last.", "dim")
     elif c.get("paused"):
         t.append("\nThe engine is held: n runs one step, space lets it run.", "dim")
     t.rstrip()
     return t
+
+
+def shown_step(s) -> tuple:
+    """(the step that scheduled nothing, or None; the step shown, its phase, snapshot and launches)."""
+    snap = s.snapshot if s.snapshot_step == s.step and s.snapshot else None
+    if snap is not None and not snap.get("scheduled") and s.last_batch is not None:
+        last = s.last_batch
+        return s.step, last["step"], "done", last["snapshot"], last["kernels"]
+    return None, s.step, s.phase, snap, s.kernels
+
+
+def step_lines(t: Text, s, width: int) -> None:
+    """The step's batch and its launches. A step that scheduled no request (under async scheduling
+    the last one, scheduled while the step before it was still deciding its requests' last tokens)
+    ran no batch and launched nothing: the last step that ran one is shown instead."""
+    idle, step, phase, snap, kernels = shown_step(s)
+    if step is None:
+        t.append("step -", "bold")
+        t.append("  no step yet: send a request (the Startup panel, 7, has a curl line)\n", "dim")
+    elif snap is None:
+        t.append(f"step {step}", "bold")
+        t.append("  the scheduler has not run yet in this step\n", "dim")
+    else:
+        kinds = [sch["kind"] for sch in snap.get("scheduled", [])]
+        t.append(f"step {step}", "bold")
+        t.append(f" ({phase}) batch: {plural(len(kinds), 'request')}, {kinds.count('prefill')} prefill "
+                 f"{kinds.count('decode')} decode, {snap.get('total_num_scheduled_tokens', 0)}/"
+                 f"{snap.get('token_budget', 0)} tokens" + (" (Step, 4)\n" if width >= 100 else "\n"))
+        if idle is not None:
+            t.append(f"  the last step that ran a batch (step {idle} scheduled no request)\n", "dim")
+    if kernels:
+        t.append(f"kernels of step {step}", "bold")
+        n = len(rank0_launches(kernels))
+        ranks = f" on rank 0 of {s.tensor_parallel_size}" if s.tensor_parallel_size > 1 else ""
+        t.append(f"  ({plural(n, 'launch')}{ranks}; Kernels, 5)\n", "dim")
+        for line in kernel_lines(kernels, 4):
+            t.append_text(line)
+            t.append("\n")
+    elif s.kernel_history and idle is None:  # mid-step (launches are published after the forward pass): the last's
+        t.append("kernels of the last step", "bold")
+        t.append("  (all layers; Kernels, 5)\n", "dim")
+        for name, times in sorted(s.kernel_history.items(), key=lambda kv: -kv[1][-1])[:4]:  # the longest
+            t.append(f"  {name:<24}        {fmt_ns(times[-1]):>9} total\n")
+    elif step is not None:
+        t.append("kernels", "bold")
+        t.append("  no launch yet in this step\n", "dim")
 
 
 class OverviewPanel(Panel):
