@@ -17,8 +17,8 @@ ordinary checkpoint of that class that the engine loads like any other:
 - ``tiny-llama``: ``LlamaForCausalLM`` with grouped-query attention, saved as bfloat16.
 - ``tiny-moe``: ``Qwen3MoeForCausalLM``, 8 experts of which each token uses 2, sized so that the
   parameters a token passes through match tiny-llama's. Trained with transformers' load-balancing
-  loss (``router_aux_loss_coef`` x ``load_balancing_loss_func``); without it the router sends
-  most tokens to a few experts. Its card records each expert's share of the validation tokens.
+  loss (``router_aux_loss_coef`` x ``load_balancing_loss_func``), which keeps the router from
+  sending most tokens to a few experts; its card records each expert's share of the validation tokens.
 
 Deterministic: one seed drives the document split, the weight init and the batch order, and
 training runs dropout-free on a fixed number of threads (one: under CPU contention two spent 2.4x
@@ -199,8 +199,16 @@ def model_card(model, cfg: TrainConfig, data: dict, log: list[dict], times: tupl
 def card_markdown(card: dict) -> str:
     """The measured lines of a model card in docs/model-card.md, from train_config.json (printed by
     ``--card``), so the document's figures are the recorded ones."""
-    lines = [f"- **Parameters**: {card['parameters']:,}"
-             + (f", of which a token uses **{card['active_parameters']:,}**" if "active_parameters" in card else "")]
+    cfg, sources = card["config"], card.get("sources", [])  # older cards list no sources
+    origin = (f"{len(sources)} sources (each one's name, version and licence are in train_config.json; licences: "
+              + ", ".join(dict.fromkeys(s["licence"] for s in sources)) + ")") if sources else "the corpus's sources"
+    lines = [f"- **Data**: {card['train_tokens']:,} training and {card['val_tokens']:,} held-out tokens of the "
+             f"English documentation of {origin}, corpus sha256 `{card['corpus_sha256'][:8]}…`",
+             f"- **Parameters**: {card['parameters']:,}"
+             + (f", of which a token uses **{card['active_parameters']:,}**" if "active_parameters" in card else ""),
+             f"- **Training run**: {cfg['steps']:,} steps of {cfg['batch_size']} × {cfg['seq_len']} tokens, seed "
+             f"{cfg['seed']}, {cfg['threads']} thread(s): {card['train_seconds'] / 60:.1f} minutes in the training "
+             f"loop, {card['total_seconds'] / 60:.1f} in all (torch {card['torch']}, Python {card['python']})"]
     lines.append(f"- **Validation loss** on the whole held-out set ({card['val_tokens']:,} tokens, the weights as "
                  f"saved): **{card['val_loss_nats_per_token']:.2f} nats/token = {card['val_bits_per_byte']:.2f} "
                  f"bits/byte**, against **{card['unigram_nats_per_token']:.2f} nats/token = "
@@ -212,7 +220,7 @@ def card_markdown(card: dict) -> str:
         lines.append(f"- **Expert load** (each expert's share of the validation tokens' expert slots; even is "
                      f"{1 / n:.1%}): the busiest expert takes {card['expert_load_max_over_mean']:.2f}x an even "
                      f"share, the idlest {card['expert_load_min_over_mean']:.2f}x. {rows}")
-    for s in card["samples"]:
+    for s in card.get("samples", []):
         lines.append(f"- **Sample** (greedy): *{s['prompt']}* → {json.dumps(s['greedy'], ensure_ascii=False)}")
     return "\n".join(lines) + "\n"
 

@@ -16,6 +16,7 @@ from engine import LLM, SamplingParams
 from engine.builtin_model import (
     DRAFT_NAME,
     LLAMA_NAME,
+    MOE_NAME,
     NAME,
     PACKAGED,
     PACKAGED_MODELS,
@@ -70,7 +71,7 @@ def test_bpe_vocabulary(tok):
         assert len(ids) == len(emoji.encode("utf-8")) and all(len(t) == 1 for t in tok.convert_ids_to_tokens(ids))
 
 
-@pytest.mark.parametrize("name", [NAME, DRAFT_NAME, LLAMA_NAME])
+@pytest.mark.parametrize("name", [NAME, DRAFT_NAME, LLAMA_NAME, MOE_NAME])
 def test_builtin_is_the_packaged_checkpoint_with_checksums(name):
     assert resolve(name) == PACKAGED_MODELS[name]
     assert verify_checksums(PACKAGED_MODELS[name]) == 4  # config, weights, tokenizer and its config
@@ -85,7 +86,7 @@ def test_package_data_includes_the_artifacts():
     assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
 
 
-@pytest.mark.parametrize("name", [LLAMA_NAME, DRAFT_NAME])
+@pytest.mark.parametrize("name", [LLAMA_NAME, DRAFT_NAME, MOE_NAME])
 def test_tiny_llama_and_the_draft_share_tiny_gpt2s_tokenizer(name):
     """Trained on the same corpus with the same tokenizer: the same text is the same ids."""
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -199,7 +200,7 @@ def test_the_draft_starts_from_tiny_gpt2s_lower_layers():
         init_weights(narrow, PACKAGED)
 
 
-@pytest.mark.parametrize("name", [NAME, DRAFT_NAME, LLAMA_NAME])
+@pytest.mark.parametrize("name", [NAME, DRAFT_NAME, LLAMA_NAME, MOE_NAME])
 def test_the_training_program_reproduces_each_shipped_model(name):
     """`python -m engine.builtin.train NAME`'s settings are the ones the shipped model records, and
     the config.json it writes (from those settings) is the shipped one."""
