@@ -2,7 +2,7 @@
 
 ``tiny-gpt2``: a small GPT-2 (4 layers, 128 wide, 4 heads, 512 positions) with a 4,096-token
 byte-level BPE tokenizer, trained on English documentation that ships with Python and with
-permissively licensed packages (``python -m engine.builtin.train_tiny_gpt2``; model card in
+permissively licensed packages (``python -m engine.builtin.train tiny-gpt2``; model card in
 docs/model-card.md). Its files are package data (``engine/builtin/tiny-gpt2/``) with a SHA256SUMS file
 that ``model_loader.check_checkpoint`` verifies, so it loads with no network through the same
 loader as any Hugging Face checkpoint.
@@ -10,8 +10,8 @@ loader as any Hugging Face checkpoint.
 ``tiny-gpt2-draft``: tiny-gpt2's draft model for speculative decoding (``speculative_config=
 {"method": "draft_model", "model": "tiny-gpt2-draft", ...}``): a GPT-2 of 2 layers, 128 wide,
 4 heads, started from tiny-gpt2's embeddings and first two blocks and trained by the same script on
-the same corpus with tiny-gpt2's tokenizer file (``python -m engine.builtin.train_tiny_gpt2 --preset
-draft``), packaged the same way (``engine/builtin/tiny-gpt2-draft/``).
+the same corpus with tiny-gpt2's tokenizer file (``python -m engine.builtin.train tiny-gpt2-draft``),
+packaged the same way (``engine/builtin/tiny-gpt2-draft/``).
 
 ``tiny-gpt2-random``: the same architecture at 4 layers, 128 wide, with deterministic random
 weights from a fixed seed and a byte-level tokenizer without merges (token id b is the byte b,
@@ -20,8 +20,13 @@ subject is the engine, not the text, use it: its ids are bytes, and its greedy o
 
 ``tiny-llama``: a Llama (4 layers, 128 wide, 8 query heads sharing 2 KV heads, RoPE, RMSNorm,
 SwiGLU, untied LM head) trained on the same corpus with the same tokenizer as tiny-gpt2
-(``python -m engine.builtin.train_tiny_llama``), packaged the same way (``engine/builtin/tiny-llama/``).
+(``python -m engine.builtin.train tiny-llama``), packaged the same way (``engine/builtin/tiny-llama/``).
 ``tiny-llama-random`` is its random-weights twin on the byte-level tokenizer, as tiny-gpt2-random is.
+
+``tiny-moe``: a Qwen3-MoE (4 layers, 128 wide, the attention of tiny-llama plus Qwen3's q/k norms,
+8 experts of 192 of which each token uses 2, renormalised) trained the same way
+(``python -m engine.builtin.train tiny-moe``), packaged in ``engine/builtin/tiny-moe/``; its
+random-weights twin on the byte-level tokenizer is ``tiny-moe-random``.
 """
 from __future__ import annotations
 
@@ -36,11 +41,12 @@ DRAFT_NAME = "tiny-gpt2-draft"
 RANDOM_NAME = "tiny-gpt2-random"
 LLAMA_NAME = "tiny-llama"
 LLAMA_RANDOM_NAME = "tiny-llama-random"
-NAMES = (NAME, DRAFT_NAME, RANDOM_NAME, LLAMA_NAME, LLAMA_RANDOM_NAME)
+MOE_NAME = "tiny-moe"
+MOE_RANDOM_NAME = "tiny-moe-random"
+NAMES = (NAME, DRAFT_NAME, RANDOM_NAME, LLAMA_NAME, LLAMA_RANDOM_NAME, MOE_NAME, MOE_RANDOM_NAME)
 PACKAGED = Path(__file__).resolve().parent / "builtin" / NAME
-PACKAGED_MODELS = {NAME: PACKAGED, DRAFT_NAME: PACKAGED.parent / DRAFT_NAME, LLAMA_NAME: PACKAGED.parent / LLAMA_NAME}
-TRAINING_SCRIPTS = {NAME: "train_tiny_gpt2", DRAFT_NAME: "train_tiny_gpt2 --preset draft",
-                    LLAMA_NAME: "train_tiny_llama"}
+PACKAGED_MODELS = {NAME: PACKAGED, DRAFT_NAME: PACKAGED.parent / DRAFT_NAME, LLAMA_NAME: PACKAGED.parent / LLAMA_NAME,
+                   MOE_NAME: PACKAGED.parent / MOE_NAME}
 SEED = 1234
 CONFIG = dict(
     model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=257, n_positions=512,
@@ -57,6 +63,15 @@ LLAMA_CONFIG = dict(
     mlp_bias=False, tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, initializer_range=0.02,
 )
 LLAMA_VERSION = "1"
+MOE_CONFIG = dict(
+    model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=257, hidden_size=128,
+    intermediate_size=384, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+    hidden_act="silu", max_position_embeddings=512, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attention_bias=False,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192, norm_topk_prob=True, decoder_sparse_step=1,
+    mlp_only_layers=[], tie_word_embeddings=False, bos_token_id=256, eos_token_id=256, initializer_range=0.02,
+)
+MOE_VERSION = "1"
 
 
 class BuiltinModelMissingError(ValueError):
@@ -77,12 +92,14 @@ def builtin_path(name: str = NAME) -> Path:
         if not (path / "model.safetensors").exists():
             raise BuiltinModelMissingError(
                 f"the built-in model's files are missing from {path} (an install without package data?). "
-                f"Reinstall vllm-trace, or rebuild them: python -m engine.builtin.{TRAINING_SCRIPTS[name]}")
+                f"Reinstall vllm-trace, or rebuild them: python -m engine.builtin.train {name}")
         return path
     if name == RANDOM_NAME:
         path, config, weights = cache_root() / f"{NAME}-v{VERSION}", CONFIG, _weights
     elif name == LLAMA_RANDOM_NAME:
         path, config, weights = cache_root() / f"{LLAMA_NAME}-v{LLAMA_VERSION}", LLAMA_CONFIG, _llama_weights
+    elif name == MOE_RANDOM_NAME:
+        path, config, weights = cache_root() / f"{MOE_NAME}-v{MOE_VERSION}", MOE_CONFIG, _moe_weights
     else:
         raise ValueError(f"{name!r} is not a built-in model; those are {', '.join(NAMES)}")
     if not (path / "model.safetensors").exists():
@@ -150,6 +167,43 @@ def _llama_weights() -> dict:
             pre + "post_attention_layernorm.weight": 1 + normal(d, std=0.1),
             pre + "mlp.gate_proj.weight": normal(f, d, std=0.2), pre + "mlp.up_proj.weight": normal(f, d, std=0.2),
             pre + "mlp.down_proj.weight": normal(d, f, std=0.05),
+        }
+    return w
+
+
+def _moe_weights() -> dict:
+    """Hugging Face Qwen3-MoE names, experts fused as transformers 5 saves them. tiny-llama-random's
+    scales; the router's rows large enough that tokens spread over the experts (an 82-byte sentence
+    reaches 7 or 8 of the 8 in each layer)."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    c = MOE_CONFIG
+    d, v, hd, e, f = c["hidden_size"], c["vocab_size"], c["head_dim"], c["num_experts"], c["moe_intermediate_size"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+
+    def normal(*shape, std):
+        return torch.randn(*shape, generator=g) * std
+
+    printable = torch.zeros(v, 1, dtype=torch.bool)
+    printable[32:127] = True
+    scale = torch.where(printable, 1.0, 0.2)
+    w = {"model.embed_tokens.weight": normal(v, d, std=0.5) * scale, "model.norm.weight": 1 + normal(d, std=0.1),
+         "lm_head.weight": normal(v, d, std=0.5) * scale}
+    for i in range(c["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        w |= {
+            pre + "input_layernorm.weight": 1 + normal(d, std=0.1),
+            pre + "self_attn.q_proj.weight": normal(q, d, std=0.3),
+            pre + "self_attn.k_proj.weight": normal(kv, d, std=0.3),
+            pre + "self_attn.v_proj.weight": normal(kv, d, std=0.3),
+            pre + "self_attn.o_proj.weight": normal(d, q, std=0.05),
+            pre + "self_attn.q_norm.weight": 1 + normal(hd, std=0.1),
+            pre + "self_attn.k_norm.weight": 1 + normal(hd, std=0.1),
+            pre + "post_attention_layernorm.weight": 1 + normal(d, std=0.1),
+            pre + "mlp.gate.weight": normal(e, d, std=0.3),
+            pre + "mlp.experts.gate_up_proj": normal(e, 2 * f, d, std=0.2),
+            pre + "mlp.experts.down_proj": normal(e, d, f, std=0.05),
         }
     return w
 

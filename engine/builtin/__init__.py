@@ -1,2 +1,3 @@
-"""The built-in models' artifacts (tiny-gpt2/) and the code that made them: the corpus builder and the
-training script (``python -m engine.builtin.train_tiny_gpt2``). Nothing here runs at inference time."""
+"""The built-in models' artifacts (tiny-gpt2/, tiny-gpt2-draft/, tiny-llama/, tiny-moe/) and the code that
+made them: the corpus builder and the training program (``python -m engine.builtin.train MODEL``).
+Nothing here runs at inference time."""

@@ -4,6 +4,7 @@ import fnmatch
 import json
 import re
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.builtin_model import DRAFT_NAME, LLAMA_NAME, NAME, PACKAGED, PACKAGED_MODELS, RANDOM_NAME, builtin_path
+from engine.builtin_model import (
+    DRAFT_NAME,
+    LLAMA_NAME,
+    MOE_NAME,
+    NAME,
+    PACKAGED,
+    PACKAGED_MODELS,
+    RANDOM_NAME,
+    builtin_path,
+)
 from engine.model_executor.model_loader import CHECKSUM_FILE, ChecksumMismatchError, resolve, verify_checksums
 from engine.tokenizer import load_tokenizer
 
@@ -61,7 +71,7 @@ def test_bpe_vocabulary(tok):
         assert len(ids) == len(emoji.encode("utf-8")) and all(len(t) == 1 for t in tok.convert_ids_to_tokens(ids))
 
 
-@pytest.mark.parametrize("name", [NAME, DRAFT_NAME, LLAMA_NAME])
+@pytest.mark.parametrize("name", [NAME, DRAFT_NAME, LLAMA_NAME, MOE_NAME])
 def test_builtin_is_the_packaged_checkpoint_with_checksums(name):
     assert resolve(name) == PACKAGED_MODELS[name]
     assert verify_checksums(PACKAGED_MODELS[name]) == 4  # config, weights, tokenizer and its config
@@ -76,7 +86,7 @@ def test_package_data_includes_the_artifacts():
     assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files)
 
 
-@pytest.mark.parametrize("name", [LLAMA_NAME, DRAFT_NAME])
+@pytest.mark.parametrize("name", [LLAMA_NAME, DRAFT_NAME, MOE_NAME])
 def test_tiny_llama_and_the_draft_share_tiny_gpt2s_tokenizer(name):
     """Trained on the same corpus with the same tokenizer: the same text is the same ids."""
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -156,9 +166,9 @@ def test_most_generated_words_are_english(llm):
 
 def test_training_says_when_an_installed_package_would_change_the_corpus():
     from engine.builtin.tiny_corpus import Source
-    from engine.builtin.train_tiny_gpt2 import ARTIFACT_DIR, version_drift
+    from engine.builtin.train_data import version_drift
 
-    trained = json.loads((ARTIFACT_DIR / "train_config.json").read_text())["sources"]
+    trained = json.loads((PACKAGED / "train_config.json").read_text())["sources"]
     same = [Source(s["name"], s["licence"], []) for s in trained]
     assert version_drift(same) == []
     name, version = trained[2]["name"].rsplit(" ", 1)
@@ -166,19 +176,18 @@ def test_training_says_when_an_installed_package_would_change_the_corpus():
     assert f"{name} {version}.post1 is installed" in line and trained[2]["name"] in line
 
 
-def test_the_draft_preset_starts_from_tiny_gpt2s_lower_layers():
-    """train_tiny_gpt2 --preset draft: 2 of tiny-gpt2's 4 blocks, its embeddings and final norm to start
+def test_the_draft_starts_from_tiny_gpt2s_lower_layers():
+    """train tiny-gpt2-draft: 2 of tiny-gpt2's 4 blocks, its embeddings and final norm to start
     from, and its tokenizer; an init from a checkpoint of another width is refused."""
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
-    from engine.builtin.train_tiny_gpt2 import PRESETS, TrainConfig, init_weights, model_config
+    from engine.builtin.train_configs import MODELS, TinyGpt2
+    from engine.builtin.train_data import init_weights
 
-    out, settings = PRESETS["draft"]
-    assert out == PACKAGED_MODELS[DRAFT_NAME]
-    cfg = TrainConfig(**settings)
+    cfg = MODELS[DRAFT_NAME]
     assert cfg.n_layer == 2 and cfg.tokenizer_from == cfg.init_from == NAME
-    model = GPT2LMHeadModel(model_config(cfg, eot=0))
+    model = GPT2LMHeadModel(cfg.hf_config(cfg.vocab_size, eot=0))
     init_weights(model, PACKAGED)
     target = load_file(str(PACKAGED / "model.safetensors"))
     own = model.state_dict()
@@ -186,6 +195,25 @@ def test_the_draft_preset_starts_from_tiny_gpt2s_lower_layers():
               "transformer.ln_f.bias"):
         assert own[k].equal(target[k]), k
     assert own["lm_head.weight"].data_ptr() == own["transformer.wte.weight"].data_ptr()  # still tied
-    narrow = GPT2LMHeadModel(model_config(TrainConfig(n_layer=2, n_embd=64, n_head=2), eot=0))
+    narrow = GPT2LMHeadModel(TinyGpt2(n_layer=2, n_embd=64, n_head=2).hf_config(4096, eot=0))
     with pytest.raises(SystemExit, match="another width"):
         init_weights(narrow, PACKAGED)
+
+
+@pytest.mark.parametrize("name", [NAME, DRAFT_NAME, LLAMA_NAME, MOE_NAME])
+def test_the_training_program_reproduces_each_shipped_model(name):
+    """`python -m engine.builtin.train NAME`'s settings are the ones the shipped model records, and
+    the config.json it writes (from those settings) is the shipped one."""
+    from types import SimpleNamespace
+
+    from engine.builtin.train_configs import MODELS
+
+    cfg, path = MODELS[name], PACKAGED_MODELS[name]
+    recorded = json.loads((path / "train_config.json").read_text())
+    settings = asdict(cfg)
+    assert {k: settings.get(k) for k in recorded["config"]} == recorded["config"]
+    # tiny-gpt2's record predates the settings that reuse another model's tokenizer or weights: both off
+    assert all(not settings[k] for k in settings.keys() - recorded["config"].keys())
+    shipped = json.loads((path / "config.json").read_text())
+    written = cfg.config_json(SimpleNamespace(config=cfg.hf_config(shipped["vocab_size"], shipped["eos_token_id"])))
+    assert written == shipped

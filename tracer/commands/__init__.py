@@ -18,8 +18,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def model_help() -> str:
     """What the MODEL argument takes, every built-in model named (they are offline)."""
-    from engine.builtin_model import DRAFT_NAME, LLAMA_NAME, LLAMA_RANDOM_NAME, NAME, RANDOM_NAME
+    from engine.builtin_model import (
+        DRAFT_NAME,
+        LLAMA_NAME,
+        LLAMA_RANDOM_NAME,
+        MOE_NAME,
+        MOE_RANDOM_NAME,
+        NAME,
+        RANDOM_NAME,
+    )
 
-    return (f"a built-in model (offline): {NAME}, {LLAMA_NAME}, {DRAFT_NAME} (tiny-gpt2's draft model for "
-            f"speculative decoding), {RANDOM_NAME} or {LLAMA_RANDOM_NAME} (random weights, byte-level "
-            "tokenizer); a Hugging Face name such as gpt2; or a local directory")
+    return (f"a built-in model (offline): {NAME}, {LLAMA_NAME}, {MOE_NAME} (a mixture of experts), {DRAFT_NAME} "
+            f"(tiny-gpt2's draft model for speculative decoding), {RANDOM_NAME}, {LLAMA_RANDOM_NAME} or "
+            f"{MOE_RANDOM_NAME} (random weights, byte-level tokenizer); a Hugging Face name such as gpt2; "
+            "or a local directory")
