@@ -272,22 +272,74 @@ def rand_ref(seeds: torch.Tensor, positions: torch.Tensor, stream: int = 1) -> t
     return uint32_to_uniform_ref(philox_ref(seeds, positions)[stream])
 
 
+# MurmurHash3's 32-bit mix and finaliser on numpy uint32 (arithmetic wraps mod 2**32, as Triton's uint32),
+# the hash vLLM 0.33's Gumbel sampler draws its noise from (kernels/gumbel_sample.py). Measured on the
+# 2-core CPU, one row of 4,096 tokens: 1.3 ms with Philox 4x32-10 in numpy, 0.1 ms with this hash.
+_MM3_C1, _MM3_C2 = np.uint32(0xCC9E2D51), np.uint32(0x1B873593)
+_NOISE_CHUNK = 1 << 15  # tokens of noise computed at once
+
+
+def _rotl32(x: np.ndarray, shift: int) -> np.ndarray:
+    return (x << np.uint32(shift)) | (x >> np.uint32(32 - shift))
+
+
+def _murmur3_mix(h: np.ndarray, key: np.ndarray) -> np.ndarray:
+    key = _rotl32(key * _MM3_C1, 15) * _MM3_C2
+    return _rotl32(h ^ key, 13) * np.uint32(5) + np.uint32(0xE6546B64)
+
+
+def _murmur3_fmix32(h: np.ndarray) -> np.ndarray:
+    h = (h ^ (h >> np.uint32(16))) * np.uint32(0x85EBCA6B)
+    h = (h ^ (h >> np.uint32(13))) * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def murmur3_hash32_ref(seed: np.ndarray, pos: np.ndarray, offset: np.ndarray, domain: int = 0) -> np.ndarray:
+    """vLLM's ``murmur3_hash32``: uint32 of (seed int64, pos int64, offset uint32, domain), broadcast.
+    The seed and position are mixed at their own shape (a row's), the offset (a token) last."""
+    s, p = np.asarray(seed, np.int64).view(np.uint64), np.asarray(pos, np.int64).view(np.uint64)
+    h = np.full(s.shape, domain, np.uint32)
+    h = _murmur3_mix(h, (s & _MASK32).astype(np.uint32))
+    h = _murmur3_mix(h, (s >> _32).astype(np.uint32))
+    h = _murmur3_mix(h, (p & _MASK32).astype(np.uint32))
+    return _murmur3_fmix32(_murmur3_mix(h, np.asarray(offset, np.uint32)) ^ np.uint32(16))
+
+
+def murmur3_uniform32_ref(random32: np.ndarray) -> np.ndarray:
+    """vLLM's ``murmur3_uniform32``: (random32 + 0.5) / 2**32 in float32, from its two 16-bit halves."""
+    hi16 = (random32 >> np.uint32(16)).astype(np.float32)
+    lo16 = (random32 & np.uint32(0xFFFF)).astype(np.float32)
+    return hi16 * np.float32(1.52587890625e-05) + (lo16 + np.float32(0.5)) * np.float32(2.3283064365386963e-10)
+
+
+def gumbel_noise_ref(u: np.ndarray) -> np.ndarray:
+    """-log(-log(1 - u)) in float32 as vLLM computes it: log(1 - u) by a series below 0.25, so the
+    winning tail (u -> 0) keeps its precision."""
+    poly = np.float32(1.0 / 8.0)
+    for c in (7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0):
+        poly = np.float32(1.0 / c) + u * poly
+    series = -u * poly
+    direct = np.log(np.maximum(np.float32(1.0) - u, np.float32(5.960464477539063e-08)))
+    return -np.log(-np.where(u < np.float32(0.25), series, direct))
+
+
 def gumbel_sample_ref(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                       stream: int = 0) -> torch.Tensor:
     """One token per row of logits [num_rows, vocab]: argmax(logits + Gumbel noise), the noise of
-    row i keyed by (seeds[i], positions[i]) (see kernels/gumbel_sample.py), so a draw from
-    softmax(row) that depends on nothing else."""
+    token t in row i hashed from (seeds[i], positions[i], t) with domain ``stream`` (see
+    kernels/gumbel_sample.py), so a draw from softmax(row) that depends on nothing else."""
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    key = philox_ref(seeds.cpu(), positions.cpu())[stream]  # [rows]: each row's key
-    # noise only where a token can win (a -inf logit stays -inf): top-k / top-p rows cost a few tokens
-    rows, tokens = torch.isfinite(logits).cpu().nonzero(as_tuple=True)
-    u = uint32_to_uniform_ref(philox_ref(key[rows], tokens)[0]).numpy().astype(np.float64)
-    noise = torch.from_numpy((-np.log(-np.log(u + 1e-20) + 1e-20)).astype(np.float32)).to(logits.device)
-    scores = torch.full(logits.shape, float("-inf"), device=logits.device)
-    rows, tokens = rows.to(logits.device), tokens.to(logits.device)
-    scores[rows, tokens] = logits[rows, tokens].float() + noise
-    return scores.argmax(-1)
+    rows, vocab = logits.shape
+    seeds = seeds.to(torch.int64).cpu().numpy().reshape(rows, 1)
+    pos = positions.to(torch.int64).cpu().numpy().reshape(rows, 1)
+    tokens, scores = np.arange(vocab, dtype=np.uint32)[None], logits.float().cpu().numpy()
+    best = np.empty(rows, np.int64)
+    step = max(1, _NOISE_CHUNK // vocab)
+    for r in range(0, rows, step):  # rows a chunk at a time: each op's operands stay in the cache
+        u = murmur3_uniform32_ref(murmur3_hash32_ref(seeds[r:r + step], pos[r:r + step], tokens, stream))
+        best[r:r + step] = (scores[r:r + step] + gumbel_noise_ref(u)).argmax(-1)  # a -inf logit stays -inf
+    return torch.from_numpy(best).to(logits.device)
 
 
 # ---- input building (kernels/input_batch.py, kernels/block_table.py) ----------------------------

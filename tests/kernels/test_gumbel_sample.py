@@ -1,12 +1,13 @@
 """The Gumbel-max kernel against its reference: the same token for the same (seed, position), any stream;
-and the reference's Philox is Triton's, word for word."""
+the noise's hash is MurmurHash3; and the reference's Philox (the acceptance uniform) is Triton's, word for word."""
+import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from kernels import gumbel_sample, gumbel_sample_ref, rand_ref
-from kernels.reference import philox_ref, uint32_to_uniform_ref
+from kernels.reference import murmur3_hash32_ref, philox_ref, uint32_to_uniform_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled there, interpreted here
 
@@ -54,3 +55,29 @@ def test_streams_and_positions_are_independent_draws():
     assert len(set(by_position.tolist())) > 20  # another position, another draw
     assert not torch.equal(by_position, gumbel_sample_ref(logits, seeds, positions, stream=2))
     assert torch.equal(by_position, gumbel_sample_ref(logits, seeds, positions))  # and nothing else matters
+
+
+def _murmur3_x86_32(words: list[int], seed: int) -> int:
+    """MurmurHash3_x86_32 of little-endian uint32 words, written out from its specification."""
+    def rotl(x, r):
+        return ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF
+
+    h = seed
+    for k in words:
+        k = rotl((k * 0xCC9E2D51) & 0xFFFFFFFF, 15) * 0x1B873593 & 0xFFFFFFFF
+        h = (rotl(h ^ k, 13) * 5 + 0xE6546B64) & 0xFFFFFFFF
+    h ^= 4 * len(words)
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@pytest.mark.parametrize("seed,pos,domain", [(0, 0, 0), (-5, 2 ** 31 + 5, 0), (2 ** 63 - 1, 7, 2), (-2 ** 63, 3, 0)])
+def test_noise_hash_is_murmur3_of_seed_position_and_token(seed, pos, domain):
+    """The reference's hash is MurmurHash3 (x86, 32-bit) of the seed's two words, the position's low
+    word and the token, seeded with the stream (vLLM 0.33's murmur3_hash32)."""
+    tokens = np.arange(40, dtype=np.uint32)
+    got = murmur3_hash32_ref(np.array([seed]), np.array([pos]), tokens, domain).tolist()
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    want = [_murmur3_x86_32([s & 0xFFFFFFFF, s >> 32, pos & 0xFFFFFFFF, t], domain) for t in range(40)]
+    assert got == want
