@@ -1,4 +1,4 @@
-"""A paged-attention inference engine for GPT-2 with vLLM v1 semantics.
+"""A paged-attention inference engine in vLLM V1's shape (GPT-2, Llama, Qwen3, Mistral, Gemma 3, MoE).
 
     from engine import LLM, SamplingParams
     llm = LLM(model="tiny-gpt2")

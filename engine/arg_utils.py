@@ -20,6 +20,7 @@ from engine.config import (
     ATTENTION_BACKENDS,
     DEFAULT_CPU_KV_CACHE_MEMORY,
     DTYPES,
+    EXECUTOR_BACKENDS,
     SCHEDULING_POLICIES,
     CacheConfig,
     ConfigError,
@@ -108,6 +109,11 @@ class EngineArgs:
                                    "VLLM_CPU_OMP_THREADS_BIND=auto|0-3|4-7 also pins each rank to its cores; "
                                    "the offline LLM uses every core; OMP_NUM_THREADS also sets it",
                                    metavar="N")
+    distributed_executor_backend: str | None = _arg(ParallelConfig.distributed_executor_backend,
+                                                    "uni: the model runs in the engine core (one rank); mp: in "
+                                                    "worker processes, one per rank, so scheduling and the forward "
+                                                    "pass use separate cores (default: uni for one rank, mp for more)",
+                                                    TP_GROUP, choices=EXECUTOR_BACKENDS)
     distributed_init_method: str | None = _arg(ParallelConfig.distributed_init_method,
                                                "where the ranks meet: tcp://HOST:PORT, or env:// with "
                                                "MASTER_ADDR and MASTER_PORT set (default: a free loopback port)",
@@ -185,6 +191,7 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       policy=self.scheduling_policy, async_scheduling=self.async_scheduling),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    distributed_executor_backend=self.distributed_executor_backend,
                                     distributed_init_method=self.distributed_init_method,
                                     distributed_timeout_s=self.distributed_timeout_s,
                                     cpu_threads=self.cpu_threads, enable_expert_parallel=self.enable_expert_parallel,

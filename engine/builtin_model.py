@@ -141,45 +141,37 @@ def _weights() -> dict:
 def _llama_weights() -> dict:
     """Hugging Face Llama names. Scales chosen as for tiny-gpt2-random (greedy outputs vary,
     mostly printable bytes); q and k are large enough that attention is far from uniform."""
-    import torch
-
-    g = torch.Generator().manual_seed(SEED)
     c = LLAMA_CONFIG
-    d, v, f, hd = c["hidden_size"], c["vocab_size"], c["intermediate_size"], c["head_dim"]
-    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-
-    def normal(*shape, std):
-        return torch.randn(*shape, generator=g) * std
-
-    printable = torch.zeros(v, 1, dtype=torch.bool)
-    printable[32:127] = True
-    scale = torch.where(printable, 1.0, 0.2)
-    w = {"model.embed_tokens.weight": normal(v, d, std=0.5) * scale, "model.norm.weight": 1 + normal(d, std=0.1),
-         "lm_head.weight": normal(v, d, std=0.5) * scale}
-    for i in range(c["num_hidden_layers"]):
-        pre = f"model.layers.{i}."
-        w |= {
-            pre + "input_layernorm.weight": 1 + normal(d, std=0.1),
-            pre + "self_attn.q_proj.weight": normal(q, d, std=0.3),
-            pre + "self_attn.k_proj.weight": normal(kv, d, std=0.3),
-            pre + "self_attn.v_proj.weight": normal(kv, d, std=0.3),
-            pre + "self_attn.o_proj.weight": normal(d, q, std=0.05),
-            pre + "post_attention_layernorm.weight": 1 + normal(d, std=0.1),
-            pre + "mlp.gate_proj.weight": normal(f, d, std=0.2), pre + "mlp.up_proj.weight": normal(f, d, std=0.2),
-            pre + "mlp.down_proj.weight": normal(d, f, std=0.05),
-        }
-    return w
+    d, f = c["hidden_size"], c["intermediate_size"]
+    return _llama_shaped_weights(c, lambda pre, normal: {
+        pre + "post_attention_layernorm.weight": 1 + normal(d, std=0.1),
+        pre + "mlp.gate_proj.weight": normal(f, d, std=0.2), pre + "mlp.up_proj.weight": normal(f, d, std=0.2),
+        pre + "mlp.down_proj.weight": normal(d, f, std=0.05)})
 
 
 def _moe_weights() -> dict:
     """Hugging Face Qwen3-MoE names, experts fused as transformers 5 saves them. tiny-llama-random's
     scales; the router's rows large enough that tokens spread over the experts (an 82-byte sentence
     reaches 7 or 8 of the 8 in each layer)."""
+    c = MOE_CONFIG
+    d, hd, e, f = c["hidden_size"], c["head_dim"], c["num_experts"], c["moe_intermediate_size"]
+    return _llama_shaped_weights(c, lambda pre, normal: {
+        pre + "self_attn.q_norm.weight": 1 + normal(hd, std=0.1),
+        pre + "self_attn.k_norm.weight": 1 + normal(hd, std=0.1),
+        pre + "post_attention_layernorm.weight": 1 + normal(d, std=0.1),
+        pre + "mlp.gate.weight": normal(e, d, std=0.3),
+        pre + "mlp.experts.gate_up_proj": normal(e, 2 * f, d, std=0.2),
+        pre + "mlp.experts.down_proj": normal(e, d, f, std=0.05)})
+
+
+def _llama_shaped_weights(c: dict, rest_of_layer) -> dict:
+    """The embedding, final norm, head and each layer's attention under Llama's names, drawn in that
+    order from one seeded generator; ``rest_of_layer(prefix, normal)`` draws what follows a layer's
+    attention (its MLP or experts). Non-printable bytes' rows are shrunk, as in tiny-gpt2-random."""
     import torch
 
     g = torch.Generator().manual_seed(SEED)
-    c = MOE_CONFIG
-    d, v, hd, e, f = c["hidden_size"], c["vocab_size"], c["head_dim"], c["num_experts"], c["moe_intermediate_size"]
+    d, v, hd = c["hidden_size"], c["vocab_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
 
     def normal(*shape, std):
@@ -198,13 +190,8 @@ def _moe_weights() -> dict:
             pre + "self_attn.k_proj.weight": normal(kv, d, std=0.3),
             pre + "self_attn.v_proj.weight": normal(kv, d, std=0.3),
             pre + "self_attn.o_proj.weight": normal(d, q, std=0.05),
-            pre + "self_attn.q_norm.weight": 1 + normal(hd, std=0.1),
-            pre + "self_attn.k_norm.weight": 1 + normal(hd, std=0.1),
-            pre + "post_attention_layernorm.weight": 1 + normal(d, std=0.1),
-            pre + "mlp.gate.weight": normal(e, d, std=0.3),
-            pre + "mlp.experts.gate_up_proj": normal(e, 2 * f, d, std=0.2),
-            pre + "mlp.experts.down_proj": normal(e, d, f, std=0.05),
         }
+        w |= rest_of_layer(pre, normal)
     return w
 
 

@@ -241,7 +241,7 @@ def run(lesson) -> None:
                "settings by **slot** (`SamplingStates`, vLLM 0.33's `worker/gpu/sample/states.py`) and draws by "
                "**Gumbel-max keyed by (seed, position)** (`worker/gpu/sample/gumbel.py`; ours: "
                "`kernels/gumbel_sample.py` and its reference): token = argmax(logits + g), where the noise g of "
-               "each vocabulary entry comes from Philox, a counter-based generator, at counter (seed, position). "
+               "each vocabulary entry is hashed (MurmurHash3, as vLLM 0.33) from (seed, position, token). "
                "No generator state moves between draws, so a request's token at position t depends on nothing but "
                "its seed, t and its logits: not its batch-mates, not the step, not a preemption. The runner before "
                "it (V1's `GPUModelRunner`) kept a `torch.Generator` only for seeded requests and filled the rest "

@@ -31,9 +31,10 @@ def command_plugins() -> list[importlib.metadata.EntryPoint]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-trace",
-        description="A step-through tracer for LLM serving: a real paged-attention engine "
-                    "(vLLM v1 semantics, GPT-2) you can watch, pause and step.",
-        epilog="The built-in offline model is 'tiny-gpt2'. Run 'vllm-trace COMMAND --help' for details.")
+        description="A step-through tracer for LLM serving: a real paged-attention engine in vLLM V1's shape "
+                    "(GPT-2, Llama, Qwen3, Mistral, Gemma 3, Qwen3-MoE, Mixtral) you can watch, pause and step.",
+        epilog="Built-in offline models: tiny-gpt2 (the default), tiny-llama, tiny-moe. "
+               "Run 'vllm-trace COMMAND --help' for details.")
     parser.add_argument("--version", action="version",
                         version=f"vllm-trace {importlib.metadata.version('vllm-trace')}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -16,7 +16,7 @@ _INT64 = 2 ** 64
 
 
 def as_int64(seed: int) -> int:
-    """A seed as the int64 with the same 64 low bits (the key Philox reads)."""
+    """A seed as the int64 with the same 64 low bits (the key the noise hash and Philox read)."""
     seed %= _INT64
     return seed - _INT64 if seed >= 2 ** 63 else seed
 

@@ -326,9 +326,17 @@ class ModelRunner:
         self._pending = _Pending(sched, batch, inp, requests, logits, prompt_logits, spans, load)
 
     def _expert_load(self) -> dict[int, list[int]]:
-        """Per MoE layer, the tokens each expert received in the forward pass just run."""
-        return {layer_idx: torch.bincount(moe.last_topk_ids.flatten(), minlength=moe.num_experts).tolist()
-                for layer_idx, moe in self.moe_layers}
+        """Per MoE layer, the tokens each expert received in the forward pass just run: one bincount over
+        every layer's ids (each layer's offset by the experts before it) and one copy to the host a step,
+        not one per layer (on a GPU each copy waits for the device)."""
+        offsets, ids, total = [], [], 0
+        for _, moe in self.moe_layers:
+            offsets.append(total)
+            ids.append(moe.last_topk_ids.flatten() + total)
+            total += moe.num_experts
+        counts = torch.bincount(torch.cat(ids), minlength=total).tolist()
+        return {layer_idx: counts[off:off + moe.num_experts]
+                for (layer_idx, moe), off in zip(self.moe_layers, offsets)}
 
     @torch.inference_mode()
     def _sample_step(self, p: _Pending, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:

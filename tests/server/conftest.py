@@ -5,14 +5,17 @@ thread of this process; "mp", the engine core in its own process. Tests that rea
 internals (`live.engine`) run in one process only: there is no engine object here in "mp"."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
 from engine.entrypoints.openai.background import start_background
@@ -47,6 +50,21 @@ def spawn_serve(*args: str, model: str = "tiny-gpt2") -> tuple[subprocess.Popen,
     proc.kill()
     proc.wait()
     raise AssertionError("serve exited before its ready line:\n" + "".join(lines))
+
+
+@contextlib.contextmanager
+def serving(*args: str, model: str = "tiny-gpt2"):
+    """spawn_serve, yielding (an openai client on it, its startup text). Leaving the block stops the server
+    with Ctrl-C and asserts it exits 0; an error inside the block kills it."""
+    proc, startup, url = spawn_serve(*args, model=model)
+    try:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none"), startup
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def start_server(app):

@@ -3,31 +3,19 @@ and its trace shows the GQA shapes: 8 query heads over a cache of 2 KV heads, a 
 the KV heads with 4 query heads per program (GROUP), RoPE launched before each cache write."""
 from __future__ import annotations
 
-import signal
-
-import openai
-
-from tests.server.conftest import spawn_serve
+from tests.server.conftest import serving
 from tracer.events import read_trace
 
 
 def test_serve_llama_answers_and_traces_gqa_launch_shapes(model_cache, tmp_path):
     trace = tmp_path / "serve.jsonl"
-    proc, startup, url = spawn_serve("--num-kv-blocks", "16", "--block-size", "16", "--attention-backend", "triton",
-                                     "--trace-file", str(trace), model="tiny-llama")
-    try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    with serving("--num-kv-blocks", "16", "--block-size", "16", "--attention-backend", "triton",
+                 "--trace-file", str(trace), model="tiny-llama") as (client, _):
         r = client.completions.create(model="tiny-llama", prompt="The list type", max_tokens=6, temperature=0)
         assert r.usage.completion_tokens == 6 and r.choices[0].text
         chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=4, temperature=0)
         assert chat.usage.completion_tokens == 4
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     _, events = read_trace(trace)
     resolved = next(e for e in events if e.layer == "engine" and e.name == "resolve_model" and e.kind == "end")
     assert resolved.attrs["architecture"] == "LlamaForCausalLM"
