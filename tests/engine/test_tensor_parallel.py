@@ -87,6 +87,22 @@ def test_tp2_equals_tp1_and_transformers(path, setting, request):
         assert stats.prefix_cache_hits > 0
 
 
+def test_one_rank_in_a_worker_process_equals_the_model_in_the_core(tp1):
+    """--distributed-executor-backend mp with one rank (vLLM's layout: the forward pass in a worker process):
+    the same greedy and seeded tokens as the model run in the engine core."""
+    prompts = _prompts()
+    params = [GREEDY, SamplingParams(temperature=0.9, seed=3, max_tokens=8)]
+    llm = LLM(NAME, distributed_executor_backend="mp")
+    try:
+        assert llm.llm_engine.engine_core.engine_core.model_executor.procs  # a worker process runs the model
+        for p in params:
+            got = llm.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
+            want = tp1.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    finally:
+        llm.shutdown()
+
+
 def test_seeded_sampling_and_logprobs_equal_tp1(traced_tp2, tp1):
     """Every rank samples with each request's seed, keyed by position: the same draws as TP=1."""
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=12, logprobs=2) for s in range(4)]
