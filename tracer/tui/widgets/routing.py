@@ -122,5 +122,6 @@ class RoutingView(Panel):
 
     def show(self, frame: Frame, force: bool = False) -> None:
         self.display = bool(frame.state.routing)
-        if self.display:
-            self.query_one("#routing-lines", LinesView).update(routing_view(frame, max(20, self.size.width - 2)))
+        if self.display:  # just shown, it has no size yet: the screen's width until the next layout
+            width = self.size.width or self.app.size.width
+            self.query_one("#routing-lines", LinesView).update(routing_view(frame, max(20, width - 2)))
