@@ -127,3 +127,20 @@ def test_an_expert_breakpoint_holds_the_first_step_that_expert_receives_tokens(q
     finally:
         session.close()
         llm.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_the_heat_map_numbers_its_experts_when_its_panel_opens(moe_trace):
+    """Drawn while its panel was hidden, the view had no size of its own; opened, it still draws
+    numbered expert columns (not the bars of a screen too narrow for them)."""
+    source = ReplaySource.load(moe_trace)
+    source.replay.goto(sorted(routing_by_step(source.replay))[0])
+    app = TraceApp(source, initial_pane="overview")
+    async with app.run_test(size=(160, 60)) as pilot:
+        app.tick()
+        await pilot.pause()
+        await pilot.press("4")
+        app.tick()
+        await pilot.pause()
+        head = next(line for line in shown(app.query_one("#routing-lines")).splitlines() if line.startswith("expert"))
+        assert head.split() == ["expert", *map(str, range(8))]
