@@ -10,6 +10,7 @@ against tensor parallelism, in one run.
 2. A random Qwen3-MoE checkpoint saved by transformers (2 layers, 8 experts, top-2, hidden 256,
    expert width 512) served with TP=2 and with TP=2 + expert parallelism, taking the same batch
    in turn (benchmarks/tensor_parallel.py's ``time_steps``): median prefill and decode step.
+   Every engine here runs with async scheduling and prefix caching off (``TIMED``).
 3. The built-in tiny-moe's decode step against two dense models: tiny-llama, the same shape with
    one MLP of 2 × 192 features (the same active parameters), and a random Llama of the same shape
    with one MLP of 8 × 192 features (the same total parameters, ``dense_twin``), at batch 1 and 8,
@@ -32,6 +33,10 @@ from benchmarks.tensor_parallel import time_steps
 from engine import LLM
 from engine.builtin_model import LLAMA_NAME, MOE_NAME, builtin_path, write_byte_tokenizer
 from kernels import fused_moe_ref
+
+# every engine here: one step() is one whole step (async scheduling would return before it ran), and each
+# repetition's prompts are computed again (the prefix cache would find them all but their last token)
+TIMED = dict(async_scheduling=False, enable_prefix_caching=False)
 
 
 def per_expert_loop(x, w13, w2, topk_weights, topk_ids):
@@ -108,8 +113,8 @@ def active_parameters(llm) -> tuple[int, int]:
 def dense_comparison(path: str, reps: int, batches=(1, 8), decode_steps: int = 8) -> tuple[dict, dict]:
     """({(model, batch): median decode step ms}, {model: (parameters held, active)}): tiny-moe, the
     dense model of its active size and the dense model of its total size, the same batch in turn."""
-    llms = {"tiny-moe": LLM(MOE_NAME, num_kv_blocks=128), "same active": LLM(LLAMA_NAME, num_kv_blocks=128),
-            "same total": LLM(path, num_kv_blocks=128)}
+    llms = {name: LLM(model, num_kv_blocks=128, **TIMED)
+            for name, model in (("tiny-moe", MOE_NAME), ("same active", LLAMA_NAME), ("same total", path))}
     times: dict[tuple[str, int], list[float]] = {(k, b): [] for k in llms for b in batches}
     for rep in range(reps + 1):  # the first round warms up
         for b in batches:
@@ -133,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         ref, loop = layer_ratio(t, args.reps)
         print(f"  T={t:4d}: reference {ref:7.2f} ms, loop {loop:7.2f} ms, ratio {ref / loop:.2f}")
     path = tiny_qwen3_moe(Path(tempfile.mkdtemp()))
-    llms = {"TP=2": LLM(path, tensor_parallel_size=2),
-            "TP=2 EP": LLM(path, tensor_parallel_size=2, enable_expert_parallel=True)}
+    llms = {"TP=2": LLM(path, tensor_parallel_size=2, **TIMED),
+            "TP=2 EP": LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **TIMED)}
     engines = {k: llm.llm_engine for k, llm in llms.items()}
     results: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []} for k in engines}
     for rep in range(args.reps + 1):  # the first round warms up
