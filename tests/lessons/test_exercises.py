@@ -21,6 +21,8 @@ WRONG = {
     "acceptance": ("        return kept + [target_argmax[j] if greedy else recovered[j]]",
                    "        return kept + [target_argmax[j]]",
                    "rejects the second, replaced by the recovered token"),
+    "route_the_tokens": ("        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)",
+                         "        pass", "each token's two weights sum to 1 (norm_topk_prob)"),
 }
 
 
@@ -54,6 +56,21 @@ def test_stub_fails_cleanly_solution_passes_wrong_fails(info, tmp_path):
     assert right in info.solution()
     rc, out = grade(info, info.solution().replace(right, wrong), tmp_path)
     assert rc == 1 and "check failed" in out and claim in out, out
+
+
+def test_route_the_tokens_fails_on_wrong_blocks_saying_what_they_should_hold(tmp_path):
+    """Two more wrong solutions of exercise 5, each failing on vLLM's example before the engine runs:
+    runs not padded to whole blocks (the row count falls short), and runs padded with a real pair's
+    id instead of T·top_k (the block's rows are named against the expected ones)."""
+    info = exercises.find("route_the_tokens")
+    right = "        pairs += [num_pairs] * (-len(pairs) % block_size)"
+    assert right in info.solution()
+    rc, out = grade(info, info.solution().replace(right, "        pass"), tmp_path)
+    assert rc == 1 and "check failed: vLLM's example: sorted_token_ids" in out, out
+    assert "num_tokens_post_padded is 12, expected 16" in out and "multiple of 4" in out, out
+    rc, out = grade(info, info.solution().replace(right, "        pairs += [0] * (-len(pairs) % block_size)"), tmp_path)
+    assert rc == 1 and "check failed: vLLM's example: sorted_token_ids" in out, out
+    assert "block 0: got expert 0 with rows [2, 5, 8, 0], expected expert 0 with rows [2, 5, 8, 12]" in out, out
 
 
 def test_cli_start_then_check_the_stub_and_bad_input(tmp_path, monkeypatch, capsys):
