@@ -1,11 +1,12 @@
 """Disaggregated prefill and decode as a user runs it: two `vllm-trace serve --kv-transfer-config`
 processes (P2pZmqConnector: a kv_producer and a kv_consumer) and `vllm-trace proxy` in front.
-Greedy output through the proxy equals one instance's (completions and chat, streamed and not); the
-decode instance's /metrics and trace show the prompt's KV arriving from the prefill instance, whose
-blocks are freed once pulled. Killing an instance gives the client an error, never a hang, and a
+Greedy output through the proxy equals one instance's (completions and chat, streamed and not; GPT-2 and
+the built-in MoE); the decode instance's /metrics and trace show the prompt's KV arriving from the prefill
+instance, whose blocks are freed once pulled. Killing an instance gives the client an error, never a hang, and a
 request already past it still completes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -41,21 +42,22 @@ def _spawn_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
     raise AssertionError("proxy exited before its ready line")
 
 
-def _spawn_instance(role: str, port: int, kv_port: int) -> subprocess.Popen:
+def _spawn_instance(role: str, port: int, kv_port: int, model: str = "tiny-gpt2") -> subprocess.Popen:
     """A serve on a fixed port (the proxy's URL for it stays valid if it is started again)."""
     kv = json.dumps({"kv_connector": "P2pZmqConnector", "kv_role": role,
                      "kv_connector_extra_config": {"kv_port": kv_port}})
-    proc, _, _ = spawn_serve("--port", str(port), "--kv-transfer-config", kv)
+    proc, _, _ = spawn_serve("--port", str(port), "--kv-transfer-config", kv, model=model)
     return proc
 
 
-@pytest.fixture(scope="module")
-def disagg():
+@contextlib.contextmanager
+def _disagg(model: str):
+    """A prefill instance, a decode instance and the proxy, serving model; killed on leaving."""
     ports = dict(p=_free_port(), d=_free_port(), p_kv=_free_port(), d_kv=_free_port())
     procs = {}
     try:
-        procs["prefill"] = _spawn_instance("kv_producer", ports["p"], ports["p_kv"])
-        procs["decode"] = _spawn_instance("kv_consumer", ports["d"], ports["d_kv"])
+        procs["prefill"] = _spawn_instance("kv_producer", ports["p"], ports["p_kv"], model)
+        procs["decode"] = _spawn_instance("kv_consumer", ports["d"], ports["d_kv"], model)
         p_url, d_url = f"http://127.0.0.1:{ports['p']}", f"http://127.0.0.1:{ports['d']}"
         procs["proxy"], x_url = _spawn_proxy(p_url, d_url)
         yield dict(procs=procs, ports=ports, p=p_url, d=d_url, x=x_url)
@@ -63,6 +65,12 @@ def disagg():
         for proc in procs.values():
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def disagg():
+    with _disagg("tiny-gpt2") as d:
+        yield d
 
 
 def _complete(url: str, prompt: str, stream: bool = False, chat: bool = False, max_tokens: int = 12) -> str:
@@ -149,6 +157,24 @@ def test_a_request_that_stops_at_its_first_token_is_answered_by_the_decode_insta
     assert via_proxy.status_code == 200, via_proxy.text
     assert via_proxy.json()["choices"] == direct.json()["choices"]
     assert via_proxy.json()["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
+def test_llama_and_moe_through_the_proxy_equal_one_instance(model):
+    """The built-in Llama (GQA, RoPE) and tiny-moe (a Qwen3-MoE: 8 experts, top-2) disaggregated: their KV crosses
+    as GPT-2's does, the decode instance computes only the prompt's last token, and the tokens are one instance's."""
+    with _disagg(model) as inst:
+        body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(inst["x"] + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        n = r.json()["usage"]["prompt_tokens"]
+        # a fresh decode instance: every prompt token but the last came from the prefill instance
+        assert _metric(inst["d"], "vllm:external_prefix_cache_hits_total") == n - 1
+        assert _metric(inst["d"], "vllm:prompt_tokens_by_source_total", 'source="local_compute"') == 1
+        direct = httpx.post(inst["p"] + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.json()["choices"] == direct.json()["choices"]
+        for prompt in PROMPTS:
+            assert _complete(inst["x"], prompt, stream=True) == _complete(inst["d"], prompt)
 
 
 def _long_stream(url: str, out: dict) -> None:
