@@ -12,8 +12,8 @@ target's token for token, and sampled output is distributed exactly as without s
 Every random number is keyed by the request's seed and the position it decides, as the sampler's
 own draw (Model Runner V2): the acceptance uniform of the draft at position t is word 1 of
 Philox(seed, t) (kernels.rand_ref, as vLLM's tl_rand32), its recovered token a Gumbel-max draw
-whose noise is hashed in domain 2, the sampler's token at t one in domain 0. A request's output then depends on nothing but its seed, its
-drafts and the model.
+whose noise is hashed in domain 2, the sampler's token at t one in domain 0. A request's output
+then depends on nothing but its seed, its drafts and the model.
 
 The target's distribution at each position is the one the sampler would use there without
 speculation (V1 processes the target logits the same way): the grammar's mask for that position
