@@ -156,12 +156,15 @@ def unified_attention_ref(
     plan: AttentionPlan | None = None,
     workspace: Workspace | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole (paged) context.
 
     Query row i of request r sits at absolute position ``p = context_len + i`` where
     ``context_len = seq_len - query_len``; it sees keys at positions ``<= p`` (with a sliding
     window, only those ``> p - sliding_window``: the block table may hold the null block before).
+    ``sinks`` [num_q_heads] (gpt-oss): head h's softmax has one more column, of logit sinks[h]
+    and no value, so its weights over the keys sum to less than 1.
     Softmax is computed in fp32. ``plan`` (from ``plan_attention``) may be passed to reuse
     the indexing across layers, and ``workspace`` to gather K/V into reused buffers.
     """
@@ -181,8 +184,13 @@ def unified_attention_ref(
         v = v.view(g.n, g.kv, num_kv_heads, head_size).transpose(1, 2).float()
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        mask = g.mask
+        if sinks is not None:  # the sink as one more key: k = 0 and v = 0, its logit (0 · scale + mask) the sink's
+            k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
+            mask = torch.cat([mask.expand(g.n, num_q_heads, g.q, g.kv),
+                              sinks.float().view(1, -1, 1, 1).expand(g.n, -1, g.q, 1)], dim=-1)
         o = F.scaled_dot_product_attention(q.view(g.n, g.q, num_q_heads, head_size).transpose(1, 2).float(),
-                                           k, v, attn_mask=g.mask, scale=scale)  # [n, Hq, q, D]
+                                           k, v, attn_mask=mask, scale=scale)  # [n, Hq, q, D]
         o = o.transpose(1, 2).to(out.dtype)
         if g.span:
             out[g.span[0]:g.span[1]].view_as(o).copy_(o)
