@@ -418,7 +418,8 @@ def post_update_ref(idx_mapping: torch.Tensor, num_computed_tokens: torch.Tensor
 
 def fused_moe_ref(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
-                  block_size: int = 16) -> torch.Tensor:
+                  block_size: int = 16, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
     """Each token through its top-k SwiGLU experts, summed with its routing weights:
     hidden_states [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights
     and topk_ids [T, top_k] -> [T, H]. The (token, k) pairs sorted into expert blocks as the
@@ -426,7 +427,9 @@ def fused_moe_ref(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     each expert's run of rows is two matmuls, one expert after another. (Batching the blocks
     through one bmm instead copies an expert's weights once per block: 2.7-6.7x slower on a CPU,
     benchmarks/moe.py.) expert_map (expert parallelism): w13 and w2 hold this rank's experts,
-    topk_ids are global; the pairs routed to another rank's experts add nothing here."""
+    topk_ids are global; the pairs routed to another rank's experts add nothing here.
+    w13_bias [E, 2I], w2_bias [E, H] and activation="swigluoai": gpt-oss's experts (biased GEMMs,
+    and the SwiGLU clamped, see :func:`swigluoai_and_mul_ref`)."""
     from kernels.moe_align_block_size import moe_align_block_size
 
     T, H = hidden_states.shape
@@ -443,6 +446,15 @@ def fused_moe_ref(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     out = hidden_states.new_zeros(n, H)
     weights = topk_weights.reshape(-1).to(hidden_states.dtype)
     for e, rows in zip(experts.tolist(), pairs.split(counts.tolist())):
-        gate, up = F.linear(hidden_states[rows // top_k], w13[e]).chunk(2, dim=-1)
-        out[rows] = F.linear(F.silu(gate) * up, w2[e]) * weights[rows, None]
+        b13, b2 = (None if b is None else b[e] for b in (w13_bias, w2_bias))
+        gate, up = F.linear(hidden_states[rows // top_k], w13[e], b13).chunk(2, dim=-1)
+        act = F.silu(gate) * up if activation == "silu" else swigluoai_and_mul_ref(gate, up, swiglu_alpha, swiglu_limit)
+        out[rows] = F.linear(act, w2[e], b2) * weights[rows, None]
     return out.view(T, top_k, H).sum(dim=1)
+
+
+def swigluoai_and_mul_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU (vLLM's swigluoai_and_mul): the gate clamped above at limit, up to
+    [-limit, limit], then (up + 1) · gate · sigmoid(alpha · gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
