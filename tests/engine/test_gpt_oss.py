@@ -4,7 +4,8 @@ layers 0 and 2, full attention on 1 and 3: two KV-cache groups; attention sinks;
 and expert biases, all drawn at random rather than left at zero; 4 experts, top-2, with a clamped
 SwiGLU whose limit the random weights reach; YaRN RoPE), on the torch and Triton backends, under
 preemption, chunked prefill and prefix caching, over two tensor-parallel ranks (sinks split by
-head) and with the core in its own process. What it does not run (MXFP4-quantized experts) is
+head; experts split by feature, or whole under expert parallelism) and with the core in its own
+process. What it does not run (MXFP4-quantized experts) is
 refused in one line."""
 from __future__ import annotations
 
@@ -116,9 +117,13 @@ def test_scheduling_settings_equal_transformers(gpt_oss, setting):
     assert_greedy_equal(got, gpt_oss, prompts, MAX_NEW)
 
 
-def test_tensor_parallel_equals_transformers(gpt_oss):
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_tensor_parallel_equals_transformers(gpt_oss, expert_parallel):
+    """Two ranks: each its query heads' sinks; each expert's slice (its down bias added by rank 0 only)
+    or, under expert parallelism, two whole experts each with their biases."""
     prompts = _prompts(n=8)
-    llm = LLM(gpt_oss, dtype="float32", tensor_parallel_size=2, block_size=4, num_kv_blocks=ROOMY)
+    llm = LLM(gpt_oss, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              block_size=4, num_kv_blocks=ROOMY)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     finally:
