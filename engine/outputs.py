@@ -63,6 +63,9 @@ class EngineStats:
     # about, and tokens it delivered
     connector_prefix_cache_queries: int = 0
     connector_prefix_cache_hits: int = 0
+    # per KV-cache group (one for a dense model; a hybrid one's sliding-window and full-attention groups):
+    # {"kind": "full_attention" | "sliding_window", "sliding_window", "layers", "num_blocks": blocks held now}
+    kv_cache_groups: list[dict] = field(default_factory=list)
 
 
 # ---- worker -> engine core (vLLM V1's ``v1/outputs.py``) -----------------------------------------

@@ -156,12 +156,15 @@ def unified_attention_ref(
     plan: AttentionPlan | None = None,
     workspace: Workspace | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its whole (paged) context.
 
     Query row i of request r sits at absolute position ``p = context_len + i`` where
     ``context_len = seq_len - query_len``; it sees keys at positions ``<= p`` (with a sliding
     window, only those ``> p - sliding_window``: the block table may hold the null block before).
+    ``sinks`` [num_q_heads] (gpt-oss): head h's softmax has one more column, of logit sinks[h]
+    and no value, so its weights over the keys sum to less than 1.
     Softmax is computed in fp32. ``plan`` (from ``plan_attention``) may be passed to reuse
     the indexing across layers, and ``workspace`` to gather K/V into reused buffers.
     """
@@ -181,8 +184,13 @@ def unified_attention_ref(
         v = v.view(g.n, g.kv, num_kv_heads, head_size).transpose(1, 2).float()
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        mask = g.mask
+        if sinks is not None:  # the sink as one more key: k = 0 and v = 0, its logit (0 · scale + mask) the sink's
+            k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
+            mask = torch.cat([mask.expand(g.n, num_q_heads, g.q, g.kv),
+                              sinks.float().view(1, -1, 1, 1).expand(g.n, -1, g.q, 1)], dim=-1)
         o = F.scaled_dot_product_attention(q.view(g.n, g.q, num_q_heads, head_size).transpose(1, 2).float(),
-                                           k, v, attn_mask=g.mask, scale=scale)  # [n, Hq, q, D]
+                                           k, v, attn_mask=mask, scale=scale)  # [n, Hq, q, D]
         o = o.transpose(1, 2).to(out.dtype)
         if g.span:
             out[g.span[0]:g.span[1]].view_as(o).copy_(o)
@@ -462,7 +470,8 @@ def post_update_ref(idx_mapping: torch.Tensor, num_computed_tokens: torch.Tensor
 
 def fused_moe_ref(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
-                  block_size: int = 16) -> torch.Tensor:
+                  block_size: int = 16, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
     """Each token through its top-k SwiGLU experts, summed with its routing weights:
     hidden_states [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights
     and topk_ids [T, top_k] -> [T, H]. The (token, k) pairs sorted into expert blocks as the
@@ -470,7 +479,9 @@ def fused_moe_ref(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     each expert's run of rows is two matmuls, one expert after another. (Batching the blocks
     through one bmm instead copies an expert's weights once per block: 2.7-6.7x slower on a CPU,
     benchmarks/moe.py.) expert_map (expert parallelism): w13 and w2 hold this rank's experts,
-    topk_ids are global; the pairs routed to another rank's experts add nothing here."""
+    topk_ids are global; the pairs routed to another rank's experts add nothing here.
+    w13_bias [E, 2I], w2_bias [E, H] and activation="swigluoai": gpt-oss's experts (biased GEMMs,
+    and the SwiGLU clamped, see :func:`swigluoai_and_mul_ref`)."""
     from kernels.moe_align_block_size import moe_align_block_size
 
     T, H = hidden_states.shape
@@ -487,6 +498,15 @@ def fused_moe_ref(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     out = hidden_states.new_zeros(n, H)
     weights = topk_weights.reshape(-1).to(hidden_states.dtype)
     for e, rows in zip(experts.tolist(), pairs.split(counts.tolist())):
-        gate, up = F.linear(hidden_states[rows // top_k], w13[e]).chunk(2, dim=-1)
-        out[rows] = F.linear(F.silu(gate) * up, w2[e]) * weights[rows, None]
+        b13, b2 = (None if b is None else b[e] for b in (w13_bias, w2_bias))
+        gate, up = F.linear(hidden_states[rows // top_k], w13[e], b13).chunk(2, dim=-1)
+        act = F.silu(gate) * up if activation == "silu" else swigluoai_and_mul_ref(gate, up, swiglu_alpha, swiglu_limit)
+        out[rows] = F.linear(act, w2[e], b2) * weights[rows, None]
     return out.view(T, top_k, H).sum(dim=1)
+
+
+def swigluoai_and_mul_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU (vLLM's swigluoai_and_mul): the gate clamped above at limit, up to
+    [-limit, limit], then (up + 1) · gate · sigmoid(alpha · gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -20,7 +20,9 @@ from kernels.reference import fused_moe_ref, unified_attention_ref
 from kernels.unified_attention import unified_attention
 
 ATTENTION_INPUTS = ("query", "key_cache", "value_cache", "query_start_loc", "seq_lens", "block_tables", "scale")
+ATTENTION_OPTIONS = ("sliding_window", "sinks")  # passed when the call had them
 MOE_INPUTS = ("hidden_states", "w13", "w2", "topk_weights", "topk_ids", "expert_map")
+MOE_OPTIONS = ("w13_bias", "w2_bias", "activation", "swiglu_alpha", "swiglu_limit")
 
 
 def attention_inputs(args: dict) -> dict:
@@ -31,11 +33,18 @@ def attention_inputs(args: dict) -> dict:
     missing = [k for k in ATTENTION_INPUTS if k not in args]
     if missing:
         raise ValueError(f"not an attention call: no {', '.join(missing)}")
-    return {k: args[k].clone() if isinstance(args[k], torch.Tensor) else args[k] for k in ATTENTION_INPUTS}
+    return _cloned(args, ATTENTION_INPUTS, ATTENTION_OPTIONS)
 
 
-def attention_on_triton(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale) -> dict:
-    """Run unified_attention (Triton) and unified_attention_ref (PyTorch) on the same inputs.
+def _cloned(args: dict, names: tuple[str, ...], options: tuple[str, ...]) -> dict:
+    keys = [*names, *(k for k in options if args.get(k) is not None)]
+    return {k: args[k].clone() if isinstance(args[k], torch.Tensor) else args[k] for k in keys}
+
+
+def attention_on_triton(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
+                        **options) -> dict:
+    """Run unified_attention (Triton) and unified_attention_ref (PyTorch) on the same inputs
+    (``options``: the call's sliding_window and sinks, when it had them).
 
     Returns {"name", "grid", "meta", "reason", "seconds", "interpreted", "num_programs",
     "programs": [{"pid", "request", "rows", "kv_heads", "blocks", "kv_positions", "segment", "q_heads"}],
@@ -43,10 +52,12 @@ def attention_on_triton(query, key_cache, value_cache, query_start_loc, seq_lens
     records: list[instrument.LaunchRecord] = []
     t0 = time.perf_counter()
     with torch.inference_mode(), instrument.observe(records.append):
-        out = unified_attention(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
+        out = unified_attention(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
+                                **options)
     seconds = time.perf_counter() - t0
     with torch.inference_mode():
-        ref = unified_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale)
+        ref = unified_attention_ref(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale,
+                                    **options)
     launch = next(r for r in records if r.name.startswith("unified_attention"))
     programs = [dict(pid=list(a.pid), request=a.request, rows=list(a.rows), kv_heads=list(a.kv_heads),
                      blocks=list(a.blocks), kv_positions=list(a.kv_positions) if a.kv_positions else None,
@@ -64,20 +75,21 @@ def moe_inputs(args: dict) -> dict:
     missing = [k for k in MOE_INPUTS if k not in args]
     if missing:
         raise ValueError(f"not a fused-MoE call: no {', '.join(missing)}")
-    return {k: args[k].clone() if isinstance(args[k], torch.Tensor) else args[k] for k in MOE_INPUTS}
+    return _cloned(args, MOE_INPUTS, MOE_OPTIONS)
 
 
-def moe_on_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map=None) -> dict:
-    """Run fused_moe (Triton: its two grouped GEMMs) and fused_moe_ref on the same inputs; the
-    same plain data as attention_on_triton, of the first GEMM (w13), each program's ``blocks``
-    being its expert, and ``launches``: both GEMMs' name, grid and meta."""
+def moe_on_triton(hidden_states, w13, w2, topk_weights, topk_ids, expert_map=None, **options) -> dict:
+    """Run fused_moe (Triton: its two grouped GEMMs) and fused_moe_ref on the same inputs (``options``:
+    the experts' biases and activation, when the call had them); the same plain data as
+    attention_on_triton, of the first GEMM (w13), each program's ``blocks`` being its expert, and
+    ``launches``: both GEMMs' name, grid and meta."""
     records: list[instrument.LaunchRecord] = []
     t0 = time.perf_counter()
     with torch.inference_mode(), instrument.observe(records.append):
-        out = fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
+        out = fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, **options)
     seconds = time.perf_counter() - t0
     with torch.inference_mode():
-        ref = fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids, expert_map)
+        ref = fused_moe_ref(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, **options)
     first = records[0]
     programs = [dict(pid=list(a.pid), request=None, rows=list(a.rows), kv_heads=[], blocks=list(a.blocks),
                      kv_positions=None, segment=None, q_heads=[])

@@ -21,6 +21,10 @@ through each request's block table (this step's tokens were written there first)
   also masks keys at or before ``p - SLIDING_WINDOW``, and a program starts at the tile of the
   first key its first query reads: the tiles before, whose blocks the scheduler may already have
   given to another request (the table holds the null block there), are never loaded.
+* Attention sinks (gpt-oss): a learned logit per query head joins each row's softmax as one more
+  column with no value, so a row may give part of its weight to nothing. The online softmax
+  starts from it (running max = the sink, exp-sum = 1) instead of from empty; under split-KV only
+  segment 0 does, so the merge counts it once.
 * Split-KV (flash-decoding): a third grid axis cuts the tiles into segments; each program writes
   its unnormalised accumulator, running max and exp-sum, and a reduce kernel merges them.
 """
@@ -48,13 +52,14 @@ _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp(
 @triton.jit
 def _attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qb_req_ptr, qb_start_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    qb_req_ptr, qb_start_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr,
     scale, num_q_blocks, num_q_heads, tiles_per_segment,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
     QH_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, Q_BLOCKS: tl.constexpr,
     TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     # Index math is int64: no overflow for big caches, and the interpreter skips its (costly)
     # int32 overflow checks.
@@ -113,6 +118,10 @@ def _attention_kernel(
     v_cols = (kv_head0 + col_head) * stride_vh + dim
     m_i = tl.full([BLOCK_M], _NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:  # the sink's column: exp(sink - m) with m = sink; segment 0 only (axis 2 is 1 wide without split-KV)
+        has_sink = row_ok & (tl.zeros_like(row_head) + tl.program_id(2) == 0)
+        m_i = tl.load(sinks_ptr + q_head, mask=has_sink, other=_NEG).to(tl.float32)
+        l_i = tl.where(has_sink, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, WIDTH], tl.float32)
     in_tile = offs_n % TILE_N
     for t in range(tile_lo, tile_hi):
@@ -207,10 +216,12 @@ def unified_attention(
     max_seq_len: int | None = None,
     config: AttentionConfig | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.reference.unified_attention_ref` (same semantics).
 
     Pass max_query_len / max_seq_len when known: computing them reads device memory (a sync).
+    ``sinks`` [num_q_heads]: each query head's sink logit (None: no sink, and nothing to pay for it).
     ``config`` overrides :func:`kernels.config.choose_config` (tests use it to force split-KV).
     """
     num_tokens, num_q_heads, head_size = query.shape
@@ -220,6 +231,7 @@ def unified_attention(
     for t in (query, key_cache, value_cache, block_tables):
         assert t.stride(-1) == 1, "the last dimension must be contiguous"
     check_dtypes(query, key_cache, value_cache)
+    assert sinks is None or tuple(sinks.shape) == (num_q_heads,) and sinks.is_contiguous(), "one sink per query head"
     if out is None:
         out = torch.empty_like(query)
     assert out.stride(-1) == 1
@@ -257,7 +269,8 @@ def unified_attention(
         out_ptr=out, query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
         block_tables_ptr=block_tables, seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc,
         qb_req_ptr=qb_req, qb_start_ptr=qb_start, part_acc_ptr=part_acc, part_max_ptr=part_max, part_sum_ptr=part_sum,
-        scale=scale, num_q_blocks=num_q_blocks, num_q_heads=num_q_heads, tiles_per_segment=tiles_per_segment,
+        sinks_ptr=sinks, scale=scale, num_q_blocks=num_q_blocks, num_q_heads=num_q_heads,
+        tiles_per_segment=tiles_per_segment,
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
         stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
@@ -266,7 +279,7 @@ def unified_attention(
     meta = dict(
         HEAD_SIZE=head_size, HEAD_PAD=head_pad, GROUP=group, HEADS_PER_PROG=hp, QH_PAD=next_pow2(hp * group),
         BLOCK_SIZE=block_size, BLOCK_Q=config.block_q, Q_BLOCKS=config.q_blocks_per_program,
-        TILE_N=config.tile_n, NUM_SEGMENTS=segments, SLIDING_WINDOW=sliding_window or 0,
+        TILE_N=config.tile_n, NUM_SEGMENTS=segments, SLIDING_WINDOW=sliding_window or 0, USE_SINKS=sinks is not None,
         # fp32 caches: tl.dot would otherwise round inputs to tf32 on GPUs (~1e-3 relative error).
         DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,

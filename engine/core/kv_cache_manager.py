@@ -68,6 +68,13 @@ class KVCacheManager:
         """Fraction of usable blocks held by requests (``BlockPool.get_usage``)."""
         return self.block_pool.get_usage()
 
+    def group_stats(self) -> list[dict]:
+        """Per KV-cache group: its kind, window, layers and the blocks its tables hold now (plain data)."""
+        return [dict(kind="sliding_window" if g.kv_cache_spec.sliding_window else "full_attention",
+                     sliding_window=g.kv_cache_spec.sliding_window, layers=list(g.layer_ids),
+                     num_blocks=m.num_held_blocks)
+                for g, m in zip(self.kv_cache_groups, self.coordinator.single_type_managers)]
+
     def blocks_needed(self, num_tokens: int) -> int:
         """The most blocks a request of num_tokens tokens holds at once, over all groups (a sliding
         window's group holds its window's)."""

@@ -13,6 +13,8 @@ and which blocks it can give back early.
   the null block.
 
 A request's table for group g is ``request.kv_block_ids[g]``; block 0 is the null block.
+``num_held_blocks``: the blocks the group's tables hold now (a block shared by requests counted
+once; a block belongs to one group at a time), what /metrics reports per group.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class SingleTypeKVCacheManager:
         self.block_pool = block_pool
         self.kv_cache_group_id = kv_cache_group_id
         self.num_cached_block: dict[str, int] = {}  # request id -> its leading blocks registered in the cache
+        self.num_held_blocks = 0  # distinct blocks in this group's tables (their ref_cnt > 0)
 
     def req_blocks(self, request: Request) -> list[int]:
         return request.kv_block_ids[self.kv_cache_group_id]
@@ -49,7 +52,10 @@ class SingleTypeKVCacheManager:
     def save_new_computed_blocks(self, request: Request, new_computed_blocks: list[int]) -> None:
         """Prefix-cache hits join the request's table (one more reference each)."""
         if new_computed_blocks:
-            self.block_pool.touch(b for b in new_computed_blocks if b != NULL_BLOCK_ID)
+            hits = [b for b in new_computed_blocks if b != NULL_BLOCK_ID]
+            blocks = self.block_pool.blocks
+            self.num_held_blocks += sum(1 for b in hits if blocks[b].ref_cnt == 0)  # not held by another request
+            self.block_pool.touch(hits)
             self.req_blocks(request).extend(new_computed_blocks)
             self.num_cached_block[request.request_id] = len(self.req_blocks(request))
 
@@ -61,6 +67,7 @@ class SingleTypeKVCacheManager:
             return []
         new = self.block_pool.get_new_blocks(n)
         blocks.extend(new)
+        self.num_held_blocks += n
         return new
 
     def cache_blocks(self, request: Request, block_hashes: list[int], num_tokens: int) -> None:
@@ -80,6 +87,7 @@ class SingleTypeKVCacheManager:
         freed = self.block_pool.free_blocks(b for b in reversed(blocks) if b != NULL_BLOCK_ID)
         request.kv_block_ids[self.kv_cache_group_id] = []
         self.num_cached_block.pop(request.request_id, None)
+        self.num_held_blocks -= len(freed)
         return freed
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -99,7 +107,9 @@ class SingleTypeKVCacheManager:
                 break  # the ones before were given back earlier
             passed.append(blocks[i])
             blocks[i] = NULL_BLOCK_ID
-        return self.block_pool.free_blocks(passed)
+        freed = self.block_pool.free_blocks(passed)
+        self.num_held_blocks -= len(freed)
+        return freed
 
     def find_longest_cache_hit(self, request: Request, block_hashes: list[int], max_length: int) -> list[int]:
         raise NotImplementedError

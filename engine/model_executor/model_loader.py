@@ -110,6 +110,8 @@ class LlamaConfig:
     layer_types: list[str] | None = None  # "sliding_attention" / "full_attention" per layer (None: all sliding)
     query_pre_attn_scalar: float | None = None  # Gemma 3: attention scaled by its -1/2 power, not head_dim's
     rope_local_theta: float | None = None  # Gemma 3: the sliding-window layers' RoPE base
+    swiglu_alpha: float = 1.702  # gpt-oss: its experts' clamped SwiGLU, (up + 1) · gate · sigmoid(alpha · gate) ...
+    swiglu_limit: float = 7.0  # ... with the gate clamped above at limit, up to [-limit, limit]
 
     num_layers = property(lambda self: self.num_hidden_layers)
     num_heads = property(lambda self: self.num_attention_heads)
@@ -175,6 +177,8 @@ def read_config(path: Path) -> ModelArchConfig:
     try:
         if arch == "Gemma3ForCausalLM":
             return _gemma3_config(raw, path)
+        if arch == "GptOssForCausalLM":
+            return _gpt_oss_config(raw, path)
         return _gpt2_config(raw, path) if arch == "GPT2LMHeadModel" else _llama_config(raw, path, arch)
     except KeyError as e:
         raise UnsupportedCheckpointError(f"{cfg_file} ({arch}) has no {e.args[0]!r}") from None
@@ -197,10 +201,11 @@ def _gpt2_config(raw: dict, path: Path) -> GPT2Config:
     )
 
 
-ROPE_TYPES = ("default", "linear", "llama3")  # implemented in layers/rotary_embedding.py
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # implemented in layers/rotary_embedding.py
 
 
-SLIDING_WINDOW_ARCHS = ("MistralForCausalLM", "MinistralForCausalLM")  # Llama's layers with config.sliding_window
+# Llama's layers with config.sliding_window
+SLIDING_WINDOW_ARCHS = ("MistralForCausalLM", "MinistralForCausalLM", "GptOssForCausalLM")
 
 
 def _llama_config(raw: dict, path: Path, arch: str) -> LlamaConfig:
@@ -285,6 +290,30 @@ def _gemma3_config(raw: dict, path: Path) -> LlamaConfig:
     return dataclasses.replace(llama, sliding_window=raw.get("sliding_window"), layer_types=types,
                                query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
                                rope_local_theta=float(local.get("rope_theta", 10_000.0)))
+
+
+def _gpt_oss_config(raw: dict, path: Path) -> LlamaConfig:
+    """GptOssForCausalLM: Llama's fields with q/k/v/o biases, sliding-window and full-attention
+    layers alternating (``layer_types``), YaRN RoPE, and experts in every layer; quantized
+    (MXFP4) weights are refused."""
+    quant = raw.get("quantization_config")
+    if quant:
+        raise UnsupportedCheckpointError(
+            f"{path}: {quant.get('quant_method', 'quantized')} gpt-oss weights are not supported; dequantize them "
+            f"(transformers: Mxfp4Config(dequantize=True)) and save_pretrained the result")
+    n = raw["num_hidden_layers"]
+    defaults = dict(layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)],
+                    attention_bias=True, rms_norm_eps=1e-5, rope_theta=150000.0)
+    if not (raw.get("rope_parameters") or raw.get("rope_scaling")):  # GptOssConfig's default
+        defaults["rope_parameters"] = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                           original_max_position_embeddings=4096)
+    llama = _llama_config({**defaults, **{k: v for k, v in raw.items() if v is not None}, "hidden_act": "silu"},
+                          path, "GptOssForCausalLM")
+    return dataclasses.replace(llama, num_experts=raw["num_local_experts"],
+                               num_experts_per_tok=raw["num_experts_per_tok"],
+                               moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True,
+                               swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+                               swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
 
 
 def _eos(raw: dict) -> int | None:

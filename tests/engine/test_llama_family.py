@@ -134,8 +134,8 @@ def test_unimplemented_rope_scaling_is_named(llama, tmp_path):
     shutil.copytree(llama, tmp_path, dirs_exist_ok=True)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg.pop("rope_parameters", None)
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedCheckpointError, match="'yarn' is not implemented; implemented: default, linear, "
-                                                         "llama3"):
+    with pytest.raises(UnsupportedCheckpointError, match="'dynamic' is not implemented; implemented: default, "
+                                                         "linear, llama3, yarn"):
         LLM(str(tmp_path))

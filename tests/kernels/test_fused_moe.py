@@ -97,3 +97,51 @@ def test_expert_parallel_ranks_add_up(backend):
         theirs = ~mine[ids].any(dim=1)  # tokens with no expert on this rank get nothing from it
         assert (parts[-1][theirs] == 0).all()
     torch.testing.assert_close(parts[0] + parts[1], naive_moe(x, w13, w2, w, ids), rtol=1e-4, atol=1e-4)
+
+
+def _gpt_oss_experts(E, H, inter, limit, seed):
+    """transformers' GptOssExperts with random weights and biases (its gate_up_proj [E, H, 2I], gate and
+    up interleaved), and the same weights in our layout (w13 [E, 2I, H], gate rows then up rows)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    g = torch.Generator().manual_seed(seed)
+    experts = GptOssExperts(GptOssConfig(num_local_experts=E, hidden_size=H, intermediate_size=inter,
+                                         swiglu_limit=limit))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    gu, gub = experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach()
+    w13 = torch.cat([gu[..., ::2], gu[..., 1::2]], dim=-1).transpose(1, 2).contiguous()
+    w13_bias = torch.cat([gub[:, ::2], gub[:, 1::2]], dim=-1).contiguous()
+    w2, w2_bias = experts.down_proj.detach().transpose(1, 2).contiguous(), experts.down_proj_bias.detach()
+    return experts, dict(w13=w13, w2=w2), dict(w13_bias=w13_bias, w2_bias=w2_bias.contiguous(),
+                                               activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=limit)
+
+
+@pytest.mark.parametrize("fn", [fused_moe_ref, fused_moe], ids=["reference", "triton"])
+def test_gpt_oss_experts_equal_transformers(fn):
+    """Biases on both GEMMs and the clamped SwiGLU (a limit the random weights pass, so it clamps)."""
+    T, E, top_k, H, inter = 7, 4, 2, 32, 16
+    experts, weights, options = _gpt_oss_experts(E, H, inter, limit=2.0, seed=5)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(6))
+    w, ids = routing(T, E, top_k, 7)
+    with torch.no_grad():
+        want = experts(x, ids, w)
+        assert (x @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]).abs().max() > 2.0  # it clamps
+    got = fn(x, weights["w13"], weights["w2"], w, ids, **options)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    plain = fn(x, weights["w13"], weights["w2"], w, ids)
+    assert not torch.allclose(plain, want, atol=1e-2)
+
+
+def test_gpt_oss_experts_rerun_on_triton_with_their_options():
+    """A held reference call's biases and activation go along to the Triton rerun (the TUI's `t`)."""
+    from kernels.rerun import moe_inputs, moe_on_triton
+
+    _, weights, options = _gpt_oss_experts(4, 32, 16, limit=2.0, seed=8)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(9))
+    w, ids = routing(5, 4, 2, 9)
+    got = moe_on_triton(**moe_inputs(dict(hidden_states=x, **weights, topk_weights=w, topk_ids=ids,
+                                          expert_map=None, **options)))
+    assert got["max_abs_diff"] < 1e-4 and got["meta"]["ACTIVATION"] == "swigluoai" and got["meta"]["HAS_BIAS"]

@@ -41,3 +41,14 @@ def test_the_kernels_own_argument_names_work_too_and_the_inputs_are_copied():
 def test_not_an_attention_call_is_a_clear_error():
     with pytest.raises(ValueError, match="not an attention call: no query"):
         attention_inputs({"key": torch.zeros(1)})
+
+
+def test_a_windowed_call_with_sinks_reruns_with_both():
+    """A reference call's sliding_window and sinks go along: the Triton kernel attends as it did."""
+    b = make_batch([1, 4], [30, 20], q_heads=4, kv_heads=2, head_size=16, block_size=4, seed=1)
+    args = dict(zip(("query", "key_cache", "value_cache", "query_start_loc", "seq_lens", "block_tables", "scale"),
+                    b.args()), sliding_window=8, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]), plan=None)
+    inputs = attention_inputs(args)
+    assert inputs["sliding_window"] == 8 and torch.equal(inputs["sinks"], args["sinks"]) and "plan" not in inputs
+    got = attention_on_triton(**inputs)
+    assert got["max_abs_diff"] < 1e-4 and got["meta"]["SLIDING_WINDOW"] == 8 and got["meta"]["USE_SINKS"]

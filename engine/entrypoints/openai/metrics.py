@@ -16,6 +16,14 @@ for it; neither does ours. For a mixture of experts, ``vllm_trace:moe_expert_tok
 ``vllm_trace:moe_ep_rank_tokens_total`` (label ``rank``): under expert parallelism, those computed
 by each rank's experts, all layers together. vLLM exports no expert load (its EPLB keeps the
 counts inside the workers).
+
+Per KV-cache group (labels ``group``, ``kind`` = full_attention or sliding_window, ``window``: the
+window in tokens, empty for full attention), two gauges of ours: ``vllm_trace:kv_cache_group_blocks``,
+the blocks the group's block tables hold now, and ``vllm_trace:kv_cache_group_usage_perc``, those as
+a fraction of the pool's usable blocks (the groups share one pool: the fractions add up to
+``vllm:kv_cache_usage_perc``, less the prefix cache's free blocks). A dense model has one group; a
+hybrid one (Gemma 3, gpt-oss) shows its sliding-window groups holding a window's blocks per request
+while the full-attention group grows. vLLM exports only the pool's usage.
 """
 from __future__ import annotations
 
@@ -96,6 +104,11 @@ class ServerMetrics:
                                    "Tokens computed by each expert-parallel rank's experts, all MoE layers (ours).",
                                    [*m, "rank"])
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.", ITERATION_BUCKETS)
+        group = [*m, "group", "kind", "window"]
+        self._group_blocks = Gauge("vllm_trace:kv_cache_group_blocks", "KV-cache blocks each KV-cache group's block "
+                                   "tables hold now (ours).", group, registry=r)
+        self._group_usage = Gauge("vllm_trace:kv_cache_group_usage_perc", "Each KV-cache group's blocks, as a "
+                                  "fraction of the pool's usable blocks (ours; 1 = 100%).", group, registry=r)
         self.model_name = model_name
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens so far, last token time)
         self._last = engine.stats
@@ -175,4 +188,8 @@ class ServerMetrics:
         self._running.set(stats.num_running)
         self._waiting.set(stats.num_waiting)
         self._kv_usage.set(stats.kv_cache_usage)
+        for i, g in enumerate(stats.kv_cache_groups):
+            labels = (self.model_name, ENGINE_INDEX, str(i), g["kind"], str(g["sliding_window"] or ""))
+            self._group_blocks.labels(*labels).set(g["num_blocks"])
+            self._group_usage.labels(*labels).set(g["num_blocks"] / max(stats.num_total_blocks, 1))
         return generate_latest(self.registry)

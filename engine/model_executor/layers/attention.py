@@ -8,7 +8,9 @@ step's K/V into the paged cache, then attend. ``torch`` uses the PyTorch referen
 A hybrid model's KV-cache groups (sliding-window and full-attention layers) each have their own
 block tables and slot mapping, hence their own metadata: the batch's (the first group's) holds the
 others', and a layer takes its group's with ``meta.for_layer(layer_idx)``. A group's
-``sliding_window`` is what its layers attend over.
+``sliding_window`` is what its layers attend over. A layer with attention sinks (gpt-oss: one
+learned logit per query head that joins the softmax) passes them with its call, as vLLM's
+``Attention(..., sinks=...)`` holds them.
 """
 from __future__ import annotations
 
@@ -63,33 +65,38 @@ class AttentionBackend:
                     "plan_attention", "other", self._kernels.reference.plan_attention, args,
                     reason="the torch backend's gather indices and masks, for every layer")
 
-    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         connector = meta.kv_connector
         if connector is None:
-            return self._forward(q, k, v, key_cache, value_cache, meta, scale)
+            return self._forward(q, k, v, key_cache, value_cache, meta, scale, sinks)
         # V1's wait_for_kv_layer_from_connector / maybe_save_kv_layer_to_connector around the attention op
         layer_name = connector.layer_name(key_cache)
         connector.wait_for_layer_load(layer_name)
-        o = self._forward(q, k, v, key_cache, value_cache, meta, scale)
+        o = self._forward(q, k, v, key_cache, value_cache, meta, scale, sinks)
         connector.save_kv_layer(layer_name, (key_cache, value_cache), meta)
         return o
 
-    def _forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
         kn = self._kernels
         if self.name == "triton":
             kn.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
             return kn.unified_attention(q, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
                                         meta.block_tables, scale, max_query_len=meta.max_query_len,
-                                        max_seq_len=meta.max_seq_len, sliding_window=meta.sliding_window)
+                                        max_seq_len=meta.max_seq_len, sliding_window=meta.sliding_window,
+                                        sinks=sinks)
         call = kn.instrument.call
         call("reshape_and_cache_ref", kn.reshape_and_cache_ref, dict(
             key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping),
             reason="attention_backend=torch: PyTorch reference")
+        extra = {"sliding_window": meta.sliding_window} if meta.sliding_window else {}
+        if sinks is not None:
+            extra["sinks"] = sinks
         return call("unified_attention_ref", kn.unified_attention_ref, dict(
             query=q, key_cache=key_cache, value_cache=value_cache, query_start_loc=meta.query_start_loc,
             seq_lens=meta.seq_lens, block_tables=meta.block_tables, scale=scale, plan=meta.plan,
-            workspace=self.workspace, **({"sliding_window": meta.sliding_window} if meta.sliding_window else {})),
-            reason="attention_backend=torch: PyTorch reference")
+            workspace=self.workspace, **extra), reason="attention_backend=torch: PyTorch reference")
 
 
 def default_backend(device: torch.device) -> str:

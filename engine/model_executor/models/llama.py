@@ -65,6 +65,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scaling = cfg.head_dim ** -0.5
         self.backend, self.layer_idx = backend, layer_idx
+        self.sinks: nn.Parameter | None = None  # gpt-oss's attention sinks (gpt_oss.py)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k  # Llama has none (Qwen3's RMSNorm per head: qwen3.py)
@@ -75,7 +76,7 @@ class LlamaAttention(nn.Module):
         q, k = self.qk_norm(q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)  # before the cache write: the cache holds rotated keys
         o = self.backend.forward(q, k, v.view(T, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta,
-                                 self.scaling)
+                                 self.scaling, self.sinks)
         return self.o_proj(o.reshape(T, -1))
 
 

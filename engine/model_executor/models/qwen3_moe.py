@@ -24,7 +24,8 @@ from engine.model_executor.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausal
 # gate/up/down_proj, Mixtral's w1/w3/w2) or every expert fused (transformers 5)
 EXPERT_PARAMS = {"gate_proj": ("w13_weight", "w1"), "up_proj": ("w13_weight", "w3"), "down_proj": ("w2_weight", "w2"),
                  "w1": ("w13_weight", "w1"), "w3": ("w13_weight", "w3"), "w2": ("w2_weight", "w2")}
-FUSED_PARAMS = {"gate_up_proj": ("w13_weight", "w13"), "down_proj": ("w2_weight", "w2")}
+FUSED_PARAMS = {"gate_up_proj": ("w13_weight", "w13"), "down_proj": ("w2_weight", "w2"),
+                "gate_up_proj_bias": ("w13_bias", "w13"), "down_proj_bias": ("w2_bias", "w2")}  # biases: gpt-oss
 EXPERT_RE = re.compile(r"^(?P<layer>.+)\.experts\.(?:(?P<id>\d+)\.(?P<proj>\w+)\.weight|(?P<fused>\w+))$")
 
 

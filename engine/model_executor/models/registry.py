@@ -16,11 +16,13 @@ MODELS = {
     "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
     "MinistralForCausalLM": ("mistral", "MinistralForCausalLM"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 # checkpoints old enough to lack `architectures` still name their model_type
 MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "ministral": "MinistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+               "gpt_oss": "GptOssForCausalLM"}
 
 
 def architecture_of(raw_config: dict, path: Path | str = "the checkpoint") -> str:

@@ -13,6 +13,10 @@ another rank's), and the tokens travel by the all2all backend (engine/distribute
 (``expert_id``: hub checkpoints store experts.N.w1 / gate_proj ...) or all experts' at once
 (``expert_id=None``: transformers 5 stores ``experts.gate_up_proj`` [E, 2·I, H] and
 ``experts.down_proj`` [E, H, I]), and cuts this rank's slice.
+
+gpt-oss's experts (``has_bias``, ``activation="swigluoai"``, as vLLM's FusedMoE takes them) also
+hold ``w13_bias`` [E, 2·I] (cut like w13's rows) and ``w2_bias`` [E, H], which, like a
+row-parallel layer's bias, is added once: by rank 0 under TP, by the expert's rank under EP.
 """
 from __future__ import annotations
 
@@ -31,9 +35,11 @@ SHARDS = ("w1", "w3", "w2")  # gate, up, down
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: TPGroup,
-                 backend, renormalize: bool, site: str = "mlp.experts"):
+                 backend, renormalize: bool, site: str = "mlp.experts", has_bias: bool = False,
+                 activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.has_bias, self.activation = has_bias, activation
         self.tp, self.backend, self.site = tp, backend, site
         n = tp.world_size
         self.ep_size = n if tp.enable_expert_parallel else 1
@@ -45,11 +51,19 @@ class FusedMoE(nn.Module):
         self.intermediate_size_per_partition = i = intermediate_size // (n // self.ep_size)
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i))
+        params = [self.w13_weight, self.w2_weight]
+        if has_bias:
+            self.w13_bias = nn.Parameter(torch.zeros(e, 2 * i))
+            self.w2_bias = nn.Parameter(torch.zeros(e, hidden_size))
+            params += [self.w13_bias, self.w2_bias]
+        # what the experts' computation takes besides the weights (fused_experts' options)
+        self.act_options = {} if activation == "silu" else dict(activation=activation, swiglu_alpha=swiglu_alpha,
+                                                                 swiglu_limit=swiglu_limit)
         ids = torch.arange(num_experts) - self.expert_start
         expert_map = torch.where((ids >= 0) & (ids < e), ids, -1) if self.ep_size > 1 else None
         self.register_buffer("expert_map", expert_map, persistent=False)  # moves with the model's device
         self.all2all = AgRsAll2AllManager(tp, site) if self.ep_size > 1 else None
-        for p in (self.w13_weight, self.w2_weight):
+        for p in params:
             p.weight_loader = self.weight_loader
             p.num_shards = 0  # counted here (missing_weights), not by the model's loader
         self._loaded: set[tuple[str, int]] = set()
@@ -59,16 +73,19 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, w: torch.Tensor, shard_id: str, expert_id: int | None = None) -> None:
         """shard_id "w1" (gate), "w3" (up), "w2" (down) or "w13" (gate then up, fused); expert_id
-        None: w holds every expert (a leading E dimension)."""
+        None: w holds every expert (a leading E dimension). param: a weight or its bias (w13_bias,
+        w2_bias: one dimension fewer, the features last)."""
         experts = range(self.num_experts) if expert_id is None else [expert_id]
-        if expert_id is not None and w.dim() != 2 or expert_id is None and w.shape[0] != self.num_experts:
+        if w.dim() != param.dim() - (expert_id is not None) or expert_id is None and w.shape[0] != self.num_experts:
             raise ValueError(f"expert weight of shape {tuple(w.shape)} does not fit {self.num_experts} experts")
+        bias = param.dim() == 2
+        features = -1 if bias else -2  # the dimension of w13's gate and up features
         if shard_id == "w13":
-            gate, up = w.chunk(2, dim=-2)
+            gate, up = w.chunk(2, dim=features)
             self.weight_loader(param, gate, "w1", expert_id)
             self.weight_loader(param, up, "w3", expert_id)
             return
-        self._loaded.update((shard_id, e) for e in experts)
+        self._loaded.update((shard_id + "_bias" * bias, e) for e in experts)
         first, local = self.expert_start, self.local_num_experts
         if expert_id is None:
             dst, w = param.data, w[first:first + local]  # this rank's experts (all of them without EP)
@@ -77,26 +94,37 @@ class FusedMoE(nn.Module):
         else:
             return  # another rank's expert
         if shard_id == "w2":
-            a, b = self._shard(w.shape[-1])
+            a, b = (0, w.shape[-1]) if bias else self._shard(w.shape[-1])  # the bias: over H, whole
             dst.copy_(w[..., a:b])
         else:
-            a, b = self._shard(w.shape[-2])
+            a, b = self._shard(w.shape[features])
             offset = 0 if shard_id == "w1" else b - a
-            dst[..., offset:offset + b - a, :].copy_(w[..., a:b, :])
+            dst.narrow(features, offset, b - a).copy_(w.narrow(features, a, b - a))
 
     def _shard(self, n: int) -> tuple[int, int]:
         """This rank's slice of an expert's n intermediate features: all of them under EP."""
         return (0, n) if self.ep_size > 1 else self.tp.shard(n)
 
     def missing_weights(self) -> list[str]:
-        return [f"expert {e} {s}" for e in range(self.num_experts) for s in SHARDS if (s, e) not in self._loaded]
+        shards = SHARDS + tuple(s + "_bias" for s in SHARDS) * self.has_bias
+        return [f"expert {e} {s}" for e in range(self.num_experts) for s in shards if (s, e) not in self._loaded]
+
+    def expert_options(self) -> dict:
+        """The experts' computation's options: the activation, and the biases (w2's on one rank only)."""
+        if not self.has_bias:
+            return self.act_options
+        options = dict(self.act_options, w13_bias=self.w13_bias)
+        if self.ep_size > 1 or self.tp.is_driver:
+            options["w2_bias"] = self.w2_bias
+        return options
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.ep_size > 1:
             return self.forward_expert_parallel(hidden_states, router_logits)
         topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)
         self.last_topk_ids, self.last_topk_weights = topk_ids, topk_weights
-        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.backend.name)
+        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.backend.name,
+                            **self.expert_options())
         return self.tp.all_reduce(out, self.site)  # each rank's slice of every expert: a partial sum
 
     def forward_expert_parallel(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -108,7 +136,7 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = fused_topk(logits, self.top_k, self.renormalize)
         self.last_topk_ids, self.last_topk_weights = topk_ids[:num_tokens], topk_weights[:num_tokens]
         out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.backend.name,
-                            self.expert_map)
+                            self.expert_map, **self.expert_options())
         return self.all2all.combine(out, num_tokens)
 
 

@@ -6,6 +6,7 @@ The weights are the softmax over all E experts at the chosen k; whether they are
 renormalised to sum to 1 over the k is the architecture's choice: Mixtral always does
 (a softmax over the k chosen logits), Qwen3-MoE when its config says ``norm_topk_prob``
 (Qwen3-30B-A3B does; without it a token's expert outputs are summed with weights below 1).
+gpt-oss renormalises too: its softmax over the k chosen logits is this, as Mixtral's is.
 """
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from engine.model_executor.layers.linear import LinearBase
 
 
 class GateLinear(LinearBase):
-    """hidden -> one logit per expert, the whole matrix on every rank (vLLM's ReplicatedLinear)."""
+    """hidden -> one logit per expert, the whole matrix on every rank (vLLM's ReplicatedLinear);
+    gpt-oss's router has a bias."""
 
-    def __init__(self, hidden_size: int, num_experts: int, tp: TPGroup):
-        super().__init__(hidden_size, num_experts, tp, bias=False)
+    def __init__(self, hidden_size: int, num_experts: int, tp: TPGroup, bias: bool = False):
+        super().__init__(hidden_size, num_experts, tp, bias=bias)
 
 
 def fused_topk(gating_output: torch.Tensor, topk: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
