@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-trace",
         description="A step-through tracer for LLM serving: a real paged-attention engine in vLLM V1's shape "
-                    "(GPT-2, Llama, Qwen3, Mistral, Gemma 3, Qwen3-MoE, Mixtral) you can watch, pause and step.",
+                    "(GPT-2, Llama, Qwen3, Mistral, Gemma 3, Qwen3-MoE, Mixtral, gpt-oss) you can watch, pause "
+                    "and step.",
         epilog="Built-in offline models: tiny-gpt2 (the default), tiny-llama, tiny-moe. "
                "Run 'vllm-trace COMMAND --help' for details.")
     parser.add_argument("--version", action="version",
