@@ -63,6 +63,9 @@ class EngineStats:
     # about, and tokens it delivered
     connector_prefix_cache_queries: int = 0
     connector_prefix_cache_hits: int = 0
+    # the connector's own counters (V1's SchedulerStats.kv_connector_stats), by connector: a host-memory tier's
+    # size, blocks held, blocks stored, tokens hit and blocks loaded back; None without them
+    kv_connector_stats: dict | None = None
 
 
 # ---- worker -> engine core (vLLM V1's ``v1/outputs.py``) -----------------------------------------

@@ -510,6 +510,7 @@ class EngineCore:
             moe_ep_size=self.ep_size,
             connector_prefix_cache_queries=self.scheduler.connector_prefix_cache_queries,
             connector_prefix_cache_hits=self.scheduler.connector_prefix_cache_hits,
+            kv_connector_stats=self.scheduler.connector.get_kv_connector_stats() if self.scheduler.connector else None,
         )
 
     def snapshot(self, sched: SchedulerOutput | None = None) -> dict:
