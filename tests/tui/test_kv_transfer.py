@@ -143,7 +143,7 @@ def test_the_prefill_sides_detail_says_its_blocks_wait_for_the_decode_instance(d
     text = kv_transfer_section(disagg.p_state.requests[pre.request_id]).plain
     assert "prefill for a decode instance (do_remote_decode)" in text
     assert f"prompt {len(p)} tokens: {len(p)} computed" in text
-    assert f" send  step {send.step:>5}" in text and fmt_bytes(send.attrs["bytes"]) in text
+    assert f" send step {send.step:<4} " in text and fmt_bytes(send.attrs["bytes"]) in text
 
 
 def test_the_merged_export_has_a_process_per_instance_on_one_clock_and_links_each_prefill_to_its_decode(
