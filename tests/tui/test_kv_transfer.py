@@ -229,3 +229,33 @@ async def test_the_kv_panel_shows_the_host_tier_and_the_detail_what_it_loaded(tm
     assert loads[0].request_id == again.request_id
     assert (f"prompt 40 tokens: 32 loaded from host memory in {load['seconds'] * 1e3:.1f} ms "
             f"({fmt_bytes(load['bytes'])}), 8 computed") in text
+
+
+def test_a_consumer_of_the_example_connector_says_it_loaded_the_prompt_from_shared_storage(tmp_path):
+    """ExampleConnector: a producer writes the prompt's blocks to files; a consumer loads them instead of
+    computing them. Its detail names the load, with the bytes and time of the engine's load event."""
+    from tracer.tui.widgets.kv_transfer import kv_transfer_section
+
+    prompt = _prompts([40], seed=47)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    storage = {"shared_storage_path": str(tmp_path / "kv")}
+
+    def run(role: str):
+        hooks = Hooks()
+        with TraceSession(hooks, control=False, model=NAME) as session:
+            kv = {"kv_connector": "ExampleConnector", "kv_role": role, "kv_connector_extra_config": storage}
+            llm = LLM(NAME, hooks=hooks, num_kv_blocks=16, block_size=BLOCK, kv_transfer_config=kv)
+            out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
+            llm.shutdown()
+            return out, session.state.view().requests[out.request_id]
+
+    _, saved = run("kv_producer")
+    out, loaded = run("kv_consumer")
+    assert [t["kind"] for t in saved.kv_transfers] == [KV_SAVE]
+    assert [t["kind"] for t in loaded.kv_transfers] == [KV_LOAD]
+    load = loaded.kv_transfers[0]
+    assert out.num_cached_tokens == 32  # the engine's count: the prompt's 39 tokens, rounded down to whole blocks
+    text = kv_transfer_section(loaded).plain
+    assert (f"prompt 40 tokens: 32 loaded from shared storage in {load['seconds'] * 1e3:.1f} ms "
+            f"({fmt_bytes(load['bytes'])}), 8 computed") in text
+    assert load["bytes"] == saved.kv_transfers[0]["bytes"] and load["block_ids"] and len(load["block_ids"]) == 2
