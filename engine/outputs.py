@@ -66,6 +66,9 @@ class EngineStats:
     # per KV-cache group (one for a dense model; a hybrid one's sliding-window and full-attention groups):
     # {"kind": "full_attention" | "sliding_window", "sliding_window", "layers", "num_blocks": blocks held now}
     kv_cache_groups: list[dict] = field(default_factory=list)
+    # the connector's own counters (V1's SchedulerStats.kv_connector_stats), by connector: a host-memory tier's
+    # size, blocks held, blocks stored, tokens hit and blocks loaded back; None without them
+    kv_connector_stats: dict | None = None
 
 
 # ---- worker -> engine core (vLLM V1's ``v1/outputs.py``) -----------------------------------------

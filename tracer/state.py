@@ -35,6 +35,7 @@ from engine.trace_names import (
     BITMASK,
     BLOCK_MANAGER,
     CACHE_HIT,
+    CACHE_MISS,
     CLI,
     CONFIG,
     CORE_DIED,
@@ -53,6 +54,7 @@ from engine.trace_names import (
     HTTP,
     IPC,
     KERNEL,
+    KV_TRANSFER,
     MODEL_RUNNER,
     NEW_TOKENS,
     PAUSED,
@@ -133,11 +135,19 @@ class RequestView:
     grammar_compile_s: float | None = None
     num_allowed: list[int] = field(default_factory=list)
     grammar_pieces: list[str] = field(default_factory=list)  # the text each output step added (structured only)
+    # a KV connector's transfers of its blocks (kv_transfer events), oldest first: {"kind" (save, load, send,
+    # recv), "step", "ts_ns", "block_ids", "bytes", "seconds", "connector"}; the kv_transfer_params it came with
+    # (disaggregated prefill: do_remote_decode on the prefill instance; remote_engine_id, remote_request_id, ...
+    # on the decode instance); and its latest lookup's hit in this instance's own prefix cache (num_cached_tokens
+    # adds the tokens a connector delivered)
+    kv_transfers: list[dict] = field(default_factory=list)
+    kv_transfer_params: dict | None = None
+    prefix_hit_tokens: int = 0
 
     def copy(self) -> "RequestView":
         c = copy.copy(self)
         for name in ("prompt_token_ids", "prompt_pieces", "output_token_ids", "block_table", "kv_block_tables",
-                     "layers", "cache_hit_blocks", "spec_history", "num_allowed", "grammar_pieces"):
+                     "layers", "cache_hit_blocks", "spec_history", "num_allowed", "grammar_pieces", "kv_transfers"):
             setattr(c, name, list(getattr(self, name)))
         c.timeline = [dict(t) for t in self.timeline]  # fold extends the last decode entry in place
         return c
@@ -288,8 +298,9 @@ def fold(state: TraceState, ev: Event) -> TraceState:
     if ev.request_id is not None:
         req = state.requests.get(ev.request_id)
         if req is None:
-            if ev.layer in (HTTP, API) and ev.kind != BEGIN and not ev.name.endswith("_request"):
-                return state  # the response's last words after its request was dropped: nothing to revive
+            if ev.layer in (HTTP, API) and ev.kind != BEGIN and not ev.name.endswith("_request") \
+                    or ev.layer == KV_TRANSFER:
+                return state  # the response's last words (or its KV's last send) after it was dropped
             req = state.request(ev.request_id)
         if not req.layers or req.layers[-1] != ev.layer:
             req.layers.append(ev.layer)
@@ -327,6 +338,7 @@ def _queued(s: TraceState, ev: Event) -> None:
     req.max_tokens = a.get("max_tokens")
     req.priority = a.get("priority", 0)
     req.seed = a.get("seed")
+    req.kv_transfer_params = ((a.get("params") or {}).get("extra_args") or {}).get("kv_transfer_params")
     req.arrival_step, req.arrival_ns = ev.step, ev.ts_ns
     req.timeline.append({"event": QUEUED, "step": ev.step, "ts_ns": ev.ts_ns})
     if ev.request_id not in s.waiting:
@@ -579,8 +591,33 @@ def _scheduled_chunk(req: RequestView, sch: dict, ev: Event) -> None:
     elif sch["kind"] == "decode":
         req.timeline.append({"event": "decode", "step": ev.step, "ts_ns": ev.ts_ns, "steps": 1, "last_step": ev.step})
     else:
-        req.timeline.append({"event": "prefill", "step": ev.step, "ts_ns": ev.ts_ns, "tokens": sch["num_tokens"],
-                             "from_token": sch["num_computed_before"]})
+        entry = {"event": "prefill", "step": ev.step, "ts_ns": ev.ts_ns, "tokens": sch["num_tokens"],
+                 "from_token": sch["num_computed_before"]}
+        if last is not None and last["event"] == SCHEDULED:  # its first chunk: the tokens before it were not computed
+            entry["hit"] = req.prefix_hit_tokens  # ... but found in the prefix cache, or delivered by a KV connector
+        req.timeline.append(entry)
+
+
+def prompt_sources(r: RequestView) -> dict | None:
+    """Where its prompt's KV came from at its first admission: {"hit": tokens found in the local prefix cache,
+    "delivered": tokens a KV connector delivered (loaded or received), "computed": tokens its prefill computed,
+    "step": the step of its first prefill chunk}; None before its first prefill."""
+    for e in r.timeline:
+        if e["event"] == "prefill" and "hit" in e:
+            hit = min(e["hit"], e["from_token"])
+            return {"hit": hit, "delivered": e["from_token"] - hit,
+                    "computed": max(0, r.num_prompt_tokens - e["from_token"]), "step": e["step"]}
+    return None
+
+
+def kv_connector(s: TraceState) -> str | None:
+    """The engine's KV connector (its kv_transfer_config's; --kv-offloading-size: OffloadingConnector), or None."""
+    return ((s.engine_config or {}).get("kv_transfer_config") or {}).get("kv_connector")
+
+
+def offload_tier(s: TraceState) -> dict | None:
+    """The host-memory tier's counters (--kv-offloading-size: the OffloadingConnector's, in the engine's stats)."""
+    return (s.stats.get("kv_connector_stats") or {}).get("OffloadingConnector")
 
 
 def _schedule_span(s: TraceState, ev: Event) -> None:
@@ -612,8 +649,18 @@ def _block_manager(s: TraceState, ev: Event) -> None:
         _freed(s, req, a.get("block_ids", ()))
         req.block_table, req.kv_block_tables = [], []
     elif ev.name == CACHE_HIT:
-        req.num_cached_tokens = a.get("hit_tokens", 0)
+        req.num_cached_tokens = req.prefix_hit_tokens = a.get("hit_tokens", 0)
         req.cache_hit_blocks = list(a.get("block_ids", ()))  # found; taken only if it is admitted
+    elif ev.name == CACHE_MISS:
+        req.prefix_hit_tokens = 0
+
+
+def _kv_transfer(s: TraceState, ev: Event) -> None:
+    a = _attrs(ev)
+    if ev.request_id is not None:
+        s.request(ev.request_id).kv_transfers.append(
+            {"kind": ev.name, "step": ev.step, "ts_ns": ev.ts_ns, "block_ids": list(a.get("block_ids", ())),
+             "bytes": a.get("bytes", 0), "seconds": a.get("seconds", 0.0), "connector": a.get("connector")})
 
 
 def _evict(s: TraceState, ev: Event) -> None:
@@ -823,6 +870,7 @@ _LAYER_HANDLERS = {
     KERNEL: _kernel,
     TRACER: _tracer,
     WORKER: _worker,
+    KV_TRANSFER: _kv_transfer,
 }
 
 

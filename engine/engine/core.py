@@ -511,6 +511,7 @@ class EngineCore:
             connector_prefix_cache_queries=self.scheduler.connector_prefix_cache_queries,
             connector_prefix_cache_hits=self.scheduler.connector_prefix_cache_hits,
             kv_cache_groups=bm.group_stats(),
+            kv_connector_stats=self.scheduler.connector.get_kv_connector_stats() if self.scheduler.connector else None,
         )
 
     def snapshot(self, sched: SchedulerOutput | None = None) -> dict:

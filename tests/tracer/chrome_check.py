@@ -8,12 +8,15 @@ REQUIRED = {
     "C": ("name", "ph", "ts", "pid", "args"),
     "M": ("name", "ph", "pid", "args"),
     "i": ("name", "ph", "ts", "pid", "tid"),
+    "s": ("name", "ph", "ts", "pid", "tid", "cat", "id"),  # a flow's start ...
+    "f": ("name", "ph", "ts", "pid", "tid", "cat", "id"),  # ... and its end
 }
 
 
 def check_chrome_trace(trace: dict) -> list[str]:
     """Problems found (empty if none): required fields per phase type, b/e pairs that match and
-    nest per async track, X slices that nest per thread, timestamps monotonic per track."""
+    nest per async track, X slices that nest per thread, timestamps monotonic per track, each flow
+    started once and ended once."""
     problems = []
     events = trace.get("traceEvents")
     if not isinstance(events, list):
@@ -21,6 +24,7 @@ def check_chrome_trace(trace: dict) -> list[str]:
     last_ts: dict[tuple, float] = {}
     async_stacks: dict[tuple, list[str]] = {}
     x_stacks: dict[tuple, list[float]] = {}  # end times of the open slices on a thread
+    flows: dict[tuple, list[str]] = {}  # (cat, id) -> its ends' phases
     for i, ev in enumerate(events):
         ph = ev.get("ph")
         if ph not in REQUIRED:
@@ -41,7 +45,9 @@ def check_chrome_trace(trace: dict) -> list[str]:
         if ev["ts"] < last_ts.get(track, float("-inf")):
             problems.append(f"#{i} ({ph} {ev['name']}): ts {ev['ts']} goes back on track {track}")
         last_ts[track] = ev["ts"]
-        if ph == "b":
+        if ph in "sf":
+            flows.setdefault((ev["cat"], ev["id"]), []).append(ph)
+        elif ph == "b":
             async_stacks.setdefault(track, []).append(ev["name"])
         elif ph == "e":
             stack = async_stacks.get(track, [])
@@ -59,4 +65,5 @@ def check_chrome_trace(trace: dict) -> list[str]:
                 problems.append(f"#{i}: X {ev['name']!r} overlaps its enclosing slice without nesting in it")
             stack.append(ev["ts"] + ev["dur"])
     problems += [f"async track {t}: never closed {s}" for t, s in async_stacks.items() if s]
+    problems += [f"flow {f}: {ends} (one s, then one f)" for f, ends in flows.items() if ends != ["s", "f"]]
     return problems

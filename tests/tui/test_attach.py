@@ -205,3 +205,36 @@ async def test_serves_own_tui_profiles_through_the_servers_endpoints(served):
         assert any(e.layer == "profiler" and e.name == "stop" for e in session.bus.read(0)[0])
     finally:
         await source.close()
+
+
+async def test_attach_to_two_servers_shows_one_at_a_time_and_i_shows_the_next(model_cache):
+    """`attach URL1 URL2` (a prefill and a decode instance): both followed, one shown; `i` switches, the
+    header names the one shown, and a request sent to it appears there and not in the other."""
+    from tests.tui.helpers import shown
+    from tracer.tui.sources.instances import InstancesSource
+    from tracer.tui.widgets.header import StatusHeader
+
+    (url1, session1, stop1), (url2, session2, stop2) = start_server(), start_server()
+    sources = [RemoteSource(url1), RemoteSource(url2)]
+    source = InstancesSource(sources)
+    try:
+        await source.start()
+        app = TraceApp(source, initial_pane="requests")
+        async with app.run_test(size=(140, 36)) as pilot:
+            header = app.query_one(StatusHeader)
+            app.tick()
+            assert f"[1/2] {url1}" in shown(header)
+            await pilot.press("i")
+            assert f"[2/2] {url2}" in shown(header) and app.source.source is sources[1]
+            await app.source.send_test_request("Hello", max_tokens=2)  # to the instance shown
+            await until(app, lambda s: len(s.waiting) == 1, "the request waiting in the second server")
+            rid = app.frame.state.waiting[0]
+            assert rid in session2.state.view().requests and not session1.state.view().requests
+            await pilot.press("i")
+            app.tick()
+            assert f"[1/2] {url1}" in shown(header) and not app.frame.state.requests
+            assert rid in sources[1].refresh().requests  # still followed while not shown
+    finally:
+        await source.close()
+        stop1()
+        stop2()

@@ -1,5 +1,7 @@
 """`vllm-trace export TRACE --format perfetto -o OUT.json`: a recorded trace for ui.perfetto.dev;
-`vllm-trace export TRACE --roofline OUT.html`: its profiled steps on this machine's roofline."""
+`vllm-trace export A.trace B.trace -o OUT.json`: several instances' traces merged (a process each, one
+clock, a request's prefill linked to its decode); `vllm-trace export TRACE --roofline OUT.html`: its
+profiled steps on this machine's roofline."""
 from __future__ import annotations
 
 import argparse
@@ -15,11 +17,13 @@ FORMATS = ["perfetto"]
 def register(sub) -> None:
     p = sub.add_parser("export", help="convert a recorded trace (--trace-file) for other viewers",
                        description="Convert a trace recorded with --trace-file. 'perfetto' writes Chrome "
-                                   "trace-event JSON that ui.perfetto.dev and chrome://tracing open. --roofline "
+                                   "trace-event JSON that ui.perfetto.dev and chrome://tracing open; several traces "
+                                   "(disaggregated prefill's instances) go into one file, a process each, on one "
+                                   "clock, with an arrow from each request's prefill to its decode. --roofline "
                                    "draws its profiled steps (recorded with profiling on: POST /start_profile, "
                                    "`p` in the TUI) on this machine's roofline, as an HTML page or an SVG image.",
                        formatter_class=HelpFormatter)
-    p.add_argument("trace", help="a JSON-lines trace file written by --trace-file")
+    p.add_argument("trace", nargs="+", help="a JSON-lines trace file written by --trace-file (several: merged)")
     p.add_argument("--format", choices=FORMATS, default="perfetto", help="output format")
     p.add_argument("-o", "--output", help="where to write the exported trace")
     p.add_argument("--roofline", metavar="OUT", help="write the roofline chart of the profiled steps to OUT "
@@ -42,6 +46,8 @@ def output_error(path: str, e: OSError) -> UserError:
 def run(args: argparse.Namespace) -> int:
     if not args.output and not args.roofline:
         raise UserError("say where to write: -o OUT.json (Perfetto) and/or --roofline OUT.html")
+    if args.roofline and len(args.trace) > 1:
+        raise UserError("--roofline charts one trace: give one, or merge several with -o OUT.json alone")
     if args.roofline:
         roofline(args)
     return perfetto(args) if args.output else 0
@@ -54,7 +60,7 @@ def roofline(args: argparse.Namespace) -> None:
     if cached_roofline() is None:
         print("calibrating this machine's roofline once (a matmul and a copy, about a second)…", file=sys.stderr)
     try:
-        steps, roof = export_roofline(args.trace, args.roofline, args.step)
+        steps, roof = export_roofline(args.trace[0], args.roofline, args.step)
     except OSError as e:
         raise output_error(args.roofline, e) from None
     what = " and ".join(f"{s.label} (step {s.step})" for s in steps)
@@ -63,15 +69,18 @@ def roofline(args: argparse.Namespace) -> None:
 
 
 def perfetto(args: argparse.Namespace) -> int:
-    from tracer.export import export_perfetto
+    from tracer.export import export_merged
 
     try:
-        result = export_perfetto(args.trace, args.output)
+        result = export_merged(args.trace, args.output)
     except OSError as e:  # the trace's own errors are TraceFileErrors (one line each): this is the output
         raise output_error(args.output, e) from None
-    print(f"wrote {result.num_events} trace events to {args.output} (open it in https://ui.perfetto.dev)",
+    n = result.num_flows
+    merged = (f" from {len(args.trace)} traces, a process each on one clock, {n} request{'s' * (n != 1)} linked "
+              f"from prefill to decode" if len(args.trace) > 1 else "")
+    print(f"wrote {result.num_events} trace events{merged} to {args.output} (open it in https://ui.perfetto.dev)",
           file=sys.stderr)
-    if result.truncated:
-        print(f"vllm-trace export: warning: {args.trace} is truncated (its last line was cut off mid-write, "
+    for path in result.truncated_paths:
+        print(f"vllm-trace export: warning: {path} is truncated (its last line was cut off mid-write, "
               f"as when the recording process dies): exported what precedes it", file=sys.stderr)
     return 0

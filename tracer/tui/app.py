@@ -72,6 +72,7 @@ class TraceApp(App):
         Binding("t", "triton", "on Triton"),
         Binding("p", "profile", "profile"),
         Binding("r", "next_rank", "rank"),  # tensor parallelism only (check_action)
+        Binding("i", "next_instance", "instance"),  # attached to several servers only (check_action)
         Binding("slash", "filter", "filter"),
         Binding("question_mark", "help", "help"),
         Binding("tab", "cycle_pane(1)", "next panel", show=False, priority=True),
@@ -148,6 +149,8 @@ class TraceApp(App):
             return str(held.get("name", "")).startswith("unified_attention")  # (the footer shows t only then)
         if action == "next_rank" and self.frame is not None:
             return self.frame.state.tensor_parallel_size > 1  # the footer shows r only with several ranks
+        if action == "next_instance":
+            return hasattr(self.source, "next_instance")  # `attach URL1 URL2`: the footer shows i
         return True
 
     # ---- the refresh -----------------------------------------------------------------------
@@ -332,6 +335,16 @@ class TraceApp(App):
         self.show_pane("kernels", chosen=True)
         self.query_one(KernelsPanel).next_rank()
 
+    def action_next_instance(self) -> None:
+        """`i` (attached to several servers): show the next one, every panel redrawn from its state."""
+        info = self.source.next_instance()
+        self.header.info, self.selected = info, None
+        self.notify(f"instance {info.url}")
+        self.tick()
+        if self.frame is not None:
+            self.header.show(self.frame, self.stepping)
+            self._show(self.active_panel(), self.frame, True)
+
     async def _triton(self, held: dict) -> None:
         try:
             result = await self.source.held_attention_on_triton()
@@ -399,6 +412,9 @@ class TraceApp(App):
                                 self.action_triton)
             yield SystemCommand("Profile every op (start / stop)", "p: FLOPs, bytes and time of each op of the forward "
                                 "pass, on this machine's roofline (Kernels panel)", self.action_profile)
+        if hasattr(self.source, "next_instance"):
+            yield SystemCommand("Next instance", "i: show the next server attached (`attach URL1 URL2`)",
+                                self.action_next_instance)
         if self.source.can_time_travel:
             for where, title in [("back", "Step back"), ("forward", "Step forward"), ("home", "First step"),
                                  ("end", "Last step")]:

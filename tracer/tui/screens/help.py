@@ -75,6 +75,7 @@ KEYS = [  # (key, what it does, what the source must offer: control an engine, o
     ('`t`', 'held before an attention launch: run it through the Triton kernel (Kernels panel)', 'control'),
     ('`r`', "tensor parallelism: the Kernels panel lists the next rank's launches (rank 0, 1, …, all)", None),
     ('`p`', 'profile every op of the forward pass (again: stop); the header shows PROFILING', 'control'),
+    ('`i`', 'attached to several servers (`attach URL1 URL2`): show the next one (the header names it)', 'control'),
     ('`enter`', 'open the selected request', None),
     ('`1`–`7`, `tab` / `shift+tab`', 'show a panel (its list takes the arrows, `enter`, `home`/`end`)', None),
     ('`/`', 'filter (Requests, Log)', None),

@@ -17,6 +17,10 @@ A hybrid model (sliding-window and full-attention layers: Mistral, Gemma 3) has 
 KV-cache group in one pool: every group's blocks are drawn, and the summary names the groups and how
 many requests of max_model_len fit at once against full attention on every layer.
 
+With a host-memory tier behind the cache (--kv-offloading-size: the OffloadingConnector) the summary
+adds its size in blocks, the blocks it holds, and since the start the blocks stored there, the prompt
+tokens found there and the blocks loaded back (the engine's kv_connector_stats).
+
 With grouped-query attention (Llama, Qwen3) the summary says how many query heads share each
 KV head and what a block costs: only KV heads are cached, so a block is smaller by that factor.
 """
@@ -31,6 +35,7 @@ from rich.text import Text
 from tracer.state import hybrid_cache, kv_shards
 from tracer.tui.fmt import fmt_bytes, hybrid_text, sparkline
 from tracer.tui.frame import Frame
+from tracer.tui.widgets.kv_transfer import offload_line
 from tracer.tui.widgets.lines import FixedText, LinesView
 from tracer.tui.widgets.panel import Panel
 
@@ -152,7 +157,7 @@ class KVCachePanel(Panel):
         hybrid = hybrid_cache(s)
         shards = gqa_line(s.startup) + shard_lines(kv_shards(s)) + (
             "\nhybrid: " + hybrid_text(hybrid) + "; sliding-window blocks go back to the pool as the window passes"
-            if hybrid else "")
+            if hybrid else "") + offload_line(s)
         grid_rows = max(4, (self.size.height or 20) - 5 - shards.count("\n"))
         k = blocks_per_cell(total, width, grid_rows) if total else 1
         legend = ("\n█ owned  ▓ shared prefix  ░ cached, free  · free" if k == 1 else

@@ -23,6 +23,7 @@ from engine.trace_names import (
     EVENTS_LOST,
     HTTP,
     KERNEL,
+    KV_TRANSFER,
     MODEL_RUNNER,
     SAMPLER,
     SCHEDULER,
@@ -46,7 +47,8 @@ MAX_LINES_PER_TICK = 100
 BUSY_LINES, BUSY_HZ = 8, 4
 LAYER_STYLES = {HTTP: "blue", API: "blue", TOKENIZER: "cyan", ENGINE: "bold green", SCHEDULER: "yellow",
                 BLOCK_MANAGER: "magenta", MODEL_RUNNER: "cyan", KERNEL: "#d19a66", SAMPLER: "green",
-                DETOKENIZER: "green", TRACER: "bold red", CLI: "dim", WORKER: "bright_magenta"}
+                DETOKENIZER: "green", TRACER: "bold red", CLI: "dim", WORKER: "bright_magenta",
+                KV_TRANSFER: "bright_cyan"}
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """One request, in full: its prompt as tokens, the text it has generated so far, its journey
-through the engine, and where its KV cache lives (the block table)."""
+through the engine, where its KV cache lives (the block table), and the KV a connector moved for it
+(widgets/kv_transfer.py)."""
 from __future__ import annotations
 
 import time
@@ -7,9 +8,10 @@ import time
 from rich.console import Group
 from rich.text import Text
 
-from tracer.state import RequestView, hybrid_cache
+from tracer.state import RequestView, hybrid_cache, kv_connector, prompt_sources
 from tracer.tui.fmt import fmt_age, status_text
 from tracer.tui.frame import Frame
+from tracer.tui.widgets.kv_transfer import kv_transfer_section
 from tracer.tui.widgets.lines import LinesView
 
 MAX_TOKENS_SHOWN = 256  # prompt tokens drawn one by one; the rest are counted
@@ -148,7 +150,7 @@ class RequestDetail(LinesView):
         r = frame.state.requests.get(rid) if rid else None
         key = (rid, None if r is None else (r.status, r.num_tokens, r.num_computed_tokens, len(r.timeline),
                                             tuple(r.block_table), len(r.prompt_pieces), r.waiting_reason, r.worker_slot,
-                                            tuple(map(tuple, r.kv_block_tables)),
+                                            tuple(map(tuple, r.kv_block_tables)), len(r.kv_transfers),
                                             bool(frame.controller.get("paused"))))
         if key == self._key:
             return
@@ -178,8 +180,13 @@ class RequestDetail(LinesView):
             siblings = ", ".join(s if s != rid else f"[{s}]" for s in r.sibling_ids)
             title.append(f"\nchild {r.sibling_ids.index(rid)} of {len(r.sibling_ids)} of request {r.parent_id} "
                          f"(n = {len(r.sibling_ids)}: {siblings}); they share the prompt's KV blocks", "cyan")
-        hits = (f"{r.num_cached_tokens} prompt tokens from the prefix cache (blocks "
-                f"{', '.join(map(str, r.cache_hit_blocks))})" if r.num_cached_tokens else "no prefix-cache hit")
+        # with a KV connector the engine counts the tokens it delivered as cached too: not the prefix cache's
+        connector = kv_connector(frame.state)
+        src = prompt_sources(r) if connector else None
+        cached = r.num_cached_tokens - (src["delivered"] if src and not r.num_preemptions else 0)
+        hits = (f"{cached} prompt tokens from the prefix cache (blocks "
+                f"{', '.join(map(str, r.cache_hit_blocks))})" if cached > 0 else "no prefix-cache hit")
+        moved = kv_transfer_section(r) if connector else None
         why = waiting_why(frame, r)
         if why and not r.status.startswith("FINISHED"):
             title.append(f"\nwaiting: {why}", "yellow")
@@ -198,5 +205,7 @@ class RequestDetail(LinesView):
                 Text("\nblock table (logical → physical)", "bold"), block_table(r, block_size(frame)),
                 *((Text("\nper KV-cache group (a hybrid model)", "bold"), group_tables(frame, r))
                   if r.kv_block_tables else ()),
-                Text("\nprefix cache", "bold"), Text(hits, "cyan" if r.num_cached_tokens else "dim"))),
+                Text("\nprefix cache", "bold"), Text(hits, "cyan" if cached > 0 else "dim"),
+                *((Text("\nKV transfer (a KV connector's loads, saves, sends, receives)", "bold"), moved)
+                  if moved is not None else ()))),
         ])

@@ -12,6 +12,7 @@ Scheduler side, called by engine/core/sched/scheduler.py at V1's points:
     update_state_after_alloc(request, block_ids, num_external_tokens)  the blocks they go into
     build_connector_meta(scheduler_output)  this step's plan for the workers (resets the plan)
     update_connector_output(connector_output)  what the workers report back after the step
+    get_kv_connector_stats()  its counters, for EngineStats (a host-memory tier's size, blocks held, hits)
     request_finished(request, block_ids)  a request finished: (keep its blocks until the workers say
         they are sent, kv_transfer_params for the client)
 
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from engine.hooks import Hooks
+from engine.hooks import INSTANT, Hooks
 from engine.trace_names import KV_TRANSFER
 
 
@@ -57,6 +58,7 @@ class TransferRecord:
     block_ids: list[int]
     num_bytes: int
     seconds: float
+    end_ns: int = 0  # when it ended (time.perf_counter_ns()): its event's time, though published later
 
 
 class KVConnectorBase_V1:
@@ -150,6 +152,11 @@ class KVConnectorBase_V1:
         get_finished reports the request sent, kv_transfer_params for the request's output)."""
         return False, None
 
+    def get_kv_connector_stats(self) -> dict | None:
+        """The connector's own counters for EngineStats.kv_connector_stats (V1's name; a plain dict here,
+        keyed by the connector's name), or None."""
+        return None
+
     def has_pending_block_frees(self) -> bool:
         """Blocks held for transfers still under way (the engine keeps stepping until they are done)."""
         return False
@@ -157,19 +164,24 @@ class KVConnectorBase_V1:
     # ---- the trace ----------------------------------------------------------------------------
     def record(self, kind: str, request_id: str, block_ids: list[int], num_bytes: int, t0: float) -> None:
         """One transfer, started at time.perf_counter() t0, for the next trace events."""
-        self.records.append(TransferRecord(kind, request_id, list(block_ids), num_bytes, time.perf_counter() - t0))
+        end_ns = time.perf_counter_ns()
+        self.records.append(TransferRecord(kind, request_id, list(block_ids), num_bytes, end_ns / 1e9 - t0, end_ns))
 
     def publish_records(self, step: int | None) -> None:
-        """One kv_transfer event per request and kind since the last call (layers summed)."""
+        """One kv_transfer event per request and kind since the last call (layers summed), at the time
+        its last part ended (a pull answered between steps is traced when it was, not at the next step)."""
         merged: dict[tuple[str, str], TransferRecord] = {}
         for r in self.records:
             m = merged.setdefault((r.kind, r.request_id), TransferRecord(r.kind, r.request_id, r.block_ids, 0, 0.0))
             m.num_bytes += r.num_bytes
             m.seconds += r.seconds
+            m.end_ns = max(m.end_ns, r.end_ns)
         self.records = []
-        for m in merged.values():
-            self.hooks.emit(KV_TRANSFER, m.kind, request_id=m.request_id, step=step, block_ids=m.block_ids,
-                            bytes=m.num_bytes, seconds=m.seconds, connector=type(self).__name__)
+        if merged:
+            self.hooks.emit_many([(KV_TRANSFER, m.kind, INSTANT, m.request_id, step,
+                                   dict(block_ids=m.block_ids, bytes=m.num_bytes, seconds=m.seconds,
+                                        connector=type(self).__name__)) for m in merged.values()],
+                                 [m.end_ns for m in merged.values()])
 
 
 def kv_bytes(tensors) -> int:

@@ -141,6 +141,10 @@ class MultiConnector(KVConnectorBase_V1):
                 sent.add(rid)
         connector_output.finished_sending = sent or None
 
+    def get_kv_connector_stats(self) -> dict | None:
+        stats = {k: v for c in self._connectors for k, v in (c.get_kv_connector_stats() or {}).items()}
+        return stats or None
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._chosen.pop(request.request_id, None)
         delays, params = 0, None

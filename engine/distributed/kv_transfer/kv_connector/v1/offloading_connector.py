@@ -49,7 +49,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._stored: dict[str, int] = {}  # request id -> its blocks stored (or found stored) so far
         self._to_load: dict[str, tuple[list[int], list[int]]] = {}
         self._first: dict[str, int] = {}  # request id -> its first block past the device's hit, while it asks
-        self.num_loaded_blocks = self.num_stored_blocks = self.num_hit_tokens = 0  # (the KV-cache panel's)
+        self.num_loaded_blocks = self.num_stored_blocks = self.num_hit_tokens = 0  # since the start (KV-cache panel)
         self.cpu_kv: torch.Tensor | None = None  # worker side: [layers, 2, host blocks, block_size, heads, head]
 
     def set_num_cpu_blocks(self, bytes_per_block: int) -> None:
@@ -88,6 +88,7 @@ class OffloadingConnector(KVConnectorBase_V1):
             self._table.move_to_end(request.block_hashes[i])  # used: the last to be evicted
         self._to_load[request.request_id] = (block_ids[0][first:first + len(cpu)], cpu)
         self.num_hit_tokens += num_external_tokens
+        self.num_loaded_blocks += len(cpu)
 
     def build_connector_meta(self, scheduler_output) -> OffloadingConnectorMetadata:
         meta = OffloadingConnectorMetadata(reqs_to_load=self._to_load)
@@ -126,6 +127,14 @@ class OffloadingConnector(KVConnectorBase_V1):
                 del self._table[h]
                 return slot
         return None
+
+    def get_kv_connector_stats(self) -> dict:
+        """The tier: its size, the blocks it holds, and since the start the blocks stored, the tokens found
+        there (hits) and the blocks loaded back."""
+        return {"OffloadingConnector": dict(cpu_bytes=self.cpu_bytes, num_cpu_blocks=self.num_cpu_blocks,
+                                            num_held_blocks=len(self._table), num_stored_blocks=self.num_stored_blocks,
+                                            num_hit_tokens=self.num_hit_tokens,
+                                            num_loaded_blocks=self.num_loaded_blocks)}
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._requests.pop(request.request_id, None)
