@@ -16,6 +16,7 @@ from tracer.state import hybrid_cache
 from tracer.tui.app import TraceApp
 from tracer.tui.frame import Frame
 from tracer.tui.sources.replay import ReplaySource
+from tracer.tui.widgets.header import StatusHeader
 from tracer.tui.widgets.kv_cache import block_owners
 from tracer.tui.widgets.request_detail import group_tables
 
@@ -92,3 +93,6 @@ async def test_startup_and_kv_panels_name_the_groups_and_what_fits(held_long_req
         app.tick()
         await pilot.pause()
         assert says in " ".join(shown(app.query_one("#startup-stages")).split())
+        more = h["requests_at_max_len"] - h["requests_at_max_len_full_attention"]
+        assert (f"hybrid KV: {h['requests_at_max_len']} requests fit, {more} more than with full attention"
+                in shown(app.query_one(StatusHeader)))

@@ -149,3 +149,13 @@ def hybrid_text(h: dict) -> str:
     return (f"{len(h['kv_cache_groups'])} KV-cache groups: {groups}; {h['requests_at_max_len']} requests of "
             f"max_model_len fit at once ({h['blocks_per_request']} blocks each), "
             f"{h['requests_at_max_len_full_attention']} with full attention on every layer")
+
+
+def hybrid_fit(h: dict) -> str:
+    """The header's word on a hybrid KV cache: how many more requests of max_model_len fit than with full
+    attention on every layer ('' for one KV-cache group)."""
+    if not h:
+        return ""
+    more = h["requests_at_max_len"] - h["requests_at_max_len_full_attention"]
+    return f"hybrid KV: {h['requests_at_max_len']} requests fit, {more} more than with full attention"
+

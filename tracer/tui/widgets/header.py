@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from tracer.tui.fmt import speculation
+from tracer.state import hybrid_cache
+from tracer.tui.fmt import hybrid_fit, speculation
 from tracer.tui.frame import Frame
 from tracer.tui.sources.base import SourceInfo
 from tracer.tui.widgets.lines import FixedText
@@ -110,6 +111,7 @@ class StatusHeader(FixedText):
         width = self.size.width or 80
         spec = speculation(s.engine_config, short=True)
         spec = f" · {spec}" if spec else ""
+        fit = hybrid_fit(hybrid_cache(s))  # a sliding-window model: the requests the hybrid cache fits
         line = None
         for title, short, url in ((True, False, True), (False, False, True), (False, True, True), (False, True, False),
                                   (False, True, None)):
@@ -121,6 +123,8 @@ class StatusHeader(FixedText):
             if flight and url is not None:
                 t.append(f"  {flight}", "dim" if short else "")
             t.append(travel, "dim")
+            if fit and not short:
+                t.append(f"  {fit}", "cyan")
             if s.profiling:  # every op of the forward pass is a launch (p, or POST /start_profile)
                 t.append(" ")
                 t.append(" PROFILING ", "bold black on #e5c07b")
