@@ -20,7 +20,7 @@ from engine import LLM, SamplingParams, UnsupportedCheckpointError
 from engine.core.block_pool import NULL_BLOCK_ID
 from tests.engine.hf_reference import assert_greedy_equal
 from tests.engine.test_hf_equivalence import _prompts
-from tests.engine.test_sliding_window import ROOMY, _save
+from tests.engine.test_sliding_window import ROOMY, _generate, _save
 
 MAX_NEW = 16
 WINDOW = 12
@@ -43,17 +43,6 @@ def gpt_oss(tmp_path_factory):
             if name.endswith(("bias", "sinks")):
                 param.normal_(0, 1.0)
     return _save(tmp_path_factory.mktemp("gpt_oss"), model)
-
-
-def _generate(path, prompts, **kwargs):
-    llm = LLM(path, dtype="float32", **kwargs)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        stats = llm.llm_engine.engine_core.engine_core.stats() if not kwargs.get("multiprocess") else None
-        assert stats is None or stats.num_free_blocks == stats.num_total_blocks, "blocks leaked"
-        return [o.outputs[0].token_ids for o in outs], stats
-    finally:
-        llm.shutdown()
 
 
 def test_checkpoint_is_read_as_gpt_oss(gpt_oss):
