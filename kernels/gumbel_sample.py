@@ -15,9 +15,11 @@ token and value; a torch max over the blocks picks each row's token (as MRv2 doe
 0.25 (vLLM's ``_log1p_neg_stable``), so the winning tail u -> 0 keeps its precision.
 
 Why a hash and not Philox (which this sampler used before vLLM moved off it): on a CPU the
-reference computes the noise of every token of every row, and Philox's ten rounds of 64-bit
-products made sampling most of a served step (64 rows of 4,096 tokens: 84 ms with Philox in
-numpy, 5 ms with the hash, on the 2-core VM).
+reference hashes every token of every row, and Philox's ten rounds of 64-bit products made
+sampling most of a served step (64 rows of 4,096 tokens: 84 ms with Philox in numpy, 5 ms with
+the hash, on the 2-core VM). The reference then computes the noise itself (two logs) only for the
+tokens whose hash leaves them a chance to win (``reference._gumbel_argmax``): the same token,
+32 rows of 4,096 in about half the time (3.0 -> 1.5 ms).
 """
 from __future__ import annotations
 

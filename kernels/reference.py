@@ -335,7 +335,10 @@ def gumbel_sample_ref(logits: torch.Tensor, seeds: torch.Tensor, positions: torc
                       stream: int = 0) -> torch.Tensor:
     """One token per row of logits [num_rows, vocab]: argmax(logits + Gumbel noise), the noise of
     token t in row i hashed from (seeds[i], positions[i], t) with domain ``stream`` (see
-    kernels/gumbel_sample.py), so a draw from softmax(row) that depends on nothing else."""
+    kernels/gumbel_sample.py), so a draw from softmax(row) that depends on nothing else.
+
+    The kernel computes every token's noise; this reference finds the same token computing it only
+    for the tokens that can win (:func:`_gumbel_argmax`)."""
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     rows, vocab = logits.shape
@@ -345,9 +348,42 @@ def gumbel_sample_ref(logits: torch.Tensor, seeds: torch.Tensor, positions: torc
     best = np.empty(rows, np.int64)
     step = max(1, _NOISE_CHUNK // vocab)
     for r in range(0, rows, step):  # rows a chunk at a time: each op's operands stay in the cache
-        u = murmur3_uniform32_ref(murmur3_hash32_ref(seeds[r:r + step], pos[r:r + step], tokens, stream))
-        best[r:r + step] = (scores[r:r + step] + gumbel_noise_ref(u)).argmax(-1)  # a -inf logit stays -inf
+        best[r:r + step] = _gumbel_argmax(scores[r:r + step], murmur3_hash32_ref(seeds[r:r + step],
+                                                                                 pos[r:r + step], tokens, stream))
     return torch.from_numpy(best).to(logits.device)
+
+
+# Tokens whose hash is below 2**26 have u <= 1/64, so noise >= -log(-log(1 - 1/64)) = 4.1509 (float32 rounding
+# included, 4.15): the likely winners, whose logits give a first bound.
+_LIKELY, _LIKELY_NOISE = np.uint32(1 << 26), np.float32(4.15)
+
+
+def _gumbel_argmax(scores: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    """Each row's argmax(scores + noise(hashes)), lowest token on ties, as the dense computation
+    gives it, with the noise (two logs a token) computed only for the few tokens that can win:
+
+    1. The best logit among the likely winners (u <= 1/64) plus 4.15 is a score S that some token
+       reaches, so the winner reaches it too.
+    2. Token t reaches S only if its noise g_t >= S - x_t, that is u_t <= 1 - exp(-exp(x_t - S))
+       <= exp(x_t - S). Its hash is compared with that bound (with a margin for float32's rounding);
+       the tokens within it, a handful a row, are scored exactly."""
+    vocab = scores.shape[1]
+    likely = np.where(hashes < _LIKELY, scores, np.float32(-np.inf)).max(-1)
+    reach = likely + _LIKELY_NOISE - (np.float32(1e-2) + np.float32(1e-6) * np.abs(likely))
+    with np.errstate(invalid="ignore"):  # -inf - -inf: a row with nothing allowed, no candidates (token 0)
+        bound = np.exp(np.minimum(scores - reach[:, None], np.float32(0))) * np.float32(2.0 ** 32)
+    flat = np.flatnonzero(hashes.astype(np.float32) <= bound)  # row-major: rows, then tokens, ascending
+    r, c = np.divmod(flat, vocab)
+    total = scores.ravel()[flat] + gumbel_noise_ref(murmur3_uniform32_ref(hashes.ravel()[flat]))
+    top = np.full(len(scores), -np.inf, np.float32)
+    np.maximum.at(top, r, total)
+    winners = total == top[r]
+    wr, wc = r[winners], c[winners]
+    first = np.ones(len(wr), bool)  # a row's first winner is its lowest token
+    first[1:] = wr[1:] != wr[:-1]
+    best = np.zeros(len(scores), np.int64)  # a row of -inf logits: token 0, as the kernel's
+    best[wr[first]] = wc[first]
+    return best
 
 
 # ---- input building (kernels/input_batch.py, kernels/block_table.py) ----------------------------

@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from kernels import gumbel_sample, gumbel_sample_ref, rand_ref
-from kernels.reference import murmur3_hash32_ref, philox_ref, uint32_to_uniform_ref
+from kernels.reference import (gumbel_noise_ref, murmur3_hash32_ref, murmur3_uniform32_ref, philox_ref,
+                               uint32_to_uniform_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled there, interpreted here
 
@@ -55,6 +56,34 @@ def test_streams_and_positions_are_independent_draws():
     assert len(set(by_position.tolist())) > 20  # another position, another draw
     assert not torch.equal(by_position, gumbel_sample_ref(logits, seeds, positions, stream=2))
     assert torch.equal(by_position, gumbel_sample_ref(logits, seeds, positions))  # and nothing else matters
+
+
+def _dense_gumbel(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """The definition: every token's noise, then each row's argmax (what the kernel computes)."""
+    rows, vocab = logits.shape
+    hashes = murmur3_hash32_ref(seeds.numpy()[:, None], positions.numpy()[:, None],
+                                np.arange(vocab, dtype=np.uint32)[None], stream)
+    return torch.from_numpy((logits.numpy() + gumbel_noise_ref(murmur3_uniform32_ref(hashes))).argmax(-1))
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.01, 1.0, 4.0, 60.0])
+def test_reference_scores_only_tokens_that_can_win_and_draws_the_dense_token(scale):
+    """The reference skips the noise of tokens that cannot win: the same draw as every token's noise, on flat,
+    peaked and tied rows, masked tokens, a row with nothing allowed and vocabularies of 1 to 5,000."""
+    g = torch.Generator().manual_seed(int(scale * 100))
+    for trial in range(12):
+        rows, vocab = int(torch.randint(1, 20, (), generator=g)), int(torch.randint(1, 5000, (), generator=g))
+        logits = torch.randn(rows, vocab, generator=g) * scale
+        if trial % 3 == 1:
+            logits = logits.round()  # ties
+        if trial % 3 == 2:
+            logits[:, ::3] = float("-inf")
+            logits[0] = float("-inf")
+        seeds = torch.randint(-2 ** 40, 2 ** 40, (rows,), generator=g)
+        positions = torch.randint(0, 10_000, (rows,), generator=g)
+        for stream in (0, 2):
+            assert torch.equal(gumbel_sample_ref(logits, seeds, positions, stream),
+                               _dense_gumbel(logits, seeds, positions, stream))
 
 
 def _murmur3_x86_32(words: list[int], seed: int) -> int:
