@@ -185,12 +185,11 @@ def logits_processor(args: Args, meta: dict) -> tuple[int, int]:
 
 
 def sample(args: Args, meta: dict) -> tuple[int, int]:
-    """One request's draw from its row of V logits: temperature (1 FLOP a logit), softmax (4),
-    the exponential race's draw and division and argmax (3, a draw counted as one): 8 FLOPs per
-    logit (min-p, top-k and top-p, when asked, add a sort that is not counted); bytes: the row
-    read, the probabilities written and read back, the draws written and read: 5 rows."""
+    """The logits a request draws from, made from its row of V logits (MRv2's apply_sampling_params):
+    the temperature's division, 1 FLOP a logit (min-p, top-k and top-p, when asked, add a softmax and
+    a sort that are not counted); bytes: the row read and written, 2 rows."""
     row = args["logits"]
-    return 8 * numel(row[0]), 5 * nbytes(row)
+    return numel(row[0]), 2 * nbytes(row)
 
 
 def gumbel(args: Args, meta: dict) -> tuple[int, int]:

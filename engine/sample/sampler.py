@@ -93,18 +93,25 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, slots: np.ndarray, positions: list[int], stream: int = 0) -> list[int]:
         """One draw per row of processed logits, each from its request's distribution (temperature,
-        min-p, top-k, top-p of its slot) by Gumbel-max keyed by (its seed, positions[i])."""
-        probs = op("sample", SAMPLER, self.processed_probs, dict(logits=logits, slots=slots), meta=_SAMPLE)
-        return self.gumbel(torch.log(probs), slots, positions, stream)
+        min-p, top-k, top-p of its slot) by Gumbel-max keyed by (its seed, positions[i]): as MRv2,
+        on the logits those settings leave (softmax(x + c) is softmax(x): no softmax needed)."""
+        processed = op("sample", SAMPLER, self.processed_logits, dict(logits=logits, slots=slots), meta=_SAMPLE)
+        return self.gumbel(processed, slots, positions, stream)
+
+    def processed_logits(self, logits: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+        """Each row's logits, its slot's settings applied (see processed_logits)."""
+        return processed_logits(logits, *self._settings(slots, logits.device))
 
     def processed_probs(self, logits: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
         """The distribution each row draws from, its slot's settings applied (see processed_probs)."""
-        st, dev = self.states, logits.device
+        return processed_probs(logits, *self._settings(slots, logits.device))
 
-        def col(arr: np.ndarray) -> torch.Tensor:  # [rows, 1]: each row's value of a setting
-            return torch.from_numpy(arr[slots]).to(dev)[:, None]
-
-        return processed_probs(logits, col(st.temperature), col(st.min_p), col(st.top_k), col(st.top_p))
+    def _settings(self, slots: np.ndarray, dev: torch.device) -> tuple[torch.Tensor, ...]:
+        """Each row's temperature, min-p, top-k and top-p [rows, 1]; None for a setting off in every row."""
+        st = self.states
+        off = (st.min_p[slots] == 0.0).all(), (st.top_k[slots] <= 0).all(), (st.top_p[slots] == 1.0).all()
+        return tuple(None if o else torch.from_numpy(arr[slots]).to(dev)[:, None]
+                     for o, arr in zip((False, *off), (st.temperature, st.min_p, st.top_k, st.top_p)))
 
     def gumbel(self, logits: torch.Tensor, slots: np.ndarray, positions: list[int], stream: int = 0) -> list[int]:
         """Each row's Gumbel-max draw keyed by (its slot's seed, positions[i]) (see gumbel_sample)."""
@@ -253,24 +260,30 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
-    """The distributions sampled rows draw from: temperature, then min-p, top-k and top-p (vLLM V1's
-    order). logits [rows, V]; each setting [rows, 1], one value per row (top_k 0: off)."""
+def processed_logits(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None = None,
+                     top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits sampled rows draw from (MRv2's ``apply_sampling_params``): divided by the temperature,
+    then min-p, top-k and top-p (vLLM V1's order) set the tokens they cut to -inf. logits [rows, V];
+    each setting [rows, 1], one value per row (top_k 0: off), or None where every row has it off."""
     row = logits / temperature
-    if bool((min_p > 0.0).any()):  # relative to the top token's probability, before top-k/top-p (as vLLM V1)
+    if min_p is not None and bool((min_p > 0.0).any()):  # relative to the top token's probability
         probs = torch.softmax(row, dim=-1)
         row = row.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     vocab = row.shape[-1]
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    if bool((k < vocab).any()):  # the k-th largest of each row: one topk as deep as the largest k
+    k = None if top_k is None else torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    if k is not None and bool((k < vocab).any()):  # the k-th largest of each row: one topk as deep as the largest k
         kth = torch.topk(row, int(k.max()), dim=-1).values.gather(-1, k - 1)
         row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if bool((top_p < 1.0).any()):
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+    if top_p is not None and bool((top_p < 1.0).any()):
+        sorted_p, order = torch.softmax(row, dim=-1).sort(dim=-1, descending=True)
         # keep the smallest set whose mass reaches top_p (always at least the top token)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        probs = probs / probs.sum(-1, keepdim=True)  # a distribution again: speculation reads p(draft) from it
-    return probs
+        row = row.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return row
+
+
+def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None = None,
+                    top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The distributions sampled rows draw from: softmax of :func:`processed_logits` (top-p's kept tokens
+    renormalised: speculation reads p(draft) from it)."""
+    return torch.softmax(processed_logits(logits, temperature, min_p, top_k, top_p), dim=-1)

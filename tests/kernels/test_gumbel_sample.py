@@ -7,8 +7,13 @@ import triton
 import triton.language as tl
 
 from kernels import gumbel_sample, gumbel_sample_ref, rand_ref
-from kernels.reference import (gumbel_noise_ref, murmur3_hash32_ref, murmur3_uniform32_ref, philox_ref,
-                               uint32_to_uniform_ref)
+from kernels.reference import (
+    gumbel_noise_ref,
+    murmur3_hash32_ref,
+    murmur3_uniform32_ref,
+    philox_ref,
+    uint32_to_uniform_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled there, interpreted here
 
