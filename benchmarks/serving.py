@@ -2,6 +2,7 @@
 
     python -m benchmarks.serving [--model DIR] [--concurrency 1 8 32 64] [--reps 3] [--servers vllm ours]
     python -m benchmarks.serving --servers ours ours-sync --reference ours-sync --concurrency 64  # async ÷ sync
+    python -m benchmarks.serving --servers ours ours-no-trace --reference ours-no-trace  # tracing on ÷ off
 
 Both servers are started the same way (benchmarks/parity/servers.py) on the same checkpoint, one after the
 other, and stay up; one is driven at a time while the other sits idle (both idle servers wait on their
@@ -34,13 +35,15 @@ from benchmarks.parity.servers import Server, chat_template_file
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"vllm": ("vllm", {}), "ours": ("ours", {}), "ours-bound": ("ours", {"VLLM_CPU_OMP_THREADS_BIND": "auto"}),
             "ours-2threads": ("ours", {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}),
-            "ours-sync": ("ours", {})}
-EXTRA_ARGS = {"ours-sync": ("--no-async-scheduling",)}  # our server's flags beyond its defaults
+            "ours-sync": ("ours", {}), "ours-no-trace": ("ours", {})}
+# our server's flags beyond its defaults
+EXTRA_ARGS = {"ours-sync": ("--no-async-scheduling",), "ours-no-trace": ("--no-trace",)}
 THREADS = {"vllm": "vLLM's defaults: worker bound to cpu 0 (VLLM_CPU_OMP_THREADS_BIND=auto, 1 core reserved)",
            "ours": "ours by default: engine core 1 torch thread, unbound, 1 core left to the API server",
            "ours-bound": "engine core 1 torch thread bound to cpu 0 (VLLM_CPU_OMP_THREADS_BIND=auto)",
            "ours-2threads": "OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=nobind (an offline engine's)",
-           "ours-sync": "ours by default, with async scheduling off (--no-async-scheduling)"}
+           "ours-sync": "ours by default, with async scheduling off (--no-async-scheduling)",
+           "ours-no-trace": "ours by default, with no tracer (--no-trace): what tracing costs a served token"}
 FIELDS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms",
           "completed")
 

@@ -1,5 +1,5 @@
 """benchmarks/serving.py's variants and table, without a client run: `ours-sync` is our server with async
-scheduling off, and the ratio column divides by the reference server's median."""
+scheduling off, `ours-no-trace` without its tracer, and the ratio column divides by the reference server's median."""
 from benchmarks.parity.servers import command
 from benchmarks.serving import EXTRA_ARGS, VARIANTS, table
 
@@ -9,6 +9,13 @@ def test_the_sync_variant_serves_with_async_scheduling_off():
     cmd = command(kind, "/bin", "tiny-gpt2", 8000, "chat.jinja", EXTRA_ARGS["ours-sync"])
     assert cmd[0].endswith("vllm-trace") and "--no-async-scheduling" in cmd and not env
     assert "--no-async-scheduling" not in command(*VARIANTS["ours"][:1], "/bin", "tiny-gpt2", 8000, "chat.jinja")
+
+
+def test_the_no_trace_variant_serves_without_a_tracer():
+    kind, env = VARIANTS["ours-no-trace"]
+    cmd = command(kind, "/bin", "tiny-gpt2", 8000, "chat.jinja", EXTRA_ARGS["ours-no-trace"])
+    assert cmd[0].endswith("vllm-trace") and "--no-trace" in cmd and not env
+    assert "--no-trace" not in command(*VARIANTS["ours"][:1], "/bin", "tiny-gpt2", 8000, "chat.jinja")
 
 
 def test_the_ratio_column_divides_by_the_reference():
