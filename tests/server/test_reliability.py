@@ -119,6 +119,21 @@ def test_prompts_are_tokenized_by_the_server_and_traced(t):
     assert [e.name for e in events if e.layer in ("tokenizer", "engine")][:2] == ["encode", "QUEUED"]
 
 
+def test_the_encode_events_pieces_are_each_tokens_text_decoded_once(live, monkeypatch):
+    """A token's text for the trace is decoded the first time it is seen, then remembered."""
+    proc = OnlineRenderer(live.tokenizer, live.async_engine.max_model_len, live.hooks)
+    proc._pieces.clear()  # as with a tokenizer that normalizes: nothing decoded in advance
+    decoded = []
+    batch_decode = live.tokenizer.batch_decode
+    monkeypatch.setattr(live.tokenizer, "batch_decode", lambda seqs: decoded.extend(seqs) or batch_decode(seqs))
+    ids = live.tokenizer.encode("Hello there, Hello there")
+    assert proc._token_pieces(ids) == batch_decode([[t] for t in ids])
+    assert sorted(decoded) == sorted([t] for t in set(ids))  # each distinct token once
+    proc._token_pieces(ids)
+    assert len(decoded) == len(set(ids))  # and never again
+    proc.close()
+
+
 def test_an_over_long_text_is_refused_before_tokenizing(http, live):
     """No token decodes to more than 13 characters here, so 513 x 13 characters must be too
     long: refused untokenized (a 10 MiB prompt used to take 35 s to get its 400)."""
