@@ -23,7 +23,7 @@ SHOW   := { grep --line-buffered -v '^Requirement already satisfied' || true; }
 TICKING := start=$$SECONDS; (while sleep 3; do echo "    ... $$((SECONDS - start)) s"; done) & tick=$$!; \
            trap 'kill $$tick 2>/dev/null' EXIT;
 
-.PHONY: setup demo lint test test-docs bench screenshot parity parity-setup clean
+.PHONY: setup demo lint test test-slow test-docs bench screenshot parity parity-setup clean
 
 $(BIN)/vllm-trace: pyproject.toml
 	@echo "==> setting up $(VENV), once (about three minutes): $(TORCH), then vllm-trace and its test tools"
@@ -83,8 +83,11 @@ demo: setup  ## the TUI on the built-in offline model (send requests from a seco
 lint: setup  ## ruff: line length, pyflakes, import order (configured in pyproject.toml)
 	$(BIN)/ruff check .
 
-test: setup  ## the test suite (the documents' commands: make test-docs)
-	$(BIN)/python -m pytest --ignore=tests/docs
+test: setup  ## the test suite, about 10 minutes on 2 cores (the costly differential runs: make test-slow)
+	$(BIN)/python -m pytest --ignore=tests/docs -m "not slow"
+
+test-slow: setup  ## the tests marked slow: differential and end-to-end runs in every mode (CI runs them too)
+	$(BIN)/python -m pytest --ignore=tests/docs -m slow
 
 test-docs: setup  ## every command and Python block of README.md and docs/ run as written (slow: a process each)
 	$(BIN)/python -m pytest tests/docs

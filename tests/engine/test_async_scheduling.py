@@ -41,6 +41,7 @@ def _generate(prompts, params, **kw):
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, settings", [(NGRAM, {}), (NGRAM, dict(num_kv_blocks=20, block_size=4)),
                                             (DRAFT, {}), (DRAFT, dict(num_kv_blocks=20, block_size=4)),
                                             (DRAFT, dict(max_num_batched_tokens=16, block_size=4))],
@@ -71,6 +72,7 @@ def _spec_counters(llm: LLM) -> tuple[list, dict]:
             stats.spec_num_accepted_tokens_per_pos], scraped
 
 
+@pytest.mark.slow
 def test_speculation_statistics_count_only_the_drafts_verified():
     """Under async scheduling a step verifies placeholder drafts (-1) that the worker fills with its own
     proposals, often fewer than num_speculative_tokens (an n-gram proposer finds no match, or a shorter
@@ -91,6 +93,7 @@ def test_speculation_statistics_count_only_the_drafts_verified():
     assert scraped[f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="{NAME}"}}'] == draft_tokens
 
 
+@pytest.mark.slow
 def test_seeded_sampling_n_and_priority_are_the_same_on_and_off():
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s, n=2, max_tokens=16) for s in range(len(PROMPTS))]
@@ -98,6 +101,7 @@ def test_seeded_sampling_n_and_priority_are_the_same_on_and_off():
     assert _generate(prompts, params, **kw) == _generate(prompts, params, async_scheduling=False, **kw)
 
 
+@pytest.mark.slow
 def test_structured_outputs_defer_sampling_and_match_sync(monkeypatch):
     deferred = []
     schedule = AsyncScheduler.schedule
@@ -116,6 +120,7 @@ def test_structured_outputs_defer_sampling_and_match_sync(monkeypatch):
     assert any(deferred)  # a grammar request's step sampled after the step before it was updated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2), dict(multiprocess=True)], ids=["tp2", "core-process"])
 def test_tensor_parallel_and_core_process(kw):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]

@@ -66,6 +66,7 @@ def test_bad_prompt_is_a_value_error_and_nothing_is_queued(both):
     assert stats["num_waiting"] + stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+@pytest.mark.slow
 def test_the_trace_shows_the_text_cut_at_a_stop_string(both):
     """The core finishes the request without its text; the API server's cut reaches the trace."""
     inproc, _ = both

@@ -63,6 +63,7 @@ def _running(url: str) -> float:
     return float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1))
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_core_fails_requests_in_flight_and_stops_serve():
     proc, startup, url = spawn_serve("--no-tui", "--no-trace", "--num-kv-blocks", "64")
     pid = core_pid(startup)
@@ -99,6 +100,7 @@ def test_kill_9_of_the_core_fails_requests_in_flight_and_stops_serve():
             proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
 def test_no_orphan_core_when_serve_dies(how):
     proc, startup, url = spawn_serve("--no-tui", "--no-trace")
@@ -115,6 +117,7 @@ def test_no_orphan_core_when_serve_dies(how):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_core_that_cannot_start_is_one_line_not_a_hang(tmp_path):
     from engine.model_executor.model_loader import resolve
 
@@ -130,6 +133,7 @@ def test_a_core_that_cannot_start_is_one_line_not_a_hang(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_handshake_errors_raise_with_the_core_s_own_message_or_the_timeout():
     from engine.engine.async_llm import AsyncLLM
 

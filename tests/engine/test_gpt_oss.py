@@ -87,12 +87,14 @@ def test_torch_backend_equals_transformers(gpt_oss):
     assert_greedy_equal(got, gpt_oss, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 def test_triton_backend_equals_transformers(gpt_oss):
     prompts = _prompts(n=5)[2:]  # interpreted kernels: a few prompts, 7 to 15 tokens + 16 generated
     got, _ = _generate(gpt_oss, prompts, attention_backend="triton", block_size=4, num_kv_blocks=64)
     assert_greedy_equal(got, gpt_oss, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["preemption", "chunked_prefill", "prefix_caching"])
 def test_scheduling_settings_equal_transformers(gpt_oss, setting):
     kwargs = dict(preemption=dict(num_kv_blocks=40), chunked_prefill=dict(max_num_batched_tokens=10),
@@ -106,6 +108,7 @@ def test_scheduling_settings_equal_transformers(gpt_oss, setting):
     assert_greedy_equal(got, gpt_oss, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 def test_tensor_parallel_equals_transformers(gpt_oss, expert_parallel):
     """Two ranks: each its query heads' sinks; each expert's slice (its down bias added by rank 0 only)
@@ -120,6 +123,7 @@ def test_tensor_parallel_equals_transformers(gpt_oss, expert_parallel):
     assert_greedy_equal([o.outputs[0].token_ids for o in outs], gpt_oss, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 def test_core_in_its_own_process_equals_transformers(gpt_oss):
     prompts = _prompts(n=6)
     got, _ = _generate(gpt_oss, prompts, block_size=4, multiprocess=True, num_kv_blocks=ROOMY)

@@ -55,6 +55,7 @@ def test_default_settings(model):
     assert_greedy_equal(got, str(builtin_path(model)), prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 def test_english_prompts(path):
     """Real text, as the trained model sees it: prompts are slices of a tokenized paragraph."""
     llm = LLM(NAME, num_kv_blocks=64)
@@ -81,6 +82,7 @@ def test_chunked_prefill(path, async_scheduling):
     assert got == hf_greedy(path, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 @ASYNC
 def test_prefix_caching_shared_prefix(path, async_scheduling):
     prompts = _prompts(shared_prefix=48)
@@ -109,6 +111,7 @@ def test_block_sizes(path, block_size):
     assert got == hf_greedy(path, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,async_scheduling", [(m, False) for m in EVERY_ARCHITECTURE] + [(NAME, True),
                                                                                              (LLAMA_NAME, True)])
 def test_everything_at_once(model, async_scheduling):

@@ -60,6 +60,7 @@ def _computed_per_request(events) -> dict[str, int]:
     return computed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("model", [NAME, LLAMA_NAME])
 def test_consumer_loads_what_the_producer_saved(tmp_path, model, async_scheduling):

@@ -100,6 +100,7 @@ def test_triton_backend_equals_transformers(arch, request):
     assert_greedy_equal(got, path, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_llama_equals_transformers(llama):
     prompts = _prompts(n=8)
     got, stats = _generate(llama, prompts, tensor_parallel_size=2, num_kv_blocks=8, block_size=16)

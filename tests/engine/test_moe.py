@@ -95,6 +95,7 @@ def test_saved_checkpoint_has_one_tensor_per_expert(moe):
     assert f"model.layers.0.{proj}.weight" in keys and not any("gate_up_proj" in k for k in keys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_fused_expert_layout_equals_transformers(arch, tmp_path):
     model = _hf_model(arch)
@@ -105,6 +106,7 @@ def test_fused_expert_layout_equals_transformers(arch, tmp_path):
     assert_greedy_equal(got, path, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 def test_torch_backend_equals_transformers(moe):
     prompts = _prompts(n=12)
     got, _ = _generate(moe, prompts)
@@ -121,12 +123,14 @@ def test_sparse_and_dense_layers(moe):
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_triton_backend_equals_transformers(moe):
     prompts = _prompts(n=3)  # interpreted kernels: a few short prompts
     got, _ = _generate(moe, prompts, attention_backend="triton", block_size=8, num_kv_blocks=32)
     assert_greedy_equal(got, moe, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["preemption", "chunked_prefill", "prefix_caching"])
 def test_scheduling_settings_equal_transformers(qwen3_moe, setting):
     moe = qwen3_moe
@@ -139,6 +143,7 @@ def test_scheduling_settings_equal_transformers(qwen3_moe, setting):
     assert_greedy_equal(got, moe, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_equals_transformers(qwen3_moe):
     moe = qwen3_moe
     prompts = _prompts(n=8)
@@ -146,6 +151,7 @@ def test_tensor_parallel_equals_transformers(qwen3_moe):
     assert_greedy_equal(got, moe, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 def test_core_in_its_own_process(moe):
     from engine.engine.async_llm import AsyncLLM
 
@@ -235,6 +241,7 @@ def test_profile_counts_the_experts_used(moe):
         assert a["bytes"] == 2 * t * h * 4 + weights + t * 2 * (8 + 4)  # hidden in and out, used experts, routing
 
 
+@pytest.mark.slow
 def test_triton_launches_carry_their_expert_blocks(moe):
     events = _recorded(moe, [list(range(10, 20))], attention_backend="triton", block_size=8, num_kv_blocks=16)
     routing = _routing(events)

@@ -101,6 +101,7 @@ def test_the_first_connector_that_has_a_prefix_loads_it(tmp_path):
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", ["p2p", "files"])
 def test_blocks_kept_by_one_connector_and_params_merged(tmp_path, first):
     """A prefill instance with [P2P, files]: the request that asked do_remote_decode is kept (P2P keeps it, the

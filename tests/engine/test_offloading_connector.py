@@ -37,6 +37,7 @@ def _one(llm: LLM, prompt: list[int]):
     return llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("model", [NAME, LLAMA_NAME])
 def test_an_evicted_prefix_is_loaded_back_from_host_memory(model, async_scheduling):

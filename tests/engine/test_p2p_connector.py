@@ -73,6 +73,7 @@ def _computed(events, rid: str) -> int:
                for i, r in enumerate(a["request_ids"]) if r == rid)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("model", [NAME, LLAMA_NAME])
 def test_decode_instance_pulls_the_prompt_and_computes_one_token(model, async_scheduling):
@@ -109,6 +110,7 @@ def test_decode_instance_pulls_the_prompt_and_computes_one_token(model, async_sc
         assert recv[o.request_id]["bytes"] == sent[pre.request_id]["bytes"]
 
 
+@pytest.mark.slow
 def test_a_failed_pull_computes_the_prompt_instead():
     prompts = _prompts()[2:]
     events = []
@@ -154,6 +156,7 @@ def test_a_finished_request_without_do_remote_decode_frees_its_blocks_at_once():
         prefill.shutdown()
 
 
+@pytest.mark.slow
 def test_a_request_aborted_while_its_kv_is_on_its_way_keeps_its_blocks_until_it_arrives():
     """The worker writes into the blocks of a request waiting for remote KV: they stay allocated after an
     abort until the pull is over (here: it fails, nobody listens), then they are freed."""

@@ -133,6 +133,7 @@ def test_llama_and_qwen3_ops(arch, request):
     assert kinds["rotary_embedding"] == kinds["silu_and_mul"] == "elementwise"
 
 
+@pytest.mark.slow
 def test_two_ranks_each_profile_their_own_ops(tmp_path):
     rec = Recorder()
     llm = LLM("tiny-gpt2", hooks=rec.hooks, tensor_parallel_size=2, profiler_dir=str(tmp_path))
@@ -160,6 +161,7 @@ def test_two_ranks_each_profile_their_own_ops(tmp_path):
         assert reduce["bytes"] > 0 and reduce["flops"] > 0
 
 
+@pytest.mark.slow
 def test_the_engine_core_in_its_own_process(tmp_path):
     rec = Recorder()
     llm = LLM("tiny-gpt2", hooks=rec.hooks, multiprocess=True, profiler_dir=str(tmp_path))

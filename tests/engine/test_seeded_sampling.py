@@ -4,6 +4,7 @@ Triton draw equals its reference."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -23,6 +24,7 @@ def _listen(hooks: Hooks) -> list:
     return events
 
 
+@pytest.mark.slow
 def test_seeded_tokens_alone_in_any_batch_and_across_preemption():
     roomy = LLM("tiny-gpt2", num_kv_blocks=256)
     alone = roomy.generate(PROMPT, SEEDED, use_tqdm=False)[0].outputs[0].token_ids

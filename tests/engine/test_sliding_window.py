@@ -89,6 +89,7 @@ ARCHS = ["mistral", "ministral", "gemma3"]
 HYBRID = ["ministral", "gemma3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_torch_backend_equals_transformers(arch, request):
     path = request.getfixturevalue(arch)
@@ -124,6 +125,7 @@ def test_async_scheduling_hybrid_equals_transformers(ministral):
     assert_greedy_equal(got, ministral, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_caching_equals_transformers(arch, request):
     path = request.getfixturevalue(arch)
@@ -134,6 +136,7 @@ def test_prefix_caching_equals_transformers(arch, request):
     assert_greedy_equal(got, path, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_triton_backend_equals_transformers(arch, request):
     path = request.getfixturevalue(arch)
@@ -142,6 +145,7 @@ def test_triton_backend_equals_transformers(arch, request):
     assert_greedy_equal(got, path, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,num_kv_blocks", [("ministral", 40), ("gemma3", 64)])
 def test_tensor_parallel_hybrid_equals_transformers(arch, num_kv_blocks, request):
     path = request.getfixturevalue(arch)
@@ -151,6 +155,7 @@ def test_tensor_parallel_hybrid_equals_transformers(arch, num_kv_blocks, request
     assert_greedy_equal(got, path, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", HYBRID)
 def test_core_process_hybrid_equals_transformers(arch, request):
     path = request.getfixturevalue(arch)
@@ -186,6 +191,7 @@ def _max_running(path, kv_cache_memory: int, check=None) -> int:
     return most
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_window_holds_its_blocks_only_and_more_requests_fit(arch, request, tmp_path):
     path = request.getfixturevalue(arch)

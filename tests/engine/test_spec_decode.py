@@ -73,6 +73,7 @@ def test_seeded_sampling_with_speculation_is_reproducible():
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
+@pytest.mark.slow
 def test_two_processes_and_triton_backend_agree():
     want, _ = _greedy(num_kv_blocks=64, prompts=PROMPTS[:2])
     mp = LLM(NAME, num_kv_blocks=64, speculative_config=NGRAM, multiprocess=True)
@@ -97,6 +98,7 @@ def test_bad_speculative_configs_are_one_clear_error():
         LLM(NAME, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
 
 
+@pytest.mark.slow
 def test_tensor_parallel_speculation_equals_one_rank():
     """TP=2: every rank scores the drafts and runs the rejection sampler with the same draws; the output
     is rank 0's, and greedy tokens equal one rank's without speculation."""

@@ -59,6 +59,7 @@ def _worst(want: list[list[int]], got: list[list[int]]) -> float:
     return max(ratios)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
 def test_speculation_keeps_the_sampled_distribution(without_speculation, spec):
     llm = LLM("tiny-gpt2", num_kv_blocks=512, speculative_config=spec)

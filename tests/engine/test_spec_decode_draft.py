@@ -42,6 +42,7 @@ def want():
     return hf_greedy(str(builtin_path(NAME)), PROMPTS, MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", ["default", "preemption", "chunked", "no_prefix_cache"])
 def test_greedy_equals_transformers(settings, want):
     kw = {"default": dict(num_kv_blocks=128),
@@ -142,6 +143,7 @@ def test_draft_proposals_match_running_the_draft_model_alone():
     assert checked >= 4 and req.num_preemptions == 1
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_a_draft_model_is_reproducible():
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
@@ -150,6 +152,7 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible():
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
 
 
+@pytest.mark.slow
 def test_two_processes_and_triton_backend_agree(want):
     mp = LLM(NAME, num_kv_blocks=64, speculative_config=DRAFT, multiprocess=True)
     try:
@@ -166,6 +169,7 @@ def test_two_processes_and_triton_backend_agree(want):
     assert llm.llm_engine.engine_core.engine_core.stats().spec_num_drafts > 0
 
 
+@pytest.mark.slow
 def test_tensor_parallel_draft_model_equals_transformers(want):
     """TP=2: the target sharded over two ranks, the draft whole on rank 0 (whose output is kept)."""
     llm = LLM(NAME, num_kv_blocks=64, tensor_parallel_size=2, speculative_config=DRAFT)
@@ -217,6 +221,7 @@ def test_bad_draft_model_configs_are_one_clear_error(tmp_path):
         LLM(NAME, speculative_config={"method": "draft_model", "model": str(short)})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("kind", ["json", "regex"])
 def test_requests_with_a_grammar_equal_no_speculation(kind, async_scheduling):

@@ -68,6 +68,7 @@ def test_logprobs_of_accepted_tokens_equal_the_non_speculative_ones(engines):
                 assert lg[t].rank == lw[t].rank and lg[t].logprob == pytest.approx(lw[t].logprob, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_two_processes_with_logprobs_and_penalties():
     """The kept tokens' logprobs cross the process boundary with them."""
     base = LLM("tiny-gpt2", num_kv_blocks=128)
@@ -82,6 +83,7 @@ def test_two_processes_with_logprobs_and_penalties():
     assert [[sorted(e) for e in o.logprobs] for o in got] == [[sorted(e) for e in o.logprobs] for o in want]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ships_the_kept_tokens_logprobs():
     base = LLM("tiny-gpt2", num_kv_blocks=128)
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, repetition_penalty=1.2)

@@ -146,6 +146,7 @@ def _greedy_json(**llm_kwargs):
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs], _core(llm)
 
 
+@pytest.mark.slow
 def test_matchers_survive_preemption_and_chunked_prefill():
     reference, _ = _greedy_json()
     preempted, core = _greedy_json(num_kv_blocks=20, block_size=4)
@@ -158,6 +159,7 @@ def test_matchers_survive_preemption_and_chunked_prefill():
             json.loads(text)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_get_the_mask():
     """With two ranks the bitmask crosses to the workers with the step: rank 0 applies it."""
     p = _params(StructuredOutputsParams(json=SCHEMA), max_tokens=30)

@@ -85,6 +85,7 @@ def hf_masked_greedy(llm: LLM, prompt: str, so: StructuredOutputsParams, max_tok
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("kind", ["json", "regex", "choice"])
 def test_greedy_with_speculation_equals_without(kind, async_scheduling):
@@ -223,6 +224,7 @@ def test_rows_past_a_placeholder_that_is_no_draft_allow_every_token_and_verify_n
     sched.update_from_output(out, core.model_executor.sample_tokens(grammar_output))
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_speculation_is_the_same_with_async_scheduling_on_and_off():
     """A draft the grammar refuses is never verified, with async scheduling on (the worker computed it) as off
     (never scheduled): the position after the drafts kept is sampled as the bonus token either way."""
@@ -238,6 +240,7 @@ def test_seeded_sampling_with_speculation_is_the_same_with_async_scheduling_on_a
     assert runs[0] == runs[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", ["preemption", "chunked"])
 def test_preemption_and_chunked_prefill(settings):
     kw = {"preemption": dict(num_kv_blocks=36, block_size=4), "chunked": dict(max_num_batched_tokens=8)}[settings]
@@ -249,12 +252,14 @@ def test_preemption_and_chunked_prefill(settings):
         assert any(e[:2] == ("scheduler", "PREEMPTED") for e in events)
 
 
+@pytest.mark.slow
 def test_two_processes():
     base, _, _ = _run("regex")
     got, events, _ = _run("regex", speculative_config=NGRAM, multiprocess=True)
     assert got == base and any(e[:2] == (SPEC_DECODE, VERIFIED) and e[5]["accepted"] for e in events)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_tensor_parallel_ranks_get_a_row_per_draft_position(async_scheduling):
     base, _, _ = _run("json", max_tokens=24)

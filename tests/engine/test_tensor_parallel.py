@@ -70,6 +70,7 @@ def tp1():
     return LLM(NAME)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["default", "preemption", "chunked_prefill", "prefix_caching"])
 def test_tp2_equals_tp1_and_transformers(path, setting, request):
     kwargs = dict(default={}, preemption=dict(num_kv_blocks=12), chunked_prefill=dict(max_num_batched_tokens=16),
@@ -87,6 +88,7 @@ def test_tp2_equals_tp1_and_transformers(path, setting, request):
         assert stats.prefix_cache_hits > 0
 
 
+@pytest.mark.slow
 def test_one_rank_in_a_worker_process_equals_the_model_in_the_core(tp1):
     """--distributed-executor-backend mp with one rank (vLLM's layout: the forward pass in a worker process):
     the same greedy and seeded tokens as the model run in the engine core."""
@@ -156,6 +158,7 @@ def test_every_rank_is_traced(traced_tp2):
     assert [r["heads"] for r in kv["ranks"]] == [[0, 2], [2, 4]]
 
 
+@pytest.mark.slow
 def test_kernel_gates_reach_worker_rank_0_and_outlast_the_timeout():
     """A controller holds rank 0 inside the forward pass, longer than the collective timeout: the
     gated step runs on the long-timeout group, so rank 1 waits in its all-reduce instead of failing.
@@ -211,6 +214,7 @@ def test_bad_sizes_are_clear_errors():
         LLM(NAME, tensor_parallel_size=0)
 
 
+@pytest.mark.slow
 def test_a_worker_that_fails_to_start_is_one_clear_error():
     before = _worker_pids()
     with pytest.raises(EngineDeadError, match="worker rank [01]: RuntimeError: No rendezvous handler for bogus://"):
@@ -221,6 +225,7 @@ def test_a_worker_that_fails_to_start_is_one_clear_error():
     assert _worker_pids() <= before, "orphaned worker processes"
 
 
+@pytest.mark.slow
 def test_a_dead_worker_fails_the_engine_without_orphans():
     llm = LLM(NAME, tensor_parallel_size=2)
     pids = [p.pid for p in llm.llm_engine.engine_core.engine_core.model_executor.procs]
@@ -295,6 +300,7 @@ def test_llm_engine_objects_say_where_they_live(traced_tp2):
         traced_tp2[0].llm_engine.engine_core.engine_core.model_runner
 
 
+@pytest.mark.slow
 def test_triton_backend_with_two_ranks():
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = ["Once upon a time", "The cat sat on the mat and then"]

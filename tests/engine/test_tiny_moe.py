@@ -35,6 +35,7 @@ def test_tiny_moe_greedy_equals_transformers():
     assert _greedy(MOE_NAME, prompts) == hf_greedy(path, prompts, MAX_NEW)
 
 
+@pytest.mark.slow
 def test_tiny_moe_random_greedy_equals_transformers():
     prompts = [[72, 101, 108, 108, 111], [84, 104, 101, 32] * 5, [256], list(range(32, 80))]
     assert_greedy_equal(_greedy(MOE_RANDOM_NAME, prompts), str(builtin_path(MOE_RANDOM_NAME)), prompts, MAX_NEW)

@@ -28,6 +28,7 @@ def _generate(backend: str, **kw):
     return [o.outputs[0].token_ids for o in outs], stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw, check", [
     (dict(), None),
     (dict(num_kv_blocks=10, block_size=8), "num_preemptions"),
@@ -94,6 +95,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_works_after_transformers_imported_triton_first():
     """A notebook that compares with transformers first: transformers imports triton (the
     interpreter off) before the kernels can set TRITON_INTERPRET."""

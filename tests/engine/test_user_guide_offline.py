@@ -19,6 +19,7 @@ def test_the_offline_example_runs_as_written(capsys):
     assert "num_free_blocks=" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("multiprocess", [False, True])
 def test_stats_counts_the_steps_run(multiprocess):
     llm = LLM("tiny-gpt2", multiprocess=multiprocess)

@@ -119,6 +119,7 @@ def _random_batches(draw):
     return q_lens, [q + c for q, c in zip(q_lens, contexts)], q_heads, kv_heads, head_size, block_size, config, seed
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(_random_batches())
 def test_attention_matches_reference_on_random_batches(params):

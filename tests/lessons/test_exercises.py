@@ -34,6 +34,7 @@ def grade(info, source: str, tmp_path) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
+@pytest.mark.slow
 def test_at_least_three_exercises_listed_one_line_each():
     r = subprocess.run([sys.executable, "-m", "tracer.cli", "exercise"], capture_output=True, text=True)
     lines = r.stdout.splitlines()
@@ -73,6 +74,7 @@ def test_route_the_tokens_fails_on_wrong_blocks_saying_what_they_should_hold(tmp
     assert "block 0: got expert 0 with rows [2, 5, 8, 0], expected expert 0 with rows [2, 5, 8, 12]" in out, out
 
 
+@pytest.mark.slow
 def test_cli_start_then_check_the_stub_and_bad_input(tmp_path, monkeypatch, capsys):
     from tracer.cli import main
 

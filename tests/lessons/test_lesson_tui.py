@@ -67,6 +67,7 @@ def console_checks():
     return lesson.checks
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_lesson_05_holds_the_engine_at_each_checkpoint_and_ends_with_every_check(console_checks):
     mod = module("paged_kv_cache")
@@ -122,6 +123,7 @@ async def test_lesson_05_holds_the_engine_at_each_checkpoint_and_ends_with_every
     assert all(s._closed for s in lesson.sessions)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_q_at_a_checkpoint_stops_the_lesson_and_closes_its_engine():
     mod = module("paged_kv_cache")
@@ -136,6 +138,7 @@ async def test_q_at_a_checkpoint_stops_the_lesson_and_closes_its_engine():
     assert all(s._closed for s in lesson.sessions)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_ctrl_c_at_a_checkpoint_exits_130():
     mod = module("paged_kv_cache")
@@ -147,6 +150,7 @@ async def test_ctrl_c_at_a_checkpoint_exits_130():
     assert app.exit_status() == ABORTED
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_lesson_06_header_and_narration_name_the_same_step_and_its_tables_fit():
     """The header said `step 1 (a checkpoint)` beside a table titled `step 2: scheduler queues` (the
@@ -171,6 +175,7 @@ async def test_lesson_06_header_and_narration_name_the_same_step_and_its_tables_
         await pilot.press("q")
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.parametrize("name", ["slot_mapping", "when_a_request_stops", "latency"])
 async def test_no_pause_runs_another_lesson_straight_through(name):
@@ -186,6 +191,7 @@ async def test_no_pause_runs_another_lesson_straight_through(name):
         assert "Lesson finished" in text and "⏸" not in text  # never held
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_false_claim_shows_the_failed_check_and_exits_1(monkeypatch):
     """Break the KV-cache manager (one block too many per request): the first block-count check fails."""

@@ -10,9 +10,13 @@ import lessons
 from lessons.cli import main
 
 LESSONS = lessons.discover()
+# lessons that start worker or core processes (8-29 s each on 2 cores): make test-slow; the engine tests of
+# tensor/expert parallelism, the core process and speculative decoding keep those features in make test
+SLOW = {"two_processes", "tensor_parallelism", "mixture_of_experts", "speculative_decoding"}
 
 
-@pytest.mark.parametrize("info", LESSONS, ids=[f"{i.number:02d}_{i.name}" for i in LESSONS])
+@pytest.mark.parametrize("info", [pytest.param(i, marks=pytest.mark.slow) if i.name in SLOW else i for i in LESSONS],
+                         ids=[f"{i.number:02d}_{i.name}" for i in LESSONS])
 def test_lesson_runs_and_its_checks_pass(info, capsys):
     assert main(vars(importlib.import_module(info.module)), ["--no-pause"]) == 0, capsys.readouterr().out[-3000:]
     out = capsys.readouterr().out

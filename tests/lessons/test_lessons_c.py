@@ -1,6 +1,8 @@
 """Lessons 15-16 and the null block: a lesson fails when the behaviour it teaches is broken on purpose."""
 import importlib
 
+import pytest
+
 import lessons
 from lessons.cli import main
 
@@ -29,6 +31,7 @@ def test_paged_kv_cache_lesson_fails_if_block_0_is_handed_out(monkeypatch, capsy
     assert "claims: block 0 is not in the free queue" in said(capsys)
 
 
+@pytest.mark.slow
 def test_stopping_lesson_fails_if_min_tokens_only_delays_the_stop(monkeypatch, capsys):
     """Break the sampler as it was before vLLM's rule: stop tokens are sampled below min_tokens
     (and merely not obeyed), instead of being masked out."""
@@ -45,6 +48,7 @@ def test_stopping_lesson_fails_if_streams_send_a_partial_stop_string(monkeypatch
     assert "a prefix of the stop string: it was held back" in said(capsys)
 
 
+@pytest.mark.slow
 def test_latency_lesson_fails_if_the_chunk_size_is_ignored(monkeypatch, capsys):
     """Break the scheduler: every step may take a whole prompt, whatever max_num_batched_tokens says."""
     from engine.config import SchedulerConfig
@@ -59,6 +63,7 @@ def test_latency_lesson_fails_if_the_chunk_size_is_ignored(monkeypatch, capsys):
     assert "the engine disagrees" in said(capsys)
 
 
+@pytest.mark.slow
 def test_stopping_lesson_holds_when_the_model_does_produce_eos(monkeypatch, capsys):
     """Greedy decoding of the built-in model may never produce EOS for the lesson's prompt. Make a
     token that greedy decoding does produce the EOS token, and the lesson's EOS branch must hold."""

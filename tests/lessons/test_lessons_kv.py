@@ -1,6 +1,8 @@
 """Lessons 28-29 fail when the KV connector they teach is broken on purpose (test_lessons.py runs them whole)."""
 import importlib
 
+import pytest
+
 import lessons
 from lessons.cli import main
 
@@ -9,6 +11,7 @@ def run_lesson(name: str) -> int:
     return main(vars(importlib.import_module(lessons.find(name).module)), ["--no-pause"])
 
 
+@pytest.mark.slow
 def test_disaggregated_prefill_lesson_fails_if_the_decode_instance_computes_the_prompt(monkeypatch, capsys):
     """Break the P2P connector's consumer: it never offers the remote prompt, so the decode instance computes it."""
     from engine.distributed.kv_transfer.kv_connector.v1.p2p_zmq_connector import P2pZmqConnector

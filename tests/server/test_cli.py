@@ -13,6 +13,7 @@ from tests.server.conftest import spawn_serve
 from tracer.cli import build_parser, main
 
 
+@pytest.mark.slow
 def test_send_prints_text_then_usage(live, capsys):
     assert main(["send", "Hello", "--url", live.url, "--max-tokens", "5"]) == 0
     out, err = capsys.readouterr()
@@ -59,6 +60,7 @@ def test_bench_reports_and_writes_json(live, tmp_path, capsys):
     assert 0 < result["ttft"]["median_ms"] <= result["e2e"]["median_ms"]
 
 
+@pytest.mark.slow
 def test_bench_paces_requests_over_a_duration_a_person_can_watch(live, tmp_path):
     """At its defaults bench sent everything at once and was over in a second: --request-rate (Poisson,
     as vLLM's) with --duration keeps a steady trickle for that long."""
@@ -104,6 +106,7 @@ def test_serve_help_is_grouped():
 ONE_PROCESS = pytest.mark.parametrize("mode", [(), ("--no-multiprocessing",)], ids=["mp", "inproc"])
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path, mode):
     """The real command in a subprocess: stages, ready line, then SIGINT with a request in flight;
@@ -139,6 +142,7 @@ def test_serve_starts_answers_and_drains_on_ctrl_c(model_cache, tmp_path, mode):
             proc.wait()
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback(model_cache, mode):
     """The first Ctrl-C lets requests in flight finish; a second one aborts them and stops the

@@ -73,6 +73,7 @@ def test_frames_that_are_not_the_cores_are_skipped(server):
     assert _health(url) == 200
 
 
+@pytest.mark.slow
 def test_health_notices_a_frozen_core_and_its_return(server):
     proc, core_pid, url = server
     results: list[httpx.Response] = []
@@ -99,6 +100,7 @@ def test_health_notices_a_frozen_core_and_its_return(server):
     print(f"/health: 503 {down:.1f} s after SIGSTOP, 200 {up:.1f} s after SIGCONT")
 
 
+@pytest.mark.slow
 def test_a_core_held_by_the_step_controller_stays_healthy(server):
     _, _, url = server
     with httpx.Client(base_url=url, timeout=10) as http:

@@ -114,6 +114,7 @@ def _trace(url: str, layer: str, want: int) -> list[dict]:
     return events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_greedy_output_through_the_proxy_equals_one_instance(disagg, chat, stream):
@@ -159,6 +160,7 @@ def test_a_request_that_stops_at_its_first_token_is_answered_by_the_decode_insta
     assert via_proxy.json()["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
 def test_llama_and_moe_through_the_proxy_equal_one_instance(model):
     """The built-in Llama (GQA, RoPE) and tiny-moe (a Qwen3-MoE: 8 experts, top-2) disaggregated: their KV crosses
@@ -200,6 +202,7 @@ def _kill_during_a_stream(disagg, victim: str) -> list[str]:
     return out["events"]
 
 
+@pytest.mark.slow
 def test_killing_an_instance_gives_an_error_not_a_hang(disagg):
     """Last in this module: it kills the instances. The prefill instance dies while a request decodes: that
     request completes, and a new one gets a 503 naming the instance. Started again, then the decode instance

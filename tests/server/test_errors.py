@@ -102,6 +102,7 @@ def test_api_key(live):
     assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200  # open, as in vLLM
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["inproc", "mp"])
 def test_a_closed_engine_answers_new_requests_503(model_cache, mode):
     """Shut down (not killed: the kill -9 tests cover a death), the engine refuses what comes next

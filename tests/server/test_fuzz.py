@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+# hundreds of generated requests per server mode (76 s on 2 cores): make test-slow; test_errors.py's bad input and
+# test_reliability.py's malformed requests keep the server's validation in make test
+pytestmark = pytest.mark.slow
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402

@@ -69,6 +69,7 @@ def test_idle_and_half_sent_connections_are_closed(url):
         s.close()
 
 
+@pytest.mark.slow
 def test_whole_requests_slow_bodies_and_keep_alive_are_served(url):
     with _connect(url) as s:
         head, body = _request(b"x" * 10).split(b"\r\n\r\n")

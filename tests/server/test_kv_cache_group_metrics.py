@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -74,6 +75,7 @@ def test_engine_counts_each_groups_blocks(tmp_path):
     assert 0 < most[0] < most[1], f"the window's group held {most[0]} blocks at most, full attention {most[1]}"
 
 
+@pytest.mark.slow
 def test_serve_exports_each_group(model_cache, tmp_path):
     path = _ministral(tmp_path / "ministral")
     proc, _, url = spawn_serve("--no-tui", "--block-size", "4", "--num-kv-blocks", "64", model=path)

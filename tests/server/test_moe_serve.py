@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import httpx
+import pytest
 
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.outputs import EngineStats
@@ -26,6 +27,7 @@ def _series(metrics: str, name: str, *labels: str) -> dict[tuple[str, ...], floa
     return out
 
 
+@pytest.mark.slow
 def test_serve_counts_each_experts_load(model_cache, tmp_path):
     path = _save(tmp_path / "qwen3-moe", _hf_model("qwen3_moe"), fused=False)
     # synchronous: every forward pass computes exactly the prompt, then one token per new token but the last

@@ -193,6 +193,7 @@ def _streams(url: str, n: int, results: list, started: threading.Barrier) -> lis
     return threads
 
 
+@pytest.mark.slow
 def test_drain_deadline_ends_every_stream_with_an_error_event_and_done(model_cache):
     """uvicorn's timeout used to close such connections with nothing said (and log a
     CancelledError traceback each) while the server printed 'stopped cleanly'."""
@@ -216,6 +217,7 @@ def test_drain_deadline_ends_every_stream_with_an_error_event_and_done(model_cac
     assert "4 response(s) still running at the --drain-timeout deadline" in err, err
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_forces_the_exit(model_cache):
     proc, _, url = spawn_serve("--no-tui", "--drain-timeout", "60")
     try:

@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.server.conftest import spawn_serve
 from tracer.cli import build_parser, main
@@ -41,6 +42,7 @@ def poll_state(url: str, pred) -> dict:
     raise AssertionError("timed out")
 
 
+@pytest.mark.slow
 def test_serve_start_paused_trace_file_and_ctrl_c_while_held(model_cache, tmp_path):
     trace = tmp_path / "serve.jsonl"
     proc, startup, url = spawn_serve("--num-kv-blocks", "32", "--trace-file", str(trace), "--start-paused",

@@ -2,6 +2,7 @@
 import pytest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, k", [('{"method": "ngram", "num_speculative_tokens": 3}', 3),
                                      ('{"method": "draft_model", "model": "tiny-gpt2-draft", '
                                       '"num_speculative_tokens": 2}', 2)], ids=["ngram", "draft_model"])

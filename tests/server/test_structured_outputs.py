@@ -32,6 +32,7 @@ def check_person(text: str) -> None:
     assert isinstance(obj["tags"], list) and all(isinstance(t, str) for t in obj["tags"])
 
 
+@pytest.mark.slow
 def test_json_schema_chat_sampled(client):
     finished = 0
     for seed in range(8):
@@ -66,6 +67,7 @@ def test_json_schema_chat_stream(client):
     check_person("".join(parts))
 
 
+@pytest.mark.slow
 def test_json_object(client):
     """Any object: its keys are free strings, which the built-in model (trained on prose) seldom closes, so
     most answers reach max_tokens; every one that finishes is an object."""

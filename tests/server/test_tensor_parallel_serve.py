@@ -9,6 +9,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from benchmarks.procfs import is_loopback, listening_addresses, unix_socket_paths
 from engine import LLM, SamplingParams
@@ -17,6 +18,9 @@ from tests.server.conftest import spawn_serve
 from tracer.events import read_trace
 
 DEADLINE = 60
+# a server with two worker processes per test (12-16 s each on 2 cores): make test-slow; tensor parallelism
+# stays in make test through tests/engine/test_tensor_parallel.py
+pytestmark = pytest.mark.slow
 
 
 def _children_of(pid: int, marker: bytes) -> list[int]:

@@ -87,6 +87,7 @@ class Send(threading.Thread):
         self.result = httpx.post(self.url + "/v1/completions", json=self.body, timeout=60).json()
 
 
+@pytest.mark.slow
 def test_state_shape(t):
     body = t.http.get("/trace/state").json()
     assert set(body) == {"state", "controller", "step", "seq"}
@@ -389,6 +390,7 @@ def test_a_stop_string_finish_is_finished_with_its_stop_reason_in_the_cores_trac
         [("FINISHED", "stop", stop)], engine_ends
 
 
+@pytest.mark.slow
 def test_a_step_with_wait_on_an_idle_engine_answers_that_it_is_idle(bare_session):
     """No request, no step to stop at: the answer says so rather than wait out the timeout."""
     c = bare_app("127.0.0.1", None, bare_session)

@@ -3,6 +3,8 @@
 The full chain starts and ends at `http`; the server adds those layers, so that test belongs
 to the integration. Here: everything from the tokenizer to the detokenizer."""
 
+import pytest
+
 from engine import LLM, Hooks, SamplingParams
 from tracer.events import read_trace
 from tracer.journey import CHAIN, layer_path, missing_links, request_events
@@ -20,6 +22,7 @@ def record(path):
     return [o.request_id for o in outs], read_trace(path)[1]
 
 
+@pytest.mark.slow
 def test_request_chain_from_tokenizer_to_detokenizer(tmp_path):
     ids, events = record(tmp_path / "t.jsonl")
     for rid in ids:

@@ -13,11 +13,14 @@ from tracer.controller import StepController
 from tracer.session import TraceSession
 
 T = 30  # seconds; only reached if something is broken
+BOTH = ["inproc", "mp"]
 _cores: list[CoreProcess] = []
 
 
-@pytest.fixture(params=["inproc", "mp"])
+@pytest.fixture(params=["inproc", pytest.param("mp", marks=pytest.mark.slow)])
 def mode(request):
+    """The engine in this process, or its core in its own ("mp": make test-slow, except for tests that name both
+    modes themselves with parametrize("mode", BOTH, indirect=True))."""
     yield request.param
     while _cores:
         _cores.pop().close()
@@ -38,6 +41,7 @@ def greedy(n):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
+@pytest.mark.parametrize("mode", BOTH, indirect=True)
 def test_start_paused_step_and_requests_arriving_while_paused(mode):
     session, engine = make(mode=mode)
     ctl = session.controller
@@ -184,6 +188,7 @@ def test_resume_and_cancel_disarm_a_run_until(mode):
     finally:
         session.close()
 
+@pytest.mark.slow
 def test_pause_while_running_and_arrive_breakpoint():
     session, engine = make(start_paused=False)
     ctl = session.controller

@@ -102,6 +102,7 @@ def test_the_bus_holds_each_event_as_its_trace_line():
     assert [e.to_json_line() for e in events] == lines and decode_line(lines[2]) == events[2]
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.text(), st.one_of(st.none(), st.text(min_size=1), st.integers(0, 99)),
                           st.dictionaries(st.text(), st.one_of(st.text(), st.integers(-2 ** 63, 2 ** 63 - 1),

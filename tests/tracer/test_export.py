@@ -123,6 +123,7 @@ def test_a_truncated_trace_says_so(trace, tmp_path, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_and_replay_of_a_big_trace_hold_no_whole_file(trace, tmp_path):
     """Both used to hold every event: ~9x the file in RSS for export, ~20x for replay."""
     from benchmarks.big_trace import REPLAY_MOVES, inflate, peak_rss_mib, run_measured

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from chrome_check import check_chrome_trace
 from tracer_helpers import CoreProcess, start_loop
 
@@ -71,6 +72,7 @@ def test_k_steps_through_every_profiled_op():
                      ("reshape_and_cache_ref", 0), ("unified_attention_ref", 0), ("attn.c_proj", 0), ("ln_2", 0)]
 
 
+@pytest.mark.slow
 def test_profile_while_held_waits_for_the_step_boundary():
     hooks = Hooks()
     session = TraceSession(hooks, start_paused=True, remote_control=True)

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from engine import LLM, Hooks, SamplingParams
 from tracer.bus import EventBus
 from tracer.events import EVENT_KEYS, SCHEMA_VERSION, read_trace
@@ -7,6 +9,7 @@ from tracer.recorder import Recorder
 from tracer.session import TraceSession
 
 
+@pytest.mark.slow
 def test_no_event_lost_at_64_concurrent_requests(tmp_path):
     path = tmp_path / "t.jsonl"
     hooks = Hooks()

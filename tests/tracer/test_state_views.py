@@ -3,6 +3,7 @@ checked against the engine's own structures after a real run."""
 import json
 import time
 
+import pytest
 from tracer_helpers import EngineThread
 
 from engine import LLM, Hooks, SamplingParams
@@ -26,6 +27,7 @@ def cached_free_blocks(engine):
     return {b for b in bm.block_pool.free_block_queue if bm.block_pool.blocks[b].block_hash is not None}
 
 
+@pytest.mark.slow
 def test_cached_free_blocks_match_the_block_pool_at_every_step():
     session, engine = run_engine(num_kv_blocks=24, max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -48,6 +50,7 @@ def test_cached_free_blocks_match_the_block_pool_at_every_step():
     session.close()
 
 
+@pytest.mark.slow
 def test_timeline_follows_the_request_through_prefill_chunks_decode_and_finish():
     session, engine = run_engine(max_num_batched_tokens=8, async_scheduling=True)
     engine.add_request("r", "x" * 20, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
@@ -63,6 +66,7 @@ def test_timeline_follows_the_request_through_prefill_chunks_decode_and_finish()
     session.close()
 
 
+@pytest.mark.slow
 def test_histories_are_per_step_and_bounded():
     session, engine = run_engine(async_scheduling=True)
     engine.add_request("r", "hello", SamplingParams(max_tokens=HISTORY + 10, temperature=0, ignore_eos=True))

@@ -4,6 +4,8 @@ Synthetic events as the contract says, then a real TP=2 run checked against the 
 numbers."""
 from __future__ import annotations
 
+import pytest
+
 from tests.tui.tp_events import N_HEAD, N_LAYER, NUM_BLOCKS, tp_events
 from tracer.state import TraceState, fold, kv_shards, rank_of, step_ranks
 
@@ -67,6 +69,7 @@ def test_workers_survive_json_and_clones():
     assert c.workers[0]["execute_model"]["step"] == 0
 
 
+@pytest.mark.slow
 def test_a_real_two_rank_run_folds_to_the_engines_shards():
     from engine import LLM, Hooks, SamplingParams
     from engine.model_executor.model_loader import read_config, resolve

@@ -130,9 +130,11 @@ def _live(session, engine) -> Live:
     return Live(session, engine, source, TraceApp(source, initial_pane="requests"))
 
 
-@pytest.fixture(params=["inproc", "mp"])
+@pytest.fixture(params=["inproc", pytest.param("mp", marks=pytest.mark.slow)])
 def live(model_cache, spare_core, request):
-    """A held engine of its own and a TUI on it (see _held_engine)."""
+    """A held engine of its own and a TUI on it (see _held_engine). The engine core in its own process ("mp")
+    repeats each test over the remote controller: make test-slow runs it; a test that names "mp" itself
+    (parametrize("live", ["mp"], indirect=True)) runs in make test."""
     core_proc = spare_core.take(_mp_later(request)) if request.param == "mp" else None
     session, engine = _held_engine(request.param, core_proc)
     yield _live(session, engine)

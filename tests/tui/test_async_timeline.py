@@ -46,6 +46,7 @@ async def test_two_batches_in_flight_their_placeholders_and_the_overlap(live):
         assert "S" in core and "█" in forward
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_the_overview_shows_the_last_step_that_ran_a_batch(live):
     """Async scheduling: the last step is scheduled while the step before it samples its requests' last

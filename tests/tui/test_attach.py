@@ -111,6 +111,7 @@ async def test_attach_to_nothing_is_one_clear_error():
     await source.close()
 
 
+@pytest.mark.slow
 async def test_attach_says_what_is_wrong_in_one_line(model_cache, capsys, monkeypatch):
     """A wrong key used to read as "no vllm-trace server ... is `vllm-trace serve` running there?";
     a malformed URL was a 14-frame httpx.InvalidURL traceback."""
@@ -137,6 +138,7 @@ async def test_attach_says_what_is_wrong_in_one_line(model_cache, capsys, monkey
     assert "not an http:// or https:// URL" in await asyncio.to_thread(error, "ftp://127.0.0.1:1")
 
 
+@pytest.mark.slow
 async def test_attach_shows_the_server_going_away_and_reconnects_when_it_is_back(model_cache):
     from tests.tui.helpers import shown
     from tracer.tui.widgets.header import StatusHeader
@@ -168,6 +170,7 @@ async def pilot_send(app) -> None:
     await app.source.send_test_request("Hello", max_tokens=2)
 
 
+@pytest.mark.slow
 async def test_p_in_an_attached_tui_profiles_the_remote_engine(served):
     url, session = served
     source = RemoteSource(url)
@@ -190,6 +193,7 @@ async def test_p_in_an_attached_tui_profiles_the_remote_engine(served):
         await until(app, lambda s: not s.profiling, "profiling to stop")
 
 
+@pytest.mark.slow
 async def test_serves_own_tui_profiles_through_the_servers_endpoints(served):
     """`serve`'s TUI holds no handle on the engine: its LiveSource posts /start_profile to its own URL."""
     from tracer.tui.sources.base import SourceInfo
@@ -207,6 +211,7 @@ async def test_serves_own_tui_profiles_through_the_servers_endpoints(served):
         await source.close()
 
 
+@pytest.mark.slow
 async def test_attach_to_two_servers_shows_one_at_a_time_and_i_shows_the_next(model_cache):
     """`attach URL1 URL2` (a prefill and a decode instance): both followed, one shown; `i` switches, the
     header names the one shown, and a request sent to it appears there and not in the other."""

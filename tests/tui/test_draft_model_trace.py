@@ -31,6 +31,7 @@ def draft_trace(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_draft_launches_are_their_own_rows_in_the_kernels_panel(draft_trace):
     replay = Replay.load(draft_trace)

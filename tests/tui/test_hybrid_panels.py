@@ -73,6 +73,7 @@ def test_each_groups_table_is_the_engines_with_the_null_block_where_the_window_p
     assert set(owners) == {b for t in tables for b in t if b}  # every group's blocks, never the null block
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_startup_and_kv_panels_name_the_groups_and_what_fits(held_long_request):
     state, _, trace = held_long_request

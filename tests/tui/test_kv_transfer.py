@@ -88,6 +88,7 @@ def kv_events(path, kind: str | None = None) -> list:
     return [e for e in read_trace(path)[1] if e.layer == KV_TRANSFER and (kind is None or e.name == kind)]
 
 
+@pytest.mark.slow
 def test_the_fold_keeps_every_transfer_and_where_the_prompt_came_from(disagg):
     for state, path in ((disagg.p_state, disagg.p_trace), (disagg.d_state, disagg.d_trace)):
         traced = sorted((e.request_id, e.name, e.attrs["block_ids"], e.attrs["bytes"]) for e in kv_events(path))
@@ -194,6 +195,7 @@ def test_export_merges_the_traces_it_is_given(disagg, tmp_path, capsys):
 NUM_BLOCKS = 7  # 6 usable: one 40-token request at a time, each evicting the one before
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_the_kv_panel_shows_the_host_tier_and_the_detail_what_it_loaded(tmp_path):
     """A prompt evicted from the device (four others took its blocks) is loaded back from host memory."""
@@ -231,6 +233,7 @@ async def test_the_kv_panel_shows_the_host_tier_and_the_detail_what_it_loaded(tm
             f"({fmt_bytes(load['bytes'])}), 8 computed") in text
 
 
+@pytest.mark.slow
 def test_a_consumer_of_the_example_connector_says_it_loaded_the_prompt_from_shared_storage(tmp_path):
     """ExampleConnector: a producer writes the prompt's blocks to files; a consumer loads them instead of
     computing them. Its detail names the load, with the bytes and time of the engine's load event."""

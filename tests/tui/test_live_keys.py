@@ -146,6 +146,7 @@ async def test_k_stops_before_each_kernel_launch_and_the_kernels_panel_says_whic
         assert "held before the kernel launch unified_attention_ref (layer 0) of step 0: k runs it" in header(live.app)
 
 
+@pytest.mark.slow
 async def test_k_after_the_forward_pass_runs_to_the_next_steps_first_launch(live):
     """It used to stop at the step and phase boundaries on the way, while the header said
     "one launch done (k)"."""
@@ -163,6 +164,7 @@ async def test_k_after_the_forward_pass_runs_to_the_next_steps_first_launch(live
                 "(you stepped to the next kernel launch (k))") in header(live.app), header(live.app)
 
 
+@pytest.mark.slow
 async def test_t_runs_the_held_attention_launch_through_the_triton_kernel(live):
     async with live.app.run_test(size=(160, 48)) as pilot:
         await live.submit()
@@ -221,6 +223,7 @@ async def test_b_adds_a_breakpoint_that_holds_the_engine_and_removes_it(live):
             assert [o async for o in s][-1].finished
 
 
+@pytest.mark.slow
 async def test_bad_breakpoint_is_explained_and_nothing_is_added(idle_live):
     async with idle_live.app.run_test() as pilot:
         await pilot.press("b", *"finsh", "enter")
@@ -255,6 +258,7 @@ async def test_enter_opens_the_request_with_its_tokens_timeline_and_blocks(live)
         assert not isinstance(live.app.screen, RequestScreen)
 
 
+@pytest.mark.slow
 async def test_the_requests_cursor_follows_the_newest_request_even_one_that_came_and_went(live):
     """A request that starts and finishes while another panel is shown (or between two refreshes) was
     never active on screen: the cursor stayed on the older one, and enter opened that."""
@@ -277,6 +281,7 @@ async def test_the_requests_cursor_follows_the_newest_request_even_one_that_came
         assert isinstance(live.app.screen, RequestScreen) and live.app.screen.request_id == "new0"
 
 
+@pytest.mark.slow
 async def test_held_at_a_finish_breakpoint_the_counts_agree_with_the_finish(live):
     """With the engine core in its own process, the request has finished there while its last token
     (from the API server) is still to come: the row said 3/4 beside "length"."""
@@ -324,6 +329,7 @@ async def test_question_mark_explains_every_panel_and_key(idle_live):
         assert not isinstance(idle_live.app.screen, HelpScreen)
 
 
+@pytest.mark.slow
 async def test_q_asks_first_while_requests_are_in_flight(live):
     async with live.app.run_test() as pilot:
         await live.submit()
@@ -343,6 +349,7 @@ async def test_q_quits_at_once_when_nothing_is_in_flight(idle_live):
         assert not idle_live.app.is_running
 
 
+@pytest.mark.slow
 async def test_palette_sends_a_test_request_and_exports_a_replayable_trace(live, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     async with live.app.run_test(size=(100, 30)) as pilot:
@@ -367,6 +374,7 @@ async def test_palette_sends_a_test_request_and_exports_a_replayable_trace(live,
         assert replay.steps == [0] and "tui-1" in replay.final().running
 
 
+@pytest.mark.slow
 async def test_number_keys_and_tab_switch_panels_whatever_has_focus(idle_live):
     panes = ("overview", "requests", "kv", "step", "kernels", "log", "startup")
     async with idle_live.app.run_test() as pilot:
@@ -391,6 +399,7 @@ async def test_number_keys_and_tab_switch_panels_whatever_has_focus(idle_live):
         assert tabs.active == "kernels"
 
 
+@pytest.mark.slow
 async def test_the_tui_opens_the_overview_when_work_arrives_unless_a_panel_was_just_chosen(live):
     async with live.app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()

@@ -45,6 +45,7 @@ async def test_every_panel_agrees_with_the_header_after_a_burst(live):
             assert says in shown(live.app.query_one(panel))
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_the_kv_grid_fits_the_screen_and_says_how_many_blocks_a_cell_is(live):
     async with live.app.run_test(size=(80, 24)) as pilot:
@@ -62,6 +63,7 @@ async def test_the_kv_grid_fits_the_screen_and_says_how_many_blocks_a_cell_is(li
         assert "each cell" not in summary and "█ owned" in summary  # 64 blocks: one a cell
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_the_scroll_indicator_leaves_the_column_names_alone_and_the_full_reason_shows(live):
     async with live.app.run_test(size=(160, 20)) as pilot:
@@ -81,6 +83,7 @@ async def test_the_scroll_indicator_leaves_the_column_names_alone_and_the_full_r
         assert "waiting: not scheduled yet: the engine is held" in detail.text  # in full, beside the list
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_the_header_never_wraps_and_keeps_q_quit(recorded_trace):
     for size in ((80, 24), (100, 30), (160, 48)):
@@ -114,6 +117,7 @@ def test_the_startup_hint_names_a_real_command():
 
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_at_80_columns_the_overview_never_scrolls_sideways_and_its_gauge_is_whole(live):
     """The Overview's lines were sized to the panel: once its content needed a vertical scrollbar
@@ -132,6 +136,7 @@ async def test_at_80_columns_the_overview_never_scrolls_sideways_and_its_gauge_i
         assert gauge[:room].rstrip().endswith("/63 blocks"), gauge  # (block 0 is the null block)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_counts_read_as_english_and_the_lifetime_column_says_what_it_is(live):
     async with live.app.run_test(size=(120, 36)) as pilot:

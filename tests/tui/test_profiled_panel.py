@@ -95,6 +95,7 @@ async def test_a_step_after_profiling_stopped_is_listed_as_before(machine):
         assert not app.source.refresh().profiling
 
 
+@pytest.mark.slow
 async def test_the_header_says_profiling_while_it_is_on(machine):
     async with kernels_at(profiled_events(), 1) as (app, _):
         assert app.source.refresh().profiling
@@ -135,6 +136,7 @@ def real_trace(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 async def test_a_real_recorded_profiled_run_in_the_panel_and_on_the_exported_chart(real_trace, machine, tmp_path):
     from tracer.roofline_chart import export_roofline
 
@@ -165,6 +167,7 @@ async def test_a_real_recorded_profiled_run_in_the_panel_and_on_the_exported_cha
     assert roof is not None and "<svg" in (tmp_path / "real.html").read_text()
 
 
+@pytest.mark.slow
 async def test_the_overview_lists_a_profiled_steps_longest_ops(machine):
     async with kernels_at(profiled_events(), 1) as (app, pilot):
         await pilot.press("1")

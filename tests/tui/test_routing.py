@@ -51,6 +51,7 @@ def routing_by_step(replay: Replay) -> dict[int, dict[int, dict]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_the_step_panel_draws_the_routing_heat_map_and_a_requests_experts(moe_trace):
     source = ReplaySource.load(moe_trace)
@@ -97,6 +98,7 @@ def test_expert_conditions_parse_travel_and_match_only_a_step_that_routes_to_the
             parse_condition(bad)
 
 
+@pytest.mark.slow
 def test_an_expert_breakpoint_holds_the_first_step_that_expert_receives_tokens(qwen3_moe):
     prompts, params = [{"prompt_token_ids": [10, 11]}], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     hooks, events = Hooks(), []

@@ -39,6 +39,7 @@ def test_panel(snap_compare, recorded_trace, pane, size):
     assert snap_compare(app_at(recorded_trace, pane), terminal_size=size, run_before=run_before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_request_detail(snap_compare, recorded_trace, size):
     async def open_preempted(pilot):

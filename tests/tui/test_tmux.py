@@ -121,6 +121,7 @@ def healthy(url: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_serve_shows_a_curl_request_in_the_terminal(model_cache, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -174,6 +175,7 @@ def test_serve_shows_a_curl_request_in_the_terminal(model_cache, tmp_path):
         subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", SESSION], capture_output=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["./nonexistent-model", "no-such-org/no-such-model"])
 def test_a_model_that_cannot_load_is_one_clean_line(model_cache, model):
     new_session(f"{env(model_cache)} HF_HUB_OFFLINE=1 {sys.executable} -m tracer.cli serve {model} "
@@ -202,6 +204,7 @@ def test_stderr_to_a_file_runs_headless_without_escape_codes(model_cache, tmp_pa
         subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", SESSION], capture_output=True)
 
 
+@pytest.mark.slow
 def test_attach_shows_the_disconnect(model_cache):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -222,6 +225,7 @@ def test_attach_shows_the_disconnect(model_cache):
         subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", SESSION], capture_output=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["0.3 s", "0.8 s", "1.3 s", "the Startup panel"])
 def test_ctrl_c_while_serve_starts_is_one_line_and_status_130(model_cache, when):
     """Ctrl-C early is SIGINT (the terminal is still the shell's); once the TUI has the terminal it is

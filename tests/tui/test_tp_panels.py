@@ -88,6 +88,7 @@ async def test_each_rank_has_its_sums_and_collectives_show_bytes_site_and_time()
         assert "all_reduce on rank 1" in text and "512 B from this rank" in text
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_one_rank_shows_no_ranks_and_r_changes_nothing():
     app = app_on(tp_events(n=1, with_rank=False))
@@ -106,6 +107,7 @@ async def test_one_rank_shows_no_ranks_and_r_changes_nothing():
         assert "rank" not in shown(app.query_one("#startup-stages"))
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_the_kv_panel_shows_each_ranks_share():
     summary = await pane_text(tp_events(n=2), "3", "#kv-summary")
@@ -171,6 +173,7 @@ def test_the_perfetto_export_has_a_kernels_thread_per_rank(tmp_path):
     assert "kernels" in {e["args"]["name"] for e in one["traceEvents"] if e["name"] == "thread_name"}
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_live_two_rank_engine_in_the_tui(model_cache):
     """The real thing: LLM(tensor_parallel_size=2) held, one step, then the panels."""
@@ -220,6 +223,7 @@ async def test_the_overview_counts_rank_0s_launches():
     assert "all_reduce" in body and " 4×" in body.split("all_reduce")[1][:40]  # 2 a layer, rank 0 only
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_the_step_panel_says_every_worker_got_the_same_scheduler_output():
     left = await pane_text(tp_events(n=2), "4", "#step-left")

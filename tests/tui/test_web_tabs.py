@@ -94,6 +94,7 @@ def signal_browser(browser: subprocess.Popen, sig: int) -> None:
 
 
 # ---- a plain load ------------------------------------------------------------------------------
+@pytest.mark.slow
 @needs_chromium
 def test_a_plain_load_pictures_the_tui_and_its_tab_ends_with_the_browser(server, tmp_path):
     """`chromium --screenshot --virtual-time-budget` finishes in about a second of real time, while a
@@ -129,6 +130,7 @@ def test_a_plain_load_pictures_the_tui_and_its_tab_ends_with_the_browser(server,
 
 
 # ---- tabs and the server, in every order ---------------------------------------------------------
+@pytest.mark.slow
 @needs_chromium
 def test_each_tab_ends_with_its_browser_or_the_server_whichever_goes_first(tmp_path, model_cache):
     web_port = free_port()
@@ -168,6 +170,7 @@ def test_each_tab_ends_with_its_browser_or_the_server_whichever_goes_first(tmp_p
             serve.wait()
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_a_server_killed_outright_takes_its_tabs_with_it(tmp_path, model_cache):
     web_port = free_port()
@@ -283,6 +286,7 @@ def _tab_process(url: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+@pytest.mark.slow
 def test_a_quit_that_arrives_while_the_tui_starts_ends_the_process(server):
     """A browser that closes its tab at once (a screenshot) sends its size and then the tab's quit
     before the TUI is up. With Textual's own web driver that process kept repainting at 100 % CPU
@@ -301,6 +305,7 @@ def test_a_quit_that_arrives_while_the_tui_starts_ends_the_process(server):
         proc.wait()
 
 
+@pytest.mark.slow
 def test_the_tab_process_exits_when_its_server_closes_the_pipe(server):
     proc = _tab_process(server)
     try:
