@@ -12,6 +12,8 @@ K/V tensor j, so a block holds the K/V of group_size layers, and the pool's bloc
 group takes them."""
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig
@@ -70,9 +72,15 @@ def num_blocks_for(cache: CacheConfig, model: ModelArchConfig, dtype: torch.dtyp
     if cache.kv_cache_memory is not None:
         budget, why = cache.kv_cache_memory, f"kv_cache_memory={cache.kv_cache_memory} bytes"
     elif device.type == "cuda":
+        # An engine dropped earlier in this process: its tensors go back to torch's caching allocator,
+        # and the allocator's cached segments back to the driver (as vLLM's worker does before it
+        # measures). Cached segments cut for another model's tensor sizes would not fit ours: on an
+        # H200, a second LLM's KV cache failed at its 10th 10.4 GiB tensor with 42 GiB cached.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        # Memory torch's caching allocator holds but no tensor uses (an engine freed earlier in
-        # this process) is ours to reuse: the driver counts it as in use, we do not.
+        # Memory the allocator still holds but no tensor uses is ours to reuse: the driver counts
+        # it as in use, we do not.
         used = total - free - (torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
         budget = int(total * cache.gpu_memory_utilization) - used
         why = (f"gpu_memory_utilization={cache.gpu_memory_utilization} of {total} bytes, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import gc
 import sys
+import weakref
 from dataclasses import replace
 from itertools import count
 from typing import Sequence
@@ -29,6 +30,9 @@ class LLM:
                  **kwargs):
         config = engine_config(model, **kwargs)
         self.llm_engine = LLMEngine(config, hooks, multiprocess=multiprocess)
+        # an LLM dropped without shutdown() still gives its memory back: its in-process engine is a
+        # cycle in the frozen heap (below), which no collection would ever free
+        self._release = weakref.finalize(self, _release_engine, self.llm_engine)
         self._ids = count()
         if multiprocess:
             atexit.register(self.shutdown)
@@ -58,11 +62,8 @@ class LLM:
         even though construction froze the heap (``gc.freeze`` keeps frozen cycles forever), so a
         second LLM in the same process finds the device memory free. Safe to call twice."""
         atexit.unregister(self.shutdown)
-        if self.llm_engine is None:
-            return
-        self.llm_engine.shutdown()
+        self._release()
         self.llm_engine = None
-        gc.unfreeze()
         gc.collect()
         torch = sys.modules.get("torch")  # imported already where an engine ran in this process
         if torch is not None and torch.cuda.is_available():
@@ -115,3 +116,9 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
+
+
+def _release_engine(llm_engine: LLMEngine) -> None:
+    """Stop the engine and make its frozen cycles collectable (see LLM.shutdown)."""
+    llm_engine.shutdown()
+    gc.unfreeze()

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from kernels import fused_moe, fused_moe_ref, instrument, moe_align_block_size
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled there, interpreted here
+
 
 def naive_moe(x, w13, w2, topk_weights, topk_ids):
     """Per expert: the tokens that chose it, through it, added back with their weights."""
@@ -25,7 +27,7 @@ def routing(T, E, top_k, seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
     w, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
-    return w, ids
+    return w.to(DEVICE), ids.to(DEVICE)
 
 
 def test_align_matches_vllm_example():
@@ -56,8 +58,9 @@ def test_align_blocks_are_expert_contiguous(seed):
 @pytest.mark.parametrize("T,E,top_k,H,inter", [(1, 4, 2, 32, 16), (7, 8, 2, 64, 24), (20, 4, 3, 48, 32)])
 def test_kernel_equals_reference_equals_naive(T, E, top_k, H, inter):
     g = torch.Generator().manual_seed(T)
-    x = torch.randn(T, H, generator=g)
-    w13, w2 = torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5, torch.randn(E, H, inter, generator=g) / inter ** 0.5
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5).to(DEVICE)
+    w2 = (torch.randn(E, H, inter, generator=g) / inter ** 0.5).to(DEVICE)
     w, ids = routing(T, E, top_k, T)
     naive = naive_moe(x, w13, w2, w, ids)
     ref = fused_moe_ref(x, w13, w2, w, ids)
@@ -75,9 +78,10 @@ def test_kernel_equals_reference_equals_naive(T, E, top_k, H, inter):
 
 
 def test_empty_batch():
-    x = torch.zeros(0, 32)
-    w, ids = torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long)
-    assert fused_moe(x, torch.zeros(4, 32, 32), torch.zeros(4, 32, 16), w, ids).shape == (0, 32)
+    x = torch.zeros(0, 32, device=DEVICE)
+    w, ids = torch.zeros(0, 2, device=DEVICE), torch.zeros(0, 2, dtype=torch.long, device=DEVICE)
+    w13, w2 = torch.zeros(4, 32, 32, device=DEVICE), torch.zeros(4, 32, 16, device=DEVICE)
+    assert fused_moe(x, w13, w2, w, ids).shape == (0, 32)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -85,14 +89,14 @@ def test_expert_parallel_ranks_add_up(backend):
     """Two ranks holding experts [0, 4) and [4, 8): their outputs sum to the whole layer's."""
     T, E, top_k, H, inter = 6, 8, 2, 32, 16
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(T, H, generator=g)
-    w13, w2 = torch.randn(E, 2 * inter, H, generator=g), torch.randn(E, H, inter, generator=g)
+    x = torch.randn(T, H, generator=g).to(DEVICE)
+    w13, w2 = torch.randn(E, 2 * inter, H, generator=g).to(DEVICE), torch.randn(E, H, inter, generator=g).to(DEVICE)
     w, ids = routing(T, E, top_k, 3)
     fn = fused_moe_ref if backend == "reference" else fused_moe
     parts = []
     for rank in range(2):
-        mine = torch.arange(E) // 4 == rank
-        expert_map = torch.where(mine, torch.arange(E) % 4, -1)
+        mine = torch.arange(E, device=DEVICE) // 4 == rank
+        expert_map = torch.where(mine, torch.arange(E, device=DEVICE) % 4, -1)
         parts.append(fn(x, w13[mine], w2[mine], w, ids, expert_map))
         theirs = ~mine[ids].any(dim=1)  # tokens with no expert on this rank get nothing from it
         assert (parts[-1][theirs] == 0).all()
@@ -111,6 +115,7 @@ def _gpt_oss_experts(E, H, inter, limit, seed):
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
+    experts = experts.to(DEVICE)
     gu, gub = experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach()
     w13 = torch.cat([gu[..., ::2], gu[..., 1::2]], dim=-1).transpose(1, 2).contiguous()
     w13_bias = torch.cat([gub[:, ::2], gub[:, 1::2]], dim=-1).contiguous()
@@ -124,7 +129,7 @@ def test_gpt_oss_experts_equal_transformers(fn):
     """Biases on both GEMMs and the clamped SwiGLU (a limit the random weights pass, so it clamps)."""
     T, E, top_k, H, inter = 7, 4, 2, 32, 16
     experts, weights, options = _gpt_oss_experts(E, H, inter, limit=2.0, seed=5)
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     w, ids = routing(T, E, top_k, 7)
     with torch.no_grad():
         want = experts(x, ids, w)
@@ -140,7 +145,7 @@ def test_gpt_oss_experts_rerun_on_triton_with_their_options():
     from kernels.rerun import moe_inputs, moe_on_triton
 
     _, weights, options = _gpt_oss_experts(4, 32, 16, limit=2.0, seed=8)
-    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     w, ids = routing(5, 4, 2, 9)
     got = moe_on_triton(**moe_inputs(dict(hidden_states=x, **weights, topk_weights=w, topk_ids=ids,
                                           expert_map=None, **options)))

@@ -46,8 +46,9 @@ def test_not_an_attention_call_is_a_clear_error():
 def test_a_windowed_call_with_sinks_reruns_with_both():
     """A reference call's sliding_window and sinks go along: the Triton kernel attends as it did."""
     b = make_batch([1, 4], [30, 20], q_heads=4, kv_heads=2, head_size=16, block_size=4, seed=1)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device=b.query.device)
     args = dict(zip(("query", "key_cache", "value_cache", "query_start_loc", "seq_lens", "block_tables", "scale"),
-                    b.args()), sliding_window=8, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]), plan=None)
+                    b.args()), sliding_window=8, sinks=sinks, plan=None)
     inputs = attention_inputs(args)
     assert inputs["sliding_window"] == 8 and torch.equal(inputs["sinks"], args["sinks"]) and "plan" not in inputs
     got = attention_on_triton(**inputs)
