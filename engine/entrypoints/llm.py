@@ -30,9 +30,10 @@ class LLM:
                  **kwargs):
         config = engine_config(model, **kwargs)
         self.llm_engine = LLMEngine(config, hooks, multiprocess=multiprocess)
-        # an LLM dropped without shutdown() still gives its memory back: its in-process engine is a
-        # cycle in the frozen heap (below), which no collection would ever free
-        self._release = weakref.finalize(self, _release_engine, self.llm_engine)
+        # An LLM dropped without shutdown() thaws the heap: its in-process engine is a cycle in the heap
+        # frozen below, which no collection would ever free. Once nothing else holds the engine (an
+        # AsyncLLM may serve its core), the next collection frees its model and KV cache.
+        self._thaw = weakref.finalize(self, gc.unfreeze)
         self._ids = count()
         if multiprocess:
             atexit.register(self.shutdown)
@@ -62,8 +63,11 @@ class LLM:
         even though construction froze the heap (``gc.freeze`` keeps frozen cycles forever), so a
         second LLM in the same process finds the device memory free. Safe to call twice."""
         atexit.unregister(self.shutdown)
-        self._release()
+        if self.llm_engine is None:
+            return
+        self.llm_engine.shutdown()
         self.llm_engine = None
+        self._thaw()
         gc.collect()
         torch = sys.modules.get("torch")  # imported already where an engine ran in this process
         if torch is not None and torch.cuda.is_available():
@@ -117,8 +121,3 @@ class LLM:
                 bar.close()
         return [finished[i] for i in ids]
 
-
-def _release_engine(llm_engine: LLMEngine) -> None:
-    """Stop the engine and make its frozen cycles collectable (see LLM.shutdown)."""
-    llm_engine.shutdown()
-    gc.unfreeze()
