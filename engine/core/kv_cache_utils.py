@@ -72,10 +72,13 @@ def num_blocks_for(cache: CacheConfig, model: ModelArchConfig, dtype: torch.dtyp
     if cache.kv_cache_memory is not None:
         budget, why = cache.kv_cache_memory, f"kv_cache_memory={cache.kv_cache_memory} bytes"
     elif device.type == "cuda":
-        # An engine dropped earlier in this process: its tensors go back to torch's caching allocator,
-        # and the allocator's cached segments back to the driver (as vLLM's worker does before it
-        # measures). Cached segments cut for another model's tensor sizes would not fit ours: on an
-        # H200, a second LLM's KV cache failed at its 10th 10.4 GiB tensor with 42 GiB cached.
+        # An engine dropped earlier in this process (an LLM without shutdown()): its tensors go back to
+        # torch's caching allocator, and the allocator's cached segments back to the driver, as vLLM's
+        # worker does before it measures. The heap is thawed first: an in-process engine is a cycle, and
+        # the heap its LLM() froze would keep it for ever (on an H100 the second LLM found 76.9 GB in
+        # use). Cached segments cut for another model's tensor sizes would not fit ours either (on an
+        # H200 a second LLM's KV cache failed at its 10th 10.4 GiB tensor with 42 GiB cached).
+        gc.unfreeze()  # frozen again once this engine is built (freeze_gc_heap)
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import gc
 import sys
-import weakref
 from dataclasses import replace
 from itertools import count
 from typing import Sequence
@@ -30,10 +29,6 @@ class LLM:
                  **kwargs):
         config = engine_config(model, **kwargs)
         self.llm_engine = LLMEngine(config, hooks, multiprocess=multiprocess)
-        # An LLM dropped without shutdown() thaws the heap: its in-process engine is a cycle in the heap
-        # frozen below, which no collection would ever free. Once nothing else holds the engine (an
-        # AsyncLLM may serve its core), the next collection frees its model and KV cache.
-        self._thaw = weakref.finalize(self, gc.unfreeze)
         self._ids = count()
         if multiprocess:
             atexit.register(self.shutdown)
@@ -67,7 +62,7 @@ class LLM:
             return
         self.llm_engine.shutdown()
         self.llm_engine = None
-        self._thaw()
+        gc.unfreeze()
         gc.collect()
         torch = sys.modules.get("torch")  # imported already where an engine ran in this process
         if torch is not None and torch.cuda.is_available():
@@ -120,4 +115,3 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
-
