@@ -12,8 +12,6 @@ K/V tensor j, so a block holds the K/V of group_size layers, and the pool's bloc
 group takes them."""
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, CacheConfig
@@ -25,6 +23,7 @@ from engine.core.kv_cache_interface import (
     num_tensors,
     tensor_of_layer,
 )
+from engine.gc_utils import free_dropped_engines
 from engine.model_executor.model_loader import ModelArchConfig
 
 
@@ -72,15 +71,7 @@ def num_blocks_for(cache: CacheConfig, model: ModelArchConfig, dtype: torch.dtyp
     if cache.kv_cache_memory is not None:
         budget, why = cache.kv_cache_memory, f"kv_cache_memory={cache.kv_cache_memory} bytes"
     elif device.type == "cuda":
-        # An engine dropped earlier in this process (an LLM without shutdown()): its tensors go back to
-        # torch's caching allocator, and the allocator's cached segments back to the driver, as vLLM's
-        # worker does before it measures. The heap is thawed first: an in-process engine is a cycle, and
-        # the heap its LLM() froze would keep it for ever (on an H100 the second LLM found 76.9 GB in
-        # use). Cached segments cut for another model's tensor sizes would not fit ours either (on an
-        # H200 a second LLM's KV cache failed at its 10th 10.4 GiB tensor with 42 GiB cached).
-        gc.unfreeze()  # frozen again once this engine is built (freeze_gc_heap)
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_dropped_engines()  # an LLM dropped without shutdown() still held its KV cache (on an H100: 76.9 GB)
         free, total = torch.cuda.mem_get_info(device)
         # Memory the allocator still holds but no tensor uses is ours to reuse: the driver counts
         # it as in use, we do not.

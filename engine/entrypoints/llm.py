@@ -9,8 +9,6 @@ Keyword arguments are EngineArgs' fields (``engine/arg_utils.py``), with its def
 from __future__ import annotations
 
 import atexit
-import gc
-import sys
 from dataclasses import replace
 from itertools import count
 from typing import Sequence
@@ -18,7 +16,7 @@ from typing import Sequence
 from engine.arg_utils import engine_config
 from engine.config import ModelConfig
 from engine.engine.llm_engine import LLMEngine
-from engine.gc_utils import freeze_gc_heap
+from engine.gc_utils import free_dropped_engines, freeze_gc_heap
 from engine.hooks import Hooks
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -62,11 +60,7 @@ class LLM:
             return
         self.llm_engine.shutdown()
         self.llm_engine = None
-        gc.unfreeze()
-        gc.collect()
-        torch = sys.modules.get("torch")  # imported already where an engine ran in this process
-        if torch is not None and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_dropped_engines()
 
     def generate(self, prompts: str | dict | Sequence[str | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -62,6 +62,8 @@ def test_the_cuda_kv_budget_is_measured_after_dropped_engines_are_freed(monkeypa
     gc.freeze()
     asked = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: asked.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
     def mem_get_info(device=None):
         asked.append(freed() is None)
         return 8 << 30, 16 << 30  # free, total

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_batches import DEVICE
 
 from kernels import fused_moe, fused_moe_ref, instrument, moe_align_block_size
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled there, interpreted here
 
 
 def naive_moe(x, w13, w2, topk_weights, topk_ids):
