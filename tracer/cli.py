@@ -9,19 +9,18 @@ changing them, reinstall (``pip install -e .``)."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.metadata
 import sys
 
-from tracer.errors import UserError
+from tracer.errors import UserError  # a leaf module of one class: nothing slow
 
 # One module per subcommand, in the order `--help` lists them.
 COMMANDS = ["generate", "serve", "attach", "replay", "send", "bench", "export", "roofline", "proxy"]
 ENTRY_POINT_GROUP = "vllm_trace.commands"
 
 
-def command_plugins() -> list[importlib.metadata.EntryPoint]:
-    """The entry points of ENTRY_POINT_GROUP, one per name, in name order."""
+def command_plugins() -> list:
+    """The entry points (importlib.metadata.EntryPoint) of ENTRY_POINT_GROUP, one per name, in name order."""
+    import importlib.metadata
     found = {}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(ep.name, ep)  # the same package seen twice on sys.path: the first wins
@@ -29,6 +28,8 @@ def command_plugins() -> list[importlib.metadata.EntryPoint]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+    import importlib.metadata
     parser = argparse.ArgumentParser(
         prog="vllm-trace",
         description="A step-through tracer for LLM serving: a real paged-attention engine in vLLM V1's shape "
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Named before anything slow: a Ctrl-C while the commands' modules load (a second on a busy machine)
-    # is the same one line and status 130 as one while the command runs, never a traceback.
+    # is the same one line and status 130 as one while the command runs, never a traceback. So the
+    # slow import (importlib.metadata: 24 ms idle, far more on a busy machine, and its C extensions) waits for the try.
     command = next((arg for arg in argv if not arg.startswith("-")), "")
     try:
         parser = build_parser()

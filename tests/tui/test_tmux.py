@@ -97,6 +97,21 @@ def python_catches_sigint(window: int = 0) -> bool:
     return False
 
 
+def python_runs_main(window: int = 0) -> bool:
+    """The pane's Python takes SIGINT and has loaded a C extension module (lib-dynload): past the
+    interpreter's start (site, runpy, tracer/cli.py's own imports load none) and inside main(), whose
+    try turns a Ctrl-C into one line and status 130. A Ctrl-C before that is Python's own traceback."""
+    if not python_catches_sigint(window):
+        return False
+    for name, proc in _pane_children(window):
+        if name.startswith("python"):
+            try:
+                return "/lib-dynload/" in (proc / "maps").read_text()
+            except OSError:
+                return False
+    return False
+
+
 def env(model_cache) -> str:
     # COLUMNS/LINES (set under pytest) would override the terminal size Textual reads
     return f"env -u COLUMNS -u LINES VLLM_TRACE_CACHE={model_cache} PYTHONPATH={ROOT} TERM=xterm-256color"
@@ -235,8 +250,9 @@ def test_ctrl_c_while_serve_starts_is_one_line_and_status_130(model_cache, when)
                 f"echo EXIT=$?", 100, 30)
     try:
         # A Ctrl-C that reaches the shell before Python has its SIGINT handler ends the whole command line (the
-        # `echo EXIT=$?` too): the delay counts from then, so the key goes to the program under test.
-        wait_for(python_catches_sigint, 30, "python to start in the pane and take SIGINT")
+        # `echo EXIT=$?` too), and so does one before main() (Python's traceback, then death by SIGINT): the
+        # delay counts from main(), so the key goes to the program under test.
+        wait_for(python_runs_main, 30, "python to start in the pane and run vllm-trace's main()")
         if when.endswith(" s"):
             time.sleep(float(when.split()[0]))
         else:  # drawn, not ready: the TUI owns the terminal and the engine is still starting
