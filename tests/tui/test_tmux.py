@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -110,6 +111,45 @@ def python_runs_main(window: int = 0) -> bool:
             except OSError:
                 return False
     return False
+
+
+class EngineCoreHeld:
+    """Keeps the pane's engine-core process stopped (SIGSTOP) from the moment it appears until
+    release(): serve cannot become ready meanwhile, so a key sent then reaches a server that is still
+    starting on a machine of any speed (on a fast one, serve is ready 1.3 s after main())."""
+
+    def __init__(self, window: int = 0):
+        self.window, self.pid, self.done = window, None, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.is_set() and self.pid is None:
+            for name, proc in _pane_children(self.window):
+                if name.startswith("python"):
+                    self._stop_core_under(proc.name)
+            time.sleep(0.005)
+
+    def _stop_core_under(self, serve_pid: str) -> None:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if stat.read_text().rsplit(")", 1)[1].split()[1] != serve_pid:
+                    continue
+                if b"engine.engine.core_proc" in (stat.parent / "cmdline").read_bytes():
+                    os.kill(int(stat.parent.name), signal.SIGSTOP)
+                    self.pid = int(stat.parent.name)
+                    return
+            except (OSError, IndexError):  # the process has gone
+                continue
+
+    def release(self) -> None:
+        self.done.set()
+        self.thread.join()
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def env(model_cache) -> str:
@@ -245,9 +285,11 @@ def test_attach_shows_the_disconnect(model_cache):
 def test_ctrl_c_while_serve_starts_is_one_line_and_status_130(model_cache, when):
     """Ctrl-C early is SIGINT (the terminal is still the shell's); once the TUI has the terminal it is
     a key, which the TUI turns into the same signal. Before: a traceback (NoMatches: LogPanel) from
-    the app told to exit before it was built, and in the TUI nothing at all."""
+    the app told to exit before it was built, and in the TUI nothing at all. The engine core is held
+    stopped until the key is sent, so the key always finds serve still starting."""
     new_session(f"{env(model_cache)} {sys.executable} -m tracer.cli serve tiny-gpt2 --port {free_port()}; "
                 f"echo EXIT=$?", 100, 30)
+    core = EngineCoreHeld()
     try:
         # A Ctrl-C that reaches the shell before Python has its SIGINT handler ends the whole command line (the
         # `echo EXIT=$?` too), and so does one before main() (Python's traceback, then death by SIGINT): the
@@ -256,12 +298,15 @@ def test_ctrl_c_while_serve_starts_is_one_line_and_status_130(model_cache, when)
         if when.endswith(" s"):
             time.sleep(float(when.split()[0]))
         else:  # drawn, not ready: the TUI owns the terminal and the engine is still starting
-            wait_for(lambda: "arguments" in pane() and "Ready." not in pane(), 30, "the Startup panel")
+            wait_for(lambda: "arguments" in pane(), 30, "the Startup panel")
+        assert "Ready." not in pane()
         tmux("send-keys", "-t", f"{SESSION}:0", "C-c")
+        core.release()
         screen = wait_for(lambda: "EXIT=" in pane() and pane(), 30, "serve to exit")
         said = [line for line in screen.splitlines()  # (serve's first line says it is opening the TUI)
                 if line.strip() and "EXIT=" not in line and not line.endswith("opening the TUI…")]
         assert said == ["^Cvllm-trace serve: interrupted"] or said == ["vllm-trace serve: interrupted"], screen
         assert "EXIT=130" in screen
     finally:
+        core.release()
         subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", SESSION], capture_output=True)
