@@ -303,7 +303,7 @@ async def test_held_at_a_finish_breakpoint_the_counts_agree_with_the_finish(live
         await pilot.press("2", "space")
         stop = await live.held()
         assert stop.reason == "breakpoint finish"
-        await live.settle(pilot, until=lambda: cells(live.app, "r0")[1] == "finished")
+        await live.settle(pilot, until=lambda: shows_finished(live.app, "r0"))
         row = cells(live.app, "r0")
         assert row[1] == "finished" and row[3] == "4/4" and "length" in row[5], row
 
