@@ -72,14 +72,18 @@ def pane_children(window: int = 0) -> list[str]:
 
 
 def _pane_children(window: int = 0) -> list[tuple[str, Path]]:
-    shell = tmux("display-message", "-p", "-t", f"{SESSION}:{window}", "#{pane_pid}").strip()
+    return _children(tmux("display-message", "-p", "-t", f"{SESSION}:{window}", "#{pane_pid}").strip())
+
+
+def _children(parent: str) -> list[tuple[str, Path]]:
+    """(name, /proc/PID) of each process whose parent is the process `parent` (a pid)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             comm, fields = stat.read_text().rsplit(")", 1)
         except OSError:  # the process has gone
             continue
-        if fields.split()[1] == shell:
+        if fields.split()[1] == parent:
             found.append((comm.split("(", 1)[1], stat.parent))
     return found
 
@@ -131,15 +135,13 @@ class EngineCoreHeld:
             time.sleep(0.005)
 
     def _stop_core_under(self, serve_pid: str) -> None:
-        for stat in Path("/proc").glob("[0-9]*/stat"):
+        for _, proc in _children(serve_pid):
             try:
-                if stat.read_text().rsplit(")", 1)[1].split()[1] != serve_pid:
-                    continue
-                if b"engine.engine.core_proc" in (stat.parent / "cmdline").read_bytes():
-                    os.kill(int(stat.parent.name), signal.SIGSTOP)
-                    self.pid = int(stat.parent.name)
+                if b"engine.engine.core_proc" in (proc / "cmdline").read_bytes():
+                    os.kill(int(proc.name), signal.SIGSTOP)
+                    self.pid = int(proc.name)
                     return
-            except (OSError, IndexError):  # the process has gone
+            except OSError:  # the process has gone
                 continue
 
     def release(self) -> None:
