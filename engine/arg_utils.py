@@ -90,8 +90,9 @@ class EngineArgs:
     scheduling_policy: str = _arg(SchedulerConfig.policy, "fcfs: first come, first served; priority: each "
                                   "request's priority (lower first, ties by arrival), and preemption takes the "
                                   "lowest priority", choices=SCHEDULING_POLICIES)
-    async_scheduling: bool = _arg(SchedulerConfig.async_scheduling, "schedule step N+1 while step N's forward "
-                                  "pass runs (two batches in flight, as vLLM does)")
+    async_scheduling: bool | None = _arg(SchedulerConfig.async_scheduling, "schedule step N+1 while step N's "
+                                         "forward pass runs (two batches in flight; default: on with CUDA, off "
+                                         "on a CPU, as vLLM)")
     attention_backend: str | None = _arg(EngineConfig.attention_backend, "paged-attention implementation (default: "
                                          "triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS)
     dtype: str | None = _arg(ModelConfig.dtype, "weights and KV cache (default: float32 on CPU; on CUDA float16, "
@@ -163,9 +164,10 @@ class EngineArgs:
                 f.metadata["group"], parser.add_argument_group(*f.metadata["group"]))
             flag, aliases = cli.pop("flag", "--" + f.name.replace("_", "-")), cli.pop("aliases", ())
             help = f.metadata["help"]
-            if f.type == "bool":
+            if f.type in ("bool", "bool | None"):  # None: the help says what decides
+                default = "" if f.default is None else f" (default: {'on' if f.default else 'off'})"
                 group.add_argument(flag, *aliases, dest=f.name, action=argparse.BooleanOptionalAction,
-                                   default=f.default, help=f"{help} (default: {'on' if f.default else 'off'})")
+                                   default=f.default, help=help + default)
             else:
                 if "(default" not in help and f.default is not None:
                     help += f" (default: {f.default})"

@@ -120,14 +120,20 @@ def run(lesson) -> None:
         [name, f"{sec * 1000:.1f}", ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("path", "reason"))]
         for name, sec, d in core.startup], title="EngineCore.startup, measured in this process"))
     lesson.check([n for n, _, _ in core.startup] == STAGES, "the engine records the same four stages, in order")
-    lesson.say("What async scheduling (vLLM's default; lesson 25) changes here: the scheduler built is an "
-               "`AsyncScheduler`, which counts the tokens of a step still in flight as placeholders, and the "
-               "loop's step is `step_with_batch_queue`, which schedules the next step while the executor runs "
-               "the forward pass on a thread of its own. The startup stages are the same.")
-    lesson.check(type(core.scheduler).__name__ == "AsyncScheduler" and core.step_fn == core.step_with_batch_queue
-                 and core.model_executor.async_scheduling,
-                 "this engine schedules asynchronously: an AsyncScheduler, step_with_batch_queue as its step, "
-                 "the forward pass on the executor's thread")
+    lesson.say("What async scheduling (vLLM's default with CUDA; lesson 25) changes here: the scheduler built "
+               "is an `AsyncScheduler`, which counts the tokens of a step still in flight as placeholders, and "
+               "the loop's step is `step_with_batch_queue`, which schedules the next step while the executor "
+               "runs the forward pass on a thread of its own. On a CPU vLLM 0.33 turns it off (there is no "
+               "device for the forward pass to overlap with), and so does this engine unless "
+               "`--async-scheduling` asks for it. The startup stages are the same either way.")
+    on = core.device.type == "cuda"
+    lesson.check(type(core.scheduler).__name__ == ("AsyncScheduler" if on else "Scheduler")
+                 and core.step_fn == (core.step_with_batch_queue if on else core.step)
+                 and core.model_executor.async_scheduling == on
+                 and f"async scheduling {'on' if on else 'off'}" in info["model_load"][1]["scheduling"],
+                 f"this engine on {core.device.type} schedules {'a' if on else ''}synchronously: "
+                 f"{'an AsyncScheduler' if on else 'a Scheduler'}, {core.step_fn.__name__} as its step, and the "
+                 f"Startup panel says why ({info['model_load'][1]['scheduling']})")
     spans = [e for e in events_of(session) if e.layer == "engine" and e.kind == END and e.name in STAGES]
     lesson.check([e.name for e in spans] == STAGES and all(e.get("seconds") > 0 for e in spans),
                  "the tracer saw each stage as a timed span (BEGIN/END events)")

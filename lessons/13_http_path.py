@@ -52,14 +52,16 @@ def run(lesson) -> None:
     hooks = Hooks()
     session = TraceSession(hooks, control=False, model=lesson.model)
     lesson.sessions.append(session)
-    async_engine = AsyncLLM(engine_config(lesson.model, num_kv_blocks=64), hooks, core_options={"trace": True})
+    async_engine = AsyncLLM(engine_config(lesson.model, num_kv_blocks=64, async_scheduling=True), hooks,
+                            core_options={"trace": True})
     async_engine.start()  # the engine-core process: a fresh interpreter loads the model, then the handshake
     app = build_app(async_engine, lesson.model)
     server, thread, url = start_background(app)
     try:
         lesson.check(server.ready.is_set(), f"the server is up at {url}")
         lesson.check(async_engine.config.scheduler.async_scheduling,
-                     "the engine core schedules asynchronously, as `serve` does by default (lesson 25): its loop "
+                     "the engine core schedules asynchronously, as `serve` does by default on a GPU and with "
+                     "`--async-scheduling` (lesson 25): its loop "
                      "calls step_with_batch_queue, which schedules step N+1 while step N's forward pass runs and "
                      "returns step N's tokens, so a request's tokens reach its HTTP handler one step behind the "
                      "schedule that made them")

@@ -51,13 +51,18 @@ def run(lesson) -> None:
     one_s = time.perf_counter() - t0
     one_steps = _step_ms([e for e in events_of(one_session) if e.seq >= since])
     lesson.say("Both engines here schedule synchronously, so that each call's outputs are one step's and the "
-               "boundary's cost can be read step by step. `serve` schedules asynchronously by default (lesson "
-               "25): the core's loop calls `step_with_batch_queue`, which schedules step N+1 while step N's "
-               "forward pass runs and returns step N's outputs, so what crosses the boundary after a call is the "
-               "step before the one just scheduled.")
+               "boundary's cost can be read step by step; that is the default on a CPU, as in vLLM. With CUDA "
+               "(or `--async-scheduling`) `serve` schedules asynchronously (lesson 25): the core's loop calls "
+               "`step_with_batch_queue`, which schedules step N+1 while step N's forward pass runs and returns "
+               "step N's outputs, so what crosses the boundary after a call is the step before the one just "
+               "scheduled.")
     one_core = one.llm_engine.engine_core.engine_core
-    lesson.check(engine_config(lesson.model).scheduler.async_scheduling and one_core.batch_queue is None,
-                 "an engine configured with the defaults schedules asynchronously; this one does not")
+    on_cuda = one_core.device.type == "cuda"
+    lesson.check(engine_config(lesson.model).scheduler.async_scheduling == on_cuda
+                 and engine_config(lesson.model, async_scheduling=True).scheduler.async_scheduling
+                 and (one_core.batch_queue is None) != on_cuda,
+                 f"an engine configured with the defaults schedules {'a' if on_cuda else ''}synchronously on "
+                 f"{'CUDA' if on_cuda else 'a CPU'}, as this one does; `async_scheduling=True` turns it on")
 
     # ---- two processes ---------------------------------------------------------------------
     hooks = Hooks()

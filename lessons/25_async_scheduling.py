@@ -49,7 +49,7 @@ def overlap(events) -> tuple[list[int], float]:
 def run(lesson) -> None:
     lesson.intro(
         "Lessons 1-24 took the step apart one whole step at a time: schedule, run the model, sample, update. "
-        "vLLM runs it differently by default (`--async-scheduling`, on unless `--no-async-scheduling`): "
+        "vLLM runs it differently by default on a GPU (`--async-scheduling`; its CPU platform turns it off): "
         "`EngineCore.step_with_batch_queue` schedules step N+1 **while step N's forward pass is still "
         "running**, on the executor's thread. The scheduler cannot know the tokens step N will sample, so it "
         "counts them as **placeholders** (`num_output_placeholders`) and schedules the next decode at their "
@@ -60,7 +60,7 @@ def run(lesson) -> None:
     # ---- on and off ----
     params = greedy(TOKENS)
     sync_llm, _ = lesson.engine()  # hand_steps: synchronous, one whole step per call
-    async_llm, session = lesson.engine(hand_steps=False)  # the engine's default: async scheduling
+    async_llm, session = lesson.engine(hand_steps=False, async_scheduling=True)  # (the default with CUDA)
     for llm in (sync_llm, async_llm):  # warmed up alike: the first run of a process pays for torch's start
         timed(llm, PROMPTS[:2], greedy(2))
     first = len(events_of(session))
@@ -85,8 +85,10 @@ def run(lesson) -> None:
                "update_from_output) behind the forward pass; what it cannot hide is the forward pass itself. "
                "The larger the model's share of a step, the less there is to gain; on a GPU, where a small "
                "model's forward pass takes about as long as the Python around it, the overlap is what keeps the "
-               "GPU busy. The Step panel of `vllm-trace serve` draws the two rows (the core's thread, the "
-               "forward pass) as they happen.")
+               "GPU busy. On a CPU the forward pass and the core share the cores, so there is little to hide and "
+               "the second batch's hand-offs cost: vLLM 0.33 turns async scheduling off there, and so does this "
+               "engine unless `--async-scheduling` asks for it. The Step panel of `vllm-trace serve "
+               "--async-scheduling` draws the two rows (the core's thread, the forward pass) as they happen.")
     lesson.pause()
     placeholders(lesson)
     deferred_grammar(lesson)
@@ -142,7 +144,7 @@ def deferred_grammar(lesson) -> None:
 def preemption_in_flight(lesson, params) -> None:
     kw = dict(num_kv_blocks=14, block_size=4)  # too few blocks for every request: some are preempted
     sync_llm, _ = lesson.engine(**kw)
-    async_llm, session = lesson.engine(hand_steps=False, **kw)
+    async_llm, session = lesson.engine(hand_steps=False, async_scheduling=True, **kw)
     _, sync_out = timed(sync_llm, PROMPTS[:4], params)
     _, async_out = timed(async_llm, PROMPTS[:4], params)
     events = events_of(session)

@@ -120,7 +120,7 @@ class Lesson:
         """A real engine on the lesson's model, with a trace session recording its events. hand_steps: the
         lesson calls engine.step() and reads one whole step per call, so scheduling is synchronous unless it
         passes async_scheduling=True; a lesson that only generates (hand_steps=False) gets the engine's
-        default, async scheduling."""
+        default (async scheduling with CUDA, synchronous on a CPU, as vLLM)."""
         hooks = Hooks()
         session = TraceSession(hooks, trace_file=trace_file, control=False, model=self.model)
         self.sessions.append(session)

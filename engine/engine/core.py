@@ -4,7 +4,7 @@
              -> scheduler.get_grammar_bitmask() -> model_executor.sample_tokens(grammar_output)
              -> scheduler.update_from_output() -> take_draft_token_ids() -> update_draft_token_ids()
 
-With async scheduling (vLLM's default, ``async_scheduling``) the drivers call
+With async scheduling (vLLM's default with CUDA, off on a CPU: ``async_scheduling``) the drivers call
 ``step_with_batch_queue`` instead (``step_fn``): step N+1 is scheduled (by an ``AsyncScheduler``,
 against step N's placeholder tokens) while step N's forward pass runs on the executor's thread, and
 a call returns the outputs of the oldest of the two steps in flight. ``step()`` stays the
@@ -77,6 +77,15 @@ BATCH_QUEUE_SIZE = 2  # async scheduling: steps in flight at most (V1's batch_qu
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def scheduling_text(async_scheduling: bool, device: str) -> str:
+    """The Startup panel's words for how steps are scheduled, and why (engine/config.py default_async_scheduling)."""
+    if async_scheduling == (device == "cuda"):
+        why = f"the {'CUDA' if device == 'cuda' else 'CPU'} default, as vLLM"
+    else:
+        why = "asked for" + ("; vLLM keeps it off on a CPU" if async_scheduling else "")
+    return f"async scheduling {'on' if async_scheduling else 'off'} ({why})"
+
+
 class EngineCore:
     """Requests (token ids) in, one step at a time, EngineCoreOutputs (token ids) out.
 
@@ -131,6 +140,7 @@ class EngineCore:
                          attention_backend=self.attention_backend) as info:
             if self.device.type == "cpu" and tp == 1:  # (each worker places its own under tensor parallelism)
                 info["threads"] = place_threads(config.parallel).describe()
+            info["scheduling"] = scheduling_text(config.scheduler.async_scheduling, self.device.type)
             self.model_executor = self._make_executor()
             info |= self.model_executor.load_model(self._load_progress)
 

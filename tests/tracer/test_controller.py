@@ -43,7 +43,7 @@ def greedy(n):
 
 @pytest.mark.parametrize("mode", BOTH, indirect=True)
 def test_start_paused_step_and_requests_arriving_while_paused(mode):
-    session, engine = make(mode=mode)
+    session, engine = make(mode=mode, async_scheduling=True)  # (the default with CUDA)
     ctl = session.controller
     engine.add_request("a", "first prompt", greedy(6))
     loop = start_loop(engine)
@@ -114,7 +114,7 @@ def test_step_into_phases(mode, async_scheduling):
 def test_n_runs_one_batch_queue_call_and_says_what_it_did(mode):
     """Async scheduling: n is one step_with_batch_queue call. The first schedules step 0 and returns;
     each later one schedules a step and executes (returns the outputs of) the one before it."""
-    session, engine = make(mode=mode)
+    session, engine = make(mode=mode, async_scheduling=True)
     ctl = session.controller
     engine.add_request("a", "one call at a time", greedy(3))
     loop = start_loop(engine)

@@ -108,19 +108,20 @@ def _mp_later(request) -> bool:
 def _held_engine(mode: str, core_proc=None):
     """A TraceSession holding a fresh engine from the start, and the AsyncLLM on it: the engine on a
     thread here ("inproc"), or the engine core in its own process ("mp", as `serve` runs it), stepped
-    through the remote controller."""
+    through the remote controller. It schedules asynchronously (vLLM's default with CUDA, `--async-scheduling` on a
+    CPU), the loop whose stepping these tests check; test_controller steps both loops."""
     hooks = Hooks()
     # the byte-level random model: these tests count prompt tokens as bytes
     mp = mode == "mp"
     session = TraceSession(hooks, start_paused=True, model="tiny-gpt2-random", remote_control=mp)
     if mp:
         from engine.arg_utils import engine_config
-        config = engine_config("tiny-gpt2-random", block_size=4, num_kv_blocks=64)
+        config = engine_config("tiny-gpt2-random", block_size=4, num_kv_blocks=64, async_scheduling=True)
         engine = AsyncLLM(config, hooks, drain_timeout=0, core_options=session.core_options(),
                           core_proc=core_proc).start()
         session.bind(engine)
     else:
-        llm = LLM("tiny-gpt2-random", hooks=hooks, block_size=4, num_kv_blocks=64)
+        llm = LLM("tiny-gpt2-random", hooks=hooks, block_size=4, num_kv_blocks=64, async_scheduling=True)
         engine = AsyncLLM.from_engine_core(llm.llm_engine.engine_core.engine_core, drain_timeout=0).start()
     return session, engine
 

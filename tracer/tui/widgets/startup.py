@@ -24,7 +24,7 @@ def stage_details(stage: dict) -> str:
     name = stage["stage"]
     if name == "model_load" and "params" in stage:
         draft = f" · draft model {stage['draft_params']:,} parameters" if "draft_params" in stage else ""
-        threads = f" · {stage['threads']}" if stage.get("threads") else ""
+        threads = "".join(f" · {stage[k]}" for k in ("threads", "scheduling") if stage.get(k))
         return f"{stage['params']:,} parameters, {fmt_bytes(stage.get('bytes'))}{draft}{threads}"
     if name == "kv_cache_alloc" and "num_blocks" in stage:
         per_block = fmt_bytes(stage.get("bytes_per_block"))
