@@ -79,10 +79,13 @@ class Sampler:
         raw_logprobs = op("log_softmax", SAMPLER, _log_softmax, dict(logits=logits[want]), meta=_LOG_SOFTMAX) \
             if want else None
         logits = self._process(logits, requests, idx)
-        token_ids = op("argmax", SAMPLER, argmax, dict(logits=logits), meta=_ARGMAX)  # greedy; sampled rows below
+        every = len(sampled) == len(requests)  # (serving's usual batch: no greedy row, no rows to pick out)
+        token_ids = [0] * len(requests) if every else \
+            op("argmax", SAMPLER, argmax, dict(logits=logits), meta=_ARGMAX)  # greedy; sampled rows below
         if sampled:
             positions = [len(requests[i].all_token_ids) for i in sampled]  # the position of the token drawn
-            for i, t in zip(sampled, self.sample(logits[sampled], idx[sampled], positions)):
+            rows = logits if every else logits[sampled]
+            for i, t in zip(sampled, self.sample(rows, idx if every else idx[sampled], positions)):
                 token_ids[i] = t
 
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
@@ -107,11 +110,13 @@ class Sampler:
         return processed_probs(logits, *self._settings(slots, logits.device))
 
     def _settings(self, slots: np.ndarray, dev: torch.device) -> tuple[torch.Tensor, ...]:
-        """Each row's temperature, min-p, top-k and top-p [rows, 1]; None for a setting off in every row."""
+        """Each row's temperature, min-p, top-k and top-p [rows, 1]; None for a setting off in every row
+        (a temperature of 1 is off: dividing by it changes nothing)."""
         st = self.states
-        off = (st.min_p[slots] == 0.0).all(), (st.top_k[slots] <= 0).all(), (st.top_p[slots] == 1.0).all()
+        off = ((st.temperature[slots] == 1.0).all(), (st.min_p[slots] == 0.0).all(), (st.top_k[slots] <= 0).all(),
+               (st.top_p[slots] == 1.0).all())
         return tuple(None if o else torch.from_numpy(arr[slots]).to(dev)[:, None]
-                     for o, arr in zip((False, *off), (st.temperature, st.min_p, st.top_k, st.top_p)))
+                     for o, arr in zip(off, (st.temperature, st.min_p, st.top_k, st.top_p)))
 
     def gumbel(self, logits: torch.Tensor, slots: np.ndarray, positions: list[int], stream: int = 0) -> list[int]:
         """Each row's Gumbel-max draw keyed by (its slot's seed, positions[i]) (see gumbel_sample)."""
@@ -260,12 +265,12 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def processed_logits(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None = None,
+def processed_logits(logits: torch.Tensor, temperature: torch.Tensor | None, min_p: torch.Tensor | None = None,
                      top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
     """The logits sampled rows draw from (MRv2's ``apply_sampling_params``): divided by the temperature,
     then min-p, top-k and top-p (vLLM V1's order) set the tokens they cut to -inf. logits [rows, V];
     each setting [rows, 1], one value per row (top_k 0: off), or None where every row has it off."""
-    row = logits / temperature
+    row = logits if temperature is None else logits / temperature
     if min_p is not None and bool((min_p > 0.0).any()):  # relative to the top token's probability
         probs = torch.softmax(row, dim=-1)
         row = row.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
@@ -282,7 +287,7 @@ def processed_logits(logits: torch.Tensor, temperature: torch.Tensor, min_p: tor
     return row
 
 
-def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor | None = None,
+def processed_probs(logits: torch.Tensor, temperature: torch.Tensor | None, min_p: torch.Tensor | None = None,
                     top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
     """The distributions sampled rows draw from: softmax of :func:`processed_logits` (top-p's kept tokens
     renormalised: speculation reads p(draft) from it)."""
