@@ -1,7 +1,7 @@
 """Serving: vLLM's own client, `vllm bench serve`, against our server and against vLLM's CPU build.
 
     python -m benchmarks.serving [--model DIR] [--concurrency 1 8 32 64] [--reps 3] [--servers vllm ours]
-    python -m benchmarks.serving --servers ours ours-sync --reference ours-sync --concurrency 64  # async ÷ sync
+    python -m benchmarks.serving --servers ours ours-async --reference ours --concurrency 64  # async ÷ sync
     python -m benchmarks.serving --servers ours ours-no-trace --reference ours-no-trace  # tracing on ÷ off
 
 Both servers are started the same way (benchmarks/parity/servers.py) on the same checkpoint, one after the
@@ -35,14 +35,15 @@ from benchmarks.parity.servers import Server, chat_template_file
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"vllm": ("vllm", {}), "ours": ("ours", {}), "ours-bound": ("ours", {"VLLM_CPU_OMP_THREADS_BIND": "auto"}),
             "ours-2threads": ("ours", {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}),
-            "ours-sync": ("ours", {}), "ours-no-trace": ("ours", {})}
+            "ours-async": ("ours", {}), "ours-no-trace": ("ours", {})}
 # our server's flags beyond its defaults
-EXTRA_ARGS = {"ours-sync": ("--no-async-scheduling",), "ours-no-trace": ("--no-trace",)}
+EXTRA_ARGS = {"ours-async": ("--async-scheduling",), "ours-no-trace": ("--no-trace",)}
 THREADS = {"vllm": "vLLM's defaults: worker bound to cpu 0 (VLLM_CPU_OMP_THREADS_BIND=auto, 1 core reserved)",
-           "ours": "ours by default: engine core 1 torch thread, unbound, 1 core left to the API server",
+           "ours": "ours by default: engine core 1 torch thread, unbound, 1 core left to the API server; async "
+                   "scheduling off (as vLLM on a CPU)",
            "ours-bound": "engine core 1 torch thread bound to cpu 0 (VLLM_CPU_OMP_THREADS_BIND=auto)",
            "ours-2threads": "OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=nobind (an offline engine's)",
-           "ours-sync": "ours by default, with async scheduling off (--no-async-scheduling)",
+           "ours-async": "ours by default, with async scheduling on (--async-scheduling)",
            "ours-no-trace": "ours by default, with no tracer (--no-trace): what tracing costs a served token"}
 FIELDS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms",
           "completed")
@@ -154,7 +155,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--servers", nargs="+", default=["vllm", "ours"], choices=list(VARIANTS))
     ap.add_argument("--reference", default="vllm", choices=list(VARIANTS),
-                    help="the server the ratio column divides by (ours-sync: async scheduling's gain)")
+                    help="the server the ratio column divides by (ours, with ours-async: async scheduling's gain)")
     ap.add_argument("--json", metavar="PATH", help="also write every run's numbers here")
     a = ap.parse_args()
     if not os.path.exists(os.path.join(a.vllm_bin, "vllm")):

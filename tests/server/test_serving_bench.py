@@ -1,14 +1,14 @@
-"""benchmarks/serving.py's variants and table, without a client run: `ours-sync` is our server with async
-scheduling off, `ours-no-trace` without its tracer, and the ratio column divides by the reference server's median."""
+"""benchmarks/serving.py's variants and table, without a client run: `ours-async` is our server with async
+scheduling on (off by default on a CPU), `ours-no-trace` without its tracer, and the ratio column divides by the reference server's median."""
 from benchmarks.parity.servers import command
 from benchmarks.serving import EXTRA_ARGS, VARIANTS, table
 
 
-def test_the_sync_variant_serves_with_async_scheduling_off():
-    kind, env = VARIANTS["ours-sync"]
-    cmd = command(kind, "/bin", "tiny-gpt2", 8000, "chat.jinja", EXTRA_ARGS["ours-sync"])
-    assert cmd[0].endswith("vllm-trace") and "--no-async-scheduling" in cmd and not env
-    assert "--no-async-scheduling" not in command(*VARIANTS["ours"][:1], "/bin", "tiny-gpt2", 8000, "chat.jinja")
+def test_the_async_variant_serves_with_async_scheduling_on():
+    kind, env = VARIANTS["ours-async"]
+    cmd = command(kind, "/bin", "tiny-gpt2", 8000, "chat.jinja", EXTRA_ARGS["ours-async"])
+    assert cmd[0].endswith("vllm-trace") and "--async-scheduling" in cmd and not env
+    assert "--async-scheduling" not in command(*VARIANTS["ours"][:1], "/bin", "tiny-gpt2", 8000, "chat.jinja")
 
 
 def test_the_no_trace_variant_serves_without_a_tracer():
@@ -23,8 +23,8 @@ def test_the_ratio_column_divides_by_the_reference():
         return {"output_throughput": tps, "mean_ttft_ms": 10.0, "mean_tpot_ms": 2.0, "completed": 128,
                 "cpu_ms_per_token": {"API server": 1.0}}
 
-    results = {"ours": {64: [row(110.0), row(120.0), row(130.0)]}, "ours-sync": {64: [row(100.0)] * 3}}
-    lines = table(results, "ours-sync").splitlines()
-    assert "÷ ours-sync" in lines[0]
+    results = {"ours": {64: [row(110.0), row(120.0), row(130.0)]}, "ours-async": {64: [row(100.0)] * 3}}
+    lines = table(results, "ours-async").splitlines()
+    assert "÷ ours-async" in lines[0]
     assert lines[2].startswith("| 64 | ours | 120 | 110 / 120 / 130 | 1.20 |")
-    assert lines[3].startswith("| 64 | ours-sync | 100 |") and "| 1.00 |" in lines[3]
+    assert lines[3].startswith("| 64 | ours-async | 100 |") and "| 1.00 |" in lines[3]

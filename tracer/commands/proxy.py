@@ -24,6 +24,7 @@ import sys
 
 import httpx
 
+from engine.entrypoints.sockets import tcp_socket
 from tracer.commands import HelpFormatter
 from tracer.errors import UserError
 from tracer.net import trust_env
@@ -183,15 +184,21 @@ def _sse_error(e: ProxyError) -> bytes:
     return f"data: {json.dumps(e.body())}\n\ndata: [DONE]\n\n".encode()
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    sock = tcp_socket()  # (TCP_NODELAY on every connection: see engine/entrypoints/sockets.py)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}): choose another --port") from None
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror}): choose another --port") from None
+    sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     app = build_app(Upstream(args.prefill, args.decode, args.timeout))
     print(f"Ready: proxy at http://{host}:{port} (prefill: {', '.join(args.prefill)}; decode: "

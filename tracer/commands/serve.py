@@ -40,6 +40,7 @@ import sys
 import time
 
 from engine.arg_utils import EngineArgs
+from engine.entrypoints.sockets import tcp_socket
 from tracer.commands import model_help
 from tracer.errors import UserError
 
@@ -154,7 +155,7 @@ def _stage(name: str, seconds: float, details: str = "") -> None:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = tcp_socket(family)  # (TCP_NODELAY on every connection: see engine/entrypoints/sockets.py)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -2,12 +2,12 @@
 that serve and call the server from the same process."""
 from __future__ import annotations
 
-import socket
 import threading
 
 import uvicorn
 
 from engine.entrypoints.openai.http_protocol import HEADER_TIMEOUT_S, with_header_timeout
+from engine.entrypoints.sockets import tcp_socket
 
 
 class BackgroundServer(uvicorn.Server):
@@ -30,7 +30,7 @@ def start_background(app, timeout: float = 60,
                      header_timeout: float = HEADER_TIMEOUT_S) -> tuple[BackgroundServer, threading.Thread, str]:
     """Serve `app` on 127.0.0.1 (a free port); returns (server, thread, base URL) once ready.
     Stop it with ``server.should_exit = True; thread.join()``. header_timeout: see http_protocol."""
-    sock = socket.socket()
+    sock = tcp_socket()
     sock.bind(("127.0.0.1", 0))
     server = BackgroundServer(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
                                              http=with_header_timeout(header_timeout)))
