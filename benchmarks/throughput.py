@@ -2,7 +2,7 @@
 
     python -m benchmarks.throughput [--model tiny-gpt2] [--num-requests 32]
 
-Prints output tokens/s for our LLM.generate with async scheduling (vLLM's default: step N+1 is
+Prints output tokens/s for our LLM.generate with async scheduling (vLLM's default with CUDA: step N+1 is
 scheduled while step N's forward pass runs) and without, their ratio, for transformers' generate per
 request and in left-padded batches, and the ratio to the best transformers configuration. Padded batches
 generate until their longest request is done; only the tokens each request asked for count.

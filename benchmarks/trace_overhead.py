@@ -8,7 +8,7 @@ TUI-like reader, each with async scheduling on and off, in one process.
   on        TraceSession: bus + recorder to a temp file + step controller (running freely)
   on+tui    on, plus a thread folding the bus into LiveState at 10 Hz, as the TUI does
 
-Targets: on >= 0.90x off with async scheduling on (vLLM's default, and ours); off within 2% of
+Targets: on >= 0.90x off with async scheduling on (vLLM's default with CUDA, and ours); off within 2% of
 bypassed. Then one 64-request run checks that the recorder lost no event.
 
 How it is measured. Whole runs, interleaved: each repetition runs the workload once in every
