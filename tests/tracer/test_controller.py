@@ -167,7 +167,9 @@ def test_resume_and_cancel_disarm_a_run_until(mode):
     resume (which disarms it, here or in the core's process) the engine runs to the end."""
     session, engine = make(mode=mode)
     ctl = session.controller
-    engine.add_request("a", "disarm", greedy(3))
+    # work enough that the pause sent after each run_until reaches a running engine: with the core in its own
+    # process, three synchronous steps ended the request before the pause arrived, and nothing was left to hold
+    engine.add_request("a", "disarm", greedy(40))
     loop = start_loop(engine)
     try:
         assert ctl.wait_until_paused(T) is not None
