@@ -69,7 +69,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "priority": lowest priority value first, ties by arrival (vLLM V1)
     # schedule step N+1 while step N's forward pass runs (AsyncScheduler, EngineCore.step_with_batch_queue).
-    # None: on with CUDA, off on a CPU, as vLLM 0.33 resolves it (EngineConfig: default_async_scheduling)
+    # None: on with CUDA, off on a CPU, as vLLM 0.33 resolves it (default_async_scheduling), once the device
+    # is known: here if ModelConfig.device is set, else by the EngineCore (the API server never imports torch)
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
@@ -219,17 +220,13 @@ class KVTransferConfig:
         return cls(**d)
 
 
-def default_async_scheduling(device: str | None) -> bool:
+def default_async_scheduling(device: str) -> bool:
     """Async scheduling unless told: on with CUDA, off on a CPU, as vLLM 0.33 decides it (its CPU platform's
     ``check_and_update_config``: "async scheduling is not required on CPU"). On a CPU the second batch in
     flight has no device to overlap with: the forward pass and the scheduler share the cores, and the
     executor thread's hand-offs cost (offline, tiny-gpt2, 64 prompts x 64 tokens: 9,265-9,840 output tok/s
     on against 12,702-13,301 off; benchmarks/RESULTS.md). Unlike vLLM, ``--async-scheduling`` still turns
     it on there, for the lessons that show it."""
-    if device is None:
-        import torch  # (the configs are read without torch; only an unset device needs it)
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     return device.startswith("cuda")
 
 
@@ -245,7 +242,7 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | None = None  # a KV connector (disaggregated prefill, shared storage)
 
     def __post_init__(self) -> None:
-        if self.scheduler.async_scheduling is None:
+        if self.scheduler.async_scheduling is None and self.model.device is not None:
             self.scheduler.async_scheduling = default_async_scheduling(self.model.device)
         _check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

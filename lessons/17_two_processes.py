@@ -58,8 +58,9 @@ def run(lesson) -> None:
                "scheduled.")
     one_core = one.llm_engine.engine_core.engine_core
     on_cuda = one_core.device.type == "cuda"
-    lesson.check(engine_config(lesson.model).scheduler.async_scheduling == on_cuda
-                 and engine_config(lesson.model, async_scheduling=True).scheduler.async_scheduling
+    device = one_core.device.type
+    lesson.check(engine_config(lesson.model, device=device).scheduler.async_scheduling == on_cuda
+                 and engine_config(lesson.model, device=device, async_scheduling=True).scheduler.async_scheduling
                  and (one_core.batch_queue is None) != on_cuda,
                  f"an engine configured with the defaults schedules {'a' if on_cuda else ''}synchronously on "
                  f"{'CUDA' if on_cuda else 'a CPU'}, as this one does; `async_scheduling=True` turns it on")

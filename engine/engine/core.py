@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_async_scheduling
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_cache_utils import bytes_per_block, hybrid_capacity, kv_cache_groups_of
 from engine.core.sched.async_scheduler import AsyncScheduler
@@ -97,11 +97,13 @@ class EngineCore:
         self.config = config
         self.hooks = hooks or Hooks()
         self.startup: list[tuple[str, float, dict]] = []  # (stage, seconds, details)
+        mc, cc = config.model, config.cache
+        self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if config.scheduler.async_scheduling is None:  # (the device was left to us: engine/config.py)
+            config.scheduler.async_scheduling = default_async_scheduling(self.device.type)
         if self.hooks.active:
             self.hooks.emit(ENGINE, CONFIG, model=config.model.model, config=config.to_dict())
-        mc, cc = config.model, config.cache
         self.on_dead: Callable[[str], None] | None = None  # a tensor-parallel worker died (set before it can)
-        self.device = torch.device(mc.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.attention_backend = config.attention_backend or default_backend(self.device)
 
         with self._stage("resolve_model", model=mc.model) as info:

@@ -20,12 +20,41 @@ SCHEMA = {"type": "object", "properties": {"color": {"type": "string", "enum": [
                                            "n": {"type": "integer"}}, "required": ["color", "n"]}
 
 
+def test_the_default_is_vllms_off_on_a_cpu_on_with_cuda_and_the_flag_still_turns_it_on():
+    from engine.arg_utils import EngineArgs
+    from engine.core.sched.scheduler import Scheduler
+
+    assert EngineArgs(device="cpu").create_engine_config().scheduler.async_scheduling is False
+    assert EngineArgs(device="cuda").create_engine_config().scheduler.async_scheduling is True
+    assert EngineArgs(device="cpu", async_scheduling=True).create_engine_config().scheduler.async_scheduling is True
+    assert EngineArgs().create_engine_config().scheduler.async_scheduling is None  # the engine core decides
+    for kw, cls, text in (({}, Scheduler, "async scheduling off (the CPU default, as vLLM)"),
+                          ({"async_scheduling": True}, AsyncScheduler,
+                           "async scheduling on (asked for; vLLM keeps it off on a CPU)")):
+        llm = LLM(NAME, device="cpu" if kw else None, num_kv_blocks=16, **kw)
+        core = _core(llm)
+        try:
+            assert type(core.scheduler) is cls and core.config.scheduler.async_scheduling == bool(kw)
+            assert dict((n, d) for n, _, d in core.startup)["model_load"]["scheduling"] == text
+        finally:
+            llm.shutdown()
+
+
+def test_the_api_servers_config_needs_no_torch():  # the device (and with it the default) is the core's to find
+    import subprocess
+    import sys
+    code = ("import sys; from engine.arg_utils import EngineArgs; c = EngineArgs().create_engine_config(); "
+            "assert c.scheduler.async_scheduling is None; assert 'torch' not in sys.modules, 'torch imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-1000:]
+
+
 def _core(llm: LLM):
     return llm.llm_engine.engine_core.engine_core
 
 
 def _generate(prompts, params, **kw):
-    kw.setdefault("async_scheduling", True)  # the subject here (the engine's default is synchronous for now)
+    kw.setdefault("async_scheduling", True)  # the subject here (the engine's default on a CPU is synchronous)
     llm = LLM(NAME, **kw)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
