@@ -1,5 +1,6 @@
 """benchmarks/serving.py's variants and table, without a client run: `ours-async` is our server with async
-scheduling on (off by default on a CPU), `ours-no-trace` without its tracer, and the ratio column divides by the reference server's median."""
+scheduling on (off by default on a CPU), `ours-no-trace` without its tracer, and the ratio column divides by
+the reference server's median."""
 from benchmarks.parity.servers import command
 from benchmarks.serving import EXTRA_ARGS, VARIANTS, table
 
