@@ -106,10 +106,13 @@ def test_sampler_steps_are_named_as_the_code_names_them():
     before = _tokens(llm, PROMPTS[:1], params)
     llm.start_profile()
     assert _tokens(llm, PROMPTS[:1], params) == before  # the same seeded draws
+    sampled = {e[1] for e in rec.launches() if e[5].get("op") == "sampler"}
+    _tokens(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2))  # a greedy row takes the argmax
     llm.stop_profile()
     sampler = {e[1] for e in rec.launches() if e[5].get("op") == "sampler"}
-    assert {"log_softmax", "allow_and_ban", "block_stop_tokens", "apply_logit_bias", "apply_penalties", "argmax",
-            "sample"} <= sampler
+    assert {"log_softmax", "allow_and_ban", "block_stop_tokens", "apply_logit_bias", "apply_penalties",
+            "sample"} <= sampled and "argmax" not in sampled  # no greedy row: no argmax over the sampled ones
+    assert "argmax" in sampler
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
