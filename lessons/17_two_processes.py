@@ -57,8 +57,8 @@ def run(lesson) -> None:
                "step N's outputs, so what crosses the boundary after a call is the step before the one just "
                "scheduled.")
     one_core = one.llm_engine.engine_core.engine_core
-    on_cuda = one_core.device.type == "cuda"
     device = one_core.device.type
+    on_cuda = device == "cuda"
     lesson.check(engine_config(lesson.model, device=device).scheduler.async_scheduling == on_cuda
                  and engine_config(lesson.model, device=device, async_scheduling=True).scheduler.async_scheduling
                  and (one_core.batch_queue is None) != on_cuda,

@@ -79,7 +79,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def scheduling_text(async_scheduling: bool, device: str) -> str:
     """The Startup panel's words for how steps are scheduled, and why (engine/config.py default_async_scheduling)."""
-    if async_scheduling == (device == "cuda"):
+    if async_scheduling == default_async_scheduling(device):
         why = f"the {'CUDA' if device == 'cuda' else 'CPU'} default, as vLLM"
     else:
         why = "asked for" + ("; vLLM keeps it off on a CPU" if async_scheduling else "")
