@@ -227,11 +227,7 @@ def unified_attention(
     num_tokens, num_q_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    for t in (query, key_cache, value_cache, block_tables):
-        assert t.stride(-1) == 1, "the last dimension must be contiguous"
-    check_dtypes(query, key_cache, value_cache)
-    assert sinks is None or tuple(sinks.shape) == (num_q_heads,) and sinks.is_contiguous(), "one sink per query head"
+    _check_inputs(query, key_cache, value_cache, block_tables, sinks)
     if out is None:
         out = torch.empty_like(query)
     assert out.stride(-1) == 1
@@ -251,11 +247,34 @@ def unified_attention(
     if not INTERPRETED and config.q_blocks_per_program * config.tile_n < MIN_COMPILED_SCORE_COLUMNS:
         raise ValueError(f"compiled kernels need q_blocks_per_program * tile_n >= {MIN_COMPILED_SCORE_COLUMNS} "
                          f"(see kernels.config.MIN_COMPILED_SCORE_COLUMNS), got {config}")
+    assert num_kv_heads % config.heads_per_program == 0, "heads_per_program must divide the number of KV heads"
+    part_acc, part_max, part_sum = _launch_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
+                                                     block_tables, scale, out, config, reason, max_seq_len,
+                                                     sliding_window, sinks)
+    if config.num_segments > 1:
+        _launch_reduce(out, part_acc, part_max, part_sum, config)
+    return out
+
+
+def _check_inputs(query, key_cache, value_cache, block_tables, sinks) -> None:
+    num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    for t in (query, key_cache, value_cache, block_tables):
+        assert t.stride(-1) == 1, "the last dimension must be contiguous"
+    check_dtypes(query, key_cache, value_cache)
+    assert sinks is None or tuple(sinks.shape) == (num_q_heads,) and sinks.is_contiguous(), "one sink per query head"
+
+
+def _launch_attention(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale, out,
+                      config: AttentionConfig, reason: str, max_seq_len: int, sliding_window, sinks):
+    """The attention kernel's launch; returns split-KV's partial results (acc, max, sum), or out three
+    times when there is one segment (the kernel then writes out directly)."""
+    num_tokens, num_q_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
     hp, segments = config.heads_per_program, config.num_segments
-    assert num_kv_heads % hp == 0, "heads_per_program must divide the number of KV heads"
     head_pad = head_tile(head_size)
-    num_q_blocks = num_query_blocks(num_tokens, num_seqs, config.block_q)
+    num_q_blocks = num_query_blocks(num_tokens, seq_lens.shape[0], config.block_q)
     qb_req, qb_start = _query_block_map(query_start_loc, num_q_blocks, config.block_q)
     tiles_per_segment = triton.cdiv(triton.cdiv(max_seq_len, config.tile_n), segments)
     if segments > 1:
@@ -290,17 +309,22 @@ def unified_attention(
         access_args=(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens, group,
                      sliding_window or 0),
     )
-    if segments > 1:
-        heads_block = config.reduce_heads_per_program
-        instrument.launch(
-            "reduce_segments", _reduce_segments_kernel, (num_tokens, triton.cdiv(num_q_heads, heads_block)),
-            dict(out_ptr=out, part_acc_ptr=part_acc, part_max_ptr=part_max, part_sum_ptr=part_sum,
-                 num_q_heads=num_q_heads, stride_ot=out.stride(0), stride_oh=out.stride(1)),
-            dict(HEAD_SIZE=head_size, HEAD_PAD=head_pad, HEADS_BLOCK=heads_block,
-                 NUM_SEGMENTS=segments, SEG_PAD=next_pow2(segments), num_warps=4),
-            reason=f"merge {segments} KV segments per (token, head)",
-        )
-    return out
+    return part_acc, part_max, part_sum
+
+
+def _launch_reduce(out: torch.Tensor, part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
+                   config: AttentionConfig) -> None:
+    """Split-KV's second kernel: each (token, head)'s segments merged into out."""
+    num_tokens, num_q_heads, head_size = out.shape
+    segments, heads_block = config.num_segments, config.reduce_heads_per_program
+    instrument.launch(
+        "reduce_segments", _reduce_segments_kernel, (num_tokens, triton.cdiv(num_q_heads, heads_block)),
+        dict(out_ptr=out, part_acc_ptr=part_acc, part_max_ptr=part_max, part_sum_ptr=part_sum,
+             num_q_heads=num_q_heads, stride_ot=out.stride(0), stride_oh=out.stride(1)),
+        dict(HEAD_SIZE=head_size, HEAD_PAD=head_tile(head_size), HEADS_BLOCK=heads_block,
+             NUM_SEGMENTS=segments, SEG_PAD=next_pow2(segments), num_warps=4),
+        reason=f"merge {segments} KV segments per (token, head)",
+    )
 
 
 def _access_map(query_start_loc, seq_lens, block_tables, config, num_kv_heads, block_size, num_tokens, group=1,

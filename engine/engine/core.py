@@ -106,6 +106,26 @@ class EngineCore:
         self.on_dead: Callable[[str], None] | None = None  # a tensor-parallel worker died (set before it can)
         self.attention_backend = config.attention_backend or default_backend(self.device)
 
+        self._resolve_model()
+        self._load_model()
+        num_blocks = self._initialize_kv_caches()
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks,
+                                               kv_cache_groups_of(self.model_config, cc.block_size))
+        # grammars for structured outputs: xgrammar is imported by the first one, on the compile thread
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_id, config.scheduler.max_num_seqs)
+        self._make_scheduler()
+        # async scheduling with speculation: step -> Future of the drafts proposed after it, and drafts
+        # known but not yet written into the step whose placeholders the worker filled with them
+        self._draft_futures: dict[int, Future] = {}
+        self._unplaced_drafts: DraftTokenIds | None = None
+        self._rng = random.Random(mc.seed)
+        self.profiling_since: int | None = None  # the first profiled step, while profiling
+
+    def _resolve_model(self) -> None:
+        """The checkpoint, its config, dtype, context length and tokenizer (and a draft model's, checked
+        before any worker loads it)."""
+        mc = self.config.model
         with self._stage("resolve_model", model=mc.model) as info:
             self.model_path = model_loader.resolve(mc.model)
             model_loader.check_checkpoint(self.model_path)
@@ -124,7 +144,7 @@ class EngineCore:
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
 
-        spec = config.speculative
+        spec = self.config.speculative
         if spec is not None and spec.method == "draft_model" and any(
                 getattr(self.model_config, "layer_sliding_windows", None) or ()):
             raise ValueError("a draft model needs a target without sliding-window layers (its proposer reads the "
@@ -134,6 +154,9 @@ class EngineCore:
                 draft_path, draft = resolve_draft_model(spec, self.model_config, self.tokenizer, self.max_model_len)
                 info |= dict(path=str(draft_path), architecture=draft.architecture, num_layers=draft.num_layers)
 
+    def _load_model(self) -> None:
+        """The executor and its workers, each loading the weights (timed and traced as model_load)."""
+        config = self.config
         self._loaded = 0  # weight bytes last reported (see _load_progress)
         tp = config.parallel.tensor_parallel_size
         check_tp_size(self.model_config, tp)
@@ -146,18 +169,19 @@ class EngineCore:
             self.model_executor = self._make_executor()
             info |= self.model_executor.load_model(self._load_progress)
 
+    def _initialize_kv_caches(self) -> int:
+        """V1's name: how many KV blocks fit, and the workers' caches allocated; returns the number."""
         with self._stage("kv_cache_alloc") as info:
             num_blocks, why = self.model_executor.determine_num_blocks()
             info |= self.model_executor.initialize_kv_cache(num_blocks)
             info["reason"] = why
-            info |= hybrid_capacity(kv_cache_groups_of(self.model_config, cc.block_size), num_blocks,
+            info |= hybrid_capacity(kv_cache_groups_of(self.model_config, self.config.cache.block_size), num_blocks,
                                     self.max_model_len)
+        return num_blocks
 
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks,
-                                               kv_cache_groups_of(self.model_config, cc.block_size))
-        # grammars for structured outputs: xgrammar is imported by the first one, on the compile thread
-        self.structured_output_manager = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.eos_token_id, config.scheduler.max_num_seqs)
+    def _make_scheduler(self) -> None:
+        """The scheduler (AsyncScheduler with async scheduling: two batches in flight, step_with_batch_queue)."""
+        config, spec = self.config, self.config.speculative
         # a draft model proposes in the worker, after the step: its k drafts need k lookahead slots (V1's name)
         lookahead = spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
         sched_args = (config.scheduler, self.kv_cache_manager, self.max_model_len, self.hooks,
@@ -171,12 +195,6 @@ class EngineCore:
             self.scheduler = Scheduler(*sched_args, num_lookahead_tokens=lookahead, connector=connector)
             self.batch_queue = None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue  # V1's
-        # async scheduling with speculation: step -> Future of the drafts proposed after it, and drafts
-        # known but not yet written into the step whose placeholders the worker filled with them
-        self._draft_futures: dict[int, Future] = {}
-        self._unplaced_drafts: DraftTokenIds | None = None
-        self._rng = random.Random(mc.seed)
-        self.profiling_since: int | None = None  # the first profiled step, while profiling
 
     def _make_kv_connector(self):
         """The KV connector's scheduler side (its worker side is the Worker's), or None."""
