@@ -73,8 +73,17 @@ def run(lesson) -> None:
         "weights, and carve the **KV cache** out of memory. You will start the real server, read the "
         "stages it prints as they finish, then build the same engine in-process and check what each "
         "stage produced: parameter counts, bytes, and why the cache has exactly that many blocks.")
+    _the_real_server_prints_its_stages(lesson)
+    engine, core, info = _the_same_stages_in_process(lesson)
+    _model_files_tokenizer_and_weights(lesson, engine, core, info)
+    per_block = _why_the_cache_has_that_many_blocks(lesson, engine, core, info)
+    _weights_versus_cache_on_a_gpu(lesson, info)
+    _block_size_8_keeps_the_slots(lesson, info, per_block)
+    _what_vllm_adds_on_a_gpu(lesson, core)
 
-    # ---- the real server, as a subprocess ----
+
+def _the_real_server_prints_its_stages(lesson) -> None:
+    """Start `vllm-trace serve` as a subprocess and read its startup stages up to ready."""
     lesson.say(f"Starting `vllm-trace serve {lesson.model} --no-tui --port 0` (port 0: any free port) …")
     seen, models, ready_s = start_server(lesson.model)
     lesson.show("\n".join(line for _, line in seen if line.strip()), title="the server's stderr, up to ready")
@@ -106,7 +115,10 @@ def run(lesson) -> None:
                  "the time before the first engine stage (mostly imports) exceeds all engine stages together")
     lesson.pause()
 
-    # ---- the same engine, in-process ----
+
+def _the_same_stages_in_process(lesson):
+    """Build the engine with the offline `LLM` and read the EngineCore's startup stages.
+    Returns (the LLMEngine, its EngineCore, {stage: (seconds, details)})."""
     lesson.say("Now the same startup in this process, with the offline `LLM`, as vLLM V1 cuts it: `LLM` wraps "
                "an `LLMEngine` (the front end: tokenizing, detokenizing), which talks to an `EngineCore` "
                "through an `InprocClient`. The `EngineCore` builds everything below: the executor with its "
@@ -120,6 +132,14 @@ def run(lesson) -> None:
         [name, f"{sec * 1000:.1f}", ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("path", "reason"))]
         for name, sec, d in core.startup], title="EngineCore.startup, measured in this process"))
     lesson.check([n for n, _, _ in core.startup] == STAGES, "the engine records the same four stages, in order")
+    _async_scheduling_picks_the_scheduler(lesson, core, info)
+    spans = [e for e in events_of(session) if e.layer == "engine" and e.kind == END and e.name in STAGES]
+    lesson.check([e.name for e in spans] == STAGES and all(e.get("seconds") > 0 for e in spans),
+                 "the tracer saw each stage as a timed span (BEGIN/END events)")
+    return engine, core, info
+
+
+def _async_scheduling_picks_the_scheduler(lesson, core, info) -> None:
     lesson.say("What async scheduling (vLLM's default with CUDA; lesson 25) changes here: the scheduler built "
                "is an `AsyncScheduler`, which counts the tokens of a step still in flight as placeholders, and "
                "the loop's step is `step_with_batch_queue`, which schedules the next step while the executor "
@@ -134,10 +154,10 @@ def run(lesson) -> None:
                  f"this engine on {core.device.type} schedules {'a' if on else ''}synchronously: "
                  f"{'an AsyncScheduler' if on else 'a Scheduler'}, {core.step_fn.__name__} as its step, and the "
                  f"Startup panel says why ({info['model_load'][1]['scheduling']})")
-    spans = [e for e in events_of(session) if e.layer == "engine" and e.kind == END and e.name in STAGES]
-    lesson.check([e.name for e in spans] == STAGES and all(e.get("seconds") > 0 for e in spans),
-                 "the tracer saw each stage as a timed span (BEGIN/END events)")
 
+
+def _model_files_tokenizer_and_weights(lesson, engine, core, info) -> None:
+    """resolve_model, tokenizer_load and model_load: the config, the vocabulary, the parameter count."""
     mc = core.model_config
     lesson.say(
         f"**resolve_model** turns the name into a checkpoint directory (for Hugging Face names: the "
@@ -165,6 +185,11 @@ def run(lesson) -> None:
                  "weights are float32 on the CPU: bytes = parameters × 4")
     lesson.pause()
 
+
+def _why_the_cache_has_that_many_blocks(lesson, engine, core, info) -> int:
+    """kv_cache_alloc: bytes per block, the number of blocks, the null block. Returns bytes per block."""
+    mc = core.model_config
+    ml = info["model_load"][1]
     kv = info["kv_cache_alloc"][1]
     per_block = 2 * mc.n_layer * kv["block_size"] * mc.n_head * mc.head_size * 4
     lesson.say(
@@ -183,7 +208,6 @@ def run(lesson) -> None:
             and core.device.type == "cpu":
         from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY as budget
         lesson.check(kv["num_blocks"] == budget // per_block, f"num_blocks = {budget:,} byte budget // {per_block:,}")
-    capacity = kv["num_blocks"] * kv["block_size"]
     usable = (kv["num_blocks"] - 1) * kv["block_size"]
     ratio = kv["bytes"] / ml["bytes"]
     lesson.say(f"That is room for **{usable:,} tokens** of context, shared by all requests (block 0 is "
@@ -194,6 +218,14 @@ def run(lesson) -> None:
     pool = core.kv_cache_manager.block_pool
     lesson.check(pool.num_usable_blocks == kv["num_blocks"] - 1 and 0 not in pool.free_block_queue,
                  f"{kv['num_blocks'] - 1} blocks are usable: block 0, the null block, is not in the free queue")
+    return per_block
+
+
+def _weights_versus_cache_on_a_gpu(lesson, info) -> None:
+    """This setup's cache-to-weights ratio, against Llama-3-8B's on an H100."""
+    ml = info["model_load"][1]
+    kv = info["kv_cache_alloc"][1]
+    ratio = kv["bytes"] / ml["bytes"]
     # A real model on a GPU, by the same arithmetic (public Llama-3-8B config: 32 layers, 8 KV heads
     # of 128 dims, bf16; 8.03e9 parameters) on an 80 GB H100 at gpu_memory_utilization 0.9.
     w8b, kv_tok = 8.03e9 * 2, 2 * 32 * 8 * 128 * 2
@@ -208,6 +240,11 @@ def run(lesson) -> None:
         "split over GPUs has even less cache per byte of weights.")
     lesson.check(1 < left / w8b < 5, f"the 8B example's cache is {left / w8b:.1f}× its weights, not {ratio:.0f}×")
 
+
+def _block_size_8_keeps_the_slots(lesson, info, per_block: int) -> None:
+    """Halving block_size under the same budget doubles the blocks and keeps the token slots."""
+    kv = info["kv_cache_alloc"][1]
+    capacity = kv["num_blocks"] * kv["block_size"]
     lesson.predict("With block_size 8 instead of 16 and the same budget, how many blocks fit?",
                    "Twice as many, each half the size: the number of token slots does not change.")
     llm8, _ = lesson.engine(block_size=8, hand_steps=False)
@@ -217,6 +254,8 @@ def run(lesson) -> None:
                  f"same {capacity:,} slots")
     lesson.pause()
 
+
+def _what_vllm_adds_on_a_gpu(lesson, core) -> None:
     lesson.say(
         "**What vLLM adds on a GPU** (not done here — this engine runs eager PyTorch on the CPU):\n\n"
         "- *Memory profiling*: vLLM runs a dummy forward pass at the largest batch "

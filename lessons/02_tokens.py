@@ -68,9 +68,20 @@ def run(lesson) -> None:
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec.get("merges") or []]
     ranks = {m: i for i, m in enumerate(merges)}
 
-    # ---- encode ----
     steer = tok.encode(STEER)
     req = queue_request(engine, "A", PROMPT, SamplingParams(temperature=0, max_tokens=len(steer), ignore_eos=True))
+    enc, vocab = _the_prompt_becomes_ids(lesson, session, tok, req)
+    if not merges:
+        _without_merges_one_token_per_byte(lesson, req)
+        return
+    e_ids = _bpe_words_spaces_and_emoji_bytes(lesson, tok, req, enc, vocab, merges)
+    _the_merges_replayed(lesson, tok, merges, ranks)
+    _round_trips_on_real_text(lesson, tok)
+    _streaming_waits_for_whole_characters(lesson, engine, session, req, steer, e_ids)
+
+
+def _the_prompt_becomes_ids(lesson, session, tok, req):
+    """The tokenizer's encode event, id by id. Returns (the event, each id's vocabulary entry)."""
     ids = req.prompt_token_ids
     enc = next(e for e in events_of(session) if e.layer == "tokenizer" and e.name == "encode")
     lesson.say(f"`add_request` tokenized the prompt `{PROMPT}` into {len(ids)} ids. Each id, alone:")
@@ -79,13 +90,22 @@ def run(lesson) -> None:
                       [[i, v, repr(p)] for i, v, p in zip(ids, vocab, enc.get("pieces"))],
                       title="the tokenizer's encode event"))
     lesson.check(enc.get("token_ids") == ids, "the tracer's encode event carries the same ids the request holds")
+    return enc, vocab
+
+
+def _without_merges_one_token_per_byte(lesson, req) -> None:
+    ids = req.prompt_token_ids
     n_bytes = len(PROMPT.encode("utf-8"))
-    if not merges:
-        lesson.say(f"This model's tokenizer ({lesson.model}) has **no merges**: every id is one UTF-8 byte, "
-                   f"so the prompt's {n_bytes} bytes are {len(ids)} tokens. The rest of the lesson needs BPE; "
-                   "run it on tiny-gpt2.")
-        lesson.check(len(ids) == n_bytes, "without merges, one token per UTF-8 byte")
-        return
+    lesson.say(f"This model's tokenizer ({lesson.model}) has **no merges**: every id is one UTF-8 byte, "
+               f"so the prompt's {n_bytes} bytes are {len(ids)} tokens. The rest of the lesson needs BPE; "
+               "run it on tiny-gpt2.")
+    lesson.check(len(ids) == n_bytes, "without merges, one token per UTF-8 byte")
+
+
+def _bpe_words_spaces_and_emoji_bytes(lesson, tok, req, enc, vocab, merges) -> list[int]:
+    """Byte-level BPE: whole words, `Ġ` for a leading space, an emoji as bytes. Returns the emoji's ids."""
+    ids = req.prompt_token_ids
+    n_bytes = len(PROMPT.encode("utf-8"))
     lesson.say(
         f"This is a **byte-level BPE** tokenizer, as GPT-2 uses, with {len(tok)} entries: the 256 bytes, "
         f"{len(merges)} learned merges and `<|endoftext|>`. The vocabulary stores each byte as a printable "
@@ -103,8 +123,11 @@ def run(lesson) -> None:
     lesson.check(any(BAD in p for p in enc.get("pieces")),
                  "decoded one at a time, those byte tokens are not text at all (U+FFFD, the replacement character)")
     lesson.pause()
+    return e_ids
 
-    # ---- the merges, replayed ----
+
+def _the_merges_replayed(lesson, tok, merges, ranks) -> None:
+    """Replay the merge list on WORD and get the tokenizer's own ids."""
     word = "".join(tok.convert_ids_to_tokens(tok.encode(WORD)))  # the word as vocabulary characters (Ġ...)
     steps = bpe_steps(word, ranks)
     n_word = len(tok.encode(WORD))
@@ -123,7 +146,9 @@ def run(lesson) -> None:
                  f"replaying the merge list gives exactly the tokenizer's ids for {WORD!r}: {tok.encode(WORD)}")
     lesson.pause()
 
-    # ---- round trips on real text ----
+
+def _round_trips_on_real_text(lesson, tok) -> None:
+    """decode(encode(text)) == text, and how many bytes each token carries."""
     samples = {"this lesson's source": pathlib.Path(__file__).read_text(encoding="utf-8"),
                "the README": (ROOT / "README.md").read_text(encoding="utf-8"),
                "combining accent, ZWJ emoji, CJK": "e\u0301 👨‍👩‍👧 漢字\ttab\nnewline"}
@@ -142,7 +167,10 @@ def run(lesson) -> None:
                "window and the KV cache are counted in tokens, so this ratio is what a prompt costs.")
     lesson.pause()
 
-    # ---- streaming: the engine's real detokenizer ----
+
+def _streaming_waits_for_whole_characters(lesson, engine, session, req, steer, e_ids) -> None:
+    """The engine's real detokenizer: a step that ends mid-character streams nothing."""
+    tok = engine.tokenizer
     emoji_at = len(steer) - len(e_ids)
     lesson.check(steer[emoji_at:] == e_ids,
                  f"{STEER!r} is {len(steer)} tokens and ends in the emoji's {len(e_ids)} byte tokens")
@@ -159,16 +187,7 @@ def run(lesson) -> None:
         "has the engine streamed to the client for those steps?",
         "Nothing: each of those steps streams the empty string. The step that samples the 4th byte, "
         "0x8B, streams '👋' whole.")
-    rows, pieces, naive, text = [], [], "", ""
-    while engine.has_unfinished_requests():
-        for out in engine.step():  # the front end's RequestOutput: its text so far
-            text = out.outputs[0].text
-        new = [e for e in events_of(session) if e.layer == "detokenizer" and e.name == "NEW_TOKENS"][-1]
-        t = new.get("token_ids")[0]
-        pieces.append(new.get("text"))
-        naive += tok.decode([t])
-        rows.append([new.step, f"{t} {tok.convert_ids_to_tokens(t)!r}", repr(new.get("text")), repr(text),
-                     repr(naive)])
+    rows, pieces, naive, text = _stream_the_steered_reply(engine, session)
     lesson.show(table(["step", "sampled token", "streamed this step", "output text", "decoding each token alone"],
                       rows, title="the detokenizer's NEW_TOKENS events, step by step"))
     # Steps whose token leaves the text ending mid-character (decoding the prefix ends in U+FFFD).
@@ -194,6 +213,23 @@ def run(lesson) -> None:
         "whole. Decoding "
         "everything at the end gives the same text."
     )
+
+
+def _stream_the_steered_reply(engine, session):
+    """Step the engine to the end. Returns (table rows, the piece streamed each step, the text of each
+    token decoded alone, the output text)."""
+    tok = engine.tokenizer
+    rows, pieces, naive, text = [], [], "", ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():  # the front end's RequestOutput: its text so far
+            text = out.outputs[0].text
+        new = [e for e in events_of(session) if e.layer == "detokenizer" and e.name == "NEW_TOKENS"][-1]
+        t = new.get("token_ids")[0]
+        pieces.append(new.get("text"))
+        naive += tok.decode([t])
+        rows.append([new.step, f"{t} {tok.convert_ids_to_tokens(t)!r}", repr(new.get("text")), repr(text),
+                     repr(naive)])
+    return rows, pieces, naive, text
 
 
 if __name__ == "__main__":

@@ -97,7 +97,14 @@ def run(lesson) -> None:
     llm, session = lesson.engine(num_kv_blocks=64, enable_prefix_caching=False)
     engine = llm.llm_engine
     req = queue_request(engine, "A", {"prompt_token_ids": [(5 * i) % 250 for i in range(N)]}, greedy(3))
+    _prefill_feeds_the_whole_prompt(lesson, engine, session, req)
+    _decode_feeds_one_token(lesson, engine, session, req)
+    cfg, weight_bytes, pre, dec = _prefill_and_decode_timed(lesson)
+    _arithmetic_intensity_explains_it(lesson, cfg, weight_bytes)
+    _what_this_cpu_shows(lesson, weight_bytes, dec)
 
+
+def _prefill_feeds_the_whole_prompt(lesson, engine, session, req) -> None:
     engine.step()
     batches = [e for e in events_of(session) if e.layer == "model_runner" and e.name == "batch"]
     pf = batches[-1]
@@ -110,6 +117,9 @@ def run(lesson) -> None:
                  f"the prefill step feeds all {N} prompt tokens, positions 0…{N - 1}, through every layer")
     lesson.check(req.num_output_tokens == 1,
                  "yet it samples one token: only the last position's hidden state becomes logits")
+
+
+def _decode_feeds_one_token(lesson, engine, session, req) -> None:
     lesson.predict("A now decodes. How many input_ids does the next step feed the model, at what position?",
                    f"One: the token just sampled, at position {N}. Attention reads the other {N} tokens' "
                    "keys and values from the KV cache.")
@@ -124,7 +134,10 @@ def run(lesson) -> None:
     lesson.check(dc.get("seq_lens") == [N + 1], f"but it attends over all {N + 1} positions (seq_len {N + 1})")
     lesson.pause()
 
-    # ---- measured ----
+
+def _prefill_and_decode_timed(lesson):
+    """Time prefill and decode steps on an untraced engine. Returns (model config, weight bytes,
+    {prefill tokens: seconds}, {decode batch: seconds})."""
     lesson.say(
         f"Now the timings: one prefill step of {', '.join(map(str, PREFILLS))} tokens, and one decode step "
         f"of a batch of {', '.join(map(str, BATCHES))} requests, median of {ROUNDS} interleaved rounds, "
@@ -140,16 +153,8 @@ def run(lesson) -> None:
     cfg = plain.engine_core.engine_core.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in plain.engine_core.engine_core.model.parameters())
     pre, dec = measure(plain, ROUNDS)
-    rows = []
-    for n, t in pre.items():
-        f, b = step_cost(cfg, weight_bytes, [(n, n)])
-        rows.append([f"prefill, 1 × {n}", n, f"{t * 1e3:.2f}", f"{n / t:,.0f}", f"{f / t / 1e9:.2f}", f"{f / b:.1f}"])
-    for bsz, t in dec.items():
-        f, b = step_cost(cfg, weight_bytes, [(1, 17)] * bsz)
-        rows.append([f"decode, {bsz} × 1", bsz, f"{t * 1e3:.2f}", f"{bsz / t:,.0f}", f"{f / t / 1e9:.2f}",
-                     f"{f / b:.2f}"])
     lesson.show(table(["step", "tokens", "ms (median)", "tokens/s", "GFLOP/s achieved", "FLOPs per byte read"],
-                      rows, title="measured on this machine"))
+                      _timing_rows(cfg, weight_bytes, pre, dec), title="measured on this machine"))
     p_tps, d1_tps = N / pre[N], 1 / dec[1]
     lesson.check(p_tps > 5 * d1_tps,
                  f"prefill of {N} runs {p_tps / d1_tps:.0f}× more tokens/s than a single request decoding")
@@ -162,7 +167,24 @@ def run(lesson) -> None:
                  f"a decode step of 8 requests takes {dec[8] / dec[1]:.1f}× the time of 1 — far from 8×")
     lesson.check(8 / dec[8] > 3 / dec[1], "so batching 8 decodes gives over 3× the decode tokens/s")
     lesson.pause()
+    return cfg, weight_bytes, pre, dec
 
+
+def _timing_rows(cfg, weight_bytes: int, pre: dict[int, float], dec: dict[int, float]) -> list[list]:
+    """One row per timed step: tokens, median ms, tokens/s, GFLOP/s achieved, FLOPs per byte read."""
+    rows = []
+    for n, t in pre.items():
+        f, b = step_cost(cfg, weight_bytes, [(n, n)])
+        rows.append([f"prefill, 1 × {n}", n, f"{t * 1e3:.2f}", f"{n / t:,.0f}", f"{f / t / 1e9:.2f}", f"{f / b:.1f}"])
+    for bsz, t in dec.items():
+        f, b = step_cost(cfg, weight_bytes, [(1, 17)] * bsz)
+        rows.append([f"decode, {bsz} × 1", bsz, f"{t * 1e3:.2f}", f"{bsz / t:,.0f}", f"{f / t / 1e9:.2f}",
+                     f"{f / b:.2f}"])
+    return rows
+
+
+def _arithmetic_intensity_explains_it(lesson, cfg, weight_bytes: int) -> None:
+    """FLOPs per byte read: prefill is compute-bound, decode memory-bound."""
     f1, b1 = step_cost(cfg, weight_bytes, [(1, N + 1)])
     fp, bp = step_cost(cfg, weight_bytes, [(N, N)])
     lesson.say(
@@ -178,6 +200,10 @@ def run(lesson) -> None:
         "below it: it is **memory-bound**, limited by streaming weights and KV cache from memory, which "
         "is why serving engines batch many decodes into each step.")
     lesson.check(fp / bp > 50 * (f1 / b1), "prefill's arithmetic intensity is over 50× decode's")
+
+
+def _what_this_cpu_shows(lesson, weight_bytes: int, dec: dict[int, float]) -> None:
+    """On this CPU a decode step's fixed per-step work, not memory bandwidth, is what batching shares."""
     cache = largest_cpu_cache()
     fits = cache is not None and cache > weight_bytes
     lesson.say(

@@ -2,6 +2,7 @@
 import pathlib
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +31,17 @@ def count_model_tokens(engine) -> list[int]:
     return sizes
 
 
+@dataclass
+class TwoWays:
+    """What generating GEN tokens recorded, recomputing the sequence each token and with the KV cache."""
+    recompute_sizes: list[int]  # tokens fed to the model, each step
+    recomputed: list[int]  # the tokens generated
+    t_recompute: float  # CPU seconds
+    cached_sizes: list[int]
+    cached: list[int]
+    t_cached: float
+
+
 def run(lesson) -> None:
     lesson.intro(
         "To produce token *t+1* the model needs, in every layer, the keys and values of all tokens "
@@ -41,6 +53,14 @@ def run(lesson) -> None:
     engine = llm.llm_engine
     sizes = count_model_tokens(engine)
     prompt = [(11 * i + 3) % 250 for i in range(PROMPT_LEN)]
+    runs = _generate_both_ways(lesson, engine, sizes, prompt)
+    _tokens_fed_to_the_model(lesson, runs)
+    _time_both_ways(lesson, runs)
+    _what_is_cached_and_what_it_costs(lesson, engine)
+
+
+def _generate_both_ways(lesson, engine, sizes: list[int], prompt: list[int]) -> TwoWays:
+    """Generate GEN tokens by recomputing, then with the cache, timed as CPU time of one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU time of one thread: other programs on this shared machine don't count
     try:
@@ -49,33 +69,44 @@ def run(lesson) -> None:
         while engine.has_unfinished_requests():
             engine.step()
         sizes.clear()
-
-        # ---- without a cache: every token = a fresh request over the whole sequence ----
-        lesson.say(
-            "**Recompute.** For each new token we submit the whole sequence so far as a fresh prompt and "
-            "take the one token the engine samples (prefix caching is off, so nothing is reused).")
-        seq = list(prompt)
-        t0 = time.thread_time()
-        for i in range(GEN):
-            req = queue_request(engine, f"r{i}", {"prompt_token_ids": seq}, greedy(1))
-            while engine.has_unfinished_requests():
-                engine.step()
-            seq.append(req.output_token_ids[0])
-        t_recompute = time.thread_time() - t0
-        recompute_sizes, recomputed = list(sizes), seq[PROMPT_LEN:]
+        recompute_sizes, recomputed, t_recompute = _recompute(lesson, engine, sizes, prompt)
         sizes.clear()
-
-        # ---- with the cache: one request, one prefill, then decode steps ----
-        lesson.say("**Cached.** One request: a prefill of the prompt, then one token per step.")
-        t0 = time.thread_time()
-        req = queue_request(engine, "cached", {"prompt_token_ids": prompt}, greedy(GEN))
-        while engine.has_unfinished_requests():
-            engine.step()
-        t_cached = time.thread_time() - t0
-        cached_sizes, cached = list(sizes), req.output_token_ids
+        cached_sizes, cached, t_cached = _cached(lesson, engine, sizes, prompt)
     finally:
         torch.set_num_threads(threads)
+    return TwoWays(recompute_sizes, recomputed, t_recompute, cached_sizes, cached, t_cached)
 
+
+def _recompute(lesson, engine, sizes: list[int], prompt: list[int]) -> tuple[list[int], list[int], float]:
+    """Without a cache: every token = a fresh request over the whole sequence."""
+    lesson.say(
+        "**Recompute.** For each new token we submit the whole sequence so far as a fresh prompt and "
+        "take the one token the engine samples (prefix caching is off, so nothing is reused).")
+    seq = list(prompt)
+    t0 = time.thread_time()
+    for i in range(GEN):
+        req = queue_request(engine, f"r{i}", {"prompt_token_ids": seq}, greedy(1))
+        while engine.has_unfinished_requests():
+            engine.step()
+        seq.append(req.output_token_ids[0])
+    t_recompute = time.thread_time() - t0
+    return list(sizes), seq[PROMPT_LEN:], t_recompute
+
+
+def _cached(lesson, engine, sizes: list[int], prompt: list[int]) -> tuple[list[int], list[int], float]:
+    """With the cache: one request, one prefill, then decode steps."""
+    lesson.say("**Cached.** One request: a prefill of the prompt, then one token per step.")
+    t0 = time.thread_time()
+    req = queue_request(engine, "cached", {"prompt_token_ids": prompt}, greedy(GEN))
+    while engine.has_unfinished_requests():
+        engine.step()
+    t_cached = time.thread_time() - t0
+    return list(sizes), req.output_token_ids, t_cached
+
+
+def _tokens_fed_to_the_model(lesson, runs: TwoWays) -> None:
+    """Quadratic versus linear: the token positions each way runs through the model."""
+    recompute_sizes, cached_sizes = runs.recompute_sizes, runs.cached_sizes
     P, G = PROMPT_LEN, GEN
     lesson.predict(
         f"How many token positions does each way run through the model to generate {G} tokens "
@@ -93,9 +124,15 @@ def run(lesson) -> None:
     lesson.check(sum(recompute_sizes) == G * P + G * (G - 1) // 2 and sum(cached_sizes) == P + G - 1,
                  f"{sum(recompute_sizes):,} versus {sum(cached_sizes)} tokens: "
                  f"{sum(recompute_sizes) / sum(cached_sizes):.0f}× more work without the cache")
-    lesson.check(recomputed == cached, f"both ways generate the same {G} tokens (greedy)")
+    lesson.check(runs.recomputed == runs.cached, f"both ways generate the same {G} tokens (greedy)")
     lesson.pause()
 
+
+def _time_both_ways(lesson, runs: TwoWays) -> None:
+    """The measured times, and why their gap is far smaller than the token gap."""
+    recompute_sizes, t_recompute = runs.recompute_sizes, runs.t_recompute
+    cached_sizes, t_cached = runs.cached_sizes, runs.t_cached
+    G = GEN
     lesson.show(table(["way", "model steps", "CPU seconds", "ms per generated token"], [
         ["recompute", len(recompute_sizes), f"{t_recompute:.2f}", f"{t_recompute / G * 1e3:.1f}"],
         ["KV cache", len(cached_sizes), f"{t_cached:.2f}", f"{t_cached / G * 1e3:.1f}"]],
@@ -113,6 +150,8 @@ def run(lesson) -> None:
         "gap widens: recompute's work per token grows with the sequence, the cache's stays flat (apart "
         "from attention, which reads every past key either way).")
 
+
+def _what_is_cached_and_what_it_costs(lesson, engine) -> None:
     cfg = engine.engine_core.engine_core.model_config
     per_token = 2 * cfg.n_layer * cfg.n_embd * 4
     bm = engine.engine_core.engine_core.kv_cache_manager

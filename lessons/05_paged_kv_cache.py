@@ -23,15 +23,27 @@ def run(lesson) -> None:
     llm, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=False)
     engine = llm.llm_engine
     bm = engine.engine_core.engine_core.kv_cache_manager
-    pool = bm.block_pool
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     free0 = bm.num_free_blocks
+    _block_0_is_the_null_block(lesson, bm.block_pool, free0)
+    a = _a_prefill_takes_three_blocks(lesson, engine, bm, greedy, free0)
+    _b_takes_the_next_two_blocks(lesson, engine, greedy)
+    _a_crosses_a_block_boundary(lesson, llm, a)
+    _finished_requests_return_their_blocks(lesson, engine, bm, free0)
+    _paging_wastes_less_than_contiguous(lesson)
+
+
+def _block_0_is_the_null_block(lesson, pool, free0: int) -> None:
     lesson.say(f"The cache has {pool.num_gpu_blocks} blocks of {BLOCK} slots, but only {free0} are in the "
                "free-block queue: block 0 is the **null block**. As in vLLM V1's block pool, it is taken out once at "
                "startup and never given to a request, so a block-table entry of 0 can only mean *nothing here*.")
     lesson.check(free0 == pool.num_gpu_blocks - 1 and 0 not in pool.free_block_queue,
                  "block 0 is not in the free queue")
+
+
+def _a_prefill_takes_three_blocks(lesson, engine, bm, greedy, free0: int):
+    """A's 40-token prefill takes blocks 1, 2, 3 from the front of the free queue. Returns A."""
     a = queue_request(engine, "A", {"prompt_token_ids": list(range(40))}, greedy)
     lesson.say("Request **A** has a 40-token prompt.")
     lesson.predict("How many blocks does A's prefill take, and how full is the last one?",
@@ -43,7 +55,10 @@ def run(lesson) -> None:
     lesson.check(bm.num_free_blocks == free0 - 3, f"3 blocks left the free-block queue: {free0 - 3} remain")
     lesson.check(a.block_ids == [1, 2, 3], "they came from the front of the queue: physical blocks 1, 2, 3")
     lesson.pause()
+    return a
 
+
+def _b_takes_the_next_two_blocks(lesson, engine, greedy) -> None:
     b = queue_request(engine, "B", {"prompt_token_ids": list(range(100, 120))}, greedy)
     engine.step()  # A decodes one token, B is admitted and prefilled in the same step
     lesson.say("Request **B** (20 tokens) arrives. Blocks come from the front of the free queue, so B "
@@ -52,6 +67,10 @@ def run(lesson) -> None:
     lesson.check(b.block_ids == [4, 5], "B's blocks are physical blocks 4 and 5")
     lesson.pause()
 
+
+def _a_crosses_a_block_boundary(lesson, llm, a) -> None:
+    """A decodes until it needs a 4th block: logically contiguous, physically not."""
+    engine = llm.llm_engine
     lesson.predict("A keeps decoding one token per step. At which step does A need a 4th block?",
                    "When it computes its 49th token (position 48): 48 slots fill 3 blocks exactly.")
     steps = 0
@@ -67,10 +86,15 @@ def run(lesson) -> None:
     lesson.show(kv_blocks(llm), title="the KV cache (A/B = owner, ∅ = the null block, blank = free)")
     lesson.pause()
 
-    # ---- fragmentation: paged versus contiguous pre-allocation ----
+
+def _finished_requests_return_their_blocks(lesson, engine, bm, free0: int) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     lesson.check(bm.num_free_blocks == free0, "finished requests return every block to the free queue")
+
+
+def _paging_wastes_less_than_contiguous(lesson) -> None:
+    """Fragmentation: paged versus contiguous pre-allocation, on 24 requests stopped mid-run."""
     lesson.say("Now a workload of 24 requests with varied lengths, stopped mid-run. For each running "
                "request we count slots **allocated** and slots **used**, paged (16-token blocks) versus "
                "the older scheme that reserves `max_model_len` contiguous slots per request.")
