@@ -2,6 +2,7 @@
 import itertools
 import pathlib
 import sys
+from dataclasses import dataclass
 
 from rich.markup import escape
 
@@ -46,6 +47,19 @@ def capture_inputs(engine) -> tuple[list, list]:
     return seen, slot_launches
 
 
+@dataclass
+class FlatBatch:
+    """The mixed step's arrays as lists, and the requests they belong to."""
+    ids: list[int]
+    pos: list[int]
+    slots: list[int]
+    qsl: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    reqs: list
+    scheduled: list  # (request, first position this step, tokens this step)
+
+
 def run(lesson) -> None:
     lesson.intro(
         "A step's batch is not a padded matrix of requests: all scheduled tokens of all requests are "
@@ -57,6 +71,33 @@ def run(lesson) -> None:
                                  enable_prefix_caching=False)
     engine = llm.llm_engine
     inputs, slot_launches = capture_inputs(engine)
+    a, b, c = _a_decodes_while_b_is_chunked(lesson, llm, engine)
+    lesson.pause()
+
+    engine.step()  # step 2: the mixed step
+    sched, inp = inputs[-1]
+    ev, kinds = _one_step_mixes_decode_and_prefills(lesson, session)
+    batch = _flatten(engine, sched, inp)
+    _show_the_flattened_batch(lesson, batch)
+    _each_array_explained(lesson, batch, kinds)
+    lesson.pause()
+
+    _predict_a_slot(lesson, batch)
+    lesson.check(ev.get("input_ids") == batch.ids and ev.get("slot_mapping") == batch.slots
+                 and ev.get("query_start_loc") == batch.qsl,
+                 "the traced batch event shows exactly the tensors the model received")
+    show_input_kernels(lesson, session, ev.step, slot_launches[-1], batch.slots, len(batch.reqs))
+    _keys_went_to_the_mapped_slots(lesson, engine, inputs)
+    _only_each_requests_last_row_samples(lesson, inp, batch.qsl, a, b, c)
+    lesson.done(
+        "One step = one flat batch. `query_start_loc` cuts it into requests, `positions` place each token "
+        "in its sequence, `seq_lens` say how much context each request attends over, and `slot_mapping` = "
+        "block_table[pos // block_size] × block_size + pos % block_size says where each new key and value "
+        "are written. Decodes, prompt chunks and new prompts all share the same arrays.")
+
+
+def _a_decodes_while_b_is_chunked(lesson, llm, engine) -> tuple:
+    """Steps 0 and 1: A's prefill, then A decodes while B's prompt is chunked; C arrives."""
     a = queue_request(engine, "A", {"prompt_token_ids": list(range(1, 21))}, greedy(8))
     engine.step()  # step 0: A's 20-token prefill
     b = queue_request(engine, "B", {"prompt_token_ids": [(3 * i) % 250 for i in range(100)]}, greedy(4))
@@ -69,10 +110,11 @@ def run(lesson) -> None:
         "into what is left of the budget.")
     lesson.show(queues(llm))
     lesson.check(b.num_computed_tokens == BUDGET - 1, f"B's first chunk was {BUDGET - 1} tokens (budget − A's 1)")
-    lesson.pause()
+    return a, b, c
 
-    engine.step()  # step 2: the mixed step
-    sched, inp = inputs[-1]
+
+def _one_step_mixes_decode_and_prefills(lesson, session) -> tuple:
+    """What the scheduler put in the mixed step: the traced batch event, and (id, kind, before, tokens) each."""
     ev = [e for e in events_of(session) if e.layer == "model_runner" and e.name == "batch"][-1]
     snap = [e for e in events_of(session)
             if e.layer == "scheduler" and e.name == "schedule" and e.kind == SNAPSHOT and e.step == ev.step][-1]
@@ -85,13 +127,22 @@ def run(lesson) -> None:
                  and kinds[2][2] == 0 and kinds[2][3] < 40,
                  "A: 1 token; B: its last chunk (63 → 100); C: a first chunk of its 40 tokens")
     lesson.check(sum(k[3] for k in kinds) == BUDGET, f"the three fill the budget of {BUDGET} tokens exactly")
+    return ev, kinds
 
+
+def _flatten(engine, sched, inp) -> FlatBatch:
     ids, pos = inp.input_ids.tolist(), inp.positions.tolist()
     slots, qsl = inp.slot_mapping.tolist(), inp.query_start_loc.tolist()
     seq_lens, tables = inp.seq_lens.tolist(), inp.block_tables.tolist()
     reqs = [engine.engine_core.engine_core.requests[rid] for rid in sched.req_ids]
     starts = sched.num_computed_before()  # the SchedulerOutput says where each request's tokens start
     scheduled = [(r, starts[r.request_id], sched.num_scheduled_tokens[r.request_id]) for r in reqs]
+    return FlatBatch(ids, pos, slots, qsl, seq_lens, tables, reqs, scheduled)
+
+
+def _show_the_flattened_batch(lesson, batch: FlatBatch) -> None:
+    ids, pos, slots, qsl, seq_lens, tables, reqs = (batch.ids, batch.pos, batch.slots, batch.qsl, batch.seq_lens,
+                                                    batch.tables, batch.reqs)
     lesson.show(table(["request", "rows (query_start_loc)", "positions", "seq_len", "block_tables row", "slots"], [
         [r.request_id, f"{qsl[i]} … {qsl[i + 1] - 1}", f"{pos[qsl[i]]} … {pos[qsl[i + 1] - 1]}", seq_lens[i],
          tables[i], f"{slots[qsl[i]]} … {slots[qsl[i + 1] - 1]}"] for i, r in enumerate(reqs)],
@@ -101,6 +152,11 @@ def run(lesson) -> None:
         [i, reqs[next(r for r in range(3) if qsl[r] <= i < qsl[r + 1])].request_id, ids[i], pos[i],
          pos[i] // BLOCK, pos[i] % BLOCK, slots[i]] for i in picks], title="some rows, one per token"))
 
+
+def _each_array_explained(lesson, batch: FlatBatch, kinds: list) -> None:
+    """query_start_loc, positions, seq_lens, input_ids and block_tables, checked against the requests."""
+    ids, pos, qsl, seq_lens, tables, reqs = batch.ids, batch.pos, batch.qsl, batch.seq_lens, batch.tables, batch.reqs
+    scheduled = batch.scheduled
     lesson.check(qsl == [0] + list(itertools.accumulate(k[3] for k in kinds)),
                  f"query_start_loc {qsl} is the running sum of tokens scheduled per request")
     lesson.check(pos == [p for _, start, n in scheduled for p in range(start, start + n)],
@@ -119,8 +175,11 @@ def run(lesson) -> None:
         "a stray read harmless rather than a silent read of another request's keys.")
     lesson.check(all(NULL_BLOCK_ID not in r.block_ids for r in reqs),
                  "no request's real block table contains block 0: every 0 in block_tables is padding")
-    lesson.pause()
 
+
+def _predict_a_slot(lesson, batch: FlatBatch) -> None:
+    """slot = block_table[pos // 16] × 16 + pos % 16: one of B's tokens by hand, then every token."""
+    pos, slots, qsl, tables, reqs = batch.pos, batch.slots, batch.qsl, batch.tables, batch.reqs
     row = qsl[1] + 17  # one of B's tokens
     p, tb = pos[row], tables[1]
     lesson.predict(escape(
@@ -134,16 +193,17 @@ def run(lesson) -> None:
                  "every token's slot is block_table[pos // 16] × 16 + pos % 16 of its own request")
     lesson.check(len(set(slots)) == len(slots), "no two tokens share a slot")
 
-    lesson.check(ev.get("input_ids") == ids and ev.get("slot_mapping") == slots and ev.get("query_start_loc") == qsl,
-                 "the traced batch event shows exactly the tensors the model received")
-    show_input_kernels(lesson, session, ev.step, slot_launches[-1], slots, len(reqs))
 
-    # Where did the keys really go? Layer 0's key cache has data in exactly the slots mapped so far.
+def _keys_went_to_the_mapped_slots(lesson, engine, inputs: list) -> None:
+    """Where did the keys really go? Layer 0's key cache has data in exactly the slots mapped so far."""
     written = {s for _, i in inputs for s in i.slot_mapping.tolist()}
     k0 = engine.engine_core.engine_core.kv_caches[0][0]
     filled = set(k0.reshape(-1, k0.shape[2] * k0.shape[3]).abs().sum(1).nonzero().flatten().tolist())
     lesson.check(filled == written,
                  f"layer 0's key cache holds data in exactly the {len(written)} slots the slot mappings named")
+
+
+def _only_each_requests_last_row_samples(lesson, inp, qsl: list[int], a, b, c) -> None:
     lesson.say(
         "After the step, A and B sample a token, while C's sampled token is thrown away: C's prompt is "
         "not finished, and only a request's last prompt position predicts its next token. The model "
@@ -152,11 +212,6 @@ def run(lesson) -> None:
                  f"logits rows {inp.logits_indices.tolist()}: each request's last row")
     lesson.check(a.num_output_tokens == 3 and b.num_output_tokens == 1 and c.num_output_tokens == 0,
                  "A has 3 output tokens, B its first, C none yet")
-    lesson.done(
-        "One step = one flat batch. `query_start_loc` cuts it into requests, `positions` place each token "
-        "in its sequence, `seq_lens` say how much context each request attends over, and `slot_mapping` = "
-        "block_table[pos // block_size] × block_size + pos % block_size says where each new key and value "
-        "are written. Decodes, prompt chunks and new prompts all share the same arrays.")
 
 
 def show_input_kernels(lesson, session, step: int, args: dict, slots: list[int], num_reqs: int) -> None:

@@ -34,9 +34,24 @@ def run(lesson) -> None:
         "iteration-level scheduling). You will add requests *between* `engine.step()` calls and watch "
         "the running set change, then measure it against static batching on the same workload.")
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=False)
-    engine, bm = llm.llm_engine, llm.llm_engine.engine_core.engine_core.kv_cache_manager
+    bm = llm.llm_engine.engine_core.engine_core.kv_cache_manager
     sub = session.bus.subscribe()  # events from now on
 
+    snaps, events_by_step, held_before = _requests_join_between_steps(lesson, llm, sub, bm)
+    _requests_join_and_leave_at_once(lesson, bm, snaps, events_by_step, held_before)
+    lesson.pause()
+
+    # ---- static versus continuous, same workload ----
+    _static_versus_continuous(lesson)
+    lesson.done("The scheduler decides the batch anew at every step. New requests join as soon as there is "
+                "budget and KV-cache room; finished requests leave and free their blocks in the step they "
+                "finish. Nobody waits for the longest member of a batch, so fewer steps are wasted on empty seats.")
+
+
+def _requests_join_between_steps(lesson, llm, sub, bm) -> tuple[dict, dict, dict]:
+    """Run the engine while A, B, C and D arrive at their steps; show the running batch step by step.
+    Returns each step's schedule snapshot, its events, and the block tables held before it."""
+    engine = llm.llm_engine
     arrivals = {0: [("A", 10), ("B", 5)], 2: [("C", 6)], 5: [("D", 4)]}  # step -> (id, max_tokens)
     lesson.say("The plan: **A** (10 tokens to generate) and **B** (5) arrive before step 0, **C** (6) "
                "arrives before step 2 and **D** (4) before step 5. Every prompt is 12 tokens.")
@@ -61,7 +76,11 @@ def run(lesson) -> None:
                      " ".join(snap["admitted"]) or "", " ".join(left), bm.num_free_blocks])
     lesson.show(table(["step", "scheduled (id:tokens, p=prefill d=decode)", "joined", "left", "free blocks after"],
                       rows, title="the running batch, step by step (from the trace)"))
+    return snaps, events_by_step, held_before
 
+
+def _requests_join_and_leave_at_once(lesson, bm, snaps: dict, events_by_step: dict, held_before: dict) -> None:
+    """C joins in the step it arrived; B leaves, and frees its blocks, in the step it finished."""
     s2 = {s["request_id"]: s for s in snaps[2]["scheduled"]}
     lesson.check("C" in snaps[2]["admitted"] and s2["C"]["num_tokens"] == 12,
                  "C arrived before step 2 and was admitted in step 2 with its whole 12-token prompt")
@@ -81,9 +100,10 @@ def run(lesson) -> None:
     lesson.check(len({tuple(sorted(s["request_id"] for s in snaps[k]["scheduled"])) for k in snaps}) >= 4,
                  "the batch had at least four different member sets over the run")
     lesson.check(bm.num_free_blocks == bm.num_usable_blocks, "when all have finished, every block is free again")
-    lesson.pause()
 
-    # ---- static versus continuous, same workload ----
+
+def _static_versus_continuous(lesson) -> None:
+    """The same 8 requests in 4 seats, batched statically and continuously, on the real engine."""
     lengths = [20, 3, 5, 18, 4, 16, 2, 6]
     seats = 4
     lesson.say(
@@ -100,24 +120,31 @@ def run(lesson) -> None:
                    "batch lasts as long as its longest member (" + ", ".join(
                        f"max({', '.join(map(str, b))}) = {max(b)}" for b in batches) + "), and a request needs "
                    "one step per token: its prefill step samples the first token, each decode step one more.")
+    static = measure(lesson, lengths, batches, seats, static=True)
+    cont = measure(lesson, lengths, batches, seats, static=False)
+    _compare_the_schemes(lesson, static, cont, lengths, batches, seats)
 
-    def measure(static: bool) -> dict:
-        llm2, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=128, max_num_seqs=seats, enable_prefix_caching=False)
-        e2 = llm2.llm_engine
-        steps = busy = 0
-        t0 = time.perf_counter()
-        groups = batches if static else [lengths]
-        i = 0
-        for group in groups:
-            for n in group:
-                e2.add_request(f"r{i}", prompt(i, 8), greedy(n))
-                i += 1
-            while e2.has_unfinished_requests():  # static: the next batch waits for the whole group
-                busy += len(e2.step())  # one output per scheduled request (each sampled a token)
-                steps += 1
-        return dict(steps=steps, busy=busy, seconds=time.perf_counter() - t0)
 
-    static, cont = measure(True), measure(False)
+def measure(lesson, lengths: list[int], batches: list[list[int]], seats: int, static: bool) -> dict:
+    """Run the workload on a fresh engine with `seats` seats: steps, busy slots and wall time."""
+    llm2, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=128, max_num_seqs=seats, enable_prefix_caching=False)
+    e2 = llm2.llm_engine
+    steps = busy = 0
+    t0 = time.perf_counter()
+    groups = batches if static else [lengths]
+    i = 0
+    for group in groups:
+        for n in group:
+            e2.add_request(f"r{i}", prompt(i, 8), greedy(n))
+            i += 1
+        while e2.has_unfinished_requests():  # static: the next batch waits for the whole group
+            busy += len(e2.step())  # one output per scheduled request (each sampled a token)
+            steps += 1
+    return dict(steps=steps, busy=busy, seconds=time.perf_counter() - t0)
+
+
+def _compare_the_schemes(lesson, static: dict, cont: dict, lengths: list[int], batches: list[list[int]],
+                         seats: int) -> None:
     tokens = sum(lengths)
     lesson.show(table(["scheme", "steps", "tokens", "slots", "wasted", "tokens/step", "time (s)"],
                       [[name, m["steps"], tokens, m["steps"] * seats, m["steps"] * seats - tokens,
@@ -135,9 +162,6 @@ def run(lesson) -> None:
                  "continuous batching wasted fewer slots: a freed seat is refilled the next step")
     lesson.say("The wall time is shown for scale only; on a shared CPU it is noisy. The checks rely on the "
                "step and slot counts, which do not depend on the machine.")
-    lesson.done("The scheduler decides the batch anew at every step. New requests join as soon as there is "
-                "budget and KV-cache room; finished requests leave and free their blocks in the step they "
-                "finish. Nobody waits for the longest member of a batch, so fewer steps are wasted on empty seats.")
 
 
 if __name__ == "__main__":

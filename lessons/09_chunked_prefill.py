@@ -27,6 +27,28 @@ def run(lesson) -> None:
     engine = llm.llm_engine
     sub = session.bus.subscribe()
 
+    a, b, long = _a_long_prompt_arrives(lesson, llm, sub)
+    lesson.pause()
+
+    steps = _prefill_in_chunks(lesson, engine, sub, long)
+    _chunks_share_the_budget_with_decodes(lesson, steps)
+    lesson.pause()
+
+    while engine.has_unfinished_requests():
+        engine.step()
+    lesson.check(a.num_output_tokens == b.num_output_tokens == 12 and long.num_output_tokens == 3,
+                 "all three requests finished with their full output")
+
+    _without_chunked_prefill_it_is_refused(lesson)
+    lesson.done("One token budget per step covers prefill and decode alike. Running requests are served first, "
+                "so decodes keep flowing; a long prompt takes what is left, chunk by chunk, and only its last "
+                "chunk samples a token. The budget bounds how much work — and so how much time — one step "
+                "can take, which keeps the gap between a decoding request's tokens short.")
+
+
+def _a_long_prompt_arrives(lesson, llm, sub) -> tuple:
+    """A and B prefill and decode a step; then L arrives with its long prompt. Returns the three requests."""
+    engine = llm.llm_engine
     a = queue_request(engine, "A", {"prompt_token_ids": list(range(10))}, greedy(12))
     b = queue_request(engine, "B", {"prompt_token_ids": list(range(50, 60))}, greedy(12))
     engine.step()  # A and B prefill together (20 tokens)
@@ -39,8 +61,11 @@ def run(lesson) -> None:
                    f"L's {LONG}-token prefill take, and how big is each chunk?",
                    f"A and B take 1 token each, leaving {BUDGET - 2} for L: chunks of 62, 62, 62 and then the "
                    f"remaining {LONG - 3 * 62}, so 4 steps.")
-    lesson.pause()
+    return a, b, long
 
+
+def _prefill_in_chunks(lesson, engine, sub, long) -> list[dict]:
+    """Step until L has its first token; show each step's tokens per request. Returns what each step did."""
     rows, steps = [], []
     while not long.output_token_ids:
         k = engine.engine_core.engine_core.step_count
@@ -58,7 +83,10 @@ def run(lesson) -> None:
                        long.output_token_ids[0] if long.output_token_ids else "none yet"])
     lesson.show(table(["step", "A", "B", "L", "budget used", "L computed", "L's first token"], rows,
                       title="tokens per request per step (p = prefill, d = decode), from the trace"))
+    return steps
 
+
+def _chunks_share_the_budget_with_decodes(lesson, steps: list[dict]) -> None:
     chunks = [s["per"]["L"]["num_tokens"] for s in steps]
     lesson.check(chunks == [62, 62, 62, LONG - 3 * 62],
                  f"L's prompt went in {len(chunks)} chunks, {' + '.join(map(str, chunks))} = {sum(chunks)} tokens")
@@ -77,13 +105,9 @@ def run(lesson) -> None:
                "already known (it is the prompt), so the engine throws the sample away.")
     lesson.check(all(s["l_in_sampler"] for s in steps),
                  "the sampler did run for L in every one of those steps; only the last sample was kept")
-    lesson.pause()
 
-    while engine.has_unfinished_requests():
-        engine.step()
-    lesson.check(a.num_output_tokens == b.num_output_tokens == 12 and long.num_output_tokens == 3,
-                 "all three requests finished with their full output")
 
+def _without_chunked_prefill_it_is_refused(lesson) -> None:
     lesson.say("Turn chunked prefill off and the scheduler must fit a whole prompt into one step. A prompt "
                "longer than the budget could then never be scheduled, so this engine refuses it when it is "
                "added. (vLLM itself checks this at startup: with chunked prefill off it requires "
@@ -98,10 +122,6 @@ def run(lesson) -> None:
     lesson.show(refused or "(accepted)", title="chunked prefill off")
     lesson.check("chunked prefill is off" in refused,
                  f"without chunked prefill a {LONG}-token prompt does not fit a {BUDGET}-token budget and is refused")
-    lesson.done("One token budget per step covers prefill and decode alike. Running requests are served first, "
-                "so decodes keep flowing; a long prompt takes what is left, chunk by chunk, and only its last "
-                "chunk samples a token. The budget bounds how much work — and so how much time — one step "
-                "can take, which keeps the gap between a decoding request's tokens short.")
 
 
 if __name__ == "__main__":

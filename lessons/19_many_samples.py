@@ -28,6 +28,26 @@ def run(lesson) -> None:
         "tokens back into one `RequestOutput` with n completions.")
     llm, session = lesson.engine(block_size=BLOCK, num_kv_blocks=64)
     engine = llm.llm_engine
+    _children_share_the_prompts_blocks(lesson, engine)
+    lesson.pause()
+
+    _one_output_gathers_the_children(lesson, engine)
+    lesson.pause()
+
+    # ---- preemption of a child ----
+    _a_child_is_preempted_like_any_request(lesson)
+    lesson.pause()
+
+    # ---- priority ----
+    _fcfs_versus_priority(lesson)
+    lesson.done(
+        "n > 1 is n child requests sharing the prompt's KV blocks through the prefix cache and reference counts, "
+        "gathered into one output by the front end; each child is scheduled, preempted and freed on its own. "
+        "Priority scheduling reorders the waiting queue and picks preemption victims by (priority, arrival).")
+
+
+def _children_share_the_prompts_blocks(lesson, engine) -> None:
+    """One step of an n = 4 request: the children's block tables share the prompt's full blocks."""
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
     bm = core.kv_cache_manager
     pool = bm.block_pool
@@ -54,8 +74,11 @@ def run(lesson) -> None:
     lesson.check(children[0].num_cached_tokens == 0 and
                  all(c.num_cached_tokens == full * BLOCK for c in children[1:]),
                  f"child 0 found nothing cached; children 1..{N - 1} found {full * BLOCK} tokens each")
-    lesson.pause()
 
+
+def _one_output_gathers_the_children(lesson, engine) -> None:
+    """Run to the end: the front end gathers the children into one RequestOutput; every block is freed."""
+    bm = engine.engine_core.engine_core.kv_cache_manager
     outs = []
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
@@ -65,9 +88,9 @@ def run(lesson) -> None:
     lesson.check([c.index for c in out.outputs] == list(range(N)) and len({c.text for c in out.outputs}) > 1,
                  f"{N} completions, indexed 0..{N - 1}, and sampling made them differ")
     lesson.check(bm.num_free_blocks == bm.num_usable_blocks, "when they finish, every block is free again")
-    lesson.pause()
 
-    # ---- preemption of a child ----
+
+def _a_child_is_preempted_like_any_request(lesson) -> None:
     lesson.say("**Preemption.** Children are ordinary requests to the scheduler: when blocks run short, a child "
                "can be preempted like any request, and recomputed later; its siblings go on.")
     small, _ = lesson.engine(block_size=4, num_kv_blocks=12, enable_prefix_caching=True)
@@ -86,9 +109,10 @@ def run(lesson) -> None:
                  "greedy children recomputed after preemption still agree token for token")
     lesson.check(c2.kv_cache_manager.num_free_blocks == c2.kv_cache_manager.num_usable_blocks,
                  "and no block is leaked")
-    lesson.pause()
 
-    # ---- priority ----
+
+def _fcfs_versus_priority(lesson) -> None:
+    """The same burst of six requests, one seat, under FCFS and under priority scheduling: measured queue times."""
     lesson.say("**Priority.** vLLM V1's other scheduling policy (`--scheduling-policy priority`): each request "
                "carries a `priority`, lower first, ties by arrival; the waiting queue is kept in that order, and "
                "when blocks run out the victim is the running request with the largest (priority, arrival). The "
@@ -111,10 +135,6 @@ def run(lesson) -> None:
                  "by arrival), then 1, 2, 3")
     lesson.check(waits["priority"]["d"] < waits["fcfs"]["d"] and waits["priority"]["a"] > waits["fcfs"]["a"],
                  "d (priority 0, 4th to arrive) waited less than under FCFS; a (priority 3, first to arrive) more")
-    lesson.done(
-        "n > 1 is n child requests sharing the prompt's KV blocks through the prefix cache and reference counts, "
-        "gathered into one output by the front end; each child is scheduled, preempted and freed on its own. "
-        "Priority scheduling reorders the waiting queue and picks preemption victims by (priority, arrival).")
 
 
 if __name__ == "__main__":
