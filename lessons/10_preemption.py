@@ -51,20 +51,43 @@ def run(lesson) -> None:
                "the null block, so 6 can hold tokens.")
     lesson.check(bm.num_free_blocks == 6, "6 blocks are free for requests")
 
+    _three_steps_fill_the_cache(lesson, llm, bm, sub, reqs)
+    lesson.pause()
+    core = _the_newest_request_is_preempted(lesson, llm, sub, reqs)
+    lesson.pause()
+    _the_preempted_request_is_recomputed(lesson, engine, sub, reqs, core)
+    outputs = _run_to_the_end(engine, reqs)
+    _recompute_gives_the_same_output(lesson, outputs)
+    lesson.done("When the KV cache runs out, vLLM V1 (FCFS) frees the newest running request's blocks and puts it "
+                "back at the front of the queue. Its tokens are kept; its KV cache is rebuilt by one prefill "
+                "over prompt + generated tokens when it is admitted again. That costs compute, not correctness: "
+                "here the output is the same token for token. On a GPU, prefill and decode kernels may round "
+                "differently, so a long greedy output can rarely diverge after a recompute. With prefix caching "
+                "on, the recompute can even hit the request's own freed blocks if nobody has reused them yet.")
+
+
+def _three_steps_fill_the_cache(lesson, llm, bm, sub, reqs) -> None:
+    """Steps 0-2 take all 6 blocks; A's next token will need a 3rd block of its own."""
+    engine = llm.llm_engine
     for _ in range(3):
         snap, _ = traced_step(engine, sub)
     lesson.show(queues(llm))
     lesson.show(kv_blocks(llm), title="the KV cache after step 2 (letter = owner)")
     lesson.check(bm.num_free_blocks == 0 and snap["admitted"] == [] and not snap["preempted"],
                  "after 3 steps all 6 blocks are taken and nobody has been preempted yet")
-    a, c = reqs["A"], reqs["C"]
+    a = reqs["A"]
     lesson.check(a.num_computed_tokens == 32 and len(a.block_ids) == 2,
                  "A has filled its 2 blocks exactly (32 tokens): its next token needs a 3rd block")
     lesson.predict("In step 3, A needs a new block and none is free. Which request loses its blocks?",
                    "C: under FCFS, the most recently admitted running request, even though A is the one asking. "
                    "(Had A itself been the newest, A would have been preempted.)")
-    lesson.pause()
 
+
+def _the_newest_request_is_preempted(lesson, llm, sub, reqs):
+    """Step 3: C, the newest running request, loses its blocks and goes back to the front of the queue.
+    Returns the EngineCore."""
+    engine = llm.llm_engine
+    a, c = reqs["A"], reqs["C"]
     c_tokens_before = list(c.output_token_ids)
     c_blocks_before = list(c.block_ids)
     snap, events = traced_step(engine, sub)
@@ -91,9 +114,12 @@ def run(lesson) -> None:
                  "A got its 3rd block, and A and B decoded on")
     lesson.check(set(snap["waiting_reasons"].values()) == {"preemption this step"},
                  "in a step that preempted, no waiting request is admitted")
-    lesson.pause()
+    return core
 
-    # ---- run until C is admitted again ----
+
+def _the_preempted_request_is_recomputed(lesson, engine, sub, reqs, core) -> None:
+    """Once A finishes, C is admitted again and prefills its prompt and its 3 generated tokens."""
+    c = reqs["C"]
     reasons = {}
     while c.status.value != "RUNNING":
         snap, _ = traced_step(engine, sub)
@@ -122,10 +148,17 @@ def run(lesson) -> None:
 
     lesson.check(reqs["A"].status.finished and not reqs["B"].status.finished,
                  "C came back once A had finished and freed its blocks (B was still running)")
+
+
+def _run_to_the_end(engine, reqs) -> dict:
+    """Every request's output token ids, once all have finished."""
     while engine.has_unfinished_requests():
         engine.step()
-    outputs = {rid: r.output_token_ids for rid, r in reqs.items()}
+    return {rid: r.output_token_ids for rid, r in reqs.items()}
 
+
+def _recompute_gives_the_same_output(lesson, outputs) -> None:
+    """The same four requests on a cache where nobody is preempted give the same tokens."""
     lesson.say("Does recomputing change the answer? Run the same four requests on a cache large enough "
                "that nobody is ever preempted, and compare (greedy decoding).")
     ref_llm, _ = lesson.engine(block_size=BLOCK, num_kv_blocks=64, enable_prefix_caching=False)
@@ -144,12 +177,6 @@ def run(lesson) -> None:
     lesson.check(ref.engine_core.engine_core.stats().num_preemptions == 0, "the roomy engine preempted nothing")
     lesson.check(outputs["C"] == ref_outputs["C"], "C's output is token for token the same as without preemption")
     lesson.check(outputs == ref_outputs, "so are everybody else's")
-    lesson.done("When the KV cache runs out, vLLM V1 (FCFS) frees the newest running request's blocks and puts it "
-                "back at the front of the queue. Its tokens are kept; its KV cache is rebuilt by one prefill "
-                "over prompt + generated tokens when it is admitted again. That costs compute, not correctness: "
-                "here the output is the same token for token. On a GPU, prefill and decode kernels may round "
-                "differently, so a long greedy output can rarely diverge after a recompute. With prefix caching "
-                "on, the recompute can even hit the request's own freed blocks if nobody has reused them yet.")
 
 
 if __name__ == "__main__":

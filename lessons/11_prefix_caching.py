@@ -1,6 +1,7 @@
 """Lesson 11: prefix caching — block hashes as a chain, cache hits on a shared prompt, LRU eviction."""
 import pathlib
 import sys
+from dataclasses import dataclass
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python lessons/NN_x.py` from a checkout
 
@@ -29,6 +30,18 @@ def traced_step(engine, sub) -> tuple[dict, list]:
     return next(e.attrs for e in events if (e.layer, e.name, e.kind) == ("scheduler", "schedule", "snapshot")), events
 
 
+@dataclass
+class Cache:
+    """The engine and the parts of its prefix cache the sections read."""
+    engine: object
+    sub: object  # the trace bus subscription
+    bm: object  # the KV-cache manager
+    pool: object  # its block pool
+    cached: dict  # block hash -> physical block id
+    tok: object
+    system: list[int]  # SYSTEM_TEXT's token ids
+
+
 def run(lesson) -> None:
     lesson.intro(
         "Many requests start the same way: a system prompt, a few-shot preamble, a long document. The "
@@ -45,10 +58,32 @@ def run(lesson) -> None:
     SYSTEM = tok.encode(SYSTEM_TEXT)
     lesson.say(f"Every request below starts with the same **system prompt**:\n\n> {SYSTEM_TEXT.strip()}")
     lesson.check(len(SYSTEM) == 3 * BLOCK, f"the system prompt is {len(SYSTEM)} tokens: exactly 3 blocks of {BLOCK}")
+    cache = Cache(engine, sub, bm, pool, cached, tok, SYSTEM)
 
-    # ---- the hash chain ----
+    a, a_blocks, hs = _block_hashes_form_a_chain(lesson, cache)
+    lesson.pause()
+    b = _a_shared_prefix_hits(lesson, cache, a)
+    lesson.pause()
+    c, c_blocks = _the_last_token_is_always_computed(lesson, cache, a)
+    lesson.pause()
+    uncached, cached_order = _freed_blocks_stay_cached(lesson, cache, hs, a_blocks, c_blocks)
+    x = _new_blocks_evict_the_least_recently_used(lesson, cache, hs, a_blocks, uncached, cached_order)
+    d = _an_evicted_block_breaks_the_chain(lesson, cache)
+    warm, e = _a_bpe_boundary_breaks_a_hit(lesson, cache)
+    _the_counters(lesson, cache, [a, b, c, x, d, warm, e])
+    lesson.done("Full KV blocks are named by a chained hash of all tokens up to their end, so one lookup per "
+                "block finds the longest cached prefix. Hits share physical blocks (reference counts); only "
+                "the rest of the prompt is computed, and never less than its last token. Freed blocks keep "
+                "their contents until a new request needs them, taken least recently used first, which "
+                "evicts them from the cache. The cache matches token ids, not text: where BPE merges across the "
+                "end of a shared prefix, the same text is a different token prefix.")
+
+
+def _block_hashes_form_a_chain(lesson, cache: Cache):
+    """Request A's full blocks are registered under chained hashes. Returns A, its blocks and its hashes."""
+    engine, pool, cached, tok, SYSTEM = cache.engine, cache.pool, cache.cached, cache.tok, cache.system
     a = queue_request(engine, "A", SYSTEM_TEXT + QUESTIONS["A"], greedy(6))
-    traced_step(engine, sub)
+    traced_step(engine, cache.sub)
     a_blocks = list(a.block_ids)
     n_own = a.num_prompt_tokens - 48
     lesson.say(f"Request **A** = the system prompt + its question, {QUESTIONS['A']!r} ({n_own} tokens). After its "
@@ -88,15 +123,18 @@ def run(lesson) -> None:
                "look at the tokens (its config's docs name SHA-256 the default to make collisions practically "
                "impossible). Our hash is Python's 64-bit `hash()`, fast but not collision-resistant, so we check "
                "the tokens too.")
-    lesson.pause()
+    return a, a_blocks, hs
 
-    # ---- a hit ----
+
+def _a_shared_prefix_hits(lesson, cache: Cache, a):
+    """Request B shares A's first 3 blocks (reference count 2) and computes only its own tokens."""
+    engine, pool = cache.engine, cache.pool
     b = queue_request(engine, "B", SYSTEM_TEXT + QUESTIONS["B"], greedy(6))
     n_b = b.num_prompt_tokens - 48
     lesson.predict(f"Request B = the same system prompt + another question, {QUESTIONS['B']!r} ({n_b} tokens, "
                    f"{b.num_prompt_tokens} in all). How many tokens does its prefill compute?",
                    f"{n_b}: its first 48 tokens are 3 cached blocks.")
-    snap, events = traced_step(engine, sub)
+    snap, events = traced_step(engine, cache.sub)
     sb = next(s for s in snap["scheduled"] if s["request_id"] == "B")
     hit = next(e for e in events if (e.layer, e.request_id) == ("block_manager", "B") and e.name.startswith("cache_"))
     lesson.show(table(["logical", "B's physical", "A's physical", "ref count"],
@@ -110,26 +148,34 @@ def run(lesson) -> None:
                  "B's first 3 logical blocks are A's physical blocks, each now with reference count 2")
     lesson.check(b.block_ids[3] not in a.block_ids and pool.blocks[b.block_ids[3]].ref_cnt == 1,
                  "B's 4th block, where it differs from A, is its own")
-    lesson.pause()
+    return b
 
-    # ---- a full hit: the last token is always computed ----
+
+def _the_last_token_is_always_computed(lesson, cache: Cache, a):
+    """Request C is the system prompt alone: a full hit, capped so its last block is computed again.
+    Returns C and its blocks."""
+    engine = cache.engine
     c = queue_request(engine, "C", SYSTEM_TEXT, greedy(6))
     lesson.predict("Request C is exactly the 48-token system prompt: all 3 of its blocks are cached. "
                    "How many tokens does its prefill compute?",
                    "16. To sample C's first token the engine needs the logits at its last prompt position, so "
                    "that token must run through the model. The hit is capped at 47 tokens, and since hits are "
                    "whole blocks, that means 2 blocks (32 tokens); the 3rd block is computed again.")
-    snap, _ = traced_step(engine, sub)
+    snap, _ = traced_step(engine, cache.sub)
     sc = next(s for s in snap["scheduled"] if s["request_id"] == "C")
     c_blocks = list(c.block_ids)
     lesson.check(c.num_cached_tokens == 32 and sc["num_computed_before"] == 32 and sc["num_tokens"] == 16,
                  "C hit 32 tokens and computed 16, although all 48 were in the cache")
     lesson.check(c.block_ids[:2] == a.block_ids[:2] and c.block_ids[2] != a.block_ids[2]
-                 and pool.blocks[a.block_ids[0]].ref_cnt == 3,
+                 and cache.pool.blocks[a.block_ids[0]].ref_cnt == 3,
                  "C shares A's first 2 blocks (reference count 3 now) and got a fresh 3rd block")
-    lesson.pause()
+    return c, c_blocks
 
-    # ---- eviction ----
+
+def _freed_blocks_stay_cached(lesson, cache: Cache, hs, a_blocks, c_blocks):
+    """Finished requests' blocks are free but keep their contents, queued behind the never-cached ones.
+    Returns the queue's uncached blocks and its cached ones, front first."""
+    engine, bm, pool, cached = cache.engine, cache.bm, cache.pool, cache.cached
     while engine.has_unfinished_requests():
         engine.step()
     queue = list(pool.free_block_queue)
@@ -151,7 +197,12 @@ def run(lesson) -> None:
         queue == uncached + cached_order,
         "blocks without cached contents are at the front, cached-free ones behind them",
     )
+    return uncached, cached_order
 
+
+def _new_blocks_evict_the_least_recently_used(lesson, cache: Cache, hs, a_blocks, uncached, cached_order):
+    """Request X needs more blocks than the never-cached ones: it evicts the LRU cached-free blocks."""
+    engine, pool, cached = cache.engine, cache.pool, cache.cached
     x_len = 150  # needs 10 blocks: more than the never-cached ones
     need = -(-(x_len + 2) // BLOCK)
     n_evict = need - len(uncached)
@@ -162,7 +213,7 @@ def run(lesson) -> None:
     victims = cached_order[:n_evict]
     victim_hashes = [pool.blocks[v].block_hash for v in victims]
     x = queue_request(engine, "X", {"prompt_token_ids": [(11 * j) % 256 for j in range(x_len)]}, greedy(2))
-    _, events = traced_step(engine, sub)
+    _, events = traced_step(engine, cache.sub)
     evicted = [b for e in events if (e.layer, e.name) == ("block_manager", "evict") for b in e.attrs["block_ids"]]
     lesson.show(table(["block", "evicted hash", "still in cache?"],
                       [[v, short(h), "yes" if h in cached else "no"] for v, h in zip(victims, victim_hashes)],
@@ -174,17 +225,27 @@ def run(lesson) -> None:
     lesson.check(
         hs[0] in cached and hs[1] in cached, "its first two blocks, further back in the queue, are still cached"
     )
+    return x
 
+
+def _an_evicted_block_breaks_the_chain(lesson, cache: Cache):
+    """Request D, with the system prompt again, hits only the 2 blocks before the evicted one."""
+    engine = cache.engine
     while engine.has_unfinished_requests():
         engine.step()
     d = queue_request(engine, "D", SYSTEM_TEXT + QUESTIONS["D"], greedy(2))
-    traced_step(engine, sub)
+    traced_step(engine, cache.sub)
     lesson.check(d.num_cached_tokens == 32,
                  "a new request with the system prompt now hits only 32 tokens: the chain breaks at the evicted block")
     while engine.has_unfinished_requests():
         engine.step()
+    return d
 
-    # ---- a BPE boundary breaks a hit ----
+
+def _a_bpe_boundary_breaks_a_hit(lesson, cache: Cache):
+    """A warm-up prompt ending in a space: the user's text extends it, but BPE merges the space into the next
+    word, so the token ids, and the 3rd block's hash, differ. Returns the warm-up request and the user's."""
+    engine, tok = cache.engine, cache.tok
     spaced = SYSTEM_TEXT.rstrip("\n") + " "
     warm = queue_request(engine, "warm", spaced, greedy(1))
     while engine.has_unfinished_requests():
@@ -204,21 +265,23 @@ def run(lesson) -> None:
                    "merges the space into that word's token, so token 47 differs and with it the 3rd block's hash. "
                    "The prefix cache matches token ids, not text.")
     e = queue_request(engine, "E", e_text, greedy(2))
-    traced_step(engine, sub)
+    traced_step(engine, cache.sub)
     lesson.check(e_text.startswith(warm.prompt) and e.prompt_token_ids[:47] == warm.prompt_token_ids[:47]
                  and e.prompt_token_ids[47] != warm.prompt_token_ids[47],
                  "the text is a prefix, but the token ids differ at position 47, the space's token")
-    lesson.check(warm.num_prompt_tokens == 48 and cached.get(warm.block_hashes[2]) is not None
+    lesson.check(warm.num_prompt_tokens == 48 and cache.cached.get(warm.block_hashes[2]) is not None
                  and e.num_cached_tokens == 32,
                  "the warm-up's 3rd block is in the cache, yet the user's request hit only 32 tokens")
     lesson.say("The same holds for any boundary BPE merges across. A system prompt that ends in a newline (as "
                "A–D's did) or a chat template's special tokens keeps the boundary fixed.")
     while engine.has_unfinished_requests():
         engine.step()
+    return warm, e
 
-    # ---- the counters ----
-    st = engine.engine_core.engine_core.stats()
-    everyone = [a, b, c, x, d, warm, e]
+
+def _the_counters(lesson, cache: Cache, everyone) -> None:
+    """The engine's prefix-cache counters add up every request's prompt and cached tokens."""
+    st = cache.engine.engine_core.engine_core.stats()
     queries, hits = sum(r.num_prompt_tokens for r in everyone), sum(r.num_cached_tokens for r in everyone)
     lesson.show(table(["request", "prompt tokens", "cached tokens"],
                       [[r.request_id, r.num_prompt_tokens, r.num_cached_tokens] for r in everyone]
@@ -228,12 +291,6 @@ def run(lesson) -> None:
                  f"prefix_cache_hits = {st.prefix_cache_hits} tokens found (hit rate {hits / queries:.0%})")
     lesson.say("A server exports these as the Prometheus counters `vllm:prefix_cache_queries` and "
                "`vllm:prefix_cache_hits` (in tokens); their ratio is the hit rate.")
-    lesson.done("Full KV blocks are named by a chained hash of all tokens up to their end, so one lookup per "
-                "block finds the longest cached prefix. Hits share physical blocks (reference counts); only "
-                "the rest of the prompt is computed, and never less than its last token. Freed blocks keep "
-                "their contents until a new request needs them, taken least recently used first, which "
-                "evicts them from the cache. The cache matches token ids, not text: where BPE merges across the "
-                "end of a shared prefix, the same text is a different token prefix.")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,14 @@ def draw_at_position(logits: torch.Tensor, seed: int, position: int) -> int:
     return Sampler()(logits[None].clone(), [r]).token_ids[0]
 
 
+def piece(tok, t: int) -> str:
+    return repr(tok.decode([t]))
+
+
+def probs_at(logits: torch.Tensor, temp: float) -> torch.Tensor:
+    return torch.softmax(logits / temp, dim=-1)
+
+
 def run(lesson) -> None:
     lesson.intro(
         "After each step the model gives, for every request, one **logit** per vocabulary entry. The "
@@ -55,6 +63,35 @@ def run(lesson) -> None:
     llm, _ = lesson.engine()
     engine = llm.llm_engine
     tok = engine.tokenizer
+    logits, outs = _capture_logits(engine)
+    order = logits.argsort(descending=True).tolist()
+    _the_engines_next_token_distribution(lesson, engine, tok, logits, order, outs)
+    lesson.pause()
+    _temperature(lesson, tok, logits, order)
+    lesson.pause()
+
+    pt = probs_at(logits, T)
+    lesson.say(f"The filters below are each shown alone, on the distribution at **T = {T}**. Each keeps "
+               "some tokens, sets the rest to probability 0 and renormalises. (Combined, they act one after "
+               "another, each on what the previous one kept.)")
+    _top_k(lesson, tok, logits, order, pt)
+    lesson.pause()
+    _top_p(lesson, tok, logits, order, pt)
+    lesson.pause()
+    _min_p(lesson, tok, logits, order, pt)
+    lesson.pause()
+    _penalties_break_greedy_loops(lesson, engine)
+    lesson.pause()
+    _seeds(lesson, engine, logits)
+    lesson.done("Temperature reshapes the whole distribution (0 means greedy). Top-k keeps the k most likely "
+                "tokens, top-p the smallest set whose mass reaches p, min-p those within a factor of the top "
+                "token; the rest get probability 0. Greedy decoding falls into loops; penalties push down what "
+                "a request has already said. Every request has a seed, and each draw is keyed by (seed, position): "
+                "reproducible, and independent of its neighbours in the batch.")
+
+
+def _capture_logits(engine) -> tuple[torch.Tensor, list]:
+    """The logits the model runner hands the sampler for PROMPT's next token, and the probe's last outputs."""
     captured = []
     real_sampler = engine.engine_core.engine_core.model_runner.sampler
 
@@ -71,21 +108,18 @@ def run(lesson) -> None:
     while engine.has_unfinished_requests():
         outs = engine.step()
     engine.engine_core.engine_core.model_runner.sampler = real_sampler
-    logits = captured[0]
+    return captured[0], outs
+
+
+def _the_engines_next_token_distribution(lesson, engine, tok, logits, order, outs) -> None:
+    """The top of the captured distribution is the engine's own; off its training domain it knows nothing."""
     V = logits.numel()
-    order = logits.argsort(descending=True).tolist()
-    def piece(t: int) -> str:
-        return repr(tok.decode([t]))
-
-    def probs_at(temp: float) -> torch.Tensor:
-        return torch.softmax(logits / temp, dim=-1)
-
-    p1 = probs_at(1.0)
+    p1 = probs_at(logits, 1.0)
     cum = 0.0
     rows = []
     for rank, t in enumerate(order[:8], 1):
         cum += float(p1[t])
-        rows.append([rank, t, piece(t), f"{float(logits[t]):.3f}", f"{float(p1[t]):.4f}", f"{cum:.4f}"])
+        rows.append([rank, t, piece(tok, t), f"{float(logits[t]):.3f}", f"{float(p1[t]):.4f}", f"{cum:.4f}"])
     lesson.show(table(["rank", "token id", "piece", "logit", "p (T=1)", "cumulative"], rows,
                       title=f"next token after {PROMPT!r}: the top 8 of {V}"))
     reported = outs[0].outputs[0].logprobs[0]  # the front end's Logprob objects, decoded
@@ -93,7 +127,7 @@ def run(lesson) -> None:
     lesson.check(all(abs(lp.logprob - float(lsm[t])) < 1e-4 for t, lp in reported.items()),
                  "these are the engine's logits: its reported top-20 logprobs equal log_softmax of them")
     lesson.check(outs[0].outputs[0].token_ids == [order[0]],
-                 f"temperature 0 is greedy: the engine picked the argmax, token {order[0]} ({piece(order[0])})")
+                 f"temperature 0 is greedy: the engine picked the argmax, token {order[0]} ({piece(tok, order[0])})")
     engine.add_request("france", OFF_DOMAIN, SamplingParams(temperature=0, max_tokens=1, logprobs=20))
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -103,16 +137,18 @@ def run(lesson) -> None:
                "what its training text says, nothing more.")
     lesson.check(not any("Paris" in p or p.strip() in ("Par", "Pa") for p in off_top),
                  f"'Paris' is not among its 20 most likely next tokens after {OFF_DOMAIN!r}")
-    lesson.pause()
 
-    # ---- temperature ----
+
+def _temperature(lesson, tok, logits, order) -> None:
+    """Temperature sharpens or flattens the distribution; how cold is greedy depends on the top logits' gap."""
+    V = logits.numel()
     temps = [2.0, 1.0, 0.5, 0.1, 0.05]
-    ps = {x: probs_at(x) for x in temps}
+    ps = {x: probs_at(logits, x) for x in temps}
     entropy = {x: float(-(ps[x] * ps[x].clamp_min(1e-30).log()).sum()) for x in temps}
     lesson.say("**Temperature** divides the logits before the softmax. Above 1 it flattens the distribution, "
                "below 1 it sharpens it; as it goes to 0, all the probability moves to the argmax.")
     lesson.show(table(["token"] + [f"T={x}" for x in temps],
-                      [[piece(t)] + [f"{float(ps[x][t]):.4f}" for x in temps] for t in order[:5]]
+                      [[piece(tok, t)] + [f"{float(ps[x][t]):.4f}" for x in temps] for t in order[:5]]
                       + [["entropy (nats)"] + [f"{entropy[x]:.3f}" for x in temps]],
                       title="probability of the top 5 tokens at each temperature"))
     tops = [float(ps[x][order[0]]) for x in temps]
@@ -125,7 +161,7 @@ def run(lesson) -> None:
     bound = max(gap / math.log(999 * (V - 1)), 1e-6)
     unit = 10 ** math.floor(math.log10(bound))
     t_cold = math.floor(bound / unit) * unit  # the bound, rounded down to one significant digit
-    p_cold = float(probs_at(t_cold)[order[0]])
+    p_cold = float(probs_at(logits, t_cold)[order[0]])
     lesson.say(f"How cold is cold enough depends on how far the top logit is ahead of the second: here by only "
                f"{gap:.3f}, so even at T = {temps[-1]} the top token has just {tops[-1]:.0%} of the probability. "
                f"It needs T = {t_cold:g}: the logits are divided by T, so the gap becomes {gap / t_cold:.0f} and "
@@ -133,38 +169,36 @@ def run(lesson) -> None:
     cold = engine_draws(logits, 500, temperature=t_cold)
     lesson.check(p_cold > 0.999 and set(cold) == {order[0]},
                  f"at T = {t_cold:g} the top token has p = {p_cold:.6f}, and 500 engine draws all picked it")
-    lesson.pause()
 
-    pt = probs_at(T)
-    lesson.say(f"The filters below are each shown alone, on the distribution at **T = {T}**. Each keeps "
-               "some tokens, sets the rest to probability 0 and renormalises. (Combined, they act one after "
-               "another, each on what the previous one kept.)")
 
-    def show_kept(name: str, kept: list[int], draws: list[int], extra: dict | None = None) -> None:
-        mass = float(pt[kept].sum())
-        counts = {t: draws.count(t) for t in set(draws)}
-        rows = [[piece(t), f"{float(pt[t]):.4f}", f"{float(pt[t]) / mass:.4f}", f"{counts.get(t, 0) / len(draws):.4f}"]
-                + ([extra[t]] if extra else []) for t in kept[:12]]
-        cols = ["token", f"p (T={T})", "kept, renormalised", f"engine: share of {len(draws)} draws"]
-        lesson.show(table(cols + (["why kept"] if extra else []), rows,
-                          title=f"{name}: keeps {len(kept)} of {V} tokens ({mass:.1%} of the mass)"))
+def show_kept(lesson, tok, pt, name: str, kept: list[int], draws: list[int], extra: dict | None = None) -> None:
+    """The tokens a filter keeps at T, renormalised, beside the share of the engine's draws each got."""
+    V = pt.numel()
+    mass = float(pt[kept].sum())
+    counts = {t: draws.count(t) for t in set(draws)}
+    rows = [[piece(tok, t), f"{float(pt[t]):.4f}", f"{float(pt[t]) / mass:.4f}",
+             f"{counts.get(t, 0) / len(draws):.4f}"] + ([extra[t]] if extra else []) for t in kept[:12]]
+    cols = ["token", f"p (T={T})", "kept, renormalised", f"engine: share of {len(draws)} draws"]
+    lesson.show(table(cols + (["why kept"] if extra else []), rows,
+                      title=f"{name}: keeps {len(kept)} of {V} tokens ({mass:.1%} of the mass)"))
 
-    # ---- top-k ----
+
+def _top_k(lesson, tok, logits, order, pt) -> None:
     k = 3
     kept_k = order[:k]
     d = engine_draws(logits, N_DRAWS, temperature=T, top_k=k)
-    show_kept(f"top-k = {k}", kept_k, d)
+    show_kept(lesson, tok, pt, f"top-k = {k}", kept_k, d)
     lesson.check(set(d) == set(kept_k), f"top-k = {k}: the engine drew exactly the {k} most likely tokens, no others")
-    lesson.pause()
 
-    # ---- top-p ----
+
+def _top_p(lesson, tok, logits, order, pt) -> None:
     top_p = 0.9
     sorted_p = pt[order]
     csum = sorted_p.cumsum(0)
     n_nucleus = int((csum < top_p).sum()) + 1  # the smallest prefix whose mass reaches top_p
     kept_p = order[:n_nucleus]
     d = engine_draws(logits, N_DRAWS, temperature=T, top_p=top_p)
-    show_kept(f"top-p = {top_p}", kept_p, d,
+    show_kept(lesson, tok, pt, f"top-p = {top_p}", kept_p, d,
               {t: f"cumulative {float(csum[i]):.3f}" for i, t in enumerate(kept_p)})
     lesson.check(float(csum[n_nucleus - 1]) >= top_p > float(csum[n_nucleus - 2]),
                  f"the nucleus is the smallest set of top tokens whose mass reaches {top_p}: {n_nucleus} tokens "
@@ -173,14 +207,15 @@ def run(lesson) -> None:
     lesson.check(set(d) <= set(kept_p) and set(likely) <= set(d),
                  f"the engine drew only from those {n_nucleus} tokens, and drew each of the {len(likely)} that keep "
                  "more than 0.5 % of the renormalised mass")
-    lesson.pause()
 
-    # ---- min-p ----
+
+def _min_p(lesson, tok, logits, order, pt) -> None:
     min_p = 0.05
     pmax = float(pt.max())
     kept_m = [t for t in order if float(pt[t]) >= min_p * pmax]
     d = engine_draws(logits, N_DRAWS, temperature=T, min_p=min_p)
-    show_kept(f"min-p = {min_p}", kept_m, d, {t: f"p/p_max = {float(pt[t]) / pmax:.3f}" for t in kept_m})
+    show_kept(lesson, tok, pt, f"min-p = {min_p}", kept_m, d,
+              {t: f"p/p_max = {float(pt[t]) / pmax:.3f}" for t in kept_m})
     lesson.say(f"**Min-p** scales with the model's confidence: it keeps every token with at least "
                f"{min_p} × the top token's probability ({min_p} × {pmax:.3f} = {min_p * pmax:.4f} here). A "
                "confident model keeps few tokens, an unsure one many.")
@@ -189,26 +224,29 @@ def run(lesson) -> None:
     lesson.check(set(d) <= set(kept_m) and set(likely) <= set(d) and float(pt[order[len(kept_m)]]) < min_p * pmax,
                  f"min-p = {min_p}: the engine drew only the {len(kept_m)} tokens at or above the threshold, "
                  f"each of the {len(likely)} that keep more than 0.5 % of the mass among them")
-    lesson.pause()
 
-    # ---- repetition under greedy decoding, and penalties ----
-    def loop(params: SamplingParams, rid: str):
-        """The finished CompletionOutput (text and token ids) of one request run alone."""
-        engine.add_request(rid, LOOP_PROMPT, params)
-        while engine.has_unfinished_requests():
-            done = [out.outputs[0] for out in engine.step() if out.finished] or None
-        return done[0]
 
-    def repeats(ids: list[int], n: int = 4) -> int:
-        """Positions where the n tokens starting there already appeared earlier in the output."""
-        seen, count = set(), 0
-        for i in range(len(ids) - n + 1):
-            gram = tuple(ids[i:i + n])
-            count += gram in seen
-            seen.add(gram)
-        return count
+def run_alone(engine, params: SamplingParams, rid: str):
+    """The finished CompletionOutput (text and token ids) of one request run alone."""
+    engine.add_request(rid, LOOP_PROMPT, params)
+    while engine.has_unfinished_requests():
+        done = [out.outputs[0] for out in engine.step() if out.finished] or None
+    return done[0]
 
-    greedy = loop(SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True), "greedy")
+
+def repeats(ids: list[int], n: int = 4) -> int:
+    """Positions where the n tokens starting there already appeared earlier in the output."""
+    seen, count = set(), 0
+    for i in range(len(ids) - n + 1):
+        gram = tuple(ids[i:i + n])
+        count += gram in seen
+        seen.add(gram)
+    return count
+
+
+def _penalties_break_greedy_loops(lesson, engine) -> None:
+    """Greedy decoding repeats itself; repetition and frequency penalties cut the repeats."""
+    greedy = run_alone(engine, SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True), "greedy")
     lesson.say(f"**Repetition.** Greedy decoding always takes the most likely token. Given {LOOP_PROMPT!r} and "
                f"{LOOP_TOKENS} tokens, it writes:\n\n> {LOOP_PROMPT}{greedy.text}")
     g_rep = repeats(greedy.token_ids)
@@ -222,8 +260,10 @@ def run(lesson) -> None:
     lesson.predict("Same prompt, still greedy, but with repetition_penalty = 1.3. Does the loop survive?",
                    "No: the penalised text repeats far less. It is still greedy (deterministic); only the logits "
                    "of tokens it has already seen are pushed down.")
-    rp = loop(SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True, repetition_penalty=1.3), "rep")
-    fp = loop(SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True, frequency_penalty=1.0), "freq")
+    rp = run_alone(engine, SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True,
+                                          repetition_penalty=1.3), "rep")
+    fp = run_alone(engine, SamplingParams(temperature=0, max_tokens=LOOP_TOKENS, ignore_eos=True,
+                                          frequency_penalty=1.0), "freq")
     rows = [[name, repeats(r.token_ids), len(set(r.token_ids)), repr(r.text)]
             for name, r in [("none", greedy), ("repetition_penalty 1.3", rp), ("frequency_penalty 1.0", fp)]]
     lesson.show(table(["penalty (greedy)", "repeated 4-token windows", "distinct tokens", "text"], rows,
@@ -233,9 +273,10 @@ def run(lesson) -> None:
     lesson.check(fp.token_ids[0] == greedy.token_ids[0],
                  "with frequency_penalty the first token is greedy's: it counts only generated tokens, and none "
                  "exist yet (repetition_penalty also counts the prompt's, as in vLLM and transformers)")
-    lesson.pause()
 
-    # ---- seeds ----
+
+def _seeds(lesson, engine, logits) -> None:
+    """Every request has a seed, and a draw is keyed by (seed, position): the same alone or in a batch."""
     lesson.say("**Seeds.** Every request has a seed: its own `seed`, or one the engine picks when it has none "
                "(the trace's QUEUED event and the request detail show it). The sampler keeps each live request's "
                "settings by **slot** (`SamplingStates`, vLLM 0.33's `worker/gpu/sample/states.py`) and draws by "
@@ -262,7 +303,6 @@ def run(lesson) -> None:
     lesson.check(crowded.sampling_seed == 1234 and all(r.sampling_seed is not None for r in unseeded) and
                  len({r.sampling_seed for r in unseeded}) == 3,
                  "every request has a seed: the seeded one its own, each unseeded one a seed the engine drew")
-    logits = captured[0]
     same = {engine_draws(logits[None], 1, temperature=1.0)[0] for _ in range(5)}
     draw_at = [draw_at_position(logits, 1234, pos) for pos in range(8)]
     lesson.check(len(same) == 1 and len(set(draw_at)) > 1,
@@ -285,11 +325,6 @@ def run(lesson) -> None:
     lesson.check(reseeded.output_token_ids != crowded.output_token_ids, "a different seed gives different tokens")
     lesson.say("On a GPU one caveat remains: the logits themselves can differ in the last bits with batch "
                "size, and a draw near a boundary can then flip. The seed fixes the randomness, not the numerics.")
-    lesson.done("Temperature reshapes the whole distribution (0 means greedy). Top-k keeps the k most likely "
-                "tokens, top-p the smallest set whose mass reaches p, min-p those within a factor of the top "
-                "token; the rest get probability 0. Greedy decoding falls into loops; penalties push down what "
-                "a request has already said. Every request has a seed, and each draw is keyed by (seed, position): "
-                "reproducible, and independent of its neighbours in the batch.")
 
 
 if __name__ == "__main__":
