@@ -81,6 +81,16 @@ def run(lesson) -> None:
 
 
 def _lesson_body(lesson, session, url: str, core_pid: int) -> None:
+    rid, streamed = _stream_then_ask_whole(lesson, url)
+    lesson.pause()
+
+    # ---- the request's path through the layers ----
+    mine, path, by_layer = _request_in_the_trace(lesson, session, rid)
+    _the_process_boundary(lesson, mine, path, by_layer, streamed, core_pid)
+
+
+def _stream_then_ask_whole(lesson, url: str) -> tuple[str, str]:
+    """Stream one completion as SSE, then ask for the same one whole: (request id, streamed text)."""
     body = {"model": lesson.model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "stream": True}
     lesson.show(json.dumps(body, indent=2), title="POST /v1/completions")
@@ -119,9 +129,11 @@ def _lesson_body(lesson, session, url: str, core_pid: int) -> None:
     lesson.show(table(["", "text"], [["streamed (chunks joined)", repr(streamed)], ["non-streamed", repr(text)]]))
     lesson.check(streamed == text and whole["usage"]["completion_tokens"] == 12,
                  "the streamed chunks add up to exactly the non-streamed text (greedy, same request)")
-    lesson.pause()
+    return rid, streamed
 
-    # ---- the request's path through the layers ----
+
+def _request_in_the_trace(lesson, session, rid: str) -> tuple[list, list, Counter]:
+    """The request's own events, layer by layer: (its events, its layer path, events per layer)."""
     lesson.predict("In the trace, which layer does the streamed request meet first, and which last?",
                    "http both times: the route handler opens a span when the request arrives and closes it "
                    "after the last SSE event, after the engine has long finished with it.")
@@ -153,6 +165,11 @@ def _lesson_body(lesson, session, url: str, core_pid: int) -> None:
     lesson.show(" → ".join(path), title="layer_path (the final layer repeats when the request leaves through it)")
     lesson.check(missing_links(path, TWO_PROCESS_CHAIN) == [],
                  "the request passed " + " → ".join(TWO_PROCESS_CHAIN) + ", in that order")
+    return mine, path, by_layer
+
+
+def _the_process_boundary(lesson, mine: list, path: list, by_layer: Counter, streamed: str, core_pid: int) -> None:
+    """Which process each layer ran in, and the request's tokens, step by step, back to the SSE chunks."""
     where = {layer: {(e.attrs or {}).get("pid") for e in mine if e.layer == layer} for layer in path}
     lesson.show(table(["layer", "process"], [[layer, "engine core" if where[layer] == {core_pid} else "API server"]
                                              for layer in dict.fromkeys(path)], title="the process boundary"))

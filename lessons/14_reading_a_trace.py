@@ -46,6 +46,26 @@ def run(lesson) -> None:
 
 def _body(lesson, tmp: pathlib.Path) -> None:
     path = tmp / "run.jsonl"
+    live, events, preempt = _record_a_run(lesson, path)
+    lesson.pause()
+
+    # ---- replay ----
+    replay, k = _replay_matches_the_live_engine(lesson, path, events, preempt, live)
+    lesson.pause()
+
+    _back_and_forward(lesson, replay, k, live)
+    lesson.pause()
+
+    # ---- Perfetto ----
+    _export_to_perfetto(lesson, tmp, path, live)
+    lesson.done("A trace file is a header and one JSON event per line. Replay folds it into the state at any "
+                "step, backward or forward, and that state matches what the live engine held. "
+                "`vllm-trace export` turns the same file into a Perfetto timeline: one track per request, "
+                "one slice per step, every kernel, and the queue and cache counters.")
+
+
+def _record_a_run(lesson, path: pathlib.Path) -> tuple[dict, list, object]:
+    """Run the engine with a trace file: (the live queues after each step, the file's events, the first preemption)."""
     llm, session = lesson.engine(trace_file=str(path), block_size=BLOCK, num_kv_blocks=10, max_num_batched_tokens=48)
     engine = llm.llm_engine
     live = {}  # step -> the engine's own queues right after that step
@@ -72,9 +92,11 @@ def _body(lesson, tmp: pathlib.Path) -> None:
     lesson.check(all(set(json.loads(ln)) == {"seq", "ts_ns", "layer", "name", "kind", "request_id", "step", "attrs"}
                      for ln in lines[1:]), "every event has the same 8 keys: seq, ts_ns, layer, name, kind, "
                                            "request_id, step, attrs")
-    lesson.pause()
+    return live, events, preempt
 
-    # ---- replay ----
+
+def _replay_matches_the_live_engine(lesson, path: pathlib.Path, events: list, preempt, live: dict) -> tuple:
+    """Replay to the preemption's step (or step 6) and compare with the live engine: (the replay, that step)."""
     replay = Replay.load(path)
     k = preempt.step if preempt is not None else 6
     recorded = next(e.attrs for e in events if e.kind == "snapshot" and e.step == k)
@@ -92,8 +114,10 @@ def _body(lesson, tmp: pathlib.Path) -> None:
     lesson.check(view == live[k], f"its queues, token counts and block tables equal the live engine's after step {k}")
     lesson.check(all(snapshot_view(replay.goto(s)) == live[s] for s in live),
                  f"and so do those of every one of the {len(live)} steps")
-    lesson.pause()
+    return replay, k
 
+
+def _back_and_forward(lesson, replay, k: int, live: dict) -> None:
     at_k = replay.goto(k).to_dict()
     back1 = replay.prev()
     lesson.show(queues_table(snapshot_view(back1), f"one step back: step {back1.step}"))
@@ -105,9 +129,9 @@ def _body(lesson, tmp: pathlib.Path) -> None:
                  f"two steps back and two forward: the whole state at step {k} is the same again")
     lesson.say("Going back is cheap: replay keeps a copy of the state every few steps and folds forward "
                "from the nearest one, so back and forward can never disagree.")
-    lesson.pause()
 
-    # ---- Perfetto ----
+
+def _export_to_perfetto(lesson, tmp: pathlib.Path, path: pathlib.Path, live: dict) -> None:
     out = tmp / "run.perfetto.json"
     rc = cli.main(["export", str(path), "--format", "perfetto", "-o", str(out)])
     chrome = json.loads(out.read_text())
@@ -137,10 +161,6 @@ def _body(lesson, tmp: pathlib.Path) -> None:
         "arguments; the **kernels** row shows every launch; counters draw the queue lengths and KV-cache "
         "usage. `W`/`S` zoom, `A`/`D` pan; click a slice to see its arguments."
         + (f"\n\nThis run's files stay in `{tmp}`." if lesson.pause_enabled else ""))
-    lesson.done("A trace file is a header and one JSON event per line. Replay folds it into the state at any "
-                "step, backward or forward, and that state matches what the live engine held. "
-                "`vllm-trace export` turns the same file into a Perfetto timeline: one track per request, "
-                "one slice per step, every kernel, and the queue and cache counters.")
 
 
 if __name__ == "__main__":

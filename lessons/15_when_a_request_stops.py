@@ -66,6 +66,42 @@ def run(lesson) -> None:
     gen = Runner(engine)
 
     # ---- max_tokens ----
+    base, base_texts = max_tokens_and_the_context_limit(lesson, engine, tok, gen)
+    lesson.pause()
+
+    # ---- EOS ----
+    eos_ends_a_request(lesson, engine, tok, gen)
+    lesson.pause()
+
+    # ---- stop_token_ids and min_tokens ----
+    stop_token_ids_and_min_tokens(lesson, tok, gen, base)
+    lesson.pause()
+
+    # ---- stop strings, and what a stream holds back ----
+    i, stop, s_out, s_texts = stop_string_cuts_the_text(lesson, gen, base, base_texts)
+    stream_holds_back_a_stop_prefix(lesson, i, stop, s_out, s_texts)
+    lesson.pause()
+
+    # ---- abort ----
+    abort_on_disconnect(lesson)
+    lesson.pause()
+
+    # ---- penalties ----
+    penalties(lesson, gen, tok)
+    lesson.pause()
+
+    # ---- logprobs ----
+    logprobs(lesson, gen, tok)
+    lesson.done(
+        "A request stops on `max_tokens` or the context limit ('length'), on EOS or a stop token id "
+        "('stop', the token kept), or on a stop string ('stop', the string cut from the text and held back "
+        "while streaming). `min_tokens` keeps EOS and stop tokens from being sampled at all until then. A "
+        "client that disconnects aborts its request; its blocks are freed between two steps. Penalties "
+        "change the logits before the choice; logprobs report the model's raw distribution.")
+
+
+def max_tokens_and_the_context_limit(lesson, engine, tok, gen) -> tuple:
+    """A greedy run to max_tokens, and the limit without one: (that run's output, its text after every step)."""
     base, base_texts = gen(greedy(max_tokens=N, ignore_eos=True))
     lesson.predict(f"Greedy, `max_tokens={N}`, `ignore_eos=True`. How many tokens, and which finish_reason?",
                    f"{N} tokens, finish_reason 'length': nothing else may stop it.")
@@ -79,9 +115,10 @@ def run(lesson) -> None:
     lesson.check(unlimited.max_tokens == engine.max_model_len - len(ids),
                  f"without max_tokens a request may run to the context limit: max_model_len {engine.max_model_len} "
                  f"− {len(ids)} prompt tokens = {unlimited.max_tokens} (then 'length' too)")
-    lesson.pause()
+    return base, base_texts
 
-    # ---- EOS ----
+
+def eos_ends_a_request(lesson, engine, tok, gen) -> None:
     eos = engine.engine_core.engine_core.eos_token_id
     lesson.say(f"**EOS.** The model's end-of-sequence token is id {eos} ({escape(repr(tok.decode([eos])))}). "
                "Unless `ignore_eos` is set, sampling it ends the request with 'stop' and no stop_reason. "
@@ -108,9 +145,9 @@ def run(lesson) -> None:
             "on documents that end with EOS produces it at the end of a text; the rule is the same one that "
             "`stop_token_ids` uses, shown next.")
         lesson.check(all(r[2] == "length" for r in rows), "all three ran to max_tokens: finish_reason 'length'")
-    lesson.pause()
 
-    # ---- stop_token_ids and min_tokens ----
+
+def stop_token_ids_and_min_tokens(lesson, tok, gen, base) -> None:
     t = base.token_ids[4]
     k = base.token_ids.index(t)  # its first occurrence
     lesson.predict(f"The greedy run above produced token {t} ({escape(repr(tok.decode([t])))}) first as output "
@@ -137,9 +174,10 @@ def run(lesson) -> None:
     lesson.check(held.finish_reason == ("stop" if t in held.token_ids else "length"),
                  f"after that it finished with '{held.finish_reason}'"
                  + (f" on a later {t}" if t in held.token_ids else f" ({t} did not come again)"))
-    lesson.pause()
 
-    # ---- stop strings, and what a stream holds back ----
+
+def stop_string_cuts_the_text(lesson, gen, base, base_texts) -> tuple:
+    """A stop string split across two tokens: (the token it starts in, the string, the output, its text per step)."""
     full = base.text
     cut = boundary_stop(base_texts)
     lesson.check(cut is not None, "the greedy text has two characters split across two tokens, to use as a stop string")
@@ -156,7 +194,11 @@ def run(lesson) -> None:
                  f"text {s_out.text!r}, finish_reason 'stop', stop_reason {stop!r}")
     lesson.check(len(s_out.token_ids) == i + 2, f"{i + 2} tokens were generated; the last one's text was cut")
     lesson.check(inc.text == full[:at + len(stop)], "with include_stop_str_in_output=True the stop string is kept")
+    return i, stop, s_out, s_texts
 
+
+def stream_holds_back_a_stop_prefix(lesson, i: int, stop: str, s_out, s_texts: list[str]) -> None:
+    """Replay the stop-string run's texts through StopHoldback, as a stream would, against vLLM's fixed buffer."""
     hold, rows, sent, ours_held = StopHoldback([stop]), [], [], []
     fixed = len(stop) - 1  # vLLM's stop_buffer_length: max(len(s) for s in stop) - 1
     for step, text in enumerate(s_texts):
@@ -182,17 +224,9 @@ def run(lesson) -> None:
                  f"after token {i + 1} the text ends with {stop[0]!r}, a prefix of the stop string: "
                  "it was held back")
     lesson.check("".join(sent) == s_out.text, "the chunks sent add up to exactly the final text: nothing to take back")
-    lesson.pause()
 
-    # ---- abort ----
-    abort_on_disconnect(lesson)
-    lesson.pause()
 
-    # ---- penalties ----
-    penalties(lesson, gen, tok)
-    lesson.pause()
-
-    # ---- logprobs ----
+def logprobs(lesson, gen, tok) -> None:
     lp, _ = gen(greedy(max_tokens=6, ignore_eos=True, logprobs=3))
     rows = []
     for tid, entry in zip(lp.token_ids, lp.logprobs):
@@ -202,12 +236,6 @@ def run(lesson) -> None:
     lesson.show(table(["token", "logprob", "rank", "top 3 (logprob)"], rows, title="logprobs=3, greedy"))
     lesson.check(all(e[t].rank == 1 and e[t].logprob <= 0 and len(e) <= 4 for t, e in zip(lp.token_ids, lp.logprobs)),
                  "each entry has the top 3 (plus the chosen token if it is not among them); greedy's choice is rank 1")
-    lesson.done(
-        "A request stops on `max_tokens` or the context limit ('length'), on EOS or a stop token id "
-        "('stop', the token kept), or on a stop string ('stop', the string cut from the text and held back "
-        "while streaming). `min_tokens` keeps EOS and stop tokens from being sampled at all until then. A "
-        "client that disconnects aborts its request; its blocks are freed between two steps. Penalties "
-        "change the logits before the choice; logprobs report the model's raw distribution.")
 
 
 def boundary_stop(texts: list[str]) -> tuple[int, str] | None:

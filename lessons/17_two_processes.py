@@ -91,6 +91,26 @@ def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, 
     core_pid = two.llm_engine.engine_core.pid
     lesson.check(core_pid is not None and core_pid != os.getpid(),
                  f"the engine core runs in process {core_pid}; this lesson (the API-server side) is {os.getpid()}")
+    events, two_steps = _the_same_load_in_two_processes(lesson, session, two, one_outs, one_steps, one_s, started_s,
+                                                        prompts, params)
+    lesson.pause()
+
+    # ---- a request on the wire ---------------------------------------------------------------
+    _a_request_on_the_wire(lesson, two, events, prompts, params)
+    lesson.pause()
+
+    # ---- who did what ---------------------------------------------------------------------------
+    _which_process_did_what(lesson, events, core_pid)
+    _a_stop_string_found_in_the_api_server(lesson, session, two, params)
+    lesson.pause()
+
+    # ---- the boundary's cost per step -------------------------------------------------------------
+    _the_boundarys_cost_per_step(lesson, events, two_steps)
+
+
+def _the_same_load_in_two_processes(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts,
+                                    params) -> tuple[list, list[float]]:
+    """Run the load again through the core process and compare: (its events, its step times in ms)."""
     two.generate(prompts, params, use_tqdm=False)  # warm-up, as for one process
     since = session.bus.next_seq
     t0 = time.perf_counter()
@@ -110,9 +130,10 @@ def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, 
     ], title=f"the same load: {len(prompts)} requests x {params.max_tokens} tokens"))
     lesson.say("On a machine this small, two processes share the same few cores, so neither column is "
                "a promise; what matters is that the work per step is the same engine code either way.")
-    lesson.pause()
+    return events, two_steps
 
-    # ---- a request on the wire ---------------------------------------------------------------
+
+def _a_request_on_the_wire(lesson, two, events: list, prompts: list[str], params) -> None:
     adds = [e for e in events if (e.layer, e.name) == ("ipc", "send") and e.attrs["type"] == "ADD"]
     ids = two.get_tokenizer().encode(prompts[0])
     req = EngineCoreRequest(adds[0].request_id, ids, wire_params(params), time.monotonic(), prompts[0])
@@ -127,9 +148,9 @@ def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, 
     lesson.check(len(adds) == len(prompts) and adds[0].attrs["bytes"] == len(wire),
                  f"the trace's ipc layer saw {len(adds)} ADD messages; request {req.request_id}'s was {len(wire)} "
                  "bytes, as encoded here")
-    lesson.pause()
 
-    # ---- who did what ---------------------------------------------------------------------------
+
+def _which_process_did_what(lesson, events: list, core_pid: int) -> None:
     def pids(layer: str) -> set:
         return {(e.attrs or {}).get("pid") for e in events if e.layer == layer}
 
@@ -142,6 +163,9 @@ def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, 
     lesson.check(pids("detokenizer") == {None} and pids("tokenizer") == {None},
                  "tokenizing and detokenizing happened in the API-server process (their events carry no core pid)")
 
+
+def _a_stop_string_found_in_the_api_server(lesson, session, two, params) -> None:
+    """The output processor finds a stop string and tells the core, which finishes the request with 'stop'."""
     stop_prompt = "The first argument is"
     full = two.generate(stop_prompt, params, use_tqdm=False)[0].outputs[0].text
     # a piece of the greedy text that first occurs after its start (the model may repeat itself)
@@ -177,9 +201,9 @@ def _body(lesson, session, two, one_outs, one_steps, one_s, started_s, prompts, 
                "another step or two before the message arrives, and those tokens are dropped. We send the reason "
                "along so that the core's own trace, and the TUI built on it, shows FINISHED(stop) rather than an "
                "abort the client never asked for.")
-    lesson.pause()
 
-    # ---- the boundary's cost per step -------------------------------------------------------------
+
+def _the_boundarys_cost_per_step(lesson, events: list, two_steps: list[float]) -> None:
     ends = {e.step: e.ts_ns for e in events if (e.layer, e.name, e.kind) == ("engine", "step", "end")}
     recvs = [e for e in events if (e.layer, e.name) == ("ipc", "recv") and e.step in ends]
     lat_us = [(e.ts_ns - ends[e.step]) / 1000 for e in recvs]

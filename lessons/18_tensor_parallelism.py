@@ -38,6 +38,41 @@ def run(lesson) -> None:
     events = events_of(session)
 
     # ---- who holds what ----
+    padded = _what_each_rank_loaded(lesson, cfg, events)
+    _each_rank_caches_its_own_heads(lesson, events)
+    lesson.pause()
+
+    # ---- a step: the same scheduler output, two all-reduces per layer ----
+    sub = session.bus.subscribe()
+    req = queue_request(engine, "A", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5))
+    engine.step()
+    engine.step()
+    step_events = sub.pull().events
+    _every_rank_gets_the_same_step(lesson, step_events)
+    _the_collectives_of_a_step(lesson, cfg, step_events, req, padded)
+    lesson.pause()
+
+    # ---- the same logits ----
+    _the_same_logits_as_one_rank(lesson, engine)
+    lesson.pause()
+
+    # ---- the cost ----
+    _what_communication_costs(lesson, session, engine, cfg)
+    lesson.done(
+        f"- `--tensor-parallel-size {TP}` starts {TP} worker processes; each holds whole attention heads, a slice of "
+        "the MLP, its heads' share of the KV cache (same block ids everywhere) and a slice of the vocabulary "
+        "(wte, which is also the tied LM head; padded to a multiple of 64).\n"
+        "- Every step, all ranks receive the same scheduler output; the logits are all-gathered, every rank "
+        "samples the same tokens, and the executor keeps rank 0's.\n"
+        "- One all-reduce for the embedding and two per layer (after attn.c_proj and mlp.c_proj), carrying "
+        "tokens × n_embd floats.\n"
+        "- Results equal one rank's up to float summation order.\n"
+        "- Communication is a barrier per all-reduce: on a small CPU it dominates; on GPUs with NVLink and big "
+        "layers it is a small share, and the split memory is the point.")
+
+
+def _what_each_rank_loaded(lesson, cfg, events: list) -> int:
+    """Heads, MLP columns, vocabulary rows and parameters per rank: returns the padded vocabulary size."""
     loads = sorted((e.attrs for e in events if (e.layer, e.name, e.kind) == ("worker", "model_load", "end")),
                    key=lambda a: a["rank"])
     padded = loads[0]["vocab_padded"]
@@ -79,6 +114,10 @@ def run(lesson) -> None:
                "padding's columns are cut off after the gather. Only `wpe`, the layer norms and the row-parallel "
                "biases are replicated. "
                "(Our one difference: with one rank we do not pad, since nothing is split; vLLM pads even then.)")
+    return padded
+
+
+def _each_rank_caches_its_own_heads(lesson, events: list) -> None:
     kv = next(e.attrs for e in events if (e.layer, e.name, e.kind) == ("engine", "kv_cache_alloc", "end"))
     lesson.show(table(["rank", "heads", "bytes per block", "KV-cache bytes"],
                       [[r["rank"], span(r["heads"]), fmt_bytes(r["bytes_per_block"]), fmt_bytes(r["bytes"])]
@@ -86,14 +125,10 @@ def run(lesson) -> None:
     lesson.check(all(r["bytes_per_block"] * TP == kv["bytes_per_block"] for r in kv["ranks"]),
                  "each rank caches K and V of its own heads only: half the bytes per block; block ids, and so "
                  "the scheduler's one block table per request, are the same on every rank")
-    lesson.pause()
 
-    # ---- a step: the same scheduler output, two all-reduces per layer ----
-    sub = session.bus.subscribe()
-    req = queue_request(engine, "A", PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5))
-    engine.step()
-    engine.step()
-    step_events = sub.pull().events
+
+def _every_rank_gets_the_same_step(lesson, step_events: list) -> None:
+    """Both workers receive the same scheduler output and sample the same tokens."""
     received = [e for e in step_events if (e.layer, e.name) == ("worker", "execute_model")]
     lesson.show(table(["step", "rank", "num_scheduled_tokens", "digest"],
                       [[e.step, e.attrs["rank"], e.attrs["num_scheduled_tokens"], e.attrs["digest"]]
@@ -117,6 +152,10 @@ def run(lesson) -> None:
                "executor takes the `ModelRunnerOutput` from rank 0 only: `MultiprocExecutor.sample_tokens` "
                "calls `collective_rpc(..., unique_reply_rank=self.output_rank)`. V1's other ranks send nothing "
                "back; ours reply with no tokens but with their trace events, which is how you see rank 1 here.")
+
+
+def _the_collectives_of_a_step(lesson, cfg, step_events: list, req, padded: int) -> None:
+    """The all-reduces and the all-gather of a prefill and a decode step, per rank, with their bytes."""
     kernels = [e for e in step_events if e.layer == "kernel" and e.step is not None]
     rows = []
     for s, num_tokens in ((0, req.num_prompt_tokens), (1, 1)):
@@ -138,9 +177,10 @@ def run(lesson) -> None:
     lesson.say("The all-reduce carries the **hidden state** (tokens × n_embd), not weights: so prefill's all-reduces "
                "grow with the prompt, and a decode step's are tiny. Row-parallel layers add their bias once, on "
                "rank 0 before the sum, not once per rank.")
-    lesson.pause()
 
-    # ---- the same logits ----
+
+def _the_same_logits_as_one_rank(lesson, engine) -> None:
+    """Finish request A and compare its tokens and logprobs with one rank's."""
     final = None
     while engine.has_unfinished_requests():
         final = next((o.outputs[0] for o in engine.step() if o.finished), final)
@@ -153,9 +193,10 @@ def run(lesson) -> None:
                  "TP=2 produced the same tokens, with the same top-5 candidates at every position, as one rank")
     lesson.check(diff < 1e-4, f"the log-probabilities differ by at most {diff:.1e}: the same sums, added in "
                               "another order (each rank sums half the products, then the all-reduce adds the halves)")
-    lesson.pause()
 
-    # ---- the cost ----
+
+def _what_communication_costs(lesson, session, engine, cfg) -> None:
+    """Decode steps timed on one rank and on two, and the share of a traced step spent in collectives."""
     lesson.say("Now the cost. The same batch (8 requests of 64 tokens, then decode steps) on one rank and on two, "
                "in turn:")
     single = LLM(lesson.model, num_kv_blocks=128)
@@ -193,17 +234,6 @@ def run(lesson) -> None:
                    "CPU machine: the all-reduces are barriers over loopback TCP, and they normally cost more than "
                    "the halved arithmetic saves. `python -m benchmarks.tensor_parallel` measures it with more "
                    "repetitions.")
-    lesson.done(
-        f"- `--tensor-parallel-size {TP}` starts {TP} worker processes; each holds whole attention heads, a slice of "
-        "the MLP, its heads' share of the KV cache (same block ids everywhere) and a slice of the vocabulary "
-        "(wte, which is also the tied LM head; padded to a multiple of 64).\n"
-        "- Every step, all ranks receive the same scheduler output; the logits are all-gathered, every rank "
-        "samples the same tokens, and the executor keeps rank 0's.\n"
-        "- One all-reduce for the embedding and two per layer (after attn.c_proj and mlp.c_proj), carrying "
-        "tokens × n_embd floats.\n"
-        "- Results equal one rank's up to float summation order.\n"
-        "- Communication is a barrier per all-reduce: on a small CPU it dominates; on GPUs with NVLink and big "
-        "layers it is a small share, and the split memory is the point.")
 
 
 if __name__ == "__main__":
