@@ -27,12 +27,38 @@ def run(lesson) -> None:
         "asks 8 questions per token, but caches only 2 heads' keys and values. The two built-in models here are "
         "both 4 layers × 128 wide on the same tokenizer; they differ in attention.")
     budget_blocks = 40  # of the MHA model's blocks: the same bytes for both
+    engines = _start_both_models(lesson, budget_blocks)
+    group = _gqa_caches_fewer_bytes_per_token(lesson, engines, budget_blocks)
+    lesson.pause()
+
+    # ---- how many more requests fit ----
+    _more_requests_fit(lesson, engines, group)
+    lesson.pause()
+
+    # ---- RoPE and the cache write ----
+    llm, session, core = engines[GQA]
+    ids, req = _rope_runs_before_the_cache_write(lesson, llm, session, core)
+    _cache_holds_rotated_keys(lesson, llm, core, ids, list(req.block_ids))
+    lesson.done(
+        f"GQA caches only the KV heads: {group}× fewer bytes per token here, so {group}× the blocks and at least "
+        f"{group}× the concurrent requests in the same memory; the attention kernel maps query head h to KV head "
+        f"h // {group}. RoPE rotates q and k in every layer before the cache write, so cached keys already carry "
+        "their positions and are never rotated again.")
+
+
+def _start_both_models(lesson, budget_blocks: int) -> dict:
+    """One engine per model, each given the same KV-cache bytes: name -> (llm, session, engine core)."""
     engines = {}
     for name in (MHA, GQA):
         llm, session = lesson.engine(model=name, block_size=BLOCK, enable_prefix_caching=False,
                                      kv_cache_memory=budget_blocks * _mha_block_bytes(), max_num_seqs=256,
                                      max_num_batched_tokens=4096)
         engines[name] = (llm, session, llm.llm_engine.engine_core.engine_core)
+    return engines
+
+
+def _gqa_caches_fewer_bytes_per_token(lesson, engines: dict, budget_blocks: int) -> int:
+    """The cache shapes and bytes per token of both models; returns GQA's group factor."""
     rows, per_token = [], {}
     for name, (_, _, core) in engines.items():
         cfg, k = core.model_config, core.kv_caches[0][0]
@@ -53,9 +79,11 @@ def run(lesson) -> None:
                  f"smaller by the group factor {group} (8 query heads / 2 KV heads)")
     n_gqa, n_mha = (c.kv_cache_manager.block_pool.num_gpu_blocks for c in (gqa, mha))
     lesson.check(n_gqa == group * n_mha, f"so the same memory holds {group}× the blocks: {n_gqa} against {n_mha}")
-    lesson.pause()
+    return group
 
-    # ---- how many more requests fit ----
+
+def _more_requests_fit(lesson, engines: dict, group: int) -> None:
+    """The same burst of 48 requests on both engines: how many the first step admits."""
     lesson.say("**How many more requests fit.** The same burst on both engines: 48 copies of a 63-token prompt "
                "(4 blocks each with the 64th token; prefix caching off, so none share), two tokens each. The "
                "scheduler admits waiting requests while the KV-cache manager can give each its blocks; the rest wait.")
@@ -79,15 +107,15 @@ def run(lesson) -> None:
                  f"{b_gqa} // 4 = {r_gqa} (block 0 is the null block, never handed out)")
     lesson.check(r_gqa >= group * r_mha,
                  f"GQA fits {r_gqa / r_mha:.1f}× the requests in the same memory (at least the group factor {group})")
-    lesson.pause()
 
-    # ---- RoPE and the cache write ----
+
+def _rope_runs_before_the_cache_write(lesson, llm, session, core):
+    """Prefill one prompt on the GQA model and show layer 0's launch order; returns the prompt ids and request."""
     lesson.say("**Where RoPE is applied.** GPT-2 adds a learned position vector to the token embedding at the "
                "bottom of the model. Llama has no position table: in every layer, *rotary embedding* rotates each "
                "query and key head by an angle proportional to the token's position, and it does so **before** "
                "the key is written to the cache. So the cache holds rotated keys; a later decode step reads them "
                "as they are and rotates only its own new query and key.")
-    llm, session, core = engines[GQA]
     ids = llm.get_tokenizer().encode(PROMPT)
     req = queue_request(llm.llm_engine, "rope", {"prompt_token_ids": ids}, greedy(3))
     llm.llm_engine.step()  # the prefill
@@ -100,12 +128,16 @@ def run(lesson) -> None:
     lesson.check(order.index("rotary_embedding") < order.index("reshape_and_cache_ref") <
                  order.index("unified_attention_ref"),
                  "in each layer the rotary embedding runs before the cache write, which runs before attention")
-    lesson.check(batch.attrs["rope"]["theta"] == gqa.model_config.rope_theta and batch.attrs["positions"] ==
+    lesson.check(batch.attrs["rope"]["theta"] == core.model_config.rope_theta and batch.attrs["positions"] ==
                  list(range(len(ids))), f"the model runner's batch event carries the positions the rotation uses "
-                 f"(0..{len(ids) - 1}) and the RoPE base θ = {gqa.model_config.rope_theta:g}")
+                 f"(0..{len(ids) - 1}) and the RoPE base θ = {core.model_config.rope_theta:g}")
+    return ids, req
 
+
+def _cache_holds_rotated_keys(lesson, llm, core, ids: list[int], blocks: list[int]) -> None:
+    """Layer 0's cached keys against k_proj(x) by hand, rotated and not; a decode step leaves them as they are."""
     # Recompute layer 0's keys from the prompt by hand: embedding -> RMSNorm -> k_proj (no position anywhere yet).
-    model, attn, blocks = core.model, core.model.model.layers[0].self_attn, list(req.block_ids)
+    model, attn = core.model, core.model.model.layers[0].self_attn
     with torch.inference_mode():
         x = model.model.layers[0].input_layernorm(model.model.embed_tokens(torch.tensor(ids)))
         _, k_raw, _ = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
@@ -127,11 +159,6 @@ def run(lesson) -> None:
                  "after a decode step the prompt's cached keys are bit for bit the same: they are not rotated again")
     while llm.llm_engine.has_unfinished_requests():
         llm.llm_engine.step()
-    lesson.done(
-        f"GQA caches only the KV heads: {group}× fewer bytes per token here, so {group}× the blocks and at least "
-        f"{group}× the concurrent requests in the same memory; the attention kernel maps query head h to KV head "
-        f"h // {group}. RoPE rotates q and k in every layer before the cache write, so cached keys already carry "
-        "their positions and are never rotated again.")
 
 
 def _mha_block_bytes() -> int:

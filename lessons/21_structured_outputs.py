@@ -45,6 +45,28 @@ def run(lesson) -> None:
     tok = llm.get_tokenizer()
     vocab = core.model_config.vocab_size
 
+    free, req = _schema_makes_the_answer_parse(lesson, llm, engine, core, tok)
+    lesson.pause()
+
+    _mask_step_by_step(lesson, req, tok, vocab)
+    lesson.pause()
+
+    # ---- cost ----
+    _what_the_mask_costs(lesson)
+    lesson.pause()
+
+    # ---- forced ----
+    _forced_answer_is_unlikely(lesson, llm, tok, free)
+    lesson.done(
+        "A structured output is a grammar compiled against the vocabulary (off the engine thread; the request waits as "
+        "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR), a bitmask of allowed tokens per request and step, -inf for the rest "
+        "before sampling, and a matcher that accepts each sampled token. It makes any model's output parse, at a small "
+        "cost per step; it cannot make a forced answer likely, and a model pushed off its path writes what the schema "
+        "allows, not what it knows.")
+
+
+def _schema_makes_the_answer_parse(lesson, llm, engine, core, tok):
+    """The same prompt without and with the schema; returns the free output and the schema's request."""
     free = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
     engine.add_request("json", PROMPT, SamplingParams(temperature=0, max_tokens=60,
                                                       structured_outputs=StructuredOutputsParams(json=SCHEMA)))
@@ -71,8 +93,11 @@ def run(lesson) -> None:
     lesson.check(statuses[0] == "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR",
                  f"its first step found it WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR (the grammar compiling), "
                  f"then {statuses[-1]}")
-    lesson.pause()
+    return free, req
 
+
+def _mask_step_by_step(lesson, req, tok, vocab: int) -> None:
+    """How many tokens the mask allowed at each step of the schema's answer."""
     so = req.structured_output_request
     pieces = [tok.decode([t]) for t in req.output_token_ids]
     rows = [[i, show_token(p), f"{n:,} of {vocab:,}", "the grammar chose" if n == 1 else ""]
@@ -90,30 +115,17 @@ def run(lesson) -> None:
                  "only '}', after '}' only EOS (the grammar is complete; EOS was not allowed before)")
     lesson.check(max(so.num_allowed) > vocab * 0.9,
                  f"inside a string the mask allows nearly everything ({max(so.num_allowed):,} of {vocab:,})")
-    lesson.pause()
 
-    # ---- cost ----
+
+def _what_the_mask_costs(lesson) -> None:
+    """A batch with and without the schema, timed from the trace: step, bitmask fill and mask kernel."""
     lesson.say(f"**Cost.** The same {BATCH} prompts, greedy, 24 tokens each, with and without the schema; the "
                "trace says how long each step took, how long filling the bitmask took (on the engine thread, "
                "in the scheduler) and how long the mask's kernel took (the PyTorch reference on the CPU).")
     prompts = [f"{PROMPT} {'Mr ' * i}" for i in range(BATCH)]
     timings = {}
     for label, so_params in (("no schema", None), ("schema", StructuredOutputsParams(json=SCHEMA))):
-        llm2, s2 = lesson.engine()
-        llm2.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, structured_outputs=so_params),
-                      use_tqdm=False)  # compiles the grammar (and warms up) before the measured run
-        s2.state.update()
-        first = len(events_of(s2))
-        llm2.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=so_params is None,
-                                              structured_outputs=so_params), use_tqdm=False)
-        evs = events_of(s2)[first:]
-        begins = {e.step: e.ts_ns for e in evs if (e.layer, e.name, e.kind) == ("engine", STEP, "begin")}
-        spans = [e.ts_ns - begins[e.step] for e in evs
-                 if (e.layer, e.name, e.kind) == ("engine", STEP, "end") and e.step in begins]
-        fills = [e.attrs["fill_ns"] for e in evs if (e.layer, e.name) == (STRUCTURED_OUTPUT, BITMASK)]
-        applies = [e.attrs["duration_ns"] for e in evs if e.layer == KERNEL and e.name.startswith("apply_token")]
-        timings[label] = (sorted(spans)[len(spans) // 2], sum(fills) / max(1, len(fills)),
-                          sum(applies) / max(1, len(applies)), len(spans))
+        timings[label] = _time_a_batch(lesson, prompts, so_params)
     lesson.show(table(["", "median step (ms)", "bitmask fill (µs/step)", "mask kernel (µs/step)", "steps"], [
         [k, f"{v[0] / 1e6:.2f}", f"{v[1] / 1e3:.0f}" if v[1] else "-", f"{v[2] / 1e3:.0f}" if v[2] else "-", v[3]]
         for k, v in timings.items()], title=f"{BATCH} requests at once, measured"))
@@ -123,9 +135,29 @@ def run(lesson) -> None:
     lesson.check(fill_ns + apply_ns < 0.5 * step_ns,
                  f"together they are {100 * (fill_ns + apply_ns) / step_ns:.0f}% of a step: the grammar's work is "
                  "per token of the batch, far less than the model's")
-    lesson.pause()
 
-    # ---- forced ----
+
+def _time_a_batch(lesson, prompts: list[str], so_params) -> tuple:
+    """On a fresh engine: (median step ns, mean bitmask fill ns, mean mask kernel ns, steps) of one measured run."""
+    llm2, s2 = lesson.engine()
+    llm2.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, structured_outputs=so_params),
+                  use_tqdm=False)  # compiles the grammar (and warms up) before the measured run
+    s2.state.update()
+    first = len(events_of(s2))
+    llm2.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=so_params is None,
+                                          structured_outputs=so_params), use_tqdm=False)
+    evs = events_of(s2)[first:]
+    begins = {e.step: e.ts_ns for e in evs if (e.layer, e.name, e.kind) == ("engine", STEP, "begin")}
+    spans = [e.ts_ns - begins[e.step] for e in evs
+             if (e.layer, e.name, e.kind) == ("engine", STEP, "end") and e.step in begins]
+    fills = [e.attrs["fill_ns"] for e in evs if (e.layer, e.name) == (STRUCTURED_OUTPUT, BITMASK)]
+    applies = [e.attrs["duration_ns"] for e in evs if e.layer == KERNEL and e.name.startswith("apply_token")]
+    return (sorted(spans)[len(spans) // 2], sum(fills) / max(1, len(fills)),
+            sum(applies) / max(1, len(applies)), len(spans))
+
+
+def _forced_answer_is_unlikely(lesson, llm, tok, free) -> None:
+    """A schema that forces an odd answer, scored by the unmasked model against its own greedy answer."""
     lesson.say("**When the grammar and the model disagree.** The mask only removes tokens; it never makes the "
                "model want what is left. A schema that allows a single, unlikely answer still gets it, and the "
                "model's own probabilities say how unlikely: score the forced text with `prompt_logprobs` (the "
@@ -134,15 +166,9 @@ def run(lesson) -> None:
     forced_out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=30, structured_outputs=
                                                      StructuredOutputsParams(json=odd)), use_tqdm=False)[0].outputs[0]
     prompt_ids = tok.encode(PROMPT)
-
-    def score(ids: list[int]) -> list[float]:
-        out = llm.generate({"prompt_token_ids": prompt_ids + ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
-                           use_tqdm=False)[0]
-        return [out.prompt_logprobs[len(prompt_ids) + i][t].logprob for i, t in enumerate(ids)]
-
     forced_ids = [t for t in forced_out.token_ids if t != tok.eos_token_id]
-    forced_lp = score(forced_ids)
-    free_lp = score(free.token_ids[:len(forced_ids)])
+    forced_lp = _score(llm, prompt_ids, forced_ids)
+    free_lp = _score(llm, prompt_ids, free.token_ids[:len(forced_ids)])
     worst = min(range(len(forced_ids)), key=forced_lp.__getitem__)
     lesson.show(table(["", "text", "tokens", "log-probability (sum)", "per token"], [
         ["forced by the schema", forced_out.text, len(forced_ids), f"{sum(forced_lp):.1f}",
@@ -154,12 +180,13 @@ def run(lesson) -> None:
                  f"the model finds it e^{sum(free_lp) - sum(forced_lp):.0f} times less likely than its own answer; "
                  f"its least likely token {show_token(tok.decode([forced_ids[worst]]))!r} had probability "
                  f"{math.exp(forced_lp[worst]):.1e}")
-    lesson.done(
-        "A structured output is a grammar compiled against the vocabulary (off the engine thread; the request waits as "
-        "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR), a bitmask of allowed tokens per request and step, -inf for the rest "
-        "before sampling, and a matcher that accepts each sampled token. It makes any model's output parse, at a small "
-        "cost per step; it cannot make a forced answer likely, and a model pushed off its path writes what the schema "
-        "allows, not what it knows.")
+
+
+def _score(llm, prompt_ids: list[int], ids: list[int]) -> list[float]:
+    """The unmasked model's log-probability of each of `ids` after the prompt."""
+    out = llm.generate({"prompt_token_ids": prompt_ids + ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return [out.prompt_logprobs[len(prompt_ids) + i][t].logprob for i, t in enumerate(ids)]
 
 
 if __name__ == "__main__":

@@ -45,6 +45,29 @@ def run(lesson) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     plain, _ = lesson.engine(num_kv_blocks=512)
     spec, session = lesson.engine(num_kv_blocks=512, speculative_config=ngram(4))
+    _greedy_output_is_identical(lesson, plain, spec, session, greedy)
+    lesson.pause()
+
+    # ---- what k buys ----
+    rates = _what_k_buys(lesson, plain, greedy)
+    lesson.pause()
+
+    # ---- when it does not pay ----
+    vocab = len(plain.get_tokenizer())
+    _when_it_does_not_pay(lesson, plain, spec, vocab, rates)
+    lesson.pause()
+
+    # ---- where the rejected tokens' KV goes ----
+    _rejected_drafts_kv_is_overwritten(lesson, vocab)
+    lesson.done(
+        "Speculative decoding trades spare compute in memory-bound decode steps for fewer steps: drafts are "
+        "verified in one pass and kept only where the target agrees, so greedy output is unchanged and sampled "
+        "output keeps the target's distribution. It pays where drafts are right (repetitive text, loops, "
+        "code) and costs where they are not; the rejected drafts' slots are just written again.")
+
+
+def _greedy_output_is_identical(lesson, plain, spec, session, greedy) -> None:
+    """The same greedy workload with and without speculation, and one verification from the trace."""
     for llm in (plain, spec):
         llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     t_plain, a = timed(plain, PROMPTS, greedy)
@@ -70,9 +93,10 @@ def run(lesson) -> None:
     lesson.say(f"The built-in model's greedy text loops (\"{b[0].outputs[0].text[:60].strip()}…\"), so prompt "
                f"lookup finds its drafts: {len(PROMPTS) * greedy.max_tokens} tokens took "
                f"{t_plain * 1000:.0f} ms without speculation and {t_spec * 1000:.0f} ms with k = 4.")
-    lesson.pause()
 
-    # ---- what k buys ----
+
+def _what_k_buys(lesson, plain, greedy) -> dict:
+    """A sweep of k: acceptance and speed-up against the plain engine; returns the acceptance rate per k."""
     rows, rates = [], {}
     for k in (1, 2, 4, 8):
         llm, _ = lesson.engine(num_kv_blocks=512, speculative_config=ngram(k))
@@ -88,11 +112,12 @@ def run(lesson) -> None:
                       title="a sweep of k on this machine (the same greedy workload)"))
     lesson.check(rates[1] >= rates[8], "acceptance falls as k grows: later draft positions are accepted only "
                                        "if every earlier one was")
-    lesson.pause()
+    return rates
 
-    # ---- when it does not pay ----
+
+def _when_it_does_not_pay(lesson, plain, spec, vocab: int, rates: dict) -> None:
+    """Sampled text from random prompts: few drafts, fewer accepted."""
     rng = torch.Generator().manual_seed(0)
-    vocab = len(plain.get_tokenizer())
     random_prompts = [{"prompt_token_ids": torch.randint(5, vocab, (16,), generator=rng).tolist()} for _ in range(6)]
     sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=64, ignore_eos=True)
     t0, _ = timed(plain, random_prompts, sampled)
@@ -108,9 +133,10 @@ def run(lesson) -> None:
                "are no longer free.")
     lesson.check(drafted == 0 or accepted / drafted < rates[4],
                  "acceptance is far lower on text that does not repeat than on the greedy loops")
-    lesson.pause()
 
-    # ---- where the rejected tokens' KV goes ----
+
+def _rejected_drafts_kv_is_overwritten(lesson, vocab: int) -> None:
+    """Three drafts surely rejected: num_computed_tokens moves by one and the next step reuses their slots."""
     llm, _ = lesson.engine(num_kv_blocks=64, block_size=4, speculative_config=ngram(3))
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # the EngineCore behind the InprocClient
@@ -131,11 +157,6 @@ def run(lesson) -> None:
                  [req.block_ids[p // 4] * 4 + p % 4 for p in range(n, n + nxt.num_scheduled_tokens["r"])],
                  f"the next step writes position {n} into slot {slots[1]}, where a rejected draft's K/V was: "
                  "nothing is freed or copied, the slot is simply overwritten")
-    lesson.done(
-        "Speculative decoding trades spare compute in memory-bound decode steps for fewer steps: drafts are "
-        "verified in one pass and kept only where the target agrees, so greedy output is unchanged and sampled "
-        "output keeps the target's distribution. It pays where drafts are right (repetitive text, loops, "
-        "code) and costs where they are not; the rejected drafts' slots are just written again.")
 
 
 if __name__ == "__main__":

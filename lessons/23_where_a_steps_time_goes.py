@@ -82,12 +82,42 @@ def run(lesson) -> None:
     llm.generate(["warm up"], greedy(2), use_tqdm=False)
     engine, core = llm.llm_engine, llm.llm_engine.engine_core.engine_core
     cfg = core.model_config
+    roof = _this_machines_roofline(lesson, core)
+
+    prefill, decode = _profile_a_prefill_and_decodes(lesson, llm, session, engine)
+    pre_mm, dec_mm = _decode_matmuls_have_low_intensity(lesson, prefill, decode, roof, cfg)
+    lesson.pause()
+
+    # ---- the sweep ----
+    _intensity_grows_with_the_batch(lesson, llm, session, engine, roof)
+    lesson.pause()
+
+    # ---- attention, MLP, LM head ----
+    _lm_head_is_large_for_a_tiny_model(lesson, prefill, decode, cfg)
+    lesson.pause()
+
+    # ---- the roofline ----
+    _both_steps_on_the_roofline(lesson, core, prefill, decode, roof, pre_mm, dec_mm)
+    lesson.done(
+        "Profiling turns every op into a launch with FLOPs, bytes and time. Decode steps multiply one token per "
+        "request by every weight, so their intensity is about 0.5 FLOP/byte per request in the batch: "
+        "memory-bound, which is why batching many requests is nearly free and why the LM head of a large "
+        "vocabulary weighs so much in a tiny model. Prefill reuses each weight for every prompt token: "
+        "compute-bound. `vllm-trace export TRACE --roofline roofline.html` draws the same chart for a projector.")
+
+
+def _this_machines_roofline(lesson, core):
+    """Measure (or load) this machine's roofline and say what it is."""
     roof, path, measured = machine_roofline(core.device.type, str(core.dtype).removeprefix("torch."))
     lesson.say(f"This machine's roofline ({'measured now' if measured else 'measured before'}, cached in "
                f"`{path}`): peak **{fmt_count(roof.peak_flops, 'FLOP/s')}** (a {roof.matmul_n}² {roof.dtype} "
                f"matmul), bandwidth **{fmt_count(roof.peak_bw, 'B/s')}** (a large copy), so the ridge point is at "
                f"**{roof.ridge:.1f} FLOP/byte**. `vllm-trace roofline` prints it again.")
+    return roof
 
+
+def _profile_a_prefill_and_decodes(lesson, llm, session, engine) -> tuple[list[dict], list[dict]]:
+    """One profiled prefill step and DECODE_STEPS decode steps; returns the prefill and the median decode step."""
     for i in range(PREFILL_REQUESTS):
         prompt = [(7 * j + i) % 250 + 5 for j in range(PREFILL_TOKENS)]
         engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, greedy(DECODE_STEPS + 1))
@@ -98,6 +128,11 @@ def run(lesson) -> None:
     names = {k["name"] for k in decode}
     lesson.check(len(names) >= 10, f"a profiled decode step has {len(decode)} launches of {len(names)} distinct "
                                    f"ops: {', '.join(sorted(names))}")
+    return prefill, decode
+
+
+def _decode_matmuls_have_low_intensity(lesson, prefill, decode, roof, cfg) -> tuple[OpPoint, OpPoint]:
+    """The layers' matmuls of both steps summed; returns (prefill's, decode's) matmul points."""
     pre_mm, dec_mm = matmul_point(prefill, lm_head=False), matmul_point(decode, lm_head=False)
     rows = []
     for label, mm, batch in (("prefill", pre_mm, f"{PREFILL_REQUESTS} × {PREFILL_TOKENS} tokens"),
@@ -117,9 +152,11 @@ def run(lesson) -> None:
                f"M = {PREFILL_TOKENS} each weight value read serves {PREFILL_TOKENS} tokens. (The LM head is left "
                "out here: even in a prefill step it runs only on each request's last position, the one sampled, as "
                "in vLLM.)")
-    lesson.pause()
+    return pre_mm, dec_mm
 
-    # ---- the sweep ----
+
+def _intensity_grows_with_the_batch(lesson, llm, session, engine, roof) -> None:
+    """Decode steps of each batch size in BATCHES, profiled: intensity, throughput and where it crosses the ridge."""
     sweep, rows = {}, []
     for b in BATCHES:
         ids = [f"b{b}-{i}" for i in range(b)]
@@ -149,9 +186,10 @@ def run(lesson) -> None:
                   "and batching stops being free." if crossed else
                   f"Even {BATCHES[-1]} requests stay under this machine's ridge point ({roof.ridge:.1f} FLOP/byte): "
                   "decode remains memory-bound at every batch size tried."))
-    lesson.pause()
 
-    # ---- attention, MLP, LM head ----
+
+def _lm_head_is_large_for_a_tiny_model(lesson, prefill, decode, cfg) -> None:
+    """The share of attention, MLP and LM head in both steps, and why the LM head weighs so much here."""
     share_pre, share_dec = shares(prefill), shares(decode)
     groups = [*GROUPS, "other (embedding, norms, sampler)"]
     lesson.show(table(["part of the model", "prefill", "decode"],
@@ -172,9 +210,10 @@ def run(lesson) -> None:
     lesson.check(lm_share > layer_mlp and lm_bytes / mm_bytes > 0.3,
                  f"the LM head alone takes {lm_share:.0%} of a decode step's profiled time, more than a whole "
                  f"layer's MLP ({layer_mlp:.0%}), for {lm_bytes / mm_bytes:.0%} of its matmul bytes")
-    lesson.pause()
 
-    # ---- the roofline ----
+
+def _both_steps_on_the_roofline(lesson, core, prefill, decode, roof, pre_mm, dec_mm) -> None:
+    """Each op kind of both steps on the chart; decode under the memory roof, prefill (on a CPU) above the ridge."""
     lesson.say("Which phase is memory-bound is easy to get backwards (notes on LLM serving sometimes swap "
                "them), so measure it: each op kind of both steps on this machine's roofline, prefill in "
                "capitals, decode in small letters (M matmul, A attention, N norm, E elementwise, S sampler).")
@@ -194,12 +233,6 @@ def run(lesson) -> None:
                    f"reach: even prefill's matmuls ({pre_mm.intensity:.1f} FLOP/byte) sit under the memory roof. "
                    "A matmul of K×N weights cannot exceed K·N / (2(K+N)·bytes per value) FLOP/byte, however many "
                    "tokens; models thousands wide clear it.")
-    lesson.done(
-        "Profiling turns every op into a launch with FLOPs, bytes and time. Decode steps multiply one token per "
-        "request by every weight, so their intensity is about 0.5 FLOP/byte per request in the batch: "
-        "memory-bound, which is why batching many requests is nearly free and why the LM head of a large "
-        "vocabulary weighs so much in a tiny model. Prefill reuses each weight for every prompt token: "
-        "compute-bound. `vllm-trace export TRACE --roofline roofline.html` draws the same chart for a projector.")
 
 
 def chart(prefill: list[dict], decode: list[dict], roof, width: int) -> str:

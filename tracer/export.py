@@ -209,102 +209,152 @@ def _trailer(header: dict) -> dict:
     return {"displayTimeUnit": "ms", "otherData": {k: header.get(k) for k in ("model", "wall_clock_start", "version")}}
 
 
-def _convert(b: _Builder, events: Iterable[Event]) -> None:
-    tracks: dict[str, _RequestTrack] = {}
-    open_spans: dict[tuple, Event] = {}  # (layer, name, request_id) -> its BEGIN
-    step_begin: dict[int, int] = {}
-    step_marks: dict[int, dict] = {}  # step -> ts of its phase boundaries, and its batch
-    steps_end: dict[int, int] = {}  # steps track -> where its last step ended
-    kernel_end: dict[int, int] = {}  # rank -> where its track's last launch ended
-    profiled: dict[int, dict[int, list[int]]] = {}  # step -> rank -> [first start, last end] of its profiled launches
-    last_ts = 0
+@dataclass
+class _Open:
+    """What _convert carries from one event to the next: what has begun and not yet ended."""
+    tracks: dict[str, _RequestTrack] = field(default_factory=dict)
+    spans: dict[tuple, Event] = field(default_factory=dict)  # (layer, name, request_id, rank[, step]) -> its BEGIN
+    step_begin: dict[int, int] = field(default_factory=dict)
+    step_marks: dict[int, dict] = field(default_factory=dict)  # step -> ts of its phase boundaries, and its batch
+    steps_end: dict[int, int] = field(default_factory=dict)  # steps track -> where its last step ended
+    kernel_end: dict[int, int] = field(default_factory=dict)  # rank -> where its track's last launch ended
+    # step -> rank -> [first start, last end] of its profiled launches
+    profiled: dict[int, dict[int, list[int]]] = field(default_factory=dict)
 
+
+def _convert(b: _Builder, events: Iterable[Event]) -> None:
+    o = _Open()
+    last_ts = 0
     for ev in events:
         last_ts = ev.ts_ns
         a = ev.attrs or {}
-        rank = a.get("rank") or 0
-        key = (ev.layer, ev.name, ev.request_id, rank)
-        rid = ev.request_id
-        # ---- requests
-        if (ev.layer, ev.name) == (ENGINE, QUEUED):
-            b.queued(rid, a)
-            tracks[rid] = _RequestTrack(b, rid, ev.ts_ns)
-            tracks[rid].enter("queued", ev.ts_ns, {"num_prompt_tokens": a.get("num_prompt_tokens")})
-        elif rid in tracks and (ev.layer, ev.name) == (SCHEDULER, SCHEDULED):
-            tracks[rid].enter("prefill", ev.ts_ns)
-        elif rid in tracks and (ev.layer, ev.name) == (SCHEDULER, PREEMPTED):
-            tracks[rid].enter("queued", ev.ts_ns, {"preempted": a.get("reason")})
-        elif rid in tracks and (ev.layer, ev.name) == (DETOKENIZER, NEW_TOKENS):
-            tracks[rid].enter("decode", ev.ts_ns)  # its first token ends the prefill
-        elif rid in tracks and ev.layer == ENGINE and ev.name in (FINISHED, ABORTED):
-            tracks[rid].close(ev.ts_ns, {"finish_reason": a.get("finish_reason", "abort")})
-        # ---- steps and their phases
-        elif (ev.layer, ev.name) == (ENGINE, STEP) and ev.step is not None:
-            if ev.kind == BEGIN:
-                step_begin[ev.step] = ev.ts_ns
-                step_marks[ev.step] = {}
-            elif ev.kind == END and ev.step in step_begin:
-                begin = step_begin.pop(ev.step)
-                # async scheduling: a step that began before the one before it ended goes on the second row
-                tid = STEPS_TID if begin >= steps_end.get(STEPS_TID, 0) else STEPS2_TID
-                steps_end[tid] = ev.ts_ns
-                if tid == STEPS2_TID:
-                    b.threads[STEPS2_TID] = "engine steps (second batch in flight)"
-                _step_slices(b, ev.step, begin, ev.ts_ns, step_marks.pop(ev.step, {}), tid)
-                # the parent of the step's ops on each kernels track: around its launches, not the whole step
-                # (under async scheduling the next step's launches come before this step's end)
-                for r, (first, last) in sorted(profiled.pop(ev.step, {}).items()):
-                    b.x(RANK_KERNELS_TID + r if r else KERNELS_TID, f"step {ev.step}", first, last,
-                        {"profiled": True}, cat=ENGINE)
-                _counters(b, ev.ts_ns, a.get("stats", {}))
-        elif ev.layer == SCHEDULER and ev.name == SCHEDULE and ev.step in step_marks:
-            step_marks[ev.step][ev.kind] = ev.ts_ns
-            if ev.kind == SNAPSHOT:
-                step_marks[ev.step]["snapshot"] = a
-                _counters(b, ev.ts_ns, a.get("stats", {}))
-        elif (ev.layer, ev.name) == (MODEL_RUNNER, EXECUTE_MODEL):  # the forward pass, on the thread that runs it
-            if ev.kind == BEGIN:
-                open_spans[key + (ev.step,)] = ev
-            elif key + (ev.step,) in open_spans:
-                b.threads[FORWARD_TID] = f"forward pass ({a.get('thread')})"
-                b.x(FORWARD_TID, f"execute_model step {ev.step}", open_spans.pop(key + (ev.step,)).ts_ns, ev.ts_ns,
-                    {"step": ev.step}, cat=MODEL_RUNNER)
-        elif ev.layer in (MODEL_RUNNER, SAMPLER) and ev.step in step_marks and not a.get("rank"):
-            step_marks[ev.step][ev.name] = (ev.ts_ns, a)  # rank 0's: every rank samples the same
-        elif ev.layer == KV_TRANSFER:
-            b.kv_slice(ev, a)
-        elif (ev.layer, ev.name) == (ENGINE, CONFIG):
-            b.config(a)
-        # ---- kernels: an instant (with duration_ns, emitted when the launch ended) or a span
-        elif ev.layer == KERNEL:
-            if ev.kind == BEGIN:
-                open_spans[key] = ev
-                continue
-            start = open_spans.pop(key).ts_ns if ev.kind == END and key in open_spans else \
-                ev.ts_ns - int(a.get("duration_ns") or 0)
-            start = max(start, kernel_end.get(rank, 0))  # one launch after another on this track
-            kernel_end[rank] = max(ev.ts_ns, start)
-            tid = RANK_KERNELS_TID + rank if rank else KERNELS_TID
-            if rank:
-                b.threads[KERNELS_TID], b.threads[tid] = "kernels rank 0", f"kernels rank {rank}"
-            if a.get("profiled") and ev.step is not None:
-                span = profiled.setdefault(ev.step, {}).setdefault(rank, [start, kernel_end[rank]])
-                span[1] = kernel_end[rank]
-            b.x(tid, ev.name, start, kernel_end[rank], json_safe(dict(a, step=ev.step)), cat=KERNEL)
-        # ---- any other layer's spans (startup stages, HTTP handlers, ...)
-        elif ev.kind == BEGIN:
-            open_spans[key] = ev
-        elif ev.kind == END and key in open_spans:
-            begin = open_spans.pop(key)
-            if ev.layer == WORKER:
-                tid, b.threads[RANK_WORKER_TID + rank] = RANK_WORKER_TID + rank, f"worker rank {rank}"
-            else:
-                tid = LAYER_TIDS.get(ev.layer, 20 + len(LAYER_TIDS))
-                b.threads[tid] = f"{ev.layer} spans"
-            b.x(tid, ev.name + (f" {rid}" if rid else ""), begin.ts_ns, ev.ts_ns, dict(a), cat=ev.layer)
-
-    for track in tracks.values():  # the trace ended with these requests unfinished
+        # each handler takes the event if it is one of its kinds (in this order), else passes it on
+        (_request_phase(b, o.tracks, ev, a) or _step_event(b, o, ev, a) or _instance_event(b, ev, a)
+         or _kernel_launch(b, o, ev, a) or _layer_span(b, o.spans, ev, a))
+    for track in o.tracks.values():  # the trace ended with these requests unfinished
         track.close(last_ts, {"finish_reason": None})
+
+
+def _span_key(ev: Event, a: dict) -> tuple:
+    return ev.layer, ev.name, ev.request_id, a.get("rank") or 0
+
+
+def _request_phase(b: _Builder, tracks: dict[str, _RequestTrack], ev: Event, a: dict) -> bool:
+    """A request's track: queued -> prefill -> decode, closed when it finished or was aborted."""
+    rid = ev.request_id
+    if (ev.layer, ev.name) == (ENGINE, QUEUED):
+        b.queued(rid, a)
+        tracks[rid] = _RequestTrack(b, rid, ev.ts_ns)
+        tracks[rid].enter("queued", ev.ts_ns, {"num_prompt_tokens": a.get("num_prompt_tokens")})
+    elif rid in tracks and (ev.layer, ev.name) == (SCHEDULER, SCHEDULED):
+        tracks[rid].enter("prefill", ev.ts_ns)
+    elif rid in tracks and (ev.layer, ev.name) == (SCHEDULER, PREEMPTED):
+        tracks[rid].enter("queued", ev.ts_ns, {"preempted": a.get("reason")})
+    elif rid in tracks and (ev.layer, ev.name) == (DETOKENIZER, NEW_TOKENS):
+        tracks[rid].enter("decode", ev.ts_ns)  # its first token ends the prefill
+    elif rid in tracks and ev.layer == ENGINE and ev.name in (FINISHED, ABORTED):
+        tracks[rid].close(ev.ts_ns, {"finish_reason": a.get("finish_reason", "abort")})
+    else:
+        return False
+    return True
+
+
+def _step_event(b: _Builder, o: _Open, ev: Event, a: dict) -> bool:
+    """A step's begin and end, its phases' boundaries, and the forward pass on the thread that runs it."""
+    if (ev.layer, ev.name) == (ENGINE, STEP) and ev.step is not None:
+        if ev.kind == BEGIN:
+            o.step_begin[ev.step] = ev.ts_ns
+            o.step_marks[ev.step] = {}
+        elif ev.kind == END and ev.step in o.step_begin:
+            _end_step(b, o, ev, a)
+    elif ev.layer == SCHEDULER and ev.name == SCHEDULE and ev.step in o.step_marks:
+        o.step_marks[ev.step][ev.kind] = ev.ts_ns
+        if ev.kind == SNAPSHOT:
+            o.step_marks[ev.step]["snapshot"] = a
+            _counters(b, ev.ts_ns, a.get("stats", {}))
+    elif (ev.layer, ev.name) == (MODEL_RUNNER, EXECUTE_MODEL):  # the forward pass, on the thread that runs it
+        key = _span_key(ev, a) + (ev.step,)
+        if ev.kind == BEGIN:
+            o.spans[key] = ev
+        elif key in o.spans:
+            b.threads[FORWARD_TID] = f"forward pass ({a.get('thread')})"
+            b.x(FORWARD_TID, f"execute_model step {ev.step}", o.spans.pop(key).ts_ns, ev.ts_ns,
+                {"step": ev.step}, cat=MODEL_RUNNER)
+    elif ev.layer in (MODEL_RUNNER, SAMPLER) and ev.step in o.step_marks and not a.get("rank"):
+        o.step_marks[ev.step][ev.name] = (ev.ts_ns, a)  # rank 0's: every rank samples the same
+    else:
+        return False
+    return True
+
+
+def _end_step(b: _Builder, o: _Open, ev: Event, a: dict) -> None:
+    """The step's slices (on the second row if it began before the one before it ended), the parent slice of
+    its profiled launches on each kernels track, and the counters."""
+    begin = o.step_begin.pop(ev.step)
+    # async scheduling: a step that began before the one before it ended goes on the second row
+    tid = STEPS_TID if begin >= o.steps_end.get(STEPS_TID, 0) else STEPS2_TID
+    o.steps_end[tid] = ev.ts_ns
+    if tid == STEPS2_TID:
+        b.threads[STEPS2_TID] = "engine steps (second batch in flight)"
+    _step_slices(b, ev.step, begin, ev.ts_ns, o.step_marks.pop(ev.step, {}), tid)
+    # the parent of the step's ops on each kernels track: around its launches, not the whole step
+    # (under async scheduling the next step's launches come before this step's end)
+    for r, (first, last) in sorted(o.profiled.pop(ev.step, {}).items()):
+        b.x(RANK_KERNELS_TID + r if r else KERNELS_TID, f"step {ev.step}", first, last,
+            {"profiled": True}, cat=ENGINE)
+    _counters(b, ev.ts_ns, a.get("stats", {}))
+
+
+def _instance_event(b: _Builder, ev: Event, a: dict) -> bool:
+    """A KV connector's transfer, or the engine's config (its id and KV role, for linking instances)."""
+    if ev.layer == KV_TRANSFER:
+        b.kv_slice(ev, a)
+    elif (ev.layer, ev.name) == (ENGINE, CONFIG):
+        b.config(a)
+    else:
+        return False
+    return True
+
+
+def _kernel_launch(b: _Builder, o: _Open, ev: Event, a: dict) -> bool:
+    """A kernel: an instant (with duration_ns, emitted when the launch ended) or a span, one launch after
+    another on its rank's track."""
+    if ev.layer != KERNEL:
+        return False
+    key, rank = _span_key(ev, a), a.get("rank") or 0
+    if ev.kind == BEGIN:
+        o.spans[key] = ev
+        return True
+    start = o.spans.pop(key).ts_ns if ev.kind == END and key in o.spans else \
+        ev.ts_ns - int(a.get("duration_ns") or 0)
+    start = max(start, o.kernel_end.get(rank, 0))  # one launch after another on this track
+    o.kernel_end[rank] = max(ev.ts_ns, start)
+    tid = RANK_KERNELS_TID + rank if rank else KERNELS_TID
+    if rank:
+        b.threads[KERNELS_TID], b.threads[tid] = "kernels rank 0", f"kernels rank {rank}"
+    if a.get("profiled") and ev.step is not None:
+        span = o.profiled.setdefault(ev.step, {}).setdefault(rank, [start, o.kernel_end[rank]])
+        span[1] = o.kernel_end[rank]
+    b.x(tid, ev.name, start, o.kernel_end[rank], json_safe(dict(a, step=ev.step)), cat=KERNEL)
+    return True
+
+
+def _layer_span(b: _Builder, spans: dict[tuple, Event], ev: Event, a: dict) -> bool:
+    """Any other layer's spans (startup stages, HTTP handlers, ...); a worker's on its rank's row."""
+    key, rank, rid = _span_key(ev, a), a.get("rank") or 0, ev.request_id
+    if ev.kind == BEGIN:
+        spans[key] = ev
+    elif ev.kind == END and key in spans:
+        begin = spans.pop(key)
+        if ev.layer == WORKER:
+            tid, b.threads[RANK_WORKER_TID + rank] = RANK_WORKER_TID + rank, f"worker rank {rank}"
+        else:
+            tid = LAYER_TIDS.get(ev.layer, 20 + len(LAYER_TIDS))
+            b.threads[tid] = f"{ev.layer} spans"
+        b.x(tid, ev.name + (f" {rid}" if rid else ""), begin.ts_ns, ev.ts_ns, dict(a), cat=ev.layer)
+    else:
+        return False
+    return True
 
 
 def _step_slices(b: _Builder, step: int, begin: int, end: int, marks: dict, tid: int = STEPS_TID) -> None:
