@@ -50,6 +50,52 @@ _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp(
 
 
 @triton.jit
+def _key_columns(qb0, rows, qb_req_ptr, qb_start_ptr, query_start_loc_ptr, seq_lens_ptr, num_q_blocks,
+                 BLOCK_Q: tl.constexpr, QH_PAD: tl.constexpr, Q_BLOCKS: tl.constexpr, TILE_N: tl.constexpr):
+    """Score columns are (query block, key in tile): each query block of the program gathers its own
+    request's keys, and a row only sees the columns of its own query block (same_qb). Per column: its key
+    in the tile, request (-1: an idle block), that request's query block start and query end, and how many
+    keys the block's rows can see (none past its last row's causal limit)."""
+    offs_n = tl.arange(0, Q_BLOCKS * TILE_N).to(tl.int64)
+    col_qb = qb0 + offs_n // TILE_N
+    col_req = tl.load(qb_req_ptr + col_qb, mask=col_qb < num_q_blocks, other=-1)
+    col_has = col_req >= 0
+    col_end = tl.load(query_start_loc_ptr + col_req + 1, mask=col_has, other=0)
+    col_start = tl.load(qb_start_ptr + col_qb, mask=col_has, other=0)
+    kv_len = tl.minimum(col_start + BLOCK_Q, col_end) + tl.load(seq_lens_ptr + col_req, mask=col_has, other=0) - col_end
+    same_qb = (rows // (BLOCK_Q * QH_PAD))[:, None] == (offs_n // TILE_N)[None, :]
+    return offs_n % TILE_N, same_qb, col_req, col_has, col_start, col_end, kv_len
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_pos, key_cache_ptr, value_cache_ptr, bt_row, kv_len, k_cols, v_cols, col_ok,
+                 same_qb, q_pos, scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, SLIDING_WINDOW: tl.constexpr):
+    """One tile of keys (positions k_pos, per score column) folded into the online softmax: the running
+    max m_i, exp-sum l_i and unnormalised output acc of every row."""
+    k_ok = k_pos < kv_len
+    # One block-table entry per key: the tile covers TILE_N / BLOCK_SIZE entries at once.
+    phys = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    in_block = k_pos % BLOCK_SIZE
+    kv_mask = k_ok[None, :] & col_ok[:, None]
+    k_ptrs = key_cache_ptr + (phys * stride_kb + in_block * stride_ks)[None, :] + k_cols[:, None]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [WIDTH, Q_BLOCKS * TILE_N]
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # fp32
+    visible = same_qb & (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+    if SLIDING_WINDOW > 0:
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = value_cache_ptr + (phys * stride_vb + in_block * stride_vs)[:, None] + v_cols[None, :]
+    v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     qb_req_ptr, qb_start_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr,
@@ -90,17 +136,9 @@ def _attention_kernel(
     q = tl.load(query_ptr + tok[:, None] * stride_qt + q_head[:, None] * stride_qh + dim[None, :], mask=mine, other=0.0)
     q = q.to(key_cache_ptr.dtype.element_ty)
 
-    # Score columns are (query block, key in tile): each query block of the program gathers its
-    # own request's keys, and a row only sees the columns of its own query block.
-    offs_n = tl.arange(0, Q_BLOCKS * TILE_N).to(tl.int64)
-    col_qb = qb0 + offs_n // TILE_N
-    col_req = tl.load(qb_req_ptr + col_qb, mask=col_qb < num_q_blocks, other=-1)
-    col_has = col_req >= 0
-    col_end = tl.load(query_start_loc_ptr + col_req + 1, mask=col_has, other=0)
-    col_start = tl.load(qb_start_ptr + col_qb, mask=col_has, other=0)
-    # Keys past the causal limit of the query block's last row are never needed.
-    kv_len = tl.minimum(col_start + BLOCK_Q, col_end) + tl.load(seq_lens_ptr + col_req, mask=col_has, other=0) - col_end
-    same_qb = (rows // (BLOCK_Q * QH_PAD))[:, None] == (offs_n // TILE_N)[None, :]
+    in_tile, same_qb, col_req, col_has, col_start, col_end, kv_len = _key_columns(
+        qb0, rows, qb_req_ptr, qb_start_ptr, query_start_loc_ptr, seq_lens_ptr, num_q_blocks, BLOCK_Q, QH_PAD,
+        Q_BLOCKS, TILE_N)
     bt_row = block_tables_ptr + col_req * stride_bt
     num_tiles = (tl.max(kv_len, 0) + TILE_N - 1) // TILE_N
     if NUM_SEGMENTS > 1:
@@ -123,29 +161,11 @@ def _attention_kernel(
         m_i = tl.load(sinks_ptr + q_head, mask=has_sink, other=_NEG).to(tl.float32)
         l_i = tl.where(has_sink, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, WIDTH], tl.float32)
-    in_tile = offs_n % TILE_N
     for t in range(tile_lo, tile_hi):
         k_pos = t * TILE_N + in_tile
-        k_ok = k_pos < kv_len
-        # One block-table entry per key: the tile covers TILE_N / BLOCK_SIZE entries at once.
-        phys = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        in_block = k_pos % BLOCK_SIZE
-        kv_mask = k_ok[None, :] & col_ok[:, None]
-        k_ptrs = key_cache_ptr + (phys * stride_kb + in_block * stride_ks)[None, :] + k_cols[:, None]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [WIDTH, Q_BLOCKS * TILE_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # fp32
-        visible = same_qb & (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-        if SLIDING_WINDOW > 0:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = value_cache_ptr + (phys * stride_vb + in_block * stride_vs)[:, None] + v_cols[None, :]
-        v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_pos, key_cache_ptr, value_cache_ptr, bt_row, kv_len, k_cols, v_cols, col_ok, same_qb,
+            q_pos, scale, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_SIZE, DOT_PRECISION, SLIDING_WINDOW)
 
     # Off-diagonal columns of acc mix in other heads' values; the `mine` mask drops them.
     if NUM_SEGMENTS > 1:
