@@ -115,3 +115,5 @@ def test_noise_hash_is_murmur3_of_seed_position_and_token(seed, pos, domain):
     s = seed & 0xFFFFFFFFFFFFFFFF
     want = [_murmur3_x86_32([s & 0xFFFFFFFF, s >> 32, pos & 0xFFFFFFFF, t], domain) for t in range(40)]
     assert got == want
+    # one (seed, position, token) as plain scalars broadcasts as arrays do
+    assert int(murmur3_hash32_ref(seed, pos, 39, domain)) == want[39]
