@@ -306,7 +306,8 @@ def _murmur3_mix(h: np.ndarray, key: np.ndarray) -> np.ndarray:
 def murmur3_hash32_ref(seed: np.ndarray, pos: np.ndarray, offset: np.ndarray, domain: int = 0) -> np.ndarray:
     """vLLM's ``murmur3_hash32``: uint32 of (seed int64, pos int64, offset uint32, domain), broadcast.
     The seed and position are mixed at their own shape (a row's), the offset (a token) last."""
-    return _murmur3_last(_murmur3_rows(seed, pos, domain), _murmur3_key(np.asarray(offset, np.uint32)))
+    with np.errstate(over="ignore"):  # uint32 arithmetic wraps by design (numpy warns only for scalars)
+        return _murmur3_last(_murmur3_rows(seed, pos, domain), _murmur3_key(np.asarray(offset, np.uint32)))
 
 
 def _murmur3_rows(seed: np.ndarray, pos: np.ndarray, domain: int) -> np.ndarray:
