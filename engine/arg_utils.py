@@ -93,8 +93,10 @@ class EngineArgs:
     async_scheduling: bool | None = _arg(SchedulerConfig.async_scheduling, "schedule step N+1 while step N's "
                                          "forward pass runs (two batches in flight; default: on with CUDA, off "
                                          "on a CPU, as vLLM)")
-    attention_backend: str | None = _arg(EngineConfig.attention_backend, "paged-attention implementation (default: "
-                                         "triton on CUDA, torch on CPU)", choices=ATTENTION_BACKENDS)
+    attention_backend: str | None = _arg(EngineConfig.attention_backend, "kernels: triton (ours), torch (their "
+                                         "PyTorch references) or cpu (C kernels for decode attention and "
+                                         "sampling; default: triton on CUDA, cpu on a CPU, torch there without "
+                                         "a C compiler or for a 16-bit dtype)", choices=ATTENTION_BACKENDS)
     dtype: str | None = _arg(ModelConfig.dtype, "weights and KV cache (default: float32 on CPU; on CUDA float16, "
                              "or bfloat16 for a bfloat16 checkpoint)", choices=DTYPES)
     device: str | None = _arg(ModelConfig.device, "cpu or cuda (default: cuda if available)")

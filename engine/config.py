@@ -16,7 +16,7 @@ def _check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "triton", "cpu")
 DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 1024 * 1024  # bytes: CacheConfig.kv_cache_memory when unset on a CPU
 

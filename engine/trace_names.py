@@ -54,3 +54,14 @@ PAUSED, RESUMED = "paused", "resumed"  # tracer: the step controller holds / let
 IPC_SEND, IPC_RECV, CORE_DIED = "send", "recv", "core_died"
 # startup stages of the engine-core process, traced by the front end (cli layer)
 CORE_PROCESS_START, CORE_HANDSHAKE = "core_process_start", "core_handshake"
+
+# kernel launches: the kernels that stand in for one of ours (kernel:NAME breakpoints stop at them too): its
+# PyTorch reference (attention_backend=torch), and on a CPU the C kernel of kernels/cpu (attention_backend=cpu)
+KERNEL_STAND_INS = {"unified_attention": ("unified_attention_ref", "cpu_attention_with_kv_cache"),
+                    "gumbel_sample": ("gumbel_sample_ref", "gumbel_sample_cpu")}
+ATTENTION_KERNELS = frozenset({"unified_attention", *KERNEL_STAND_INS["unified_attention"]})
+
+
+def is_attention_kernel(name: object) -> bool:
+    """Whether a launch's name is the target model's attention kernel's (any backend's)."""
+    return str(name) in ATTENTION_KERNELS

@@ -122,10 +122,14 @@ def attention(args: Args, meta: dict, query_lens: list[int] | None, seq_lens: li
     output, 4·D FLOPs (softmax's few FLOPs per score ignored). Bytes: q read, o (q's shape)
     written, and each request's keys and values read once: Σ seq_len · Hkv · D for each of K and
     V (the cache's dtype; block tables and lengths ignored). Without the batch's lengths (a
-    launch outside the engine), every token is counted as a one-token query over max_seq_len."""
+    launch outside the engine), every token is counted as a one-token query over max_seq_len. A
+    launch that attends some of the batch's requests only (the cpu backend splits a batch between
+    its C kernel and the reference) says which in meta["requests"]."""
     q, kc = args["query"], args["key_cache"]
     t, hq, d = q[0][0], q[0][1], q[0][-1]
     hkv = kc[0][2] if len(kc[0]) == 4 else kc[0][1]
+    if meta.get("requests") is not None and query_lens is not None and seq_lens is not None:
+        query_lens, seq_lens = [query_lens[i] for i in meta["requests"]], [seq_lens[i] for i in meta["requests"]]
     if query_lens is None or seq_lens is None:
         s = int(meta.get("max_seq_len") or 1)
         query_lens, seq_lens = [1] * t, [s] * t
@@ -244,11 +248,12 @@ COSTS: dict[str, Callable[[Args, dict], tuple[int, int]]] = {
 KERNELS: dict[str, tuple[str, Callable[[Args, dict], tuple[int, int]] | None]] = {
     "reshape_and_cache": (CACHE_WRITE, cache_write), "reshape_and_cache_ref": (CACHE_WRITE, cache_write),
     "unified_attention": (ATTENTION, None), "unified_attention_split_kv": (ATTENTION, None),
-    "unified_attention_ref": (ATTENTION, None), "rotary_embedding": (ELEMENTWISE, rotary_embedding),
+    "unified_attention_ref": (ATTENTION, None), "cpu_attention_with_kv_cache": (ATTENTION, None),
+    "rotary_embedding": (ELEMENTWISE, rotary_embedding),
     "all_reduce": (COLLECTIVE, all_reduce), "all_gather": (COLLECTIVE, all_gather),
     "reduce_scatter": (COLLECTIVE, reduce_scatter),
     "apply_token_bitmask": (SAMPLER, token_bitmask), "apply_token_bitmask_ref": (SAMPLER, token_bitmask),
-    "gumbel_sample": (SAMPLER, gumbel), "gumbel_sample_ref": (SAMPLER, gumbel),
+    "gumbel_sample": (SAMPLER, gumbel), "gumbel_sample_ref": (SAMPLER, gumbel), "gumbel_sample_cpu": (SAMPLER, gumbel),
     "fused_moe_ref": (MATMUL, fused_moe), "fused_moe_w13": (MATMUL, fused_moe_gemm),
     "fused_moe_w2": (MATMUL, fused_moe_gemm),
 }

@@ -80,6 +80,11 @@ class AttentionPlan:
     """Host-side indexing for one batch, shared by every layer of a step (same metadata)."""
 
     groups: list[AttentionGroup]
+    # with short_apart: the requests of at most SHORT_QUERY query rows, for a kernel that takes them a
+    # row at a time (kernels/cpu); `groups` are then the longer ones only. Each part's requests, as a
+    # launch's meta (kernels/op_cost.py counts their work): the short ones', the groups'.
+    short: np.ndarray | None = None
+    launch_meta: tuple[dict, dict] = ({}, {})
 
 
 # Queries of at most this many rows (a decode verifying its speculative drafts) form one group,
@@ -90,9 +95,13 @@ SHORT_QUERY = 8
 
 
 def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   block_size: int, sliding_window: int | None = None) -> AttentionPlan:
+                   block_size: int, sliding_window: int | None = None, short_apart: bool = False) -> AttentionPlan:
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+    short = None
+    if short_apart:
+        short = np.array([i for i, n in enumerate(q_lens) if n <= SHORT_QUERY], np.int32)
+        q_lens = [n if n > SHORT_QUERY else 0 for n in q_lens]  # (a length of 0 is in no group)
     # Decodes form one group (splitting them by context length measured no faster). Prefill
     # chunks, by length, form groups as long as padding them to a common shape costs at most
     # 1.5x their real attention work: few large ops beat many small ones on the CPU, but one
@@ -107,8 +116,11 @@ def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
             groups.append([i])
     groups = [g for g in groups if g]
     tables = block_tables.cpu().numpy()
+    meta = ({}, {})
+    if short_apart:
+        meta = ({"requests": short.tolist()}, {"requests": sorted(i for g in groups for i in g)})
     return AttentionPlan([_group(g, qsl, q_lens, lens, tables, block_size, block_tables.device, sliding_window)
-                          for g in groups])
+                          for g in groups], short, meta)
 
 
 def _group(reqs: list[int], qsl: list[int], q_lens: list[int], lens: list[int], tables: np.ndarray,
@@ -401,7 +413,6 @@ def _gumbel_argmax(scores: np.ndarray, hashes: np.ndarray) -> np.ndarray:
     2. Token t reaches S only if its noise g_t >= S - x_t, that is u_t <= 1 - exp(-exp(x_t - S))
        <= exp(x_t - S). Its hash is compared with that bound (with a margin for float32's rounding);
        the tokens within it, a handful a row, are scored exactly."""
-    vocab = scores.shape[1]
     likely = np.max(scores, axis=-1, where=hashes < _LIKELY, initial=np.float32(-np.inf))  # (no temporary)
     reach = likely + _LIKELY_NOISE - (np.float32(1e-2) + np.float32(1e-6) * np.abs(likely))
     with np.errstate(invalid="ignore", over="ignore"):  # -inf - -inf: a row with nothing allowed, no candidates
@@ -409,8 +420,14 @@ def _gumbel_argmax(scores: np.ndarray, hashes: np.ndarray) -> np.ndarray:
         np.exp(bound, out=bound)
         bound *= np.float32(2.0 ** 32)
     flat = np.flatnonzero(hashes.astype(np.float32) <= bound)  # row-major: rows, then tokens, ascending
-    r, c = np.divmod(flat, vocab)
-    total = scores.ravel()[flat] + gumbel_noise_ref(murmur3_uniform32_ref(hashes.ravel()[flat]))
+    return _gumbel_winners(scores, flat, hashes.ravel()[flat])
+
+
+def _gumbel_winners(scores: np.ndarray, flat: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    """Each row's winner among its candidates (flat indices into scores [rows, vocab], ascending, and
+    their hashes), each scored exactly: its logit plus its noise. A row with none: token 0."""
+    r, c = np.divmod(flat, scores.shape[1])
+    total = scores.ravel()[flat] + gumbel_noise_ref(murmur3_uniform32_ref(hashes))
     top = np.full(len(scores), -np.inf, np.float32)
     np.maximum.at(top, r, total)
     winners = total == top[r]

@@ -7,6 +7,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # `python 
 import torch
 
 from engine import SamplingParams
+from engine.trace_names import is_attention_kernel
 from lessons.cli import main
 from lessons.framework import events_of, greedy, queue_request, table
 
@@ -125,8 +126,8 @@ def _rope_runs_before_the_cache_write(lesson, llm, session, core):
                 and e.attrs.get("layer_idx") == 0]
     order = [e.name for e in launches]
     lesson.show(table(["#", "launch in layer 0, prefill step"], [[i, n] for i, n in enumerate(order)]))
-    lesson.check(order.index("rotary_embedding") < order.index("reshape_and_cache_ref") <
-                 order.index("unified_attention_ref"),
+    attention = next(i for i, n in enumerate(order) if is_attention_kernel(n))  # (whichever backend's)
+    lesson.check(order.index("rotary_embedding") < order.index("reshape_and_cache_ref") < attention,
                  "in each layer the rotary embedding runs before the cache write, which runs before attention")
     lesson.check(batch.attrs["rope"]["theta"] == core.model_config.rope_theta and batch.attrs["positions"] ==
                  list(range(len(ids))), f"the model runner's batch event carries the positions the rotation uses "

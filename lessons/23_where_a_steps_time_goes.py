@@ -19,8 +19,8 @@ PREFILL_REQUESTS, PREFILL_TOKENS = 1, 384  # one prefill step of 384 tokens, the
 DECODE_STEPS = 5  # profiled decode steps, each op's median time kept
 BATCHES = (1, 8, 32, 64)  # decode batch sizes swept
 # which part of the model an op belongs to, by its launch name (GPT-2's and Llama's)
-GROUPS = {"attention": ("c_attn", "attn.c_proj", "reshape_and_cache", "unified_attention", "qkv_proj", "o_proj",
-                        "rotary", "q_norm", "k_norm"),
+GROUPS = {"attention": ("c_attn", "attn.c_proj", "reshape_and_cache", "unified_attention", "cpu_attention",
+                        "qkv_proj", "o_proj", "rotary", "q_norm", "k_norm"),
           "MLP": ("c_fc", "mlp.c_proj", "gelu", "gate_up_proj", "down_proj", "silu"),
           "LM head": ("lm_head",)}
 

@@ -8,14 +8,26 @@ kernel name. The same condition is written as text in the TUI and over HTTP:
     expert:L:E      (a mixture of experts: a step in which expert E of decoder layer L receives tokens)
 
 ``kernel:NAME`` names a kernel's family: it also stops at ``NAME_ref``, the PyTorch reference
-that the torch backend launches in its place (on a CPU, ``kernel:unified_attention`` stops at
-``unified_attention_ref``), so one condition works on every backend.
+that the torch backend launches in its place, and at the C kernel that the cpu backend launches
+(``kernel:unified_attention`` stops at ``unified_attention_ref`` and ``cpu_attention_with_kv_cache``;
+see ``engine.trace_names.KERNEL_STAND_INS``), so one condition works on every backend.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.trace_names import ABORTED, ENGINE, FINISHED, KERNEL, MODEL_RUNNER, PREEMPTED, QUEUED, ROUTING, SCHEDULER
+from engine.trace_names import (
+    ABORTED,
+    ENGINE,
+    FINISHED,
+    KERNEL,
+    KERNEL_STAND_INS,
+    MODEL_RUNNER,
+    PREEMPTED,
+    QUEUED,
+    ROUTING,
+    SCHEDULER,
+)
 from tracer.events import LAYERS
 
 
@@ -66,8 +78,8 @@ def on_layer(layer: str) -> Condition:
 
 
 def on_kernel(name: str | None = None) -> Condition:
-    """A launch of kernel NAME or of its PyTorch reference NAME_ref (see the module docstring)."""
-    family = (f"{name}_ref",) if name and not name.endswith("_ref") else ()
+    """A launch of kernel NAME or of a kernel standing in for it (see the module docstring)."""
+    family = KERNEL_STAND_INS.get(name, (f"{name}_ref",)) if name and not name.endswith("_ref") else ()
     return Condition(KERNEL, name, family, label=_label("kernel", name))
 
 

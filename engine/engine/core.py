@@ -104,9 +104,11 @@ class EngineCore:
         if self.hooks.active:
             self.hooks.emit(ENGINE, CONFIG, model=config.model.model, config=config.to_dict())
         self.on_dead: Callable[[str], None] | None = None  # a tensor-parallel worker died (set before it can)
-        self.attention_backend = config.attention_backend or default_backend(self.device)
-
         self._resolve_model()
+        self.attention_backend = config.attention_backend or default_backend(self.device, self.dtype)
+        if self.attention_backend == "cpu" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(f"attention_backend='cpu' runs float32 models on a CPU (this one: {self.dtype} on "
+                             f"{self.device.type}); use --dtype float32, or attention_backend 'torch'")
         self._load_model()
         num_blocks = self._initialize_kv_caches()
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, self.hooks,

@@ -58,7 +58,7 @@ class Sampler:
     """Per-request settings live in ``states`` by slot; ``__call__(logits, requests)`` takes one row of
     logits per request row (a request, or a request as of a draft position: request_id, params,
     sampling_seed, eos_token_id, output_token_ids, all_token_ids). backend: "triton" draws with the
-    Gumbel kernel, else with its PyTorch reference (as attention)."""
+    Gumbel kernel, "cpu" finds its candidates in C (kernels/cpu), "torch" with its PyTorch reference."""
 
     def __init__(self, backend: str = "torch"):
         self.backend = backend
@@ -237,6 +237,10 @@ def gumbel_sample(logits: torch.Tensor, seeds: np.ndarray, positions: list[int],
     args = dict(logits=logits.contiguous(), seeds=seeds_t, positions=pos, stream=stream)
     if backend == "triton":
         return kernels.gumbel_sample(**args).tolist()
+    if backend == "cpu":
+        from kernels import cpu
+        return kernels.instrument.call("gumbel_sample_cpu", cpu.gumbel_sample, args,
+                                       reason="attention_backend=cpu: C kernel").tolist()
     return kernels.instrument.call("gumbel_sample_ref", kernels.gumbel_sample_ref, args,
                                    reason="attention_backend=torch: PyTorch reference").tolist()
 

@@ -36,7 +36,7 @@ from engine.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from engine.sample.rejection_sampler import RejectionSampler, requests_after_drafts, spec_logprobs
 from engine.sample.sampler import Sampler
 from engine.spec_decode.ngram_proposer import NgramProposer
-from engine.trace_names import BATCH, DRAFT_PREFIX, KERNEL, MODEL_RUNNER, ROUTING
+from engine.trace_names import BATCH, DRAFT_PREFIX, KERNEL, MODEL_RUNNER, ROUTING, is_attention_kernel
 from engine.worker.block_table import BlockTables
 from engine.worker.input_batch import InputBatch, InputBuffers, InputKernels, make_input_batch
 from engine.worker.profiler import Profiler
@@ -542,7 +542,7 @@ class ModelRunner:
         held = self._held
         if held is not None and held[0] == "fused_moe_ref":  # a mixture of experts' layer: its grouped GEMMs
             return moe_on_triton(**moe_inputs(held[1]))
-        if held is None or not held[0].startswith("unified_attention"):
+        if held is None or not is_attention_kernel(held[0]):
             raise ValueError("the engine is not held before an attention or fused-MoE launch (press k until it is)")
         return attention_on_triton(**attention_inputs(held[1]))
 

@@ -28,7 +28,7 @@ def test_start_and_stop_profile(http, live):
     window = {e[1]: e[4] for e in events if e[0] == PROFILER}
     assert window == {PROFILE_START: first, PROFILE_STOP: last}
     profiled = {e[1] for e in events if e[0] == KERNEL and e[5].get("profiled") and first <= e[4] <= last}
-    assert {"c_attn", "ln_1", "lm_head", "argmax", "unified_attention_ref"} <= profiled
+    assert {"c_attn", "ln_1", "lm_head", "argmax", "cpu_attention_with_kv_cache"} <= profiled  # (decodes)
 
 
 def test_profile_endpoints_take_a_bare_post_but_a_web_page_needs_json(http):

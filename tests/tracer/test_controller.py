@@ -366,8 +366,9 @@ def test_a_viewer_held_before_a_launch_sees_every_launch_before_it(mode):
         loop.join(T)
     finally:
         session.close()
-    # the step's inputs are built first (four launches), then each layer writes its cache and attends
-    names = [f"{k}_ref" for k in INPUT_KERNELS[:4]] + ["reshape_and_cache_ref", "unified_attention_ref"] * 2
+    # the step's inputs are built first (four launches), then each layer writes its cache and attends (a short
+    # prompt: on a CPU, in the C kernel)
+    names = [f"{k}_ref" for k in INPUT_KERNELS[:4]] + ["reshape_and_cache_ref", "cpu_attention_with_kv_cache"] * 2
     assert seen == [(0, name, names[:i]) for i, name in enumerate(names)]
 
 
@@ -392,7 +393,8 @@ def test_launch_events_keep_the_time_each_launch_ended():
 
 
 def test_the_breakpoint_dialogs_kernel_example_stops_on_this_machine(mode):
-    """The dialog's example names the kernel; without a GPU the launch is its PyTorch reference."""
+    """The dialog's example names the kernel; without a GPU the launch is the kernel standing in for it
+    (on a CPU, the C kernel for a short prompt's prefill)."""
     import re
 
     from tracer.tui.screens.breakpoints import SYNTAX
@@ -408,7 +410,7 @@ def test_the_breakpoint_dialogs_kernel_example_stops_on_this_machine(mode):
         ctl.add_breakpoint(parse_condition(example))
         ctl.resume()
         stop = ctl.wait_until_paused(T)
-        assert (stop.point, stop.info["name"]) == ("kernel", "unified_attention_ref")
+        assert (stop.point, stop.info["name"]) == ("kernel", "cpu_attention_with_kv_cache")
         assert stop.reason == f"breakpoint {example}"
         ctl.clear_breakpoints()
         ctl.resume()

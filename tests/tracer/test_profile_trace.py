@@ -69,7 +69,7 @@ def test_k_steps_through_every_profiled_op():
     inputs = [(f"{k}_ref", None) for k in ("prepare_prefill_inputs", "prepare_pos_seq_lens", "gather_block_tables",
                                             "compute_slot_mappings")]
     assert stops == inputs + [("plan_attention", None), ("wte", None), ("wpe", None), ("ln_1", 0), ("c_attn", 0),
-                     ("reshape_and_cache_ref", 0), ("unified_attention_ref", 0), ("attn.c_proj", 0), ("ln_2", 0)]
+                     ("reshape_and_cache_ref", 0), ("cpu_attention_with_kv_cache", 0), ("attn.c_proj", 0), ("ln_2", 0)]
 
 
 @pytest.mark.slow

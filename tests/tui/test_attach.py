@@ -79,7 +79,7 @@ async def test_attach_sees_requests_and_steps_the_remote_engine(served):
     source = RemoteSource(url)
     await source.start()
     assert source.info.model == "tiny-gpt2" and source.refresh().num_blocks == 64
-    assert (source.info.device, source.info.backend) == ("cpu", "torch")  # what the engine uses, not "?"
+    assert (source.info.device, source.info.backend) == ("cpu", "cpu")  # what the engine uses, not "?"
     app = TraceApp(source, initial_pane="requests")
     async with app.run_test(size=(120, 36)) as pilot:
         await pilot.press("ctrl+p", *"send a test", "enter")
@@ -151,7 +151,7 @@ async def test_attach_shows_the_server_going_away_and_reconnects_when_it_is_back
     async with app.run_test(size=(120, 36)):
         header = app.query_one(StatusHeader)
         await until(app, lambda s: source.connected, "the event stream")
-        assert "RUNNING" in shown(header) and "cpu · torch" in shown(header)
+        assert "RUNNING" in shown(header) and "cpu · cpu" in shown(header)
         await asyncio.to_thread(stop)  # the server stops (as on Ctrl-C: its streams end)
         t0 = asyncio.get_running_loop().time()
         await until(app, lambda s: "DISCONNECTED" in shown(header), "DISCONNECTED", timeout=10)

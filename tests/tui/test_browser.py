@@ -57,7 +57,7 @@ def test_the_browser_view_shows_requests_and_takes_keys(model_cache, tmp_path):
             wait_for(lambda: "tiny-gpt2" in screen_text(page) and "RUNNING" in screen_text(page), 60,
                      "the header in the browser")
             text = screen_text(page)
-            assert "cpu · torch" in text and "Startup" in text and "Overview" in text
+            assert "cpu · cpu" in text and "Startup" in text and "Overview" in text
 
             body = {"model": "tiny-gpt2", "prompt": "Hello, my name is", "max_tokens": 12, "temperature": 0}
             rid = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["id"]

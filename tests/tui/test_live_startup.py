@@ -59,7 +59,7 @@ async def test_the_startup_panel_shows_the_weights_loading_while_they_load():
         release.set()
         engine = await build
         tui.engine_ready(AsyncLLM.from_engine_core(engine))
-        await _until(lambda: "cpu · torch" in shown(tui.app.query_one(StatusHeader)))
+        await _until(lambda: "cpu · cpu" in shown(tui.app.query_one(StatusHeader)))
     finally:
         release.set()
         await tui.close()

@@ -22,6 +22,7 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Input, TabbedContent, TabPane
 
+from engine.trace_names import is_attention_kernel
 from tracer.tui.frame import Frame
 from tracer.tui.screens.breakpoints import BreakpointsScreen
 from tracer.tui.screens.confirm import ConfirmQuit
@@ -146,7 +147,7 @@ class TraceApp(App):
         if action == "triton" and self.frame is not None:
             from tracer.tui.widgets.kernels import held_launch
             held = held_launch(self.frame) or {}
-            return str(held.get("name", "")).startswith("unified_attention")  # (the footer shows t only then)
+            return is_attention_kernel(held.get("name"))  # (the footer shows t only then)
         if action == "next_rank" and self.frame is not None:
             return self.frame.state.tensor_parallel_size > 1  # the footer shows r only with several ranks
         if action == "next_instance":
@@ -322,7 +323,7 @@ class TraceApp(App):
         from tracer.tui.widgets.kernels import held_launch
         self.tick()  # the controller's state now, not at the last refresh
         held = held_launch(self.frame) if self.frame is not None else None
-        if held is None or not str(held.get("name", "")).startswith("unified_attention"):
+        if held is None or not is_attention_kernel(held.get("name")):
             self.notify("t runs a held attention launch on Triton: press k until the engine holds before "
                         "unified_attention", severity="warning")
             return

@@ -3,7 +3,8 @@
 The model runner builds one ``AttentionMetadata`` per step and passes it explicitly to the
 model (no hidden globals). A backend is two functions with the kernels' signatures: write the
 step's K/V into the paged cache, then attend. ``torch`` uses the PyTorch references,
-``triton`` our Triton kernels (see kernels/).
+``triton`` our Triton kernels (see kernels/), and ``cpu`` (vLLM's CPU_ATTN, the default on a CPU) the
+C kernel of kernels/cpu for decodes and short queries, the PyTorch reference for longer prefill chunks.
 
 A hybrid model's KV-cache groups (sliding-window and full-attention layers) each have their own
 block tables and slot mapping, hence their own metadata: the batch's (the first group's) holds the
@@ -45,22 +46,25 @@ class AttentionBackend:
     observed (Triton launches with their grids; the PyTorch references as plain calls)."""
 
     def __init__(self, name: str):
-        if name not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
+        if name not in ("torch", "triton", "cpu"):
+            raise ValueError(f"attention_backend must be 'torch', 'triton' or 'cpu', got {name!r}")
         self.name = name
         import kernels  # turns on Triton's interpreter when there is no GPU
         self._kernels = kernels
+        if name == "cpu":
+            from kernels import cpu
+            cpu.require()
+            self._cpu = cpu
         self.workspace = kernels.reference.Workspace()  # the torch backend's gathered K/V
 
     def prepare(self, meta: AttentionMetadata, block_size: int) -> None:
         """Once per step, before the layers: work every layer would otherwise repeat (while
         profiling, an op of its own: ``plan_attention``), once per KV-cache group."""
-        if self.name == "torch":
+        if self.name != "triton":
             for m in (meta, *meta.group_metadata):
                 args = dict(query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_tables=m.block_tables,
-                            block_size=block_size)
-                if m.sliding_window:
-                    args["sliding_window"] = m.sliding_window
+                            block_size=block_size, sliding_window=m.sliding_window or None,
+                            short_apart=self.name == "cpu")  # (positional:) decodes and short queries to C
                 m.plan = self._kernels.instrument.op(
                     "plan_attention", "other", self._kernels.reference.plan_attention, args,
                     reason="the torch backend's gather indices and masks, for every layer")
@@ -89,17 +93,35 @@ class AttentionBackend:
         call = kn.instrument.call
         call("reshape_and_cache_ref", kn.reshape_and_cache_ref, dict(
             key=k, value=v, key_cache=key_cache, value_cache=value_cache, slot_mapping=meta.slot_mapping),
-            reason="attention_backend=torch: PyTorch reference")
+            reason=_REASON[self.name])
         extra = {"sliding_window": meta.sliding_window} if meta.sliding_window else {}
         if sinks is not None:
             extra["sinks"] = sinks
-        return call("unified_attention_ref", kn.unified_attention_ref, dict(
-            query=q, key_cache=key_cache, value_cache=value_cache, query_start_loc=meta.query_start_loc,
-            seq_lens=meta.seq_lens, block_tables=meta.block_tables, scale=scale, plan=meta.plan,
-            workspace=self.workspace, **extra), reason="attention_backend=torch: PyTorch reference")
+        args = dict(query=q, key_cache=key_cache, value_cache=value_cache, query_start_loc=meta.query_start_loc,
+                    seq_lens=meta.seq_lens, block_tables=meta.block_tables, scale=scale)
+        if self.name == "cpu":
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            if len(meta.plan.short):
+                call("cpu_attention_with_kv_cache", self._cpu.cpu_attention_with_kv_cache,
+                     dict(args, reqs=meta.plan.short, out=out, **extra), reason=_REASON["cpu"],
+                     meta=meta.plan.launch_meta[0])
+            if not meta.plan.groups:
+                return out
+            extra["out"] = out
+        return call("unified_attention_ref", kn.unified_attention_ref,
+                    dict(args, plan=meta.plan, workspace=self.workspace, **extra), reason=_REASON[self.name],
+                    meta=meta.plan.launch_meta[1])
 
 
-def default_backend(device: torch.device) -> str:
-    # On the CPU Triton runs through its interpreter, which is far slower than PyTorch, so the
-    # engine defaults to the PyTorch backend there (measured: see README, kernels benchmark).
-    return "triton" if device.type == "cuda" else "torch"
+_REASON = {"torch": "attention_backend=torch: PyTorch reference",
+           "cpu": "attention_backend=cpu: C kernel for decodes and short queries, PyTorch reference for the rest"}
+
+
+def default_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """Triton on CUDA. On the CPU Triton runs through its interpreter, far slower than PyTorch
+    (measured: see README, kernels benchmark), so the C kernels of kernels/cpu for a float32 model
+    when they compile here, else the PyTorch references."""
+    if device.type == "cuda":
+        return "triton"
+    from kernels import cpu
+    return "cpu" if dtype == torch.float32 and cpu.available() else "torch"

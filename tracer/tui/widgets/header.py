@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from engine.trace_names import is_attention_kernel
 from tracer.state import hybrid_cache
 from tracer.tui.fmt import hybrid_fit, speculation
 from tracer.tui.frame import Frame
@@ -57,7 +58,7 @@ def held_text(frame: Frame) -> str:
                                          layer="" if layer is None else f" (layer {layer})")
     if c.get("point") == "step" and info.get("schedules") is False:  # async: the call only waits for a step
         what = f"before the call that executes step {step} (nothing left to schedule): n runs it"
-    if c.get("point") == "kernel" and str(info.get("name", "")).startswith("unified_attention"):
+    if c.get("point") == "kernel" and is_attention_kernel(info.get("name")):
         what += ", t runs it on Triton"
     reason = c.get("reason") or ""
     did = last_call_text(frame.state)

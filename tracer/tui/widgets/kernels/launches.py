@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from engine.trace_names import ALL_GATHER, ALL_REDUCE
+from engine.trace_names import ALL_GATHER, ALL_REDUCE, is_attention_kernel
 from tracer.state import TraceState, rank_of, step_ranks
 from tracer.tui.fmt import fmt_bytes, fmt_ns, sparkline
 from tracer.tui.frame import Frame
@@ -78,7 +78,7 @@ def launch_head(frame: Frame, launches: list[dict], rank: int | None) -> Text:
     if held is not None:
         layer = held.get("layer_idx", "?")  # None: a launch of no layer (building the inputs, sampling)
         head.append(f"   held before {held.get('name', '?')}{'' if layer is None else f' (layer {layer})'}", "yellow")
-        if str(held.get("name", "")).startswith("unified_attention_ref"):
+        if is_attention_kernel(held.get("name")) and held.get("name") != "unified_attention":
             head.append("  t: run it on Triton", "bold yellow")
     if multi_rank(s):
         head.append(f"   rank {'all' if rank is None else rank} of {s.tensor_parallel_size}", "bold")
