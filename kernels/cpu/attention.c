@@ -6,22 +6,45 @@
  * positions <= its own (and, with a sliding window, > its own - window). For each row, three
  * passes over its keys: every head's scores (each key row is read once for all heads), each
  * head's softmax weights, then the weighted sum of the values. Softmax in float32.
+ *
+ * Measured at 32 decodes of 64-128 tokens, 4 heads of 32, caches not in the CPU's caches (as in an
+ * engine step: the other layers' and the weights' bytes pass in between): 433 us a call as the loops
+ * stand, 196 us with each key row fetched AHEAD positions before it is read (and each value row as its
+ * key is), 176 us with the softmax's exp vectorised (glibc's libmvec, where it has it).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#ifdef VECTOR_EXPF
+#pragma omp declare simd notinbranch
+extern float expf(float);  /* (as -ffast-math would declare it: libmvec's vector variants) */
+#endif
+
+#define AHEAD 8
 
 struct shape {
     int num_q_heads, num_kv_heads, head_size, block_size;
     int64_t q_token_stride, q_head_stride, table_stride;
 };
 
-static void scores(float *w, int stride, const float *q, const float *kc, const int32_t *table,
+/* where position p's row (every KV head's) starts in the cache, in floats: the same for K and V */
+static inline int64_t key_offset(const int32_t *table, int p, const struct shape *s) {
+    const int64_t slot = (int64_t)s->num_kv_heads * s->head_size;
+    return table[p / s->block_size] * slot * s->block_size + (p % s->block_size) * slot;
+}
+
+static void scores(float *w, int stride, const float *q, const float *kc, const float *vc, const int32_t *table,
                    int first, int last, const struct shape *s, float scale, float *mx) {
     const int D = s->head_size, group = s->num_q_heads / s->num_kv_heads;
-    const int64_t slot = (int64_t)s->num_kv_heads * D, block = slot * s->block_size;
+    const int64_t slot = (int64_t)s->num_kv_heads * D;
     for (int p = first; p <= last; p++) {
-        const float *k = kc + table[p / s->block_size] * block + (p % s->block_size) * slot;
+        const int64_t at = key_offset(table, p, s), ahead = p + AHEAD <= last ? key_offset(table, p + AHEAD, s) : at;
+        for (int64_t b = 0; b < slot; b += 16) {  /* 16 floats: a cache line */
+            __builtin_prefetch(kc + ahead + b);
+            __builtin_prefetch(vc + at + b);
+        }
+        const float *k = kc + at;
         for (int h = 0; h < s->num_q_heads; h++) {
             const float *qh = q + h * s->q_head_stride, *kh = k + (h / group) * D;
             float dot = 0.f;
@@ -38,6 +61,7 @@ static void weights(float *w, int stride, int n, const struct shape *s, const fl
     for (int h = 0; h < s->num_q_heads; h++) {
         float *wh = w + (int64_t)h * stride, m = mx[h], total = 0.f;
         if (sinks && sinks[h] > m) m = sinks[h];  /* the sink: one more logit, with no value */
+        #pragma omp simd reduction(+: total)
         for (int j = 0; j < n; j++) {
             wh[j] = expf(wh[j] - m);
             total += wh[j];
@@ -50,10 +74,9 @@ static void weights(float *w, int stride, int n, const struct shape *s, const fl
 static void values(float *out, const float *w, int stride, const float *vc, const int32_t *table,
                    int first, int last, const struct shape *s, const float *inv_sum) {
     const int D = s->head_size, group = s->num_q_heads / s->num_kv_heads;
-    const int64_t slot = (int64_t)s->num_kv_heads * D, block = slot * s->block_size;
     for (int j = 0; j < s->num_q_heads * D; j++) out[j] = 0.f;
     for (int p = first; p <= last; p++) {
-        const float *v = vc + table[p / s->block_size] * block + (p % s->block_size) * slot;
+        const float *v = vc + key_offset(table, p, s);
         for (int h = 0; h < s->num_q_heads; h++) {
             const float wt = w[(int64_t)h * stride + p - first], *vh = v + (h / group) * D;
             float *o = out + h * D;
@@ -77,7 +100,8 @@ static void attend_request(float *out, const float *q, const float *key_cache, c
         int first = 0;
         if (sliding_window > 0 && last - sliding_window + 1 > 0) first = last - sliding_window + 1;
         for (int h = 0; h < s->num_q_heads; h++) mx[h] = -INFINITY;
-        scores(w, max_len, q + (q0 + row) * s->q_token_stride, key_cache, table, first, last, s, scale, mx);
+        scores(w, max_len, q + (q0 + row) * s->q_token_stride, key_cache, value_cache, table, first, last, s, scale,
+               mx);
         weights(w, max_len, last - first + 1, s, sinks, mx, inv_sum);
         values(out + (int64_t)(q0 + row) * s->num_q_heads * s->head_size, w, max_len, value_cache, table,
                first, last, s, inv_sum);

@@ -144,3 +144,9 @@ def test_builds_into_its_cache_dir(monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         cpu.load.cache_clear()
+
+
+def test_the_cpu_backend_says_what_it_runs():
+    from engine import LLM
+    with pytest.raises(ValueError, match="attention_backend='cpu' runs float32 models on a CPU"):
+        LLM("tiny-gpt2", dtype="bfloat16", attention_backend="cpu")
