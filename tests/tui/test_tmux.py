@@ -272,7 +272,7 @@ def test_attach_shows_the_disconnect(model_cache):
              f"attach {url}; sleep 60")
         tmux("resize-window", "-t", f"{SESSION}:1", "-x", "80", "-y", "24")
         wait_for(lambda: "RUNNING" in pane(1), 30, "the attached TUI")
-        assert "tiny-gpt2 · cpu · torch" in pane(1)
+        assert "tiny-gpt2 · cpu · cpu" in pane(1)
         tmux("send-keys", "-t", f"{SESSION}:0", "C-c")
         t0 = time.monotonic()
         wait_for(lambda: "DISCONNECTED" in pane(1), 10, "DISCONNECTED")
