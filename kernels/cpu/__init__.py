@@ -108,7 +108,12 @@ def load() -> ctypes.CDLL | str:
     target = _library_path(cc)
     try:
         if not target.exists():
-            _build(cc, target)
+            try:
+                _build(cc, target)
+            except PermissionError:  # a read-only home: this user's temporary directory instead
+                target = Path(tempfile.gettempdir()) / f"vllm-trace-{os.getuid()}" / target.name
+                if not target.exists():
+                    _build(cc, target)
         lib = ctypes.CDLL(str(target))
     except subprocess.CalledProcessError as e:
         return f"{cc} failed: {(e.stderr or '').strip().splitlines()[-1:] or e}"

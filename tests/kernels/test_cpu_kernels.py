@@ -150,3 +150,22 @@ def test_the_cpu_backend_says_what_it_runs():
     from engine import LLM
     with pytest.raises(ValueError, match="attention_backend='cpu' runs float32 models on a CPU"):
         LLM("tiny-gpt2", dtype="bfloat16", attention_backend="cpu")
+
+
+def test_a_read_only_cache_dir_builds_in_the_temporary_directory(monkeypatch, tmp_path):
+    build = cpu._build
+
+    def read_only_home(cc, target):
+        if (tmp_path / "home") in target.parents:
+            raise PermissionError(13, "Permission denied", str(target.parent))
+        build(cc, target)
+
+    monkeypatch.setenv("VLLM_TRACE_CACHE_DIR", str(tmp_path / "home"))
+    monkeypatch.setattr(cpu, "_build", read_only_home)
+    monkeypatch.setattr(cpu.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    cpu.load.cache_clear()
+    try:
+        assert cpu.available() and list((tmp_path / "tmp").glob("vllm-trace-*/cpu_kernels-*.so"))
+    finally:
+        monkeypatch.undo()
+        cpu.load.cache_clear()
