@@ -1,7 +1,7 @@
 """CPU kernels in C, vLLM's ``csrc/cpu`` twin: paged attention for decodes and Gumbel-max's candidates.
 
-On the CPU our Triton kernels can only run through Triton's interpreter, far slower than PyTorch, so the
-engine's CPU path was the PyTorch references. Two of them pay for being built from whole-tensor ops:
+On the CPU our Triton kernels can only run through Triton's interpreter, far slower than PyTorch, and the
+PyTorch references stand in for them. Two of those pay for being built from whole-tensor ops:
 
 * attention gathers every request's K/V blocks into a padded copy, then runs SDPA over the copy: three
   passes over a few megabytes a layer. ``attention.c`` reads each key and value row once, in place.
