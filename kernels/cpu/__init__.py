@@ -41,10 +41,12 @@ SOURCES = ("attention.c", "gumbel.c")
 MIN_REQUESTS_PER_THREAD = 8
 # No -ffast-math: the kernels compare with -inf (masked logits, an empty running max). Reassociation
 # alone lets the compiler vectorise the dot products and sums.
-# -fopenmp: the library needs libgomp.so.1, which the loader finds already loaded, torch's own, so the
-# attention's threads are torch's (no second pool of threads spinning against them).
-CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
-          "-fno-signed-zeros", "-fassociative-math")
+CFLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+          "-fassociative-math")
+# Tried in order, the first that builds kept. -fopenmp: the library needs libgomp.so.1, which the loader finds
+# already loaded, torch's own, so the attention's threads are torch's (no second pool of threads spinning
+# against them); without it (a compiler with no OpenMP) one thread. -DVECTOR_EXPF -lmvec: glibc's vector expf.
+VARIANTS = (("-fopenmp", "-DVECTOR_EXPF", "-lmvec"), ("-fopenmp",), ())
 
 
 class Shape(ctypes.Structure):
@@ -73,7 +75,7 @@ def _library_path(cc: str) -> Path:
     key = hashlib.sha256()
     for name in SOURCES:
         key.update((Path(__file__).parent / name).read_bytes())
-    key.update(" ".join((cc, *CFLAGS, platform.machine(), _cpu_flags())).encode())
+    key.update(" ".join((cc, *CFLAGS, *map(repr, VARIANTS), platform.machine(), _cpu_flags())).encode())
     return cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -90,8 +92,8 @@ def _build(cc: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then moved in whole:
         built = Path(tmp) / target.name  # processes starting together never load a half-written file
         sources = [str(Path(__file__).parent / name) for name in SOURCES]
-        for vector_exp in (("-DVECTOR_EXPF", "-lmvec"), ()):  # glibc's vector expf where it has one
-            done = subprocess.run([cc, *CFLAGS, *sources, "-o", str(built), *vector_exp, "-lm"], capture_output=True,
+        for variant in VARIANTS:
+            done = subprocess.run([cc, *CFLAGS, *sources, "-o", str(built), *variant, "-lm"], capture_output=True,
                                   text=True)
             if done.returncode == 0:
                 break

@@ -169,3 +169,18 @@ def test_a_read_only_cache_dir_builds_in_the_temporary_directory(monkeypatch, tm
     finally:
         monkeypatch.undo()
         cpu.load.cache_clear()
+
+
+def test_a_compiler_without_openmp_builds_them_single_threaded(monkeypatch, tmp_path):
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text('#!/bin/sh\ncase "$*" in *-fopenmp*) echo "no OpenMP here" >&2; exit 1;; esac\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("VLLM_TRACE_CACHE_DIR", str(tmp_path / "cache"))
+    cpu.load.cache_clear()
+    try:
+        assert cpu.available()
+        test_attention_matches_reference([1, 4, 1], [50, 20, 7], (8, 2), None, False)
+    finally:
+        monkeypatch.undo()
+        cpu.load.cache_clear()
