@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import kernels
+import kernels.cpu
 from engine.sample.states import NO_LOGPROBS, SamplingStates
 from kernels.instrument import op
 from kernels.op_cost import SAMPLER
@@ -238,8 +239,7 @@ def gumbel_sample(logits: torch.Tensor, seeds: np.ndarray, positions: list[int],
     if backend == "triton":
         return kernels.gumbel_sample(**args).tolist()
     if backend == "cpu":
-        from kernels import cpu
-        return kernels.instrument.call("gumbel_sample_cpu", cpu.gumbel_sample, args,
+        return kernels.instrument.call("gumbel_sample_cpu", kernels.cpu.gumbel_sample, args,
                                        reason="attention_backend=cpu: C kernel").tolist()
     return kernels.instrument.call("gumbel_sample_ref", kernels.gumbel_sample_ref, args,
                                    reason="attention_backend=torch: PyTorch reference").tolist()

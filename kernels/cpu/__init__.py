@@ -14,7 +14,7 @@ PyTorch references stand in for them. Two of those pay for being built from whol
   numpy code as the reference's, so both draw the same token.
 
 They are compiled on first use with the system's C compiler (``$CC``, else ``cc``; a fraction of a
-second) for this machine's instruction set, and cached in ``$VLLM_TRACE_CACHE_DIR`` (default
+second) for the instruction set of the machine they run on, and cached in ``$VLLM_TRACE_CACHE_DIR`` (default
 ``~/.cache/vllm-trace``). :func:`available` says whether that worked; without a compiler the engine uses
 the PyTorch references (``attention_backend='torch'``), with the same results.
 """

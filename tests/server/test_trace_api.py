@@ -375,8 +375,8 @@ def test_a_stop_string_finish_is_finished_with_its_stop_reason_in_the_cores_trac
     """In two processes the front end matches the stop string and tells the core with an ABORT
     that carries finish_reason "stop": the core must trace FINISHED (stop, with the string), as the
     one-process engine does, never ABORTED."""
-    # max_tokens far past the stop string: the core must still be generating when the ABORT arrives (with 16,
-    # a fast core had finished by length first, and traced that)
+    # max_tokens far past the stop string: the core must still be generating when the ABORT arrives (with 16, a
+    # fast core may finish by length first, and rightly trace that)
     body = {"prompt": "Once upon a time", "max_tokens": 256, "temperature": 0, "ignore_eos": True}
     text = t.http.post("/v1/completions", json=body).json()["choices"][0]["text"]
     stop = text[4:7]

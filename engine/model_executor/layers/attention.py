@@ -15,9 +15,14 @@ learned logit per query head that joins the softmax) passes them with its call, 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
+
+from engine.config import ATTENTION_BACKENDS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,8 +51,8 @@ class AttentionBackend:
     observed (Triton launches with their grids; the PyTorch references as plain calls)."""
 
     def __init__(self, name: str):
-        if name not in ("torch", "triton", "cpu"):
-            raise ValueError(f"attention_backend must be 'torch', 'triton' or 'cpu', got {name!r}")
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
         self.name = name
         import kernels  # turns on Triton's interpreter when there is no GPU
         self._kernels = kernels
@@ -67,7 +72,7 @@ class AttentionBackend:
                             short_apart=self.name == "cpu")  # (positional:) decodes and short queries to C
                 m.plan = self._kernels.instrument.op(
                     "plan_attention", "other", self._kernels.reference.plan_attention, args,
-                    reason="the torch backend's gather indices and masks, for every layer")
+                    reason="the reference's gather indices and masks (and the cpu backend's split), for every layer")
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata, scale: float,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,4 +129,10 @@ def default_backend(device: torch.device, dtype: torch.dtype = torch.float32) ->
     if device.type == "cuda":
         return "triton"
     from kernels import cpu
-    return "cpu" if dtype == torch.float32 and cpu.available() else "torch"
+    if dtype != torch.float32:
+        return "torch"
+    if not cpu.available():
+        log.warning("attention_backend: torch, not cpu: the C kernels are unavailable (%s); they make a "
+                    "CPU step faster", cpu.load())
+        return "torch"
+    return "cpu"
