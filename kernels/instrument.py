@@ -202,7 +202,8 @@ def launch(
 
 def _observed_launch(frames, name, kernel, grid, args, meta, reason, access, access_args, info=None):
     grid = tuple(int(g) for g in grid)
-    _before(frames, name, grid, dict(meta), args)
+    if frames[-1].gated:  # someone may hold the engine before this launch
+        _before(frames, name, grid, dict(meta), args)
     described, on_gpu = _describe(args)
     if on_gpu and not INTERPRETED:
         # Events measure the kernel, not the Python launch overhead; syncing is the price of
@@ -236,7 +237,8 @@ def call(name: str, fn: Callable[..., Any], args: dict[str, Any], *, reason: str
     if not frames:
         return fn(**args)
     meta = meta or {}
-    _before(frames, name, (), meta, args)
+    if frames[-1].gated:
+        _before(frames, name, (), meta, args)
     described, on_gpu = _describe(args)  # before the call, while its arguments are still in cache
     t0 = time.perf_counter_ns()
     out = fn(**args)
