@@ -185,3 +185,21 @@ def test_a_request_added_as_the_core_dies_is_refused_not_left_waiting():
     llm.stop(0)
     assert len(raised) == 1 and isinstance(raised[0], EngineClosedError), raised
     assert str(raised[0]) == "engine core died: signal 9"
+
+
+def test_the_shipper_stamps_its_pid_on_each_event_and_keeps_a_workers():
+    from engine.hooks import Hooks
+    from engine.serial_utils import EventShipper
+
+    hooks = Hooks()
+    shipper = EventShipper(hooks)
+    launch, worker = {"grid": [1]}, {"pid": 4242, "rank": 1}
+    hooks.emit_many([("kernel", "k", "instant", None, 3, launch), ("worker", "w", "instant", None, 3, worker),
+                     ("engine", "e", "instant", None, 3, None)], [10, 20, 30])
+    hooks.emit("engine", "one", step=4, x=1)
+    events = shipper.take()
+    assert [e[5]["pid"] for e in events] == [os.getpid(), 4242, os.getpid(), os.getpid()]
+    assert [e[6] for e in events[:3]] == [10, 20, 30] and events[0][5] == {"grid": [1], "pid": os.getpid()}
+    shipper.close()
+    hooks.emit("engine", "after", step=5)
+    assert not hooks.active and shipper.take() == []

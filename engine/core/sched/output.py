@@ -9,6 +9,7 @@ bitmask, computed after the forward pass was launched (``Scheduler.get_grammar_b
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,12 +104,17 @@ class GrammarOutput:
     num_acceptable_drafts: list[int] | None = None
 
 
+@functools.cache
+def _size_encoder():
+    from engine.serial_utils import encoder  # (the wire format is the serving layer's)
+
+    return encoder()  # one, made once: used by the engine's thread only (diff_summary, every traced step)
+
+
 def diff_summary(sched: SchedulerOutput) -> dict:
     """What the step's SchedulerOutput tells the workers, for the trace: who comes whole, who as a
     diff, and the size of the message every tensor-parallel rank receives (msgpack bytes)."""
-    from engine.serial_utils import encoder  # (the wire format is the serving layer's)
-
     c = sched.scheduled_cached_reqs
     return {"new": [n.req_id for n in sched.scheduled_new_reqs], "cached": list(c.req_ids),
             "resumed": list(sched.resumed), "preempted": sorted(sched.preempted_req_ids),
-            "finished": sorted(sched.finished_req_ids), "num_bytes": len(encoder().encode(sched))}
+            "finished": sorted(sched.finished_req_ids), "num_bytes": len(_size_encoder().encode(sched))}
