@@ -3,14 +3,17 @@
     python -m benchmarks.serving [--model DIR] [--concurrency 1 8 32 64] [--reps 3] [--servers vllm ours]
     python -m benchmarks.serving --servers ours ours-async --reference ours --concurrency 64  # async ÷ sync
     python -m benchmarks.serving --servers ours ours-no-trace --reference ours-no-trace  # tracing on ÷ off
+    python -m benchmarks.serving --servers ours ours-no-trace --reference ours-no-trace --prompts-per-stream 8
 
 Both servers are started the same way (benchmarks/parity/servers.py) on the same checkpoint, one after the
 other, and stay up; one is driven at a time while the other sits idle (both idle servers wait on their
 sockets), and their order alternates from one run to the next, so that a drift of the machine (other jobs)
 spreads over both. Restarting a server per run would cost vLLM's torch.compile start each time.
 The client is `vllm bench serve --backend openai --dataset-name random
---random-input-len 64 --random-output-len 64 --ignore-eos --seed 0`, 16 prompts at concurrency 1 and
-2 x concurrency above. Medians over the repetitions; the spread is printed too.
+--random-input-len 64 --random-output-len 64 --ignore-eos --seed 0`, 2 prompts a stream (16 at least):
+two waves of requests, whose arrival and prefill weigh as much as their decode; `--prompts-per-stream 8`
+measures the steady state of decoding more than the bursts. Medians over the repetitions; the spread is
+printed too.
 
 Each row also gives every server process's CPU time per output token (/proc utime + stime over the run):
 the API server's (HTTP, detokenizing, SSE) and the engine core's (scheduling, the forward pass, sampling),
@@ -73,8 +76,13 @@ def process_names(pids: list[int]) -> dict[int, str]:
     return names
 
 
-def bench(vllm_bin: str, server: Server, model: str, concurrency: int, workdir: Path) -> dict:
-    num = 16 if concurrency == 1 else 2 * concurrency
+def num_prompts(concurrency: int, per_stream: int = 2) -> int:
+    """How many prompts a run at this concurrency sends: per_stream a stream, 16 at least."""
+    return max(16, per_stream * concurrency)
+
+
+def bench(vllm_bin: str, server: Server, model: str, concurrency: int, workdir: Path, per_stream: int = 2) -> dict:
+    num = num_prompts(concurrency, per_stream)
     name = f"{server.kind}-{concurrency}-{time.time_ns()}.json"
     cmd = [os.path.join(vllm_bin, "vllm"), "bench", "serve", "--backend", "openai", "--base-url", server.url,
            "--model", model, "--tokenizer", model, "--dataset-name", "random", "--random-input-len", "64",
@@ -99,7 +107,7 @@ def bench(vllm_bin: str, server: Server, model: str, concurrency: int, workdir: 
 
 
 def run(vllm_bin: str, model: str, concurrencies: list[int], reps: int, servers: list[str],
-        workdir: Path) -> dict:
+        workdir: Path, per_stream: int = 2) -> dict:
     template = chat_template_file(workdir)
     results: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in concurrencies} for s in servers}
     with contextlib.ExitStack() as stack:
@@ -113,7 +121,7 @@ def run(vllm_bin: str, model: str, concurrencies: list[int], reps: int, servers:
             for c in concurrencies:
                 order = servers if (rep + concurrencies.index(c)) % 2 == 0 else servers[::-1]
                 for variant in order:
-                    row = bench(vllm_bin, up[variant], model, c, workdir)
+                    row = bench(vllm_bin, up[variant], model, c, workdir, per_stream)
                     results[variant][c].append(row)
                     print(f"  rep {rep + 1} {variant:>13} c={c:<3} {row['output_throughput']:8.1f} tok/s  "
                           f"TTFT {row['mean_ttft_ms']:7.1f} ms  TPOT {row['mean_tpot_ms']:6.2f} ms  "
@@ -156,12 +164,16 @@ def main() -> None:
     ap.add_argument("--servers", nargs="+", default=["vllm", "ours"], choices=list(VARIANTS))
     ap.add_argument("--reference", default="vllm", choices=list(VARIANTS),
                     help="the server the ratio column divides by (ours, with ours-async: async scheduling's gain)")
+    ap.add_argument("--prompts-per-stream", type=int, default=2, metavar="N",
+                    help="prompts a run sends per stream, 16 at least (default 2: two waves; 8: mostly decoding)")
     ap.add_argument("--json", metavar="PATH", help="also write every run's numbers here")
     a = ap.parse_args()
+    if a.prompts_per_stream < 1:
+        ap.error(f"--prompts-per-stream must be >= 1, got {a.prompts_per_stream}")
     if not os.path.exists(os.path.join(a.vllm_bin, "vllm")):
         sys.exit(f"no vllm in {a.vllm_bin}: run `make parity-setup` first")
     with tempfile.TemporaryDirectory(prefix="vllm-trace-serving-") as d:
-        results = run(a.vllm_bin, a.model, a.concurrency, a.reps, a.servers, Path(d))
+        results = run(a.vllm_bin, a.model, a.concurrency, a.reps, a.servers, Path(d), a.prompts_per_stream)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     print(table(results, a.reference))

@@ -2,7 +2,7 @@
 scheduling on (off by default on a CPU), `ours-no-trace` without its tracer, and the ratio column divides by
 the reference server's median."""
 from benchmarks.parity.servers import command
-from benchmarks.serving import EXTRA_ARGS, VARIANTS, table
+from benchmarks.serving import EXTRA_ARGS, VARIANTS, num_prompts, table
 
 
 def test_the_async_variant_serves_with_async_scheduling_on():
@@ -29,3 +29,8 @@ def test_the_ratio_column_divides_by_the_reference():
     assert "÷ ours-async" in lines[0]
     assert lines[2].startswith("| 64 | ours | 120 | 110 / 120 / 130 | 1.20 |")
     assert lines[3].startswith("| 64 | ours-async | 100 |") and "| 1.00 |" in lines[3]
+
+
+def test_a_run_sends_its_prompts_per_stream_and_sixteen_at_least():
+    assert [num_prompts(c) for c in (1, 8, 32, 64)] == [16, 16, 64, 128]  # two waves (the default)
+    assert [num_prompts(c, 8) for c in (1, 8, 32, 64)] == [16, 64, 256, 512]
