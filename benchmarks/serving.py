@@ -48,6 +48,7 @@ THREADS = {"vllm": "vLLM's defaults: worker bound to cpu 0 (VLLM_CPU_OMP_THREADS
            "ours-2threads": "OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=nobind (an offline engine's)",
            "ours-async": "ours by default, with async scheduling on (--async-scheduling)",
            "ours-no-trace": "ours by default, with no tracer (--no-trace): what tracing costs a served token"}
+PROMPTS_PER_STREAM = 2  # two waves of requests a run (16 prompts at least)
 FIELDS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms",
           "completed")
 
@@ -76,12 +77,13 @@ def process_names(pids: list[int]) -> dict[int, str]:
     return names
 
 
-def num_prompts(concurrency: int, per_stream: int = 2) -> int:
+def num_prompts(concurrency: int, per_stream: int = PROMPTS_PER_STREAM) -> int:
     """How many prompts a run at this concurrency sends: per_stream a stream, 16 at least."""
     return max(16, per_stream * concurrency)
 
 
-def bench(vllm_bin: str, server: Server, model: str, concurrency: int, workdir: Path, per_stream: int = 2) -> dict:
+def bench(vllm_bin: str, server: Server, model: str, concurrency: int, workdir: Path,
+          per_stream: int = PROMPTS_PER_STREAM) -> dict:
     num = num_prompts(concurrency, per_stream)
     name = f"{server.kind}-{concurrency}-{time.time_ns()}.json"
     cmd = [os.path.join(vllm_bin, "vllm"), "bench", "serve", "--backend", "openai", "--base-url", server.url,
@@ -107,7 +109,7 @@ def bench(vllm_bin: str, server: Server, model: str, concurrency: int, workdir: 
 
 
 def run(vllm_bin: str, model: str, concurrencies: list[int], reps: int, servers: list[str],
-        workdir: Path, per_stream: int = 2) -> dict:
+        workdir: Path, per_stream: int = PROMPTS_PER_STREAM) -> dict:
     template = chat_template_file(workdir)
     results: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in concurrencies} for s in servers}
     with contextlib.ExitStack() as stack:
@@ -164,7 +166,7 @@ def main() -> None:
     ap.add_argument("--servers", nargs="+", default=["vllm", "ours"], choices=list(VARIANTS))
     ap.add_argument("--reference", default="vllm", choices=list(VARIANTS),
                     help="the server the ratio column divides by (ours, with ours-async: async scheduling's gain)")
-    ap.add_argument("--prompts-per-stream", type=int, default=2, metavar="N",
+    ap.add_argument("--prompts-per-stream", type=int, default=PROMPTS_PER_STREAM, metavar="N",
                     help="prompts a run sends per stream, 16 at least (default 2: two waves; 8: mostly decoding)")
     ap.add_argument("--json", metavar="PATH", help="also write every run's numbers here")
     a = ap.parse_args()

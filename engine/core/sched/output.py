@@ -9,7 +9,7 @@ bitmask, computed after the forward pass was launched (``Scheduler.get_grammar_b
 """
 from __future__ import annotations
 
-import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,11 +104,18 @@ class GrammarOutput:
     num_acceptable_drafts: list[int] | None = None
 
 
-@functools.cache
-def _size_encoder():
-    from engine.serial_utils import encoder  # (the wire format is the serving layer's)
+_SIZE_ENCODERS = threading.local()  # a msgspec Encoder keeps its buffer between calls: one a thread
 
-    return encoder()  # one, made once: used by the engine's thread only (diff_summary, every traced step)
+
+def _size_encoder():
+    """This thread's encoder for diff_summary (every traced step on the engine's; a lesson's as well),
+    made once rather than at each call."""
+    enc = getattr(_SIZE_ENCODERS, "enc", None)
+    if enc is None:
+        from engine.serial_utils import encoder  # (the wire format is the serving layer's)
+
+        enc = _SIZE_ENCODERS.enc = encoder()
+    return enc
 
 
 def diff_summary(sched: SchedulerOutput) -> dict:
