@@ -410,6 +410,20 @@ async def test_number_keys_and_tab_switch_panels_whatever_has_focus(idle_live):
         assert tabs.active == "kernels"
 
 
+async def test_a_panel_chosen_as_the_app_opens_the_overview_stays_chosen(idle_live):
+    """The app opens the Overview for new work and focuses its list; that focus lands a few messages
+    later, and must not take back the panel a key chose meanwhile (it did, now and then, in CI)."""
+    async with idle_live.app.run_test(size=(120, 36)) as pilot:
+        await pilot.pause()
+        idle_live.app.show_pane("overview")  # what a refresh does when work arrives and no panel was chosen
+        await pilot.press("4")
+        for _ in range(5):
+            await pilot.pause()
+        assert idle_live.app.query_one("#panes").active == "step"
+        focused = idle_live.app.focused
+        assert focused is not None and "step" in [w.id for w in focused.ancestors_with_self]  # its list, to scroll
+
+
 @pytest.mark.slow
 async def test_the_tui_opens_the_overview_when_work_arrives_unless_a_panel_was_just_chosen(live):
     async with live.app.run_test(size=(80, 24)) as pilot:

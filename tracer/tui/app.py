@@ -35,6 +35,7 @@ from tracer.tui.widgets.kv_cache import KVCachePanel
 from tracer.tui.widgets.log import LogPanel
 from tracer.tui.widgets.overview import OverviewPanel
 from tracer.tui.widgets.panel import WIDE, Panel  # noqa: F401  (WIDE: the lessons' TUI lays out by it too)
+from tracer.tui.widgets.panes import Panes
 from tracer.tui.widgets.requests import RequestsPanel
 from tracer.tui.widgets.startup import StartupPanel
 from tracer.tui.widgets.step import StepPanel
@@ -107,7 +108,7 @@ class TraceApp(App):
     def compose(self):
         info = self.source.info
         yield StatusHeader(info, id="header")
-        with TabbedContent(initial=self._initial_pane, id="panes"):
+        with Panes(initial=self._initial_pane, id="panes"):
             with TabPane("Overview", id="overview"):
                 yield OverviewPanel()
             with TabPane("Requests", id="requests"):
