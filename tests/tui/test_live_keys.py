@@ -412,7 +412,7 @@ async def test_number_keys_and_tab_switch_panels_whatever_has_focus(idle_live):
 
 async def test_a_panel_chosen_as_the_app_opens_the_overview_stays_chosen(idle_live):
     """The app opens the Overview for new work and focuses its list; that focus lands a few messages
-    later, and must not take back the panel a key chose meanwhile (it did, now and then, in CI)."""
+    later, and must not take back the panel a key chose meanwhile (`4` pressed just as requests arrive)."""
     async with idle_live.app.run_test(size=(120, 36)) as pilot:
         await pilot.pause()
         idle_live.app.show_pane("overview")  # what a refresh does when work arrives and no panel was chosen

@@ -2,8 +2,8 @@
 
 Textual's TabbedContent also switches to a pane when a widget inside it takes the focus. The app
 focuses a panel's list once that panel is shown, and that focus lands a few messages later: a key
-pressed meanwhile (the Overview opened for new work, then `4` at once) had its panel switched back
-to the one before. Here a focus never switches panes; nothing in the app focuses a hidden panel.
+pressed meanwhile (the Overview opened for new work, then `4` at once) would see its panel switched
+back by that late focus. Here a focus never switches panes; nothing in the app focuses a hidden panel.
 """
 from __future__ import annotations
 
