@@ -4,6 +4,7 @@
     python -m benchmarks.serving --servers ours ours-async --reference ours --concurrency 64  # async ÷ sync
     python -m benchmarks.serving --servers ours ours-no-trace --reference ours-no-trace  # tracing on ÷ off
     python -m benchmarks.serving --servers ours ours-no-trace --reference ours-no-trace --prompts-per-stream 8
+    python -m benchmarks.serving --servers ours ours-no-trace --reference ours-no-trace --model gpt2-shaped
 
 Both servers are started the same way (benchmarks/parity/servers.py) on the same checkpoint, one after the
 other, and stay up; one is driven at a time while the other sits idle (both idle servers wait on their
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 from benchmarks.parity.servers import Server, chat_template_file
+from benchmarks.workload import GPT2_SHAPED, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"vllm": ("vllm", {}), "ours": ("ours", {}), "ours-bound": ("ours", {"VLLM_CPU_OMP_THREADS_BIND": "auto"}),
@@ -160,7 +162,8 @@ def table(results: dict, reference: str = "vllm") -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm-bin", default=str(ROOT / ".venv-vllm" / "bin"), help="where `vllm` is (make parity)")
-    ap.add_argument("--model", default=str(ROOT / "engine" / "builtin" / "tiny-gpt2"), help="checkpoint directory")
+    ap.add_argument("--model", default=str(ROOT / "engine" / "builtin" / "tiny-gpt2"),
+                    help=f"checkpoint directory, or {GPT2_SHAPED} (GPT-2 small's size, random weights, built locally)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--servers", nargs="+", default=["vllm", "ours"], choices=list(VARIANTS))
@@ -174,6 +177,7 @@ def main() -> None:
         ap.error(f"--prompts-per-stream must be >= 1, got {a.prompts_per_stream}")
     if not os.path.exists(os.path.join(a.vllm_bin, "vllm")):
         sys.exit(f"no vllm in {a.vllm_bin}: run `make parity-setup` first")
+    a.model = resolve_model(a.model)
     with tempfile.TemporaryDirectory(prefix="vllm-trace-serving-") as d:
         results = run(a.vllm_bin, a.model, a.concurrency, a.reps, a.servers, Path(d), a.prompts_per_stream)
     if a.json:

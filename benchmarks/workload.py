@@ -25,31 +25,38 @@ GPT2_SHAPED = "gpt2-shaped"
 
 def gpt2_shaped_checkpoint() -> str:
     """A local checkpoint with GPT-2 small's body (12 layers, 768 wide, 12 heads, 1024
-    positions) and transformers' random init, with the built-in byte-level tokenizer (257
-    tokens; real GPT-2's 50257-token LM head would add about 40 % to each token's compute).
+    positions) and transformers' random init, with tiny-gpt2's tokenizer and a vocabulary of
+    its size (4,096 tokens, so that text prompts work as well as token ids; real GPT-2's
+    50,257-token LM head would add about 40 % to each token's compute).
     For benchmarks that need a model of the size people serve without a download; written once
     next to tiny-gpt2 and loaded through the same loader as any checkpoint."""
     import shutil
     import tempfile
 
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     from engine import builtin_model
 
-    path = builtin_model.cache_root() / f"{GPT2_SHAPED}-v1"
+    path = builtin_model.cache_root() / f"{GPT2_SHAPED}-v2"
     if not (path / "model.safetensors").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent))
         torch.manual_seed(0)
-        config = GPT2Config(vocab_size=257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                            bos_token_id=256, eos_token_id=256)
-        GPT2LMHeadModel(config).save_pretrained(tmp, safe_serialization=True)
+        GPT2LMHeadModel(gpt2_shaped_config()).save_pretrained(tmp, safe_serialization=True)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(builtin_model.builtin_path() / name, tmp / name)
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     return str(path)
+
+
+def gpt2_shaped_config():
+    """gpt2-shaped's transformers config: GPT-2 small's body, the built-in tokenizer's vocabulary."""
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=4096, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                      bos_token_id=0, eos_token_id=0)
 
 
 def resolve_model(name: str) -> str:

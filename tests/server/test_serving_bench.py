@@ -34,3 +34,16 @@ def test_the_ratio_column_divides_by_the_reference():
 def test_a_run_sends_its_prompts_per_stream_and_sixteen_at_least():
     assert [num_prompts(c) for c in (1, 8, 32, 64)] == [16, 16, 64, 128]  # two waves (the default)
     assert [num_prompts(c, 8) for c in (1, 8, 32, 64)] == [16, 64, 256, 512]
+
+
+def test_the_gpt2_shaped_checkpoint_reads_every_token_its_tokenizer_writes():
+    """Served text goes through the checkpoint's tokenizer (tiny-gpt2's): its vocabulary must cover it."""
+    import json
+
+    from benchmarks.workload import gpt2_shaped_config
+    from engine import builtin_model
+
+    tokenizer = json.loads((builtin_model.builtin_path() / "tokenizer.json").read_text())
+    ids = list(tokenizer["model"]["vocab"].values()) + [t["id"] for t in tokenizer.get("added_tokens", [])]
+    config = gpt2_shaped_config()
+    assert max(ids) < config.vocab_size and (config.n_layer, config.n_embd) == (12, 768)
