@@ -52,11 +52,17 @@ def gpt2_shaped_checkpoint() -> str:
 
 
 def gpt2_shaped_config():
-    """gpt2-shaped's transformers config: GPT-2 small's body, the built-in tokenizer's vocabulary."""
+    """gpt2-shaped's transformers config: GPT-2 small's body; the vocabulary and special tokens of
+    tiny-gpt2, whose tokenizer it ships with."""
+    import json
+
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=4096, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
-                      bos_token_id=0, eos_token_id=0)
+    from engine import builtin_model
+
+    tiny = json.loads((builtin_model.builtin_path() / "config.json").read_text())
+    return GPT2Config(vocab_size=tiny["vocab_size"], n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                      bos_token_id=tiny["bos_token_id"], eos_token_id=tiny["eos_token_id"])
 
 
 def resolve_model(name: str) -> str:
