@@ -159,6 +159,15 @@ def table(results: dict, reference: str = "vllm") -> str:
     return "\n".join(lines)
 
 
+def checkpoint_dir(model: str) -> str:
+    """--model as the directory both servers are given (gpt2-shaped built first); exits with one line if it
+    holds no checkpoint, before any server starts."""
+    path = resolve_model(model)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        sys.exit(f"--model {model}: no checkpoint there (no config.json); give a checkpoint directory or {GPT2_SHAPED}")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm-bin", default=str(ROOT / ".venv-vllm" / "bin"), help="where `vllm` is (make parity)")
@@ -177,7 +186,7 @@ def main() -> None:
         ap.error(f"--prompts-per-stream must be >= 1, got {a.prompts_per_stream}")
     if not os.path.exists(os.path.join(a.vllm_bin, "vllm")):
         sys.exit(f"no vllm in {a.vllm_bin}: run `make parity-setup` first")
-    a.model = resolve_model(a.model)
+    a.model = checkpoint_dir(a.model)
     with tempfile.TemporaryDirectory(prefix="vllm-trace-serving-") as d:
         results = run(a.vllm_bin, a.model, a.concurrency, a.reps, a.servers, Path(d), a.prompts_per_stream)
     if a.json:

@@ -1,8 +1,14 @@
 """benchmarks/serving.py's variants and table, without a client run: `ours-async` is our server with async
 scheduling on (off by default on a CPU), `ours-no-trace` without its tracer, and the ratio column divides by
 the reference server's median."""
+import json
+
+import pytest
+
 from benchmarks.parity.servers import command
-from benchmarks.serving import EXTRA_ARGS, VARIANTS, num_prompts, table
+from benchmarks.serving import EXTRA_ARGS, VARIANTS, checkpoint_dir, num_prompts, table
+from benchmarks.workload import gpt2_shaped_config
+from engine import builtin_model
 
 
 def test_the_async_variant_serves_with_async_scheduling_on():
@@ -38,12 +44,15 @@ def test_a_run_sends_its_prompts_per_stream_and_sixteen_at_least():
 
 def test_the_gpt2_shaped_checkpoint_reads_every_token_its_tokenizer_writes():
     """Served text goes through the checkpoint's tokenizer (tiny-gpt2's): its vocabulary must cover it."""
-    import json
-
-    from benchmarks.workload import gpt2_shaped_config
-    from engine import builtin_model
-
     tokenizer = json.loads((builtin_model.builtin_path() / "tokenizer.json").read_text())
     ids = list(tokenizer["model"]["vocab"].values()) + [t["id"] for t in tokenizer.get("added_tokens", [])]
     config = gpt2_shaped_config()
     assert max(ids) < config.vocab_size and (config.n_layer, config.n_embd) == (12, 768)
+
+
+def test_a_model_that_is_no_checkpoint_is_refused_in_one_line_before_any_server_starts(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        checkpoint_dir(str(tmp_path / "nowhere"))
+    assert "no checkpoint there" in str(e.value) and "\n" not in str(e.value)
+    tiny = str(builtin_model.builtin_path())
+    assert checkpoint_dir(tiny) == tiny
